@@ -1,0 +1,24 @@
+"""radixd: an LLM serving daemon with radix attention and continuous batching.
+
+The public Python API is ``radixd.Engine`` (lazy import keeps ``import radixd`` cheap).
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "Engine":
+        from radixd.core.engine import Engine
+
+        return Engine
+    if name == "EngineConfig":
+        from radixd.core.config import EngineConfig
+
+        return EngineConfig
+    if name == "SamplingParams":
+        from radixd.core.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'radixd' has no attribute {name!r}")

@@ -1,0 +1,31 @@
+"""Attention backends: they read K and V through the request-to-token table.
+
+``AttentionBackend`` is the interface: ``begin`` builds the batch's metadata once, ``forward``
+stores the new tokens' K/V in the pool and attends (extend over the cached prefix plus the new
+tokens, causally; decode is extend with one token). ``torch`` is the reference and CPU path.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from radixd.core.forward_batch import ForwardBatch
+from radixd.core.kv_pool import KVPool
+
+
+class AttentionBackend(Protocol):
+    def begin(self, batch: ForwardBatch) -> None:
+        """Prepare per-batch metadata (index arrays, masks) shared by all layers."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        """``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] for the batch's new tokens -> [T, H, D]."""
+
+
+def make_backend(name: str, pool: KVPool, *, num_heads: int, head_dim: int, scale: float) -> AttentionBackend:
+    if name == "torch":
+        from radixd.core.attention.torch_backend import TorchAttention
+
+        return TorchAttention(pool, num_heads=num_heads, head_dim=head_dim, scale=scale)
+    raise ValueError(f"attention backend {name!r} is not available (available: 'torch')")

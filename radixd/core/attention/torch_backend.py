@@ -1,0 +1,69 @@
+"""Reference attention: gather each request's KV through the table, then SDPA.
+
+Decode requests (one new token) are padded into one batched SDPA call; extend requests run
+one SDPA each with a causal mask offset by their cached prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radixd.core.forward_batch import ForwardBatch
+from radixd.core.kv_pool import KVPool
+
+
+class TorchAttention:
+    def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float):
+        self.pool = pool
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def begin(self, batch: ForwardBatch) -> None:
+        device = self.pool.device
+        self.out_cache_loc = batch.out_cache_loc.to(device)
+        starts = [0]
+        for e in batch.extend_lens:
+            starts.append(starts[-1] + e)
+        table = self.pool.req_to_token
+        decode = [i for i, e in enumerate(batch.extend_lens) if e == 1]
+        self.extends = []
+        for i, e in enumerate(batch.extend_lens):
+            if e == 1:
+                continue
+            p = batch.prefix_lens[i]
+            kv_idx = table[batch.rows[i], : p + e]
+            q_pos = torch.arange(p, p + e, device=device)
+            mask = torch.arange(p + e, device=device)[None, :] <= q_pos[:, None]
+            self.extends.append((starts[i], e, kv_idx, mask))
+        self.decode_tok = None
+        if decode:
+            lens = torch.tensor([batch.prefix_lens[i] + 1 for i in decode], device=device)
+            max_len = int(lens.max())
+            rows = torch.tensor([batch.rows[i] for i in decode], device=device)
+            kv_idx = table[rows, :max_len]                      # [Bd, L]; padding reads slot 0..
+            valid = torch.arange(max_len, device=device)[None, :] < lens[:, None]
+            kv_idx = torch.where(valid, kv_idx, torch.zeros_like(kv_idx))
+            self.decode_tok = torch.tensor([starts[i] for i in decode], device=device)
+            self.decode_kv_idx = kv_idx
+            self.decode_mask = valid[:, None, None, :]          # [Bd, 1, 1, L]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        self.pool.store(layer, self.out_cache_loc, k, v)
+        k_buf = self.pool.k_buffers[layer]
+        v_buf = self.pool.v_buffers[layer]
+        out = torch.empty_like(q)
+        for start, e, kv_idx, mask in self.extends:
+            qi = q[start : start + e].transpose(0, 1)[None]          # [1, H, e, D]
+            ki = k_buf[kv_idx].transpose(0, 1)[None].to(q.dtype)     # [1, Hkv, S, D]
+            vi = v_buf[kv_idx].transpose(0, 1)[None].to(q.dtype)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[start : start + e] = o[0].transpose(0, 1)
+        if self.decode_tok is not None:
+            qd = q[self.decode_tok][:, :, None, :]                    # [Bd, H, 1, D]
+            kd = k_buf[self.decode_kv_idx].transpose(1, 2).to(q.dtype)  # [Bd, Hkv, L, D]
+            vd = v_buf[self.decode_kv_idx].transpose(1, 2).to(q.dtype)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=self.scale, enable_gqa=True)
+            out[self.decode_tok] = o[:, :, 0, :]
+        return out

@@ -1,0 +1,100 @@
+"""Engine configuration: a frozen dataclass checked on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from radixd.core.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine needs to serve one model.
+
+    ``model`` is a Hugging Face checkpoint directory (config.json + safetensors), a ``.gguf``
+    file, or ``"default"`` for the bundled SmolLM2-135M-Instruct (converted once into
+    ``cache_dir``).
+    """
+
+    model: str = "default"
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    cache_dir: str | None = None
+
+    # KV memory. ``kv_cache_bytes`` wins over ``kv_cache_tokens`` when both are set.
+    kv_cache_bytes: int | None = None
+    kv_cache_tokens: int | None = None
+    max_context_len: int | None = None
+
+    # Radix cache.
+    radix_cache: bool = True
+
+    # Scheduler.
+    policy: str = "lpm"
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 4096
+    chunked_prefill_size: int = 2048
+    max_queued_requests: int = 1024
+    lpm_dedup_min_tokens: int = 32
+    # Fraction of each running request's remaining max_new_tokens kept free when admitting.
+    schedule_conservativeness: float = 0.3
+
+    # Sampling.
+    max_n: int = 16
+    max_top_logprobs: int = 20
+    seed: int = 0
+
+    plugins_allow: tuple[str, ...] | None = None
+    plugins_block: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        _one_of("dtype", self.dtype, DTYPES)
+        _one_of("device", self.device, DEVICES)
+        _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError("model", self.model, "a checkpoint directory, a .gguf file or 'default'")
+        if self.kv_cache_bytes is not None:
+            _int_at_least("kv_cache_bytes", self.kv_cache_bytes, 1)
+        if self.kv_cache_tokens is not None:
+            _int_at_least("kv_cache_tokens", self.kv_cache_tokens, 2)
+        if self.max_context_len is not None:
+            _int_at_least("max_context_len", self.max_context_len, 2)
+        _int_at_least("max_running_requests", self.max_running_requests, 1)
+        _int_at_least("max_prefill_tokens", self.max_prefill_tokens, 1)
+        _int_at_least("chunked_prefill_size", self.chunked_prefill_size, 1)
+        _int_at_least("max_queued_requests", self.max_queued_requests, 1)
+        _int_at_least("lpm_dedup_min_tokens", self.lpm_dedup_min_tokens, 1)
+        _int_at_least("max_n", self.max_n, 1)
+        _int_at_least("max_top_logprobs", self.max_top_logprobs, 0)
+        if (
+            isinstance(self.schedule_conservativeness, bool)
+            or not isinstance(self.schedule_conservativeness, int | float)
+            or not 0.0 <= self.schedule_conservativeness <= 1.0
+        ):
+            raise ConfigError("schedule_conservativeness", self.schedule_conservativeness, "a number in [0, 1]")
+        if not isinstance(self.radix_cache, bool):
+            raise ConfigError("radix_cache", self.radix_cache, "true or false")
+        if not isinstance(self.policy, str) or not self.policy:
+            raise ConfigError("policy", self.policy, "the name of a loaded scheduling policy")
+        if not isinstance(self.seed, int):
+            raise ConfigError("seed", self.seed, "an integer")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def _one_of(key: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(key, value, "one of " + ", ".join(repr(a) for a in allowed))
+
+
+def _int_at_least(key: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(key, value, f"an integer >= {low}")

@@ -1,0 +1,66 @@
+"""Incremental detokenization with stop strings that are never emitted, not even in part."""
+
+from __future__ import annotations
+
+CONTEXT_TOKENS = 4  # prompt tokens decoded ahead of the output so word-initial spaces survive
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_ids: list[int], *, skip_special_tokens: bool, stop: list[str]):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.stop = stop
+        self.max_stop = max((len(s) for s in stop), default=0)
+        self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""          # decoded output text so far
+        self.emitted = 0        # characters of ``text`` handed out
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
+
+    def add(self, token: int) -> str:
+        """Feed one token; return the text that is now safe to emit."""
+        self.ids.append(token)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The request ended for another reason: hand out what was held back."""
+        return self._release(final=True)
+
+    def _release(self, *, final: bool) -> str:
+        if self.stopped:
+            return ""
+        if self.stop:
+            start = max(0, self.emitted - self.max_stop + 1)
+            hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            if hits:
+                cut = min(hits)
+                out = self.text[self.emitted : cut]
+                self.text = self.text[:cut]
+                self.emitted = cut
+                self.stopped = True
+                return out
+        end = len(self.text)
+        if not final and self.stop:
+            end -= self._held_back()
+        out = self.text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of ``text`` that could still grow into a stop string."""
+        tail = self.text[-self.max_stop :] if self.max_stop else ""
+        for n in range(min(len(tail), self.max_stop - 1), 0, -1):
+            suffix = tail[-n:]
+            if any(s.startswith(suffix) for s in self.stop):
+                return n
+        return 0

@@ -1,0 +1,437 @@
+"""``Engine``: the Python API. An asyncio batching loop over one model worker thread.
+
+    generate() -> validate + tokenize -> Scheduler.add -> [loop: schedule -> worker.step
+    (thread) -> Scheduler.process -> detokenize/stream -> release_finished] -> outputs
+
+Everything but the forward pass runs on the event loop's thread; the worker thread only
+computes. Requests are aborted when their consumer stops iterating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import random
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from radixd.core.config import EngineConfig
+from radixd.core.detokenizer import IncrementalDetokenizer
+from radixd.core.errors import ContextLengthExceeded, EngineStopped, InvalidRequest
+from radixd.core.kv_pool import RowAllocator, SlotAllocator, kv_bytes_per_token
+from radixd.core.model_loader import read_config, resolve_model
+from radixd.core.radix_cache import RadixCache
+from radixd.core.request import Group, Request
+from radixd.core.sampling_params import SamplingParams
+from radixd.core.scheduler import ScheduledStep, Scheduler
+from radixd.core.worker import ModelWorker
+
+log = logging.getLogger("radixd.engine")
+
+DEFAULT_KV_BYTES_CPU = 512 * 1024**2
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class GenerateOutput:
+    """One streamed update of one of the ``n`` samples of a ``generate`` call."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    detok: IncrementalDetokenizer | None
+
+
+class Engine:
+    """Serve one model: ``async for out in engine.generate("Hi", params=...)``.
+
+    The engine starts its batching loop on first use (or ``await engine.start()``) on the
+    running event loop; ``await engine.stop()`` ends it.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, plugin_manager=None, tokenizer=None, **overrides):
+        if config is None:
+            config = EngineConfig(**overrides)
+        elif overrides:
+            config = replace(config, **overrides)
+        self.config = config
+        self.device = _pick_device(config.device)
+        self.dtype = _pick_dtype(config.dtype, self.device)
+        self.model_path = resolve_model(config.model, config.cache_dir)
+        self.model_cfg = read_config(self.model_path)
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.tokenizer or self.model_path)
+        self.context_len = min(self.model_cfg.context_len, config.max_context_len or 1 << 62)
+        self.eos_token_ids = _eos_ids(self.model_cfg, self.tokenizer)
+
+        num_slots = self._num_slots()
+        self.allocator = SlotAllocator(num_slots)
+        self.rows = RowAllocator(config.max_running_requests)
+        self.cache = RadixCache(self.allocator, enabled=config.radix_cache)
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "torch"
+        self.worker = ModelWorker(
+            model_path=self.model_path,
+            model_cfg=self.model_cfg,
+            device=self.device,
+            dtype=self.dtype,
+            attention_backend=backend,
+            num_slots=num_slots,
+            max_rows=config.max_running_requests,
+            max_context_len=self.context_len,
+        )
+        if plugin_manager is None:
+            from radixd.plugins import make_plugin_manager
+
+            plugin_manager = make_plugin_manager(allow=config.plugins_allow, block=config.plugins_block)
+        self.plugins = plugin_manager
+        self.policy = self._make_policy(config.policy)
+        self.scheduler = Scheduler(
+            config,
+            allocator=self.allocator,
+            rows=self.rows,
+            cache=self.cache,
+            policy=self.policy,
+            eos_token_ids=self.eos_token_ids,
+            context_len=self.context_len,
+        )
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self._streams: dict[Request, _Stream] = {}
+        self._by_rid: dict[str, list[Request]] = {}
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"radixd-worker-{self.device}")
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self.step_hook = None  # optional callable(ScheduledStep), for tests and statistics
+
+    # ------------------------------------------------------------------ set-up
+
+    def _num_slots(self) -> int:
+        c = self.config
+        if c.kv_cache_tokens is not None and c.kv_cache_bytes is None:
+            return c.kv_cache_tokens + 1
+        per_token = kv_bytes_per_token(self.model_cfg.num_layers, self.model_cfg.num_kv_heads, self.model_cfg.head_dim, self.dtype)
+        budget = c.kv_cache_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.5)  # weights are not loaded yet; leave them room
+            else:
+                budget = DEFAULT_KV_BYTES_CPU
+        return max(2, budget // per_token + 1)
+
+    def _make_policy(self, name: str):
+        table: dict[str, type] = {}
+        for provided in self.plugins.hook.radixd_schedule_policies():
+            for key, cls in (provided or {}).items():
+                if key in table and table[key] is not cls:
+                    raise ValueError(f"two plugins provide a scheduling policy named {key!r}")
+                table[key] = cls
+        if name not in table:
+            from radixd.core.errors import ConfigError
+
+            raise ConfigError("policy", name, "one of " + ", ".join(sorted(table)))
+        return table[name](self.config)
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._stopping = False
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="radixd-batching-loop")
+
+    async def stop(self) -> None:
+        """Abort everything in flight and end the batching loop."""
+        self._stopping = True
+        for reqs in list(self._by_rid.values()):
+            for r in reqs:
+                self.scheduler.abort(r)
+        if self._task is not None:
+            self._wake.set()
+            await self._task
+            self._task = None
+        self._executor.shutdown(wait=True)
+
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------------ requests
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text).input_ids
+
+    def apply_chat_template(self, messages: list[dict], **kw) -> list[int]:
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    def validate(self, prompt: str | None, input_ids: Sequence[int] | None, params: SamplingParams) -> list[int]:
+        """Check a request; return its prompt token ids. Raises ``InvalidRequest``."""
+        if (prompt is None) == (input_ids is None):
+            raise InvalidRequest("prompt", "give exactly one of prompt (text) or input_ids")
+        if input_ids is None:
+            if not isinstance(prompt, str):
+                raise InvalidRequest("prompt", "must be a string")
+            ids = self.tokenize(prompt)
+        else:
+            ids = list(input_ids)
+            vocab = self.model_cfg.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                raise InvalidRequest("input_ids", f"token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise InvalidRequest("prompt", "the prompt is empty")
+        if params.n > self.config.max_n:
+            raise InvalidRequest("n", f"must be <= {self.config.max_n}, got {params.n}")
+        if params.top_logprobs > self.config.max_top_logprobs:
+            raise InvalidRequest("top_logprobs", f"must be <= {self.config.max_top_logprobs}, got {params.top_logprobs}")
+        if len(ids) >= self.context_len:
+            raise ContextLengthExceeded(
+                "prompt", len(ids), self.context_len,
+                f"the prompt has {len(ids)} tokens; the model's context is {self.context_len} tokens",
+            )
+        if len(ids) + params.max_new_tokens > self.context_len:
+            raise ContextLengthExceeded(
+                "max_new_tokens", len(ids), self.context_len,
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"model's context of {self.context_len} tokens",
+            )
+        need = len(ids) + params.n * params.max_new_tokens
+        if need > self.allocator.total:
+            field_name = "n" if params.n > 1 else "max_new_tokens"
+            raise InvalidRequest(
+                field_name,
+                f"the request needs up to {need} KV slots (prompt {len(ids)} + n {params.n} x "
+                f"max_new_tokens {params.max_new_tokens}); the KV pool holds {self.allocator.total}",
+            )
+        return ids
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        params: SamplingParams | dict | None = None,
+        rid: str | None = None,
+    ) -> AsyncIterator[GenerateOutput]:
+        """Stream outputs of one call (``params.n`` samples, told apart by ``index``)."""
+        if isinstance(params, dict):
+            params = SamplingParams(**params)
+        params = params or SamplingParams()
+        if self._stopping:
+            raise EngineStopped("the engine is shutting down")
+        ids = self.validate(prompt, input_ids, params)
+        await self.start()
+        rid = rid or uuid.uuid4().hex
+        if rid in self._by_rid:
+            raise InvalidRequest("rid", f"a request with id {rid!r} is already running")
+        queue: asyncio.Queue = asyncio.Queue()
+        if params.max_new_tokens == 0:
+            for i in range(params.n):
+                yield GenerateOutput(i, [], "", True, "length", prompt_tokens=len(ids))
+            return
+        reqs = self._make_requests(rid, ids, params)
+        for r in reqs:
+            detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop)
+            self._streams[r] = _Stream(queue, detok)
+            self.scheduler.add(r)
+        self._by_rid[rid] = reqs
+        self._wake.set()
+        left = len(reqs)
+        try:
+            while left:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    left -= 1
+                yield item
+        finally:
+            if left:
+                for r in reqs:
+                    if r.finish_reason is None:
+                        self.scheduler.abort(r)
+                self._wake.set()
+            self._by_rid.pop(rid, None)
+
+    def _make_requests(self, rid: str, ids: list[int], params: SamplingParams) -> list[Request]:
+        ns = self.cache.default_namespace()
+        group = Group(size=params.n, namespace=ns, pending=params.n - 1) if params.n > 1 else None
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        reqs = []
+        for i in range(params.n):
+            seed = base_seed if i == 0 else (base_seed * 1_000_003 + i) % (1 << 62)
+            reqs.append(
+                Request(
+                    rid=rid if params.n == 1 else f"{rid}-{i}",
+                    prompt_ids=ids,
+                    params=params,
+                    seed=seed,
+                    arrival=self.scheduler.next_arrival(),
+                    namespace=ns,
+                    index=i,
+                    group=group,
+                )
+            )
+        return reqs
+
+    async def abort(self, rid: str) -> bool:
+        """Abort a running call; its KV returns to the pool at the next step boundary."""
+        reqs = self._by_rid.get(rid)
+        if not reqs:
+            return False
+        for r in reqs:
+            self.scheduler.abort(r)
+        self._wake.set()
+        return True
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            step = self.scheduler.schedule()
+            self._report_dropped()
+            if step is None:
+                if self._stopping:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                out = await loop.run_in_executor(self._executor, self.worker.step, step.batch)
+            except Exception as exc:  # a failed forward fails its requests, not the engine
+                log.exception("forward pass failed; failing %d requests", len(step.reqs))
+                self._fail(step, exc)
+                continue
+            self.scheduler.process(step, out)
+            self._emit(step, out)
+            for r in self.scheduler.release_finished():
+                self._streams.pop(r, None)
+            if self.step_hook is not None:
+                self.step_hook(step)
+
+    def _emit(self, step: ScheduledStep, out) -> None:
+        for i, r in enumerate(step.sampled):
+            stream = self._streams.get(r)
+            if stream is None:
+                continue
+            tok = r.output_ids[-1]
+            text = stream.detok.add(tok)
+            if stream.detok.stopped:
+                self.scheduler.finish(r, "stop")
+            finished = r.finish_reason is not None
+            if finished and not stream.detok.stopped:
+                text += stream.detok.finish()
+            lp = None
+            if r.params.logprobs and out.logprobs is not None:
+                top = out.top_logprobs[i][: r.params.top_logprobs] if out.top_logprobs else []
+                lp = [TokenLogprob(tok, out.logprobs[i], top)]
+            stream.queue.put_nowait(
+                GenerateOutput(
+                    index=r.index,
+                    token_ids=[tok],
+                    text=text,
+                    finished=finished,
+                    finish_reason=r.finish_reason,
+                    logprobs=lp,
+                    prompt_tokens=len(r.prompt_ids),
+                    completion_tokens=len(r.output_ids),
+                    cached_tokens=r.cached_tokens or 0,
+                )
+            )
+
+    def _report_dropped(self) -> None:
+        """Tell consumers of requests the scheduler dropped (aborts) that they ended."""
+        for r in self.scheduler.finished:
+            stream = self._streams.pop(r, None)
+            if stream is not None:
+                stream.queue.put_nowait(
+                    GenerateOutput(r.index, [], "", True, r.finish_reason, prompt_tokens=len(r.prompt_ids),
+                                   completion_tokens=len(r.output_ids), cached_tokens=r.cached_tokens or 0)
+                )
+        self.scheduler.finished.clear()
+
+    def _fail(self, step: ScheduledStep, exc: Exception) -> None:
+        for r in step.reqs:
+            self.scheduler.abort(r)
+            stream = self._streams.pop(r, None)
+            if stream is not None:
+                stream.queue.put_nowait(RuntimeError(f"forward pass failed: {exc}"))
+
+    # ------------------------------------------------------------------ inspection
+
+    def stats(self) -> dict:
+        acc = self.scheduler.accounting()
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv": acc,
+            "kv_usage": 1.0 - acc["free"] / acc["total"],
+            "cache_queried_tokens": self.cache.queried_tokens,
+            "cache_hit_tokens": self.cache.hit_tokens,
+            "cache_hit_rate": self.cache.hit_tokens / self.cache.queried_tokens if self.cache.queried_tokens else 0.0,
+            "preemptions": self.scheduler.stats.preemptions,
+            "prefill_tokens": self.scheduler.stats.prefill_tokens,
+            "decode_tokens": self.scheduler.stats.decode_tokens,
+        }
+
+    def check_accounting(self) -> None:
+        self.scheduler.check_accounting()
+
+    def flush_cache(self) -> bool:
+        return self.cache.reset()
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        from radixd.core.errors import ConfigError
+
+        raise ConfigError("device", name, "'cpu' (no CUDA device is visible) or 'auto'")
+    return torch.device(name)
+
+
+def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def _load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _eos_ids(cfg, tokenizer) -> tuple[int, ...]:
+    ids = list(cfg.eos_token_ids)
+    tid = getattr(tokenizer, "eos_token_id", None)
+    if tid is not None and tid not in ids:
+        ids.append(tid)
+    return tuple(ids)

@@ -1,0 +1,79 @@
+"""What one forward pass computes: a ragged batch of requests, each extending its KV.
+
+A request in the batch has ``prefix_len`` tokens already in the pool and ``extend_len`` new
+tokens to run (1 for a decode step, a prompt chunk for prefill). Tokens of all requests are
+laid out back to back in ``input_ids``/``positions``/``out_cache_loc``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling inputs for the requests that pick a token this step."""
+
+    temperature: torch.Tensor        # [S] float32, 0 = greedy
+    top_p: torch.Tensor              # [S] float32
+    top_k: torch.Tensor              # [S] int64, 0 = off
+    min_p: torch.Tensor              # [S] float32
+    seeds: torch.Tensor              # [S] int64
+    steps: torch.Tensor              # [S] int64: index of the token being drawn (for the RNG)
+    # Penalties (None when no row uses them).
+    repetition_penalty: torch.Tensor | None = None  # [S]
+    frequency_penalty: torch.Tensor | None = None   # [S]
+    presence_penalty: torch.Tensor | None = None    # [S]
+    penalty_rows: torch.Tensor | None = None        # [P] row of each (token) entry below
+    penalty_tokens: torch.Tensor | None = None      # [P] generated token ids (frequency/presence)
+    rep_rows: torch.Tensor | None = None            # [R] row of each seen token (repetition)
+    rep_tokens: torch.Tensor | None = None          # [R] prompt + generated token ids
+    # Tokens banned this step (min_new_tokens not reached: EOS and stop ids).
+    banned_rows: torch.Tensor | None = None
+    banned_tokens: torch.Tensor | None = None
+    top_logprobs: int = 0            # max top-k alternatives any row asked for
+    want_logprobs: bool = False
+    all_greedy: bool = False
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor          # [T] int64
+    positions: torch.Tensor          # [T] int64
+    out_cache_loc: torch.Tensor      # [T] int64: the slot each new token's KV is written to
+    rows: list[int]                  # [B] request-to-token row of each request
+    prefix_lens: list[int]           # [B]
+    extend_lens: list[int]           # [B]
+    # Rows of the table to (re)write before running: (row, start position, slots).
+    table_writes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    # Which requests pick a token this step (index into the B requests), and how.
+    sample_indices: list[int] = field(default_factory=list)
+    sampling: SamplingBatch | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
+
+    def logits_indices(self) -> torch.Tensor:
+        """Index in the flat token axis of the last token of each sampled request."""
+        ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
+        return ends[torch.tensor(self.sample_indices, dtype=torch.int64)]
+
+
+@dataclass
+class StepOutput:
+    """What the worker hands back: one entry per sampled request, in ``sample_indices`` order."""
+
+    next_tokens: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None

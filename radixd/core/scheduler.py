@@ -1,0 +1,404 @@
+"""Continuous batching: which tokens of which requests run in the next forward pass.
+
+Each step builds one mixed batch: every running request that has finished its prompt decodes
+one token, a request in the middle of a chunked prefill gets its next chunk, and waiting
+requests are admitted (in the policy's order) while the step's token budget, the running
+limit and KV memory allow. When decode needs KV that neither the free list nor cache eviction
+can give, the most recently arrived running request is preempted: its KV goes back (into the
+radix cache when enabled) and it waits to resume with its generated tokens kept.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from radixd.core.config import EngineConfig
+from radixd.core.forward_batch import ForwardBatch, SamplingBatch, StepOutput
+from radixd.core.kv_pool import RowAllocator, SlotAllocator
+from radixd.core.policy import PolicyContext, SchedulePolicy
+from radixd.core.radix_cache import RadixCache
+from radixd.core.request import Request, State
+
+
+@dataclass
+class ScheduledStep:
+    batch: ForwardBatch
+    reqs: list[Request]          # in batch order
+    sampled: list[Request]       # requests that pick a token this step (batch.sample_indices)
+
+
+@dataclass
+class SchedulerStats:
+    preemptions: int = 0
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        allocator: SlotAllocator,
+        rows: RowAllocator,
+        cache: RadixCache,
+        policy: SchedulePolicy,
+        eos_token_ids: tuple[int, ...],
+        context_len: int,
+    ):
+        self.config = config
+        self.allocator = allocator
+        self.rows = rows
+        self.cache = cache
+        self.policy = policy
+        self.eos = tuple(eos_token_ids)
+        self.context_len = context_len
+        self.reserve_ratio = config.schedule_conservativeness
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.finished: list[Request] = []  # finished this step, for the engine to report
+        self.stats = SchedulerStats()
+        self._arrivals = itertools.count()
+
+    # ------------------------------------------------------------------ queue
+
+    def next_arrival(self) -> int:
+        return next(self._arrivals)
+
+    def add(self, req: Request) -> None:
+        req.state = State.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, req: Request) -> None:
+        """Mark for abort; the request leaves at the next step boundary."""
+        req.aborted = True
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> ScheduledStep | None:
+        self._drop_aborted()
+        plan: list[tuple[Request, int]] = []   # (request, tokens to run)
+        budget = self.config.max_prefill_tokens
+
+        # 1. Decode for every running request past its prompt; preempt if KV runs out.
+        decoding = [r for r in self.running if r.kv_len == r.seq_len - 1]
+        while decoding and not self._make_room(len(decoding)):
+            victim = max(self.running, key=lambda r: r.arrival)
+            self._preempt(victim)
+            decoding = [r for r in decoding if r is not victim]
+        for r in decoding:
+            plan.append((r, 1))
+
+        # 2. Continue chunked prefills (a smaller chunk if memory is short).
+        for r in self.running:
+            if r.kv_len < r.seq_len - 1 and budget > 0:
+                want = min(r.seq_len - r.kv_len, budget, self.config.chunked_prefill_size)
+                n = self._room_for(want, planned=sum(k for _, k in plan))
+                if n == 0:
+                    break
+                plan.append((r, n))
+                budget -= n
+
+        # 3. Admit waiting requests in the policy's order.
+        ready = [r for r in self.waiting if not self._blocked(r)]
+        if ready and budget > 0:
+            prefilling = [r for r, _ in plan if r.kv_len + _ < r.seq_len]
+            ctx = PolicyContext(cache=self.cache, prefilling=prefilling)
+            for r in self.policy.order(ready, ctx):
+                if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                    break
+                n = self._admit(r, budget, planned=sum(k for _, k in plan))
+                if n is None:
+                    break
+                plan.append((r, n))
+                budget -= n
+
+        if not plan:
+            if self.running:
+                # Everything running is stuck mid-prefill without memory: make one give way.
+                self._preempt(max(self.running, key=lambda r: r.arrival))
+                return self.schedule()
+            return None
+        return self._build(plan)
+
+    def _blocked(self, r: Request) -> bool:
+        """A follower of an ``n > 1`` call waits until its leader's prompt is cached."""
+        g = r.group
+        return r.is_follower and g is not None and g.prompt_node is None and not g.leader_gone
+
+    def _admit(self, r: Request, budget: int, planned: int) -> int | None:
+        """Give ``r`` a table row, its cached prefix and slots for its first chunk."""
+        if self.rows.available == 0:
+            return None
+        seq = r.seq
+        match = self.cache.match_prefix(seq[: len(seq) - 1], r.namespace)
+        hit = match.slots.numel()
+        n = min(len(seq) - hit, budget, self.config.chunked_prefill_size)
+        self.cache.lock(match.node)
+        reserve = self._reserve() + math.ceil(r.remaining_new_tokens * self.reserve_ratio)
+        if not self._make_room(planned + n, keep=reserve + (len(seq) - hit - n)):
+            self.cache.unlock(match.node)
+            return None
+        r.row = self.rows.alloc()
+        r.slots = match.slots
+        r.kv_len = r.cached_len = hit
+        r.last_node = match.node
+        r.pending_writes.append((0, match.slots))
+        if r.cached_tokens is None:
+            r.cached_tokens = min(hit, len(r.prompt_ids))
+            self.cache.record_query(len(r.prompt_ids), r.cached_tokens)
+        if r.is_follower and r.group is not None:
+            r.group.pending -= 1
+            if r.group.pending == 0 and r.group.prompt_node is not None:
+                self.cache.unlock(r.group.prompt_node)
+        self.waiting.remove(r)
+        self.running.append(r)
+        r.state = State.RUNNING
+        return n
+
+    def _reserve(self) -> int:
+        """KV to keep free for the running requests' remaining tokens (an estimate)."""
+        total = 0
+        for r in self.running:
+            total += (r.seq_len - 1 - r.kv_len) + math.ceil(r.remaining_new_tokens * self.reserve_ratio)
+        return total
+
+    def _room_for(self, want: int, planned: int) -> int:
+        """How many of ``want`` slots can be had on top of ``planned`` (evicting if needed)."""
+        if self._make_room(planned + want):
+            return want
+        return max(0, min(want, self.allocator.available - planned))
+
+    def _make_room(self, n: int, keep: int = 0) -> bool:
+        """True if ``n`` slots (plus ``keep`` spare) are free, evicting cached KV if needed.
+        Slots are taken later, in ``_build``."""
+        want = n + keep
+        if self.allocator.available < want:
+            self.cache.evict(want - self.allocator.available)
+        return self.allocator.available >= want
+
+    def _build(self, plan: list[tuple[Request, int]]) -> ScheduledStep:
+        ids: list[int] = []
+        pos: list[int] = []
+        rows, prefix_lens, extend_lens, writes = [], [], [], []
+        sampled_idx: list[int] = []
+        total = sum(n for _, n in plan)
+        new_slots = self.allocator.alloc(total)
+        assert new_slots is not None, "scheduler: room was checked before building"
+        off = 0
+        for i, (r, n) in enumerate(plan):
+            seq = r.seq
+            ids.extend(seq[r.kv_len : r.kv_len + n])
+            pos.extend(range(r.kv_len, r.kv_len + n))
+            for start, slots in r.pending_writes:
+                writes.append((r.row, start, slots))
+            r.pending_writes.clear()
+            mine = new_slots[off : off + n]
+            writes.append((r.row, r.kv_len, mine))
+            r.slots = torch.cat((r.slots, mine))
+            off += n
+            rows.append(r.row)
+            prefix_lens.append(r.kv_len)
+            extend_lens.append(n)
+            if r.kv_len + n == r.seq_len:
+                sampled_idx.append(i)
+            if r.kv_len + n < r.seq_len - 1 or n > 1:
+                self.stats.prefill_tokens += n
+            else:
+                self.stats.decode_tokens += n
+        reqs = [r for r, _ in plan]
+        sampled = [reqs[i] for i in sampled_idx]
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(pos, dtype=torch.int64),
+            out_cache_loc=new_slots,
+            rows=rows,
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            table_writes=writes,
+            sample_indices=sampled_idx,
+            sampling=self._sampling_batch(sampled) if sampled else None,
+        )
+        self.stats.steps += 1
+        return ScheduledStep(batch, reqs, sampled)
+
+    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+        ps = [r.params for r in reqs]
+        f32 = torch.float32
+        sb = SamplingBatch(
+            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in ps], dtype=f32),
+            top_p=torch.tensor([p.top_p for p in ps], dtype=f32),
+            top_k=torch.tensor([max(p.top_k, 0) for p in ps], dtype=torch.int64),
+            min_p=torch.tensor([p.min_p for p in ps], dtype=f32),
+            seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64),
+            steps=torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64),
+            top_logprobs=max(min(p.top_logprobs, self.config.max_top_logprobs) for p in ps),
+            want_logprobs=any(p.logprobs for p in ps),
+            all_greedy=all(p.greedy for p in ps),
+        )
+        if any(p.needs_penalties for p in ps):
+            sb.repetition_penalty = torch.tensor([p.repetition_penalty for p in ps], dtype=f32)
+            sb.frequency_penalty = torch.tensor([p.frequency_penalty for p in ps], dtype=f32)
+            sb.presence_penalty = torch.tensor([p.presence_penalty for p in ps], dtype=f32)
+            out_rows, out_toks, rep_rows, rep_toks = [], [], [], []
+            for i, r in enumerate(reqs):
+                out_rows += [i] * len(r.output_ids)
+                out_toks += r.output_ids
+                if r.params.repetition_penalty != 1.0:
+                    seen = sorted(set(r.seq))
+                    rep_rows += [i] * len(seen)
+                    rep_toks += seen
+            sb.penalty_rows = torch.tensor(out_rows, dtype=torch.int64)
+            sb.penalty_tokens = torch.tensor(out_toks, dtype=torch.int64)
+            if rep_rows:
+                sb.rep_rows = torch.tensor(rep_rows, dtype=torch.int64)
+                sb.rep_tokens = torch.tensor(rep_toks, dtype=torch.int64)
+        banned_rows, banned_toks = [], []
+        for i, r in enumerate(reqs):
+            if len(r.output_ids) < r.params.min_new_tokens:
+                stops = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(self.eos))
+                banned_rows += [i] * len(stops)
+                banned_toks += sorted(stops)
+        if banned_rows:
+            sb.banned_rows = torch.tensor(banned_rows, dtype=torch.int64)
+            sb.banned_tokens = torch.tensor(banned_toks, dtype=torch.int64)
+        return sb
+
+    # ------------------------------------------------------------------ results
+
+    def process(self, step: ScheduledStep, out: StepOutput) -> None:
+        """Advance KV lengths, append sampled tokens and mark token-level finishes."""
+        for r, n in zip(step.reqs, step.batch.extend_lens, strict=True):
+            r.kv_len += n
+        for r, n in zip(step.reqs, step.batch.extend_lens, strict=True):
+            if n > 1:
+                self._cache_progress(r)  # a prefill chunk: share what is computed so far
+        for r, tok in zip(step.sampled, out.next_tokens, strict=True):
+            g = r.group
+            if g is not None and r.index == 0 and g.prompt_node is None and g.pending > 0:
+                self._cache_progress(r)
+                g.prompt_node = r.last_node
+                self.cache.lock(g.prompt_node)
+            r.output_ids.append(tok)
+            r.finish_reason = self._token_finish(r, tok)
+
+    def _token_finish(self, r: Request, tok: int) -> str | None:
+        p = r.params
+        if len(r.output_ids) >= p.min_new_tokens:
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
+                return "stop"
+        if len(r.output_ids) >= p.max_new_tokens or r.seq_len >= self.context_len:
+            return "length"
+        return None
+
+    def finish(self, r: Request, reason: str) -> None:
+        if r.finish_reason is None:
+            r.finish_reason = reason
+
+    def release_finished(self) -> list[Request]:
+        """Release the KV of requests that finished this step; return them."""
+        done = [r for r in self.running if r.finish_reason is not None]
+        for r in done:
+            self._release(r)
+            self.running.remove(r)
+            r.state = State.FINISHED
+        return done
+
+    # ------------------------------------------------------------------ KV hand-over
+
+    def _cache_progress(self, r: Request) -> None:
+        """Move ``r``'s computed KV into the radix tree and pin it with ``r``'s lock."""
+        key = r.seq[: r.kv_len]
+        existing = self.cache.insert(key, r.slots[: r.kv_len], r.namespace)
+        if existing > r.cached_len:
+            # Someone cached these tokens meanwhile: drop our copies, read theirs.
+            self.allocator.free(r.slots[r.cached_len : existing])
+        match = self.cache.match_prefix(key, r.namespace)
+        self.cache.lock(match.node)
+        if r.last_node is not None:
+            self.cache.unlock(r.last_node)
+        if existing > r.cached_len:
+            r.pending_writes.append((r.cached_len, match.slots[r.cached_len : existing]))
+        r.slots = match.slots
+        r.cached_len = r.kv_len
+        r.last_node = match.node
+
+    def _release(self, r: Request) -> None:
+        if r.row is None:
+            return
+        if r.slots.numel() > r.kv_len:  # slots of a step that never completed
+            self.allocator.free(r.slots[r.kv_len :])
+            r.slots = r.slots[: r.kv_len]
+        self._cache_progress(r)
+        self.cache.unlock(r.last_node)
+        self.rows.free(r.row)
+        r.row = None
+        r.last_node = None
+        r.slots = torch.empty(0, dtype=torch.int64)
+        r.kv_len = r.cached_len = 0
+        r.pending_writes.clear()
+
+    def _preempt(self, r: Request) -> None:
+        self._release(r)
+        self.running.remove(r)
+        r.preemptions += 1
+        self.stats.preemptions += 1
+        self.add(r)
+
+    def _drop_aborted(self) -> None:
+        for r in [r for r in self.waiting if r.aborted]:
+            self.waiting.remove(r)
+            self._leave_group(r)
+            r.finish_reason = r.finish_reason or "abort"
+            r.state = State.FINISHED
+            self.finished.append(r)
+        for r in [r for r in self.running if r.aborted]:
+            if r.group is not None and not r.is_follower:
+                r.group.leader_gone = True
+            self._release(r)
+            self.running.remove(r)
+            r.finish_reason = r.finish_reason or "abort"
+            r.state = State.FINISHED
+            self.finished.append(r)
+
+    def _leave_group(self, r: Request) -> None:
+        g = r.group
+        if g is not None and not r.is_follower:
+            g.leader_gone = True
+        if g is not None and r.is_follower:
+            g.pending -= 1
+            if g.pending == 0 and g.prompt_node is not None:
+                self.cache.unlock(g.prompt_node)
+
+    # ------------------------------------------------------------------ accounting
+
+    def accounting(self) -> dict[str, int]:
+        """free + evictable + locked + private == total, recounted from the parts."""
+        private = sum(r.private_len for r in self.running)
+        return {
+            "total": self.allocator.total,
+            "free": self.allocator.available,
+            "evictable": self.cache.evictable_size,
+            "locked": self.cache.protected_size,
+            "private": private,
+        }
+
+    def check_accounting(self) -> None:
+        a = self.accounting()
+        if a["free"] + a["evictable"] + a["locked"] + a["private"] != a["total"]:
+            raise AssertionError(f"KV accounting broken: {a}")
+        self.cache.check()
+        every = torch.cat(
+            [self.allocator.free_slots(), self.cache.all_slots()]
+            + [r.slots[r.cached_len : r.kv_len] for r in self.running]
+        )
+        if every.numel() != a["total"] or torch.unique(every).numel() != a["total"]:
+            raise AssertionError("KV slots are lost or owned twice")

@@ -1,0 +1,88 @@
+"""The model worker: owns one device's model, KV pool and attention backend.
+
+Its ``step`` runs in the worker's own thread (one per device); the event loop hands it a
+``ForwardBatch`` and gets a ``StepOutput`` back. It never touches scheduler state.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from radixd.core.attention import make_backend
+from radixd.core.forward_batch import ForwardBatch, StepOutput
+from radixd.core.kv_pool import KVPool
+from radixd.core.model_loader import load_model
+from radixd.core.models.config import ModelConfig
+from radixd.core.sampler import sample
+
+
+class ModelWorker:
+    def __init__(
+        self,
+        *,
+        model_path: Path,
+        model_cfg: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        attention_backend: str,
+        num_slots: int,
+        max_rows: int,
+        max_context_len: int,
+    ):
+        self.device = device
+        self.model_cfg = model_cfg
+        self.model = load_model(model_path, model_cfg, dtype, device)
+        self.pool = KVPool(
+            num_layers=model_cfg.num_layers,
+            num_slots=num_slots,
+            num_kv_heads=model_cfg.num_kv_heads,
+            head_dim=model_cfg.head_dim,
+            max_rows=max_rows,
+            max_context_len=max_context_len,
+            dtype=dtype,
+            device=device,
+        )
+        self.attn = make_backend(
+            attention_backend,
+            self.pool,
+            num_heads=model_cfg.num_heads,
+            head_dim=model_cfg.head_dim,
+            scale=model_cfg.head_dim**-0.5,
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the batch; return float32 logits of the sampled requests' last tokens."""
+        for row, start, slots in batch.table_writes:
+            self.pool.write_table(row, start, slots)
+        self.attn.begin(batch)
+        dev = self.device
+        return self.model(
+            batch.input_ids.to(dev, non_blocking=True),
+            batch.positions.to(dev, non_blocking=True),
+            self.attn,
+            batch.logits_indices().to(dev),
+        )
+
+    @torch.inference_mode()
+    def step(self, batch: ForwardBatch) -> StepOutput:
+        logits = self.forward(batch)
+        if not batch.sample_indices:
+            return StepOutput(next_tokens=[])
+        assert batch.sampling is not None
+        return sample(logits, _to_device(batch.sampling, self.device))
+
+
+def _to_device(sb, device: torch.device):
+    if device.type == "cpu":
+        return sb
+    from dataclasses import fields, replace
+
+    moved = {
+        f.name: getattr(sb, f.name).to(device, non_blocking=True)
+        for f in fields(sb)
+        if isinstance(getattr(sb, f.name), torch.Tensor)
+    }
+    return replace(sb, **moved)

@@ -1,0 +1,1 @@
+"""Grammar constraints (Lark, regex, JSON Schema): the structured-generation issue fills this."""

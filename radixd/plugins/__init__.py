@@ -1,0 +1,62 @@
+"""radixd's plugin system: one project name, one pair of markers, one entry-point group.
+
+Built-in features (the ``fcfs`` and ``lpm`` policies) are plugins registered exactly like
+third-party ones; third-party packages register through the ``radixd`` entry-point group.
+Factory hooks hand back plain objects that the engine then calls directly, so no pluggy
+call sits on a per-token path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pluggy
+
+PROJECT = "radixd"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+# Modules registered on every plugin manager before entry points are loaded.
+DEFAULT_PLUGINS = ("radixd.plugins.policies",)
+
+
+def make_plugin_manager(
+    *,
+    load_entry_points: bool = True,
+    allow: Iterable[str] | None = None,
+    block: Iterable[str] = (),
+    extra: Iterable[object] = (),
+) -> pluggy.PluginManager:
+    """Build a plugin manager with the built-in plugins, entry-point plugins and ``extra``.
+
+    ``allow`` (if given) and ``block`` filter entry-point plugins by their entry-point name;
+    built-ins and ``extra`` objects are always registered.
+    """
+    import importlib
+
+    from radixd.plugins import hookspecs
+
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(hookspecs)
+    for name in DEFAULT_PLUGINS:
+        pm.register(importlib.import_module(name), name=name)
+    if load_entry_points:
+        allowed = set(allow) if allow is not None else None
+        for name in block:
+            pm.set_blocked(name)
+        if allowed is None:
+            pm.load_setuptools_entrypoints(PROJECT)
+        else:
+            for ep_name in _entry_point_names():
+                if ep_name not in allowed:
+                    pm.set_blocked(ep_name)
+            pm.load_setuptools_entrypoints(PROJECT)
+    for obj in extra:
+        pm.register(obj)
+    return pm
+
+
+def _entry_point_names() -> list[str]:
+    from importlib.metadata import entry_points
+
+    return [ep.name for ep in entry_points(group=PROJECT)]

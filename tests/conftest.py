@@ -1,0 +1,96 @@
+"""Shared fixtures: tiny random-weight checkpoints of each supported architecture."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    vocab_size=256,
+)
+
+
+def _tokenizer():
+    """A small byte-level BPE tokenizer trained here (no hub access needed)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=256, special_tokens=["<eos>", "<pad>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["The capital of France is Paris.", "hello world, hello radix attention",
+              "abcdefghijklmnopqrstuvwxyz 0123456789"] * 10
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    return fast
+
+
+def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    torch.manual_seed(seed)
+    kw = dict(TINY, eos_token_id=0, pad_token_id=1, bos_token_id=None)
+    if arch == "llama":
+        cfg = LlamaConfig(**kw, rope_theta=10000.0, tie_word_embeddings=False)
+    elif arch == "llama-tied":
+        cfg = LlamaConfig(**kw, tie_word_embeddings=True)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(**kw, tie_word_embeddings=False)
+    elif arch == "qwen3":
+        cfg = Qwen3Config(**kw, head_dim=32, tie_word_embeddings=False)
+    else:
+        raise ValueError(arch)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # random init is tiny; widen it so logits are not all near-ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {a: make_tiny_checkpoint(root / a, a) for a in ("llama", "llama-tied", "qwen2", "qwen3")}
+
+
+def hf_greedy(path: Path, prompt_ids: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and per-step logits (fp32, CPU): the correctness oracle."""
+    from transformers import AutoModelForCausalLM
+
+    model = _hf_model(path)
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new, min_new_tokens=max_new,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=1)
+    toks = out.sequences[0, len(prompt_ids):].tolist()
+    return toks, torch.stack(out.logits, 1)[0]
+
+
+_HF_CACHE: dict[Path, object] = {}
+
+
+def _hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    if path not in _HF_CACHE:
+        _HF_CACHE[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return _HF_CACHE[path]
+
+
+def run(coro):
+    return asyncio.get_event_loop_policy().new_event_loop().run_until_complete(coro)
