@@ -1,0 +1,3 @@
+from radixd.cli import main
+
+raise SystemExit(main())
