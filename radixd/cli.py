@@ -16,6 +16,13 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("model", nargs="?", default="default", help="'default', a .gguf file or a checkpoint directory")
     pull.add_argument("--cache-dir", default=None, help="cache directory (default: $RADIXD_CACHE or ~/.cache/radixd)")
     sub.add_parser("plugins", help="list the plugins that load, and where from")
+    gen = sub.add_parser("generate", help="generate a reply in-process (no server) and stream it")
+    gen.add_argument("prompt", help="the user message (chat template applied) or raw text with --raw")
+    gen.add_argument("--model", default="default")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
     return p
 
 
@@ -35,8 +42,36 @@ def main(argv: list[str] | None = None) -> int:
             where = getattr(plugin, "__file__", None) or type(plugin).__module__
             print(f"{name}\t{where}")
         return 0
+    if args.command == "generate":
+        import asyncio
+
+        return asyncio.run(_generate(args))
     build_parser().print_help()
     return 2
+
+
+async def _generate(args) -> int:
+    from radixd.core.engine import Engine
+    from radixd.core.errors import InvalidRequest
+    from radixd.core.sampling_params import SamplingParams
+
+    engine = Engine(model=args.model)
+    try:
+        params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        if args.raw:
+            stream = engine.generate(args.prompt, params=params)
+        else:
+            ids = engine.apply_chat_template([{"role": "user", "content": args.prompt}])
+            stream = engine.generate(input_ids=ids, params=params)
+        async for out in stream:
+            print(out.text, end="", flush=True)
+        print()
+        return 0
+    except InvalidRequest as exc:
+        print(f"radixd: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        await engine.stop()
 
 
 if __name__ == "__main__":
