@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 
@@ -72,7 +71,6 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 def hf_greedy(path: Path, prompt_ids: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy tokens and per-step logits (fp32, CPU): the correctness oracle."""
-    from transformers import AutoModelForCausalLM
 
     model = _hf_model(path)
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new, min_new_tokens=max_new,
@@ -90,7 +88,3 @@ def _hf_model(path: Path):
     if path not in _HF_CACHE:
         _HF_CACHE[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return _HF_CACHE[path]
-
-
-def run(coro):
-    return asyncio.get_event_loop_policy().new_event_loop().run_until_complete(coro)

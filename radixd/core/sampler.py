@@ -21,12 +21,16 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """U(0, 1) per (row, token): ``seeds``/``steps`` [S], ``token_ids`` [S, K] -> [S, K] float32."""
+    """U(0, 1) per (row, token): ``seeds``/``steps`` [S], ``token_ids`` [S, K] -> [S, K] float32.
+
+    The open interval matters: 23 bits keep ``(k + 0.5) / 2**23`` exact in float32, so no draw
+    rounds to 1.0 (24 bits did: ``-log(1.0) == -0.0`` turned dropped tokens' ``0 / -0.0`` into
+    NaN, which ``argmax`` picks)."""
     key = _mix32(_mix32(seeds & _M32) ^ ((seeds >> 32) & _M32))
     key = _mix32(key ^ (steps & _M32))
     h = _mix32(key[:, None] ^ _mix32(token_ids + 0x9E3779B9 & _M32))
     h = _mix32(h ^ 0x27D4EB2F)
-    return ((h >> 8).float() + 0.5) / float(1 << 24)
+    return ((h >> 9).float() + 0.5) / float(1 << 23)
 
 
 def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> None:
@@ -60,12 +64,16 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> StepOutput:
         sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)
         before = probs.cumsum(dim=-1) - probs
-        drop = (before > sb.top_p[:, None]) | (probs < sb.min_p[:, None] * probs[:, :1])
+        # Nucleus: the smallest prefix whose mass reaches top_p (a token whose predecessors
+        # already hold top_p is outside it).
+        drop = (before >= sb.top_p[:, None]) | (probs < sb.min_p[:, None] * probs[:, :1])
         drop[:, 0] = False
         probs = probs.masked_fill(drop, 0.0)
         noise = uniform_noise(sb.seeds, sb.steps, sorted_ids)
         # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i.
-        choice = (probs / -torch.log(noise)).argmax(dim=-1)
+        # Dropped tokens get -1 outright so no rounding can make them win.
+        race = torch.where(probs > 0, probs / -torch.log(noise), torch.full_like(probs, -1.0))
+        choice = race.argmax(dim=-1)
         sampled = sorted_ids.gather(1, choice[:, None])[:, 0]
         tokens = torch.where(greedy, greedy_tokens, sampled)
     out = StepOutput(next_tokens=tokens.tolist())
