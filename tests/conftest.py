@@ -38,8 +38,14 @@ def _tokenizer():
     return fast
 
 
-def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: str | None = None) -> Path:
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     torch.manual_seed(seed)
     kw = dict(TINY, eos_token_id=0, pad_token_id=1, bos_token_id=None)
@@ -47,6 +53,12 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0) -> Path:
         cfg = LlamaConfig(**kw, rope_theta=10000.0, tie_word_embeddings=False)
     elif arch == "llama-tied":
         cfg = LlamaConfig(**kw, tie_word_embeddings=True)
+    elif arch == "llama3-rope":  # Llama 3.1-style scaled rotary embedding
+        rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=32, rope_theta=500000.0)
+        cfg = LlamaConfig(**kw, rope_parameters=rope, tie_word_embeddings=False)
+    elif arch == "mistral":
+        cfg = MistralConfig(**kw, sliding_window=4096, tie_word_embeddings=False)
     elif arch == "qwen2":
         cfg = Qwen2Config(**kw, tie_word_embeddings=False)
     elif arch == "qwen3":
@@ -58,7 +70,7 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0) -> Path:
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     _tokenizer().save_pretrained(path)
     return path
 
@@ -66,7 +78,7 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {a: make_tiny_checkpoint(root / a, a) for a in ("llama", "llama-tied", "qwen2", "qwen3")}
+    return {a: make_tiny_checkpoint(root / a, a) for a in ("llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3")}
 
 
 def hf_greedy(path: Path, prompt_ids: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:

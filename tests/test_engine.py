@@ -12,7 +12,7 @@ from conftest import hf_greedy
 
 from radixd import Engine, SamplingParams
 
-ARCHS = ["llama", "llama-tied", "qwen2", "qwen3"]
+ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3"]
 TIE = 1e-4  # logits closer than this are a tie in fp32: either token is a correct greedy pick
 
 
@@ -261,3 +261,30 @@ def test_hf_logits_close(tiny_models):
         ref = _hf_model(path)(torch.tensor([p])).logits[0, -1]
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
     eng.allocator.free(slots)
+
+
+async def test_sharded_checkpoint_loads(tmp_path):
+    """A checkpoint split over several safetensors files (with an index) loads whole."""
+    from conftest import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "sharded", "llama", seed=3, max_shard_size="60KB")
+    assert (path / "model.safetensors.index.json").exists()
+    assert len(list(path.glob("*.safetensors"))) > 2
+    eng = make_engine(path)
+    try:
+        p = prompts(1, 12, seed=11)[0]
+        assert_greedy_matches(path, p, await collect(eng, p, 8), 8)
+    finally:
+        await eng.stop()
+
+
+def test_missing_tensor_is_an_error(tmp_path):
+    from conftest import make_tiny_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_checkpoint(tmp_path / "broken", "llama", seed=4)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(KeyError, match="lacks 1 tensors"):
+        Engine(model=str(path), kv_cache_tokens=64)
