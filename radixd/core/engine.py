@@ -58,6 +58,44 @@ class GenerateOutput:
     cached_tokens: int = 0
 
 
+class Submission:
+    """The outputs of one ``Engine.submit`` call, as an async iterator.
+
+    ``close()`` (or leaving ``generate``'s loop) aborts whatever has not finished.
+    """
+
+    def __init__(self, engine: Engine, rid: str, reqs: list[Request], queue: asyncio.Queue, n: int, prompt_tokens: int):
+        self.engine = engine
+        self.rid = rid
+        self.reqs = reqs
+        self.prompt_tokens = prompt_tokens
+        self._queue = queue
+        self._left = n
+
+    def __aiter__(self) -> Submission:
+        return self
+
+    async def __anext__(self) -> GenerateOutput:
+        if self._left == 0:
+            self.close()
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._left = 0
+            self.close()
+            raise item
+        if item.finished:
+            self._left -= 1
+        return item
+
+    def close(self) -> None:
+        """Abort unfinished samples and forget the call (idempotent)."""
+        if self.engine._by_rid.get(self.rid) is self.reqs:
+            if self._left:
+                self.engine._abort(self.rid)
+            del self.engine._by_rid[self.rid]
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue
@@ -157,6 +195,9 @@ class Engine:
         return table[name](self.config)
 
     async def start(self) -> None:
+        self._ensure_started()
+
+    def _ensure_started(self) -> None:
         if self._task is None:
             self._wake = asyncio.Event()
             self._stopping = False
@@ -230,6 +271,43 @@ class Engine:
             )
         return ids
 
+    def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        params: SamplingParams | dict | None = None,
+        rid: str | None = None,
+    ) -> Submission:
+        """Validate and queue one call now; iterate the returned ``Submission`` for outputs.
+
+        Raises ``InvalidRequest`` (naming the field) or ``EngineStopped`` at once, before any
+        output, so front ends can answer with an error status. Must be called on the loop.
+        """
+        if isinstance(params, dict):
+            params = SamplingParams(**params)
+        params = params or SamplingParams()
+        if self._stopping:
+            raise EngineStopped("the engine is shutting down")
+        ids = self.validate(prompt, input_ids, params)
+        rid = rid or uuid.uuid4().hex
+        if rid in self._by_rid:
+            raise InvalidRequest("rid", f"a request with id {rid!r} is already running")
+        self._ensure_started()
+        queue: asyncio.Queue = asyncio.Queue()
+        if params.max_new_tokens == 0:
+            for i in range(params.n):
+                queue.put_nowait(GenerateOutput(i, [], "", True, "length", prompt_tokens=len(ids)))
+            return Submission(self, rid, [], queue, params.n, len(ids))
+        reqs = self._make_requests(rid, ids, params)
+        for r in reqs:
+            detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop)
+            self._streams[r] = _Stream(queue, detok)
+            self.scheduler.add(r)
+        self._by_rid[rid] = reqs
+        self._wake.set()
+        return Submission(self, rid, reqs, queue, len(reqs), len(ids))
+
     async def generate(
         self,
         prompt: str | None = None,
@@ -238,45 +316,14 @@ class Engine:
         params: SamplingParams | dict | None = None,
         rid: str | None = None,
     ) -> AsyncIterator[GenerateOutput]:
-        """Stream outputs of one call (``params.n`` samples, told apart by ``index``)."""
-        if isinstance(params, dict):
-            params = SamplingParams(**params)
-        params = params or SamplingParams()
-        if self._stopping:
-            raise EngineStopped("the engine is shutting down")
-        ids = self.validate(prompt, input_ids, params)
-        await self.start()
-        rid = rid or uuid.uuid4().hex
-        if rid in self._by_rid:
-            raise InvalidRequest("rid", f"a request with id {rid!r} is already running")
-        queue: asyncio.Queue = asyncio.Queue()
-        if params.max_new_tokens == 0:
-            for i in range(params.n):
-                yield GenerateOutput(i, [], "", True, "length", prompt_tokens=len(ids))
-            return
-        reqs = self._make_requests(rid, ids, params)
-        for r in reqs:
-            detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop)
-            self._streams[r] = _Stream(queue, detok)
-            self.scheduler.add(r)
-        self._by_rid[rid] = reqs
-        self._wake.set()
-        left = len(reqs)
+        """Stream outputs of one call (``params.n`` samples, told apart by ``index``);
+        leaving the loop early aborts the call."""
+        sub = self.submit(prompt, input_ids=input_ids, params=params, rid=rid)
         try:
-            while left:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    left -= 1
-                yield item
+            async for out in sub:
+                yield out
         finally:
-            if left:
-                for r in reqs:
-                    if r.finish_reason is None:
-                        self.scheduler.abort(r)
-                self._wake.set()
-            self._by_rid.pop(rid, None)
+            sub.close()
 
     def _make_requests(self, rid: str, ids: list[int], params: SamplingParams) -> list[Request]:
         ns = self.cache.default_namespace()
@@ -301,13 +348,29 @@ class Engine:
 
     async def abort(self, rid: str) -> bool:
         """Abort a running call; its KV returns to the pool at the next step boundary."""
+        return self._abort(rid)
+
+    def _abort(self, rid: str) -> bool:
         reqs = self._by_rid.get(rid)
         if not reqs:
             return False
         for r in reqs:
-            self.scheduler.abort(r)
-        self._wake.set()
+            if r.finish_reason is None:
+                self.scheduler.abort(r)
+        if self._wake is not None:
+            self._wake.set()
         return True
+
+    def abort_all(self) -> int:
+        """Abort every call in flight (drain timeout); returns how many."""
+        rids = list(self._by_rid)
+        for rid in rids:
+            self._abort(rid)
+        return len(rids)
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._by_rid)
 
     # ------------------------------------------------------------------ the loop
 
