@@ -11,7 +11,10 @@ from radixd import __version__
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixd", description="An LLM serving daemon with radix attention.")
     p.add_argument("--version", action="version", version=f"radixd {__version__}")
+    p.add_argument("--config", metavar="FILE", help="serve with this radixd.toml (default: built-in defaults)")
     sub = p.add_subparsers(dest="command")
+    chk = sub.add_parser("check-config", help="check a radixd.toml and exit (0: valid, 2: invalid)")
+    chk.add_argument("file")
     pull = sub.add_parser("pull", help="fetch and convert a model into the local cache")
     pull.add_argument("model", nargs="?", default="default", help="'default', a .gguf file or a checkpoint directory")
     pull.add_argument("--cache-dir", default=None, help="cache directory (default: $RADIXD_CACHE or ~/.cache/radixd)")
@@ -28,6 +31,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command is None:
+        from radixd.core.errors import ConfigError
+        from radixd.server.daemon import serve_forever
+
+        try:
+            return serve_forever(args.config)
+        except ConfigError as exc:
+            print(f"radixd: {exc}", file=sys.stderr)
+            return 2
+    if args.command == "check-config":
+        from radixd.core.errors import ConfigError
+        from radixd.settings import load_settings
+
+        try:
+            settings = load_settings(args.file)
+            settings.api_keys()
+        except ConfigError as exc:
+            print(f"radixd: {exc}", file=sys.stderr)
+            return 2
+        print(f"{args.file}: ok")
+        return 0
     if args.command == "pull":
         from radixd.core.model_loader import resolve_model
 
@@ -36,8 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "plugins":
         from radixd.plugins import make_plugin_manager
+        from radixd.settings import load_settings
 
-        pm = make_plugin_manager()
+        settings = load_settings(args.config)
+        pm = make_plugin_manager(load_entry_points=settings.plugins.entry_points,
+                                 allow=settings.plugins.allow or None, block=settings.plugins.block)
         for name, plugin in pm.list_name_plugin():
             where = getattr(plugin, "__file__", None) or type(plugin).__module__
             print(f"{name}\t{where}")
@@ -46,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
         import asyncio
 
         return asyncio.run(_generate(args))
-    build_parser().print_help()
     return 2
 
 

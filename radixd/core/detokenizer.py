@@ -33,7 +33,18 @@ class IncrementalDetokenizer:
         return self._release(final=False)
 
     def finish(self) -> str:
-        """The request ended for another reason: hand out what was held back."""
+        """The request ended for another reason: hand out what was held back.
+
+        Tokens still pending because they end inside a UTF-8 character are decoded as they
+        are (with replacement characters): the stream then ends with the same text as
+        decoding all output tokens at once, instead of silently dropping their bytes.
+        """
+        if not self.stopped and self.read_offset < len(self.ids):
+            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset :])
+            if len(full) > len(prefix):
+                self.text += full[len(prefix) :]
+            self.prefix_offset = self.read_offset = len(self.ids)
         return self._release(final=True)
 
     def _release(self, *, final: bool) -> str:

@@ -278,6 +278,7 @@ class Engine:
         input_ids: Sequence[int] | None = None,
         params: SamplingParams | dict | None = None,
         rid: str | None = None,
+        priority: int = 0,
     ) -> Submission:
         """Validate and queue one call now; iterate the returned ``Submission`` for outputs.
 
@@ -299,8 +300,11 @@ class Engine:
             for i in range(params.n):
                 queue.put_nowait(GenerateOutput(i, [], "", True, "length", prompt_tokens=len(ids)))
             return Submission(self, rid, [], queue, params.n, len(ids))
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
         reqs = self._make_requests(rid, ids, params)
         for r in reqs:
+            r.priority = priority
             detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop)
             self._streams[r] = _Stream(queue, detok)
             self.scheduler.add(r)
@@ -315,10 +319,11 @@ class Engine:
         input_ids: Sequence[int] | None = None,
         params: SamplingParams | dict | None = None,
         rid: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[GenerateOutput]:
         """Stream outputs of one call (``params.n`` samples, told apart by ``index``);
         leaving the loop early aborts the call."""
-        sub = self.submit(prompt, input_ids=input_ids, params=params, rid=rid)
+        sub = self.submit(prompt, input_ids=input_ids, params=params, rid=rid, priority=priority)
         try:
             async for out in sub:
                 yield out

@@ -45,6 +45,7 @@ class Request:
     seed: int
     arrival: int
     namespace: int = 0
+    priority: int = 0                     # larger is more urgent; policies may use it
     index: int = 0                        # which of the n samples
     group: Group | None = None
     state: State = State.WAITING

@@ -57,7 +57,9 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> StepOutput:
     else:
         greedy = sb.temperature == 0
         temp = torch.where(greedy, torch.ones_like(sb.temperature), sb.temperature)
-        scaled = logits / temp[:, None]
+        # Shift by the row max first: a tiny temperature then sends the others to -inf
+        # instead of overflowing several to +inf (a tie that could lose the argmax).
+        scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temp[:, None]
         sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
         rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
         k = torch.where(sb.top_k > 0, sb.top_k, torch.full_like(sb.top_k, scaled.shape[-1]))
@@ -65,8 +67,10 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> StepOutput:
         probs = torch.softmax(sorted_logits, dim=-1)
         before = probs.cumsum(dim=-1) - probs
         # Nucleus: the smallest prefix whose mass reaches top_p (a token whose predecessors
-        # already hold top_p is outside it).
-        drop = (before >= sb.top_p[:, None]) | (probs < sb.min_p[:, None] * probs[:, :1])
+        # already hold top_p is outside it). top_p == 1 is off: float cumsums can reach 1.0
+        # before the tail, which must not drop tiny-probability tokens.
+        top_p = sb.top_p[:, None]
+        drop = ((before >= top_p) & (top_p < 1.0)) | (probs < sb.min_p[:, None] * probs[:, :1])
         drop[:, 0] = False
         probs = probs.masked_fill(drop, 0.0)
         noise = uniform_noise(sb.seeds, sb.steps, sorted_ids)

@@ -27,3 +27,62 @@ def radixd_schedule_policies() -> dict[str, type[SchedulePolicy]]:
     must implement :class:`radixd.core.policy.SchedulePolicy`. Names must be unique across
     plugins; the engine refuses a duplicate name at start-up.
     """
+
+
+# ---------------------------------------------------------------------------------------------
+# Daemon lifecycle (called once; may return an awaitable, which the daemon awaits)
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def radixd_startup(state) -> None:
+    """The model is loaded and the server is about to accept connections.
+
+    ``state`` is the daemon's ``radixd.server.app.ServerState`` (engine, settings, metrics).
+    """
+
+
+@hookspec
+def radixd_shutdown(state) -> None:
+    """The daemon has drained and is about to exit; ``state`` as in ``radixd_startup``."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests and steps (synchronous, cheap: called once per request or per batching step)
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def radixd_request_received(rid: str, route: str, prompt_tokens: int, params) -> None:
+    """A generation request was admitted.
+
+    ``rid``: the engine's request id; ``route``: the HTTP path; ``prompt_tokens``: prompt
+    length after tokenization; ``params``: its ``radixd.core.sampling_params.SamplingParams``.
+    """
+
+
+@hookspec
+def radixd_request_finished(rid: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+                            finish_reasons: list) -> None:
+    """A generation request ended (completed, stopped, aborted or disconnected).
+
+    ``cached_tokens``: prompt tokens served from the radix cache; ``finish_reasons``: one per
+    sample (``stop``, ``length``, ``abort``; None if the client left before the end).
+    """
+
+
+@hookspec
+def radixd_step_stats(stats: dict) -> None:
+    """One batching step ran. ``stats``: ``batch_size``, ``prefill_tokens``,
+    ``decode_tokens``, ``running``, ``waiting``, ``kv_usage`` (0..1), ``step_ms``."""
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def radixd_routes(state) -> list:
+    """Return extra starlette ``Route`` objects to mount on the server (``state`` as in
+    ``radixd_startup``). Routes are subject to the same API keys and body limit."""

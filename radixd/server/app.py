@@ -1,0 +1,688 @@
+"""The starlette application: OpenAI-compatible and native routes over one ``Engine``.
+
+``ServerState`` is the context object every handler reads (no module-global state). The
+``Gate`` middleware gives each request an id, checks API keys (constant-time) and the body
+limit, and writes one access-log line when the response ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import structlog
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from radixd import __version__
+from radixd.core.engine import Engine, GenerateOutput, Submission
+from radixd.core.errors import ContextLengthExceeded, EngineStopped, InvalidRequest
+from radixd.core.sampling_params import SamplingParams
+from radixd.server import protocol
+from radixd.server.errors import ApiError
+from radixd.server.metrics import Metrics
+from radixd.settings import Settings
+
+OPEN_PATHS = {"/health", "/metrics"}  # reachable without an API key (probes, scrapers)
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    settings: Settings
+    model_name: str
+    api_keys: list[str]
+    plugins: Any
+    metrics: Metrics = field(init=False)
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    log: Any = field(default_factory=lambda: structlog.get_logger("radixd.server"))
+    inflight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.engine)
+        self.idle.set()
+
+    @property
+    def limits(self) -> protocol.Limits:
+        lim = self.settings.limits
+        return protocol.Limits(default_max_tokens=lim.default_max_tokens, max_stop_sequences=lim.max_stop_sequences)
+
+
+# ---------------------------------------------------------------------------------- gate
+
+
+class Gate:
+    """Pure ASGI middleware: request id, auth, body limit, access log, in-flight count."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        st = self.state
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        rid = headers.get("x-request-id") or uuid.uuid4().hex
+        info = {"id": rid, "status": 0, "start": time.perf_counter()}
+        scope.setdefault("state", {})["radixd"] = info
+
+        async def send_wrapped(message):
+            if message["type"] == "http.response.start":
+                info["status"] = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode("latin-1"))]
+            await send(message)
+
+        st.inflight += 1
+        st.idle.clear()
+        try:
+            error = self._check(scope, headers)
+            if error is not None:
+                await error.response()(scope, receive, send_wrapped)
+                return
+            limit = st.settings.server.max_body_bytes
+            seen = 0
+
+            async def receive_limited():
+                nonlocal seen
+                message = await receive()
+                if message["type"] == "http.request":
+                    seen += len(message.get("body", b""))
+                    if seen > limit:
+                        raise ApiError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+                return message
+
+            await self.app(scope, receive_limited, send_wrapped)
+        finally:
+            st.inflight -= 1
+            if st.inflight == 0:
+                st.idle.set()
+            self._access(scope, info)
+
+    def _check(self, scope, headers) -> ApiError | None:
+        st = self.state
+        if st.api_keys and scope["path"] not in OPEN_PATHS:
+            auth = headers.get("authorization", "")
+            token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+            ok = False
+            for key in st.api_keys:  # compare against every key: time does not tell which matched
+                ok |= hmac.compare_digest(token.encode(), key.encode())
+            if not ok:
+                return ApiError(401, "missing or invalid API key" if token else "missing API key "
+                                "(send 'Authorization: Bearer <key>')", code="invalid_api_key")
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > st.settings.server.max_body_bytes:
+            return ApiError(413, f"request body exceeds {st.settings.server.max_body_bytes} bytes",
+                            code="body_too_large")
+        return None
+
+    def _access(self, scope, info) -> None:
+        st = self.state
+        route = scope["path"] if scope.get("route") is None else scope["route"].path
+        st.metrics.requests.labels(route=route if info["status"] != 404 else "unmatched", status=str(info["status"])).inc()
+        if st.settings.logging.access_log:
+            st.log.info(
+                "access", id=info["id"], method=scope["method"], path=scope["path"], status=info["status"],
+                prompt_tokens=info.get("prompt_tokens"), completion_tokens=info.get("completion_tokens"),
+                cached_tokens=info.get("cached_tokens"), ttft_ms=_ms(info.get("ttft")),
+                duration_ms=_ms(time.perf_counter() - info["start"]),
+            )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+async def read_json(request: Request) -> dict:
+    body = await request.body()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return data
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.radixd
+
+
+def check_model(st: ServerState, model: str | None) -> None:
+    if model is not None and model != st.model_name:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{st.model_name}'",
+                       param="model", code="model_not_found")
+
+
+def submit(st: ServerState, request: Request, *, params: SamplingParams, prompt: str | None = None,
+           input_ids: list[int] | None = None, priority: int = 0) -> Submission:
+    """Admission control + ``Engine.submit`` with engine errors mapped to HTTP errors."""
+    if st.draining:
+        raise ApiError(503, "the server is shutting down", code="shutting_down")
+    queued = len(st.engine.scheduler.waiting)
+    if queued + params.n > st.settings.limits.max_queued_requests:
+        raise ApiError(503, f"the server is overloaded ({queued} requests queued); retry later", code="queue_full")
+    try:
+        sub = st.engine.submit(prompt, input_ids=input_ids, params=params, priority=priority)
+    except ContextLengthExceeded as exc:
+        raise ApiError(400, f"{exc.message} (prompt {exc.prompt_tokens} tokens, context {exc.limit} tokens)",
+                       param=_api_param(exc.field), code="context_length_exceeded") from exc
+    except InvalidRequest as exc:
+        raise ApiError(400, exc.message, param=_api_param(exc.field)) from exc
+    except EngineStopped as exc:
+        raise ApiError(503, str(exc), code="shutting_down") from exc
+    info = request.scope["state"]["radixd"]
+    info["prompt_tokens"] = info.get("prompt_tokens", 0) + sub.prompt_tokens
+    st.plugins.hook.radixd_request_received(rid=sub.rid, route=request.url.path, prompt_tokens=sub.prompt_tokens,
+                                            params=params)
+    return sub
+
+
+def _api_param(field_name: str) -> str:
+    return {"max_new_tokens": "max_tokens", "input_ids": "prompt"}.get(field_name, field_name)
+
+
+class Tracker:
+    """Per-request timing and usage: TTFT, inter-token gaps, token counts -> metrics + log."""
+
+    def __init__(self, st: ServerState, request: Request):
+        self.st = st
+        self.info = request.scope["state"]["radixd"]
+        self.t0 = self.info["start"]
+        self.last: float | None = None
+        self.completion = 0
+        self.cached = 0
+        self.finished: list[tuple[str, str | None]] = []
+
+    def see(self, out: GenerateOutput) -> None:
+        now = time.perf_counter()
+        if out.token_ids:
+            m = self.st.metrics
+            if self.last is None:
+                self.info["ttft"] = now - self.t0
+                m.ttft.observe(now - self.t0)
+            else:
+                m.itl.observe(now - self.last)
+            self.last = now
+            m.generation_tokens.inc(len(out.token_ids))
+        self.completion += len(out.token_ids)
+        if out.finished:
+            self.cached += out.cached_tokens
+            self.finished.append((str(out.index), out.finish_reason))
+
+    def done(self, prompt_tokens: int, rid: str) -> None:
+        m = self.st.metrics
+        self.info["completion_tokens"] = self.completion
+        self.info["cached_tokens"] = self.cached
+        m.prompt_tokens.inc(prompt_tokens)
+        m.cached_tokens.inc(self.cached)
+        m.e2e.observe(time.perf_counter() - self.t0)
+        self.st.plugins.hook.radixd_request_finished(
+            rid=rid, prompt_tokens=prompt_tokens, completion_tokens=self.completion, cached_tokens=self.cached,
+            finish_reasons=[r for _, r in self.finished],
+        )
+
+
+async def until_disconnect(request: Request) -> None:
+    """Return when the client goes away (the body must have been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(subs: list[Submission], request: Request, tracker: Tracker) -> list[list[GenerateOutput]]:
+    """Run submissions to completion, aborting them all if the client disconnects."""
+
+    async def drain(sub: Submission) -> list[GenerateOutput]:
+        outs = []
+        async for out in sub:
+            tracker.see(out)
+            outs.append(out)
+        return outs
+
+    work = asyncio.ensure_future(asyncio.gather(*(drain(s) for s in subs)))
+    watch = asyncio.ensure_future(until_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            for s in subs:
+                s.close()
+    if not work.done() or work.cancelled():
+        raise asyncio.CancelledError("client disconnected")
+    return work.result()
+
+
+async def merged(subs: list[Submission]) -> AsyncIterator[tuple[int, GenerateOutput]]:
+    """Interleave several submissions' outputs as they come: (submission index, output)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, sub: Submission):
+        try:
+            async for out in sub:
+                await queue.put((i, out))
+        except Exception as exc:  # surfaced to the consumer below
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(subs)]
+    left = len(subs)
+    try:
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in subs:
+            s.close()
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def token_text(tok, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def chat_logprobs(tok, outs: list[GenerateOutput]) -> dict:
+    content = []
+    for out in outs:
+        for lp in out.logprobs or []:
+            text = token_text(tok, lp.token_id)
+            content.append({
+                "token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
+                "top_logprobs": [{"token": (t := token_text(tok, i)), "logprob": v, "bytes": list(t.encode())}
+                                 for i, v in lp.top],
+            })
+    return {"content": content}
+
+
+def completion_logprobs(tok, outs: list[GenerateOutput], offset: int) -> dict:
+    tokens, lps, tops, offsets = [], [], [], []
+    for out in outs:
+        for lp in out.logprobs or []:
+            text = token_text(tok, lp.token_id)
+            offsets.append(offset)
+            offset += len(text)
+            tokens.append(text)
+            lps.append(lp.logprob)
+            tops.append({token_text(tok, i): v for i, v in lp.top})
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def sse(payload: dict) -> dict:
+    return {"data": json.dumps(payload, separators=(",", ":"))}
+
+
+# ---------------------------------------------------------------------------------- routes
+
+
+async def chat_completions(request: Request) -> Response:
+    st = state_of(request)
+    body = await read_json(request)
+    protocol.check_fields(body, protocol.CHAT_FIELDS)
+    parsed = protocol.sampling_from_openai(body, st.limits, chat=True)
+    check_model(st, parsed.model)
+    messages = protocol.chat_messages(body)
+    try:
+        ids = st.engine.apply_chat_template(messages)
+    except Exception as exc:  # templates raise on e.g. a bad role order
+        raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+    sub = submit(st, request, params=parsed.params, input_ids=ids, priority=parsed.priority)
+    tracker = Tracker(st, request)
+    cid = f"chatcmpl-{sub.rid}"
+    created = int(time.time())
+    tok = st.engine.tokenizer
+
+    if not parsed.stream:
+        outs = (await collect([sub], request, tracker))[0]
+        tracker.done(sub.prompt_tokens, sub.rid)
+        choices = []
+        for i in range(parsed.params.n):
+            mine = [o for o in outs if o.index == i]
+            choices.append({
+                "index": i,
+                "message": {"role": "assistant", "content": "".join(o.text for o in mine)},
+                "logprobs": chat_logprobs(tok, mine) if parsed.params.logprobs else None,
+                "finish_reason": mine[-1].finish_reason,
+            })
+        cached = sum(o.cached_tokens for o in outs if o.finished)
+        return JSONResponse({
+            "id": cid, "object": "chat.completion", "created": created, "model": st.model_name,
+            "choices": choices, "usage": usage(sub.prompt_tokens, tracker.completion, cached),
+            "system_fingerprint": f"radixd-{__version__}",
+        })
+
+    async def events():
+        base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
+                "system_fingerprint": f"radixd-{__version__}"}
+        try:
+            for i in range(parsed.params.n):
+                yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+            async for _, out in merged([sub]):
+                tracker.see(out)
+                lp = chat_logprobs(tok, [out]) if parsed.params.logprobs and out.token_ids else None
+                if out.text or lp or out.finished:
+                    yield sse({**base, "choices": [{
+                        "index": out.index, "delta": {"content": out.text} if out.text else {}, "logprobs": lp,
+                        "finish_reason": out.finish_reason if out.finished else None}]})
+            if parsed.include_usage:
+                yield sse({**base, "choices": [], "usage": usage(sub.prompt_tokens, tracker.completion, tracker.cached)})
+            yield {"data": "[DONE]"}
+        finally:
+            sub.close()
+            tracker.done(sub.prompt_tokens, sub.rid)
+
+    return EventSourceResponse(events(), ping=15)
+
+
+async def completions(request: Request) -> Response:
+    st = state_of(request)
+    body = await read_json(request)
+    protocol.check_fields(body, protocol.COMPLETION_FIELDS)
+    parsed = protocol.sampling_from_openai(body, st.limits, chat=False)
+    check_model(st, parsed.model)
+    prompts = protocol.completion_prompts(body)
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise ApiError(400, "'echo' must be a boolean", param="echo")
+    if echo and parsed.params.logprobs:
+        raise ApiError(400, "'echo' together with 'logprobs' (prompt logprobs) is not supported", param="echo",
+                       code="unsupported_parameter")
+    subs: list[Submission] = []
+    try:
+        for p in prompts:
+            if isinstance(p, str):
+                subs.append(submit(st, request, params=parsed.params, prompt=p, priority=parsed.priority))
+            else:
+                subs.append(submit(st, request, params=parsed.params, input_ids=p, priority=parsed.priority))
+    except ApiError:
+        for s in subs:
+            s.close()
+        raise
+    tok = st.engine.tokenizer
+    n = parsed.params.n
+    tracker = Tracker(st, request)
+    cid = f"cmpl-{subs[0].rid}"
+    created = int(time.time())
+    prompt_total = sum(s.prompt_tokens for s in subs)
+    echoes = [(p if isinstance(p, str) else tok.decode(p)) if echo else "" for p in prompts]
+
+    if not parsed.stream:
+        results = await collect(subs, request, tracker)
+        for s in subs:
+            tracker.done(s.prompt_tokens, s.rid)
+        choices = []
+        for pi, outs in enumerate(results):
+            for i in range(n):
+                mine = [o for o in outs if o.index == i]
+                choices.append({
+                    "index": pi * n + i, "text": echoes[pi] + "".join(o.text for o in mine),
+                    "logprobs": completion_logprobs(tok, mine, len(echoes[pi])) if parsed.params.logprobs else None,
+                    "finish_reason": mine[-1].finish_reason,
+                })
+        cached = sum(o.cached_tokens for outs in results for o in outs if o.finished)
+        return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": st.model_name,
+                             "choices": choices, "usage": usage(prompt_total, tracker.completion, cached)})
+
+    async def events():
+        base = {"id": cid, "object": "text_completion", "created": created, "model": st.model_name}
+        offsets: dict[int, int] = {}
+        try:
+            if echo:
+                for pi in range(len(prompts)):
+                    for i in range(n):
+                        yield sse({**base, "choices": [{"index": pi * n + i, "text": echoes[pi], "logprobs": None,
+                                                        "finish_reason": None}]})
+            async for pi, out in merged(subs):
+                tracker.see(out)
+                idx = pi * n + out.index
+                lp = None
+                if parsed.params.logprobs:
+                    lp = completion_logprobs(tok, [out], offsets.get(idx, 0))
+                    offsets[idx] = offsets.get(idx, 0) + len(out.text)
+                if out.text or out.token_ids or out.finished:
+                    yield sse({**base, "choices": [{"index": idx, "text": out.text, "logprobs": lp,
+                                                    "finish_reason": out.finish_reason if out.finished else None}]})
+            if parsed.include_usage:
+                yield sse({**base, "choices": [], "usage": usage(prompt_total, tracker.completion, tracker.cached)})
+            yield {"data": "[DONE]"}
+        finally:
+            for s in subs:
+                s.close()
+                tracker.done(s.prompt_tokens, s.rid)
+
+    return EventSourceResponse(events(), ping=15)
+
+
+async def native_generate(request: Request) -> Response:
+    """SGLang-style ``/generate``: ``text`` or ``input_ids`` plus ``sampling_params``."""
+    st = state_of(request)
+    body = await read_json(request)
+    protocol.check_fields(body, {"text", "input_ids", "sampling_params", "stream", "priority"})
+    params = protocol.sampling_from_native(body.get("sampling_params"))
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise ApiError(400, "give exactly one of 'text' or 'input_ids'", param="text")
+    if text is not None and not isinstance(text, str):
+        raise ApiError(400, "'text' must be a string", param="text")
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise ApiError(400, "'input_ids' must be a list of integers", param="input_ids")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", param="stream")
+    priority = body.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ApiError(400, "'priority' must be an integer", param="priority")
+    sub = submit(st, request, params=params, prompt=text, input_ids=ids, priority=priority)
+    tracker = Tracker(st, request)
+
+    def item(i: int, text: str, ids: list[int], last: GenerateOutput | None) -> dict:
+        return {"index": i, "text": text, "output_ids": ids, "meta_info": {
+            "id": sub.rid, "finish_reason": last.finish_reason if last and last.finished else None,
+            "prompt_tokens": sub.prompt_tokens, "completion_tokens": len(ids),
+            "cached_tokens": last.cached_tokens if last else 0}}
+
+    if not stream:
+        outs = (await collect([sub], request, tracker))[0]
+        tracker.done(sub.prompt_tokens, sub.rid)
+        items = []
+        for i in range(params.n):
+            mine = [o for o in outs if o.index == i]
+            items.append(item(i, "".join(o.text for o in mine), [t for o in mine for t in o.token_ids], mine[-1]))
+        return JSONResponse(items[0] if params.n == 1 else items)
+
+    async def events():
+        texts: dict[int, str] = {}
+        toks: dict[int, list[int]] = {}
+        try:
+            async for _, out in merged([sub]):
+                tracker.see(out)
+                texts[out.index] = texts.get(out.index, "") + out.text
+                toks.setdefault(out.index, []).extend(out.token_ids)
+                yield sse(item(out.index, texts[out.index], toks[out.index], out))
+            yield {"data": "[DONE]"}
+        finally:
+            sub.close()
+            tracker.done(sub.prompt_tokens, sub.rid)
+
+    return EventSourceResponse(events(), ping=15)
+
+
+async def models(request: Request) -> Response:
+    st = state_of(request)
+    return JSONResponse({"object": "list", "data": [_model_card(st)]})
+
+
+async def model_by_id(request: Request) -> Response:
+    st = state_of(request)
+    check_model(st, request.path_params["model"])
+    return JSONResponse(_model_card(st))
+
+
+def _model_card(st: ServerState) -> dict:
+    return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "radixd",
+            "max_model_len": st.engine.context_len}
+
+
+async def health(request: Request) -> Response:
+    """200 only if the batching loop is alive and completes a one-token generation in time."""
+    st = state_of(request)
+    if st.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    task = st.engine._task
+    if task is not None and task.done():
+        return JSONResponse({"status": "batching loop stopped"}, status_code=503)
+    t0 = time.perf_counter()
+    try:
+        sub = st.engine.submit(input_ids=[st.engine.eos_token_ids[0] if st.engine.eos_token_ids else 0],
+                               params=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+        async with asyncio.timeout(st.settings.server.health_timeout_s):
+            async for _ in sub:
+                pass
+    except TimeoutError:
+        sub.close()
+        return JSONResponse({"status": "generation timed out"}, status_code=503)
+    except (EngineStopped, InvalidRequest) as exc:
+        return JSONResponse({"status": str(exc)}, status_code=503)
+    return JSONResponse({"status": "ok", "generate_ms": round((time.perf_counter() - t0) * 1000, 2)})
+
+
+async def metrics(request: Request) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    st = state_of(request)
+    return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def flush_cache(request: Request) -> Response:
+    st = state_of(request)
+    if not st.engine.flush_cache():
+        raise ApiError(400, "the cache is in use by running requests; retry when idle", code="cache_in_use")
+    return JSONResponse({"flushed": True})
+
+
+async def server_info(request: Request) -> Response:
+    st = state_of(request)
+    settings = asdict(st.settings)
+    settings.pop("auth", None)  # never expose keys
+    return JSONResponse({
+        "version": __version__, "model": st.model_name, "context_len": st.engine.context_len,
+        "device": str(st.engine.device), "dtype": str(st.engine.dtype).removeprefix("torch."),
+        "settings": settings, "stats": st.engine.stats(), "draining": st.draining,
+        "plugins": [name for name, _ in st.plugins.list_name_plugin()],
+    })
+
+
+async def tokenize(request: Request) -> Response:
+    st = state_of(request)
+    body = await read_json(request)
+    protocol.check_fields(body, {"prompt", "messages", "model", "add_special_tokens"})
+    check_model(st, body.get("model"))
+    if "messages" in body:
+        ids = st.engine.apply_chat_template(protocol.chat_messages(body))
+    elif isinstance(body.get("prompt"), str):
+        add = body.get("add_special_tokens", True)
+        if not isinstance(add, bool):
+            raise ApiError(400, "'add_special_tokens' must be a boolean", param="add_special_tokens")
+        ids = st.engine.tokenizer(body["prompt"], add_special_tokens=add).input_ids
+    else:
+        raise ApiError(400, "give 'prompt' (a string) or 'messages'", param="prompt")
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": st.engine.context_len})
+
+
+async def detokenize(request: Request) -> Response:
+    st = state_of(request)
+    body = await read_json(request)
+    protocol.check_fields(body, {"tokens", "model"})
+    check_model(st, body.get("model"))
+    toks = body.get("tokens")
+    vocab = st.engine.model_cfg.vocab_size
+    if not (isinstance(toks, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in toks)):
+        raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
+    return JSONResponse({"prompt": st.engine.tokenizer.decode(toks)})
+
+
+# ---------------------------------------------------------------------------------- app
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    if exc.status_code == 404:
+        return ApiError(404, f"no route {request.method} {request.url.path}", code="not_found").response()
+    if exc.status_code == 405:
+        return ApiError(405, f"method {request.method} is not allowed on {request.url.path}").response()
+    return ApiError(exc.status_code, str(exc.detail)).response()
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    state_of(request).log.exception("unhandled error", path=request.url.path)
+    return ApiError(500, "internal server error").response()
+
+
+def build_app(state: ServerState) -> Starlette:
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model_by_id, methods=["GET"]),
+        Route("/generate", native_generate, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["POST"]),
+        Route("/server_info", server_info, methods=["GET"]),
+        Route("/v1/tokenize", tokenize, methods=["POST"]),
+        Route("/v1/detokenize", detokenize, methods=["POST"]),
+    ]
+    for extra in state.plugins.hook.radixd_routes(state=state):
+        routes.extend(extra or [])
+    app = Starlette(
+        routes=routes,
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _unexpected},
+    )
+    app.state.radixd = state
+    app.add_middleware(_GateFactory, state=state)
+    return app
+
+
+class _GateFactory(Gate):
+    """``add_middleware`` builds the gate outside starlette's error middleware, so an
+    ``ApiError`` raised while reading the body still becomes a JSON response."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        except ApiError as exc:
+            await exc.response()(scope, receive, send)

@@ -1,0 +1,201 @@
+"""The daemon process: load the model, bind, serve on the engine's loop, drain on SIGTERM.
+
+    settings -> logging -> plugins -> Engine (weights load) -> bind socket -> hypercorn
+    serve + batching loop on one asyncio loop -> READY=1 ... SIGTERM -> STOPPING=1, refuse new
+    requests, let running ones finish (drain_timeout_s), abort the rest (their streams end with
+    a final event) -> close the server -> exit 0. SIGHUP re-reads the file's live keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import signal
+import socket
+import time
+from dataclasses import fields, replace
+from pathlib import Path
+
+import structlog
+
+from radixd.core.engine import Engine
+from radixd.core.errors import ConfigError
+from radixd.logs import configure_logging
+from radixd.plugins import make_plugin_manager
+from radixd.server.app import ServerState, build_app
+from radixd.server.notify import notify, watchdog_interval
+from radixd.settings import SECTIONS, Settings, load_settings
+
+log = structlog.get_logger("radixd.daemon")
+
+
+async def _maybe_await(results) -> None:
+    for r in results or []:
+        if inspect.isawaitable(r):
+            await r
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+class Daemon:
+    def __init__(self, settings: Settings, config_path: str | None):
+        self.settings = settings
+        self.config_path = config_path
+        self.shutdown = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def run(self) -> int:
+        s = self.settings
+        pm = make_plugin_manager(load_entry_points=s.plugins.entry_points, allow=s.plugins.allow or None,
+                                 block=s.plugins.block)
+        t0 = time.perf_counter()
+        engine = await asyncio.to_thread(Engine, s.engine_config(), plugin_manager=pm)
+        name = s.model.served_name or _default_name(engine)
+        self.state = st = ServerState(engine=engine, settings=s, model_name=name, api_keys=s.api_keys(), plugins=pm)
+        engine.step_hook = self._on_step
+        app = build_app(st)
+        await engine.start()
+        await _maybe_await(pm.hook.radixd_startup(state=st))
+
+        from hypercorn.asyncio import serve
+        from hypercorn.config import Config as HyperConfig
+
+        sock = bind_socket(s.server.host, s.server.port)
+        port = sock.getsockname()[1]
+        hc = HyperConfig()
+        hc.bind = [f"fd://{sock.detach()}"]  # hypercorn owns (and closes) the socket from here
+        hc.accesslog = None
+        hc.errorlog = logging.getLogger("hypercorn.error")  # rendered by our handler, once
+        hc.graceful_timeout = 1.0
+        hc.keep_alive_timeout = 5.0
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.begin_drain, "SIGTERM")
+        loop.add_signal_handler(signal.SIGINT, self.begin_drain, "SIGINT")
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        server = self._spawn(serve(app, hc, shutdown_trigger=self.shutdown.wait))
+        log.info("listening", host=s.server.host, port=port, model=name, device=str(engine.device),
+                 kv_slots=engine.allocator.total, load_s=round(time.perf_counter() - t0, 2))
+        notify(f"READY=1\nSTATUS=serving {name} on {s.server.host}:{port}\nMAINPID={_pid()}")
+        interval = watchdog_interval()
+        if interval and s.server.watchdog:
+            self._spawn(self._watchdog(interval))
+        await server
+        await _maybe_await(pm.hook.radixd_shutdown(state=st))
+        await engine.stop()
+        log.info("stopped")
+        return 0
+
+    def _on_step(self, step) -> None:
+        st = self.state
+        b = step.batch
+        prefill = sum(n for n in b.extend_lens if n > 1)
+        stats = {"batch_size": b.batch_size, "prefill_tokens": prefill, "decode_tokens": b.num_tokens - prefill,
+                 "running": len(st.engine.scheduler.running), "waiting": len(st.engine.scheduler.waiting),
+                 "kv_usage": 1.0 - st.engine.allocator.available / st.engine.allocator.total}
+        st.plugins.hook.radixd_step_stats(stats=stats)
+
+    # ------------------------------------------------------------------ signals
+
+    def begin_drain(self, why: str) -> None:
+        if self.state.draining:
+            return
+        self._spawn(self._drain(why))
+
+    async def _drain(self, why: str) -> None:
+        st = self.state
+        st.draining = True
+        notify("STOPPING=1")
+        timeout = st.settings.server.drain_timeout_s
+        log.info("draining", signal=why, inflight=st.engine.num_inflight, timeout_s=timeout)
+        deadline = time.monotonic() + timeout
+        while st.engine.num_inflight and time.monotonic() < deadline:
+            # the engine's queue empties as requests finish; wait on the gate's idle event
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await st.idle.wait()
+            except TimeoutError:
+                break
+            if st.engine.num_inflight:
+                await asyncio.sleep(0.01)
+        aborted = st.engine.abort_all()
+        if aborted:
+            log.warning("drain timeout: aborted requests", count=aborted)
+            try:  # let the aborted streams write their final event
+                async with asyncio.timeout(2.0):
+                    await st.idle.wait()
+            except TimeoutError:
+                pass
+        self.shutdown.set()
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the file; apply the live keys, report the others."""
+        if not self.config_path:
+            log.warning("reload: started without --config; nothing to reload")
+            return
+        try:
+            new = load_settings(self.config_path)
+        except ConfigError as exc:
+            log.error("reload refused; keeping the running configuration", error=str(exc))
+            return
+        old = self.settings
+        merged = {}
+        pending = []
+        for sec in SECTIONS:
+            o, n = getattr(old, sec), getattr(new, sec)
+            changes = {}
+            for f in fields(o):
+                if getattr(o, f.name) != getattr(n, f.name):
+                    if f.metadata.get("live"):
+                        changes[f.name] = getattr(n, f.name)
+                    else:
+                        pending.append(f"{sec}.{f.name}")
+            merged[sec] = replace(o, **changes) if changes else o
+        self.settings = replace(old, **merged)
+        self.state.settings = self.settings
+        lg = self.settings.logging
+        configure_logging(lg.level, lg.format)
+        log.info("reloaded", needs_restart=pending or None)
+        notify("RELOADING=0\nSTATUS=reloaded")
+
+    async def _watchdog(self, interval: float) -> None:
+        """Ping systemd while the batching loop is alive."""
+        while not self.shutdown.is_set():
+            task = self.state.engine._task
+            if task is not None and not task.done():
+                notify("WATCHDOG=1")
+            await asyncio.sleep(interval)
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _default_name(engine: Engine) -> str:
+    from radixd.core.model_loader import DEFAULT_NAME
+
+    if engine.config.model == "default":
+        return DEFAULT_NAME
+    return Path(engine.config.model).name.removesuffix(".gguf")
+
+
+def serve_forever(config_path: str | None) -> int:
+    settings = load_settings(config_path)
+    configure_logging(settings.logging.level, settings.logging.format)
+    return asyncio.run(Daemon(settings, config_path).run())

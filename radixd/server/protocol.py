@@ -1,0 +1,208 @@
+"""Parse OpenAI-style and native request bodies into prompts and ``SamplingParams``.
+
+Unknown fields are refused (400 naming them) rather than ignored; radixd's extensions in the
+style of vLLM/SGLang (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``) are accepted on both routes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from radixd.core.errors import InvalidRequest
+from radixd.core.sampling_params import SamplingParams
+from radixd.server.errors import ApiError
+
+EXTENSIONS = {
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_new_tokens",
+    "ignore_eos": "ignore_eos",
+    "stop_token_ids": "stop_token_ids",
+    "skip_special_tokens": "skip_special_tokens",
+}
+COMMON = {"model", "stream", "stream_options", "n", "stop", "max_tokens", "temperature", "top_p", "seed",
+          "frequency_penalty", "presence_penalty", "user", "priority"} | set(EXTENSIONS)
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+COMPLETION_FIELDS = COMMON | {"prompt", "echo", "logprobs"}
+NOT_SUPPORTED = {"tools", "tool_choice", "functions", "function_call", "logit_bias", "response_format",
+                 "suffix", "best_of", "parallel_tool_calls", "audio", "modalities", "prediction",
+                 "reasoning_effort", "store", "metadata", "service_tier"}
+
+
+@dataclass
+class Limits:
+    default_max_tokens: int
+    max_stop_sequences: int
+
+
+@dataclass
+class ParsedRequest:
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    model: str | None
+    priority: int = 0
+
+
+def check_fields(body: dict, allowed: set[str]) -> None:
+    for key in body:
+        if key in NOT_SUPPORTED:
+            raise ApiError(400, f"'{key}' is not supported by this server", param=key, code="unsupported_parameter")
+        if key not in allowed:
+            raise ApiError(400, f"unrecognized request argument: '{key}'", param=key, code="unknown_parameter")
+
+
+def _type(body: dict, key: str, kinds: tuple, what: str) -> Any:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) and bool not in kinds:
+        raise ApiError(400, f"'{key}' must be {what}", param=key)
+    if not isinstance(value, kinds):
+        raise ApiError(400, f"'{key}' must be {what}", param=key)
+    return value
+
+
+def sampling_from_openai(body: dict, limits: Limits, *, chat: bool) -> ParsedRequest:
+    stream = _type(body, "stream", (bool,), "a boolean") or False
+    opts = _type(body, "stream_options", (dict,), "an object") or {}
+    if opts and not stream:
+        raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    unknown = set(opts) - {"include_usage", "continuous_usage_stats"}
+    if unknown:
+        raise ApiError(400, f"unrecognized stream option: '{sorted(unknown)[0]}'", param="stream_options")
+    include_usage = bool(opts.get("include_usage", False))
+
+    max_tokens = _type(body, "max_tokens", (int,), "an integer")
+    if chat:
+        mct = _type(body, "max_completion_tokens", (int,), "an integer")
+        if mct is not None:
+            max_tokens = mct
+    if max_tokens is None:
+        max_tokens = limits.default_max_tokens
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
+    if len(stop) > limits.max_stop_sequences:
+        raise ApiError(400, f"'stop' may hold at most {limits.max_stop_sequences} sequences", param="stop")
+
+    kw: dict[str, Any] = dict(max_new_tokens=max_tokens, stop=stop)
+    for key in ("temperature", "top_p", "frequency_penalty", "presence_penalty"):
+        v = _type(body, key, (int, float), "a number")
+        if v is not None:
+            kw[key] = float(v)
+    for key in ("n", "seed"):
+        v = _type(body, key, (int,), "an integer")
+        if v is not None:
+            kw[key] = v
+    for key, target in EXTENSIONS.items():
+        if body.get(key) is not None:
+            kw[target] = body[key]
+    if "temperature" in kw and not 0.0 <= kw["temperature"] <= 2.0:
+        raise ApiError(400, f"'temperature' must be in [0, 2], got {kw['temperature']}", param="temperature")
+    if chat:
+        lp = _type(body, "logprobs", (bool,), "a boolean") or False
+        top = _type(body, "top_logprobs", (int,), "an integer")
+        if top is not None and not lp:
+            raise ApiError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+        kw["logprobs"] = lp
+        kw["top_logprobs"] = top or 0
+    else:
+        lp = _type(body, "logprobs", (int,), "an integer")
+        if lp is not None:
+            if not 0 <= lp <= 5:
+                raise ApiError(400, f"'logprobs' must be in [0, 5], got {lp}", param="logprobs")
+            kw["logprobs"] = True
+            kw["top_logprobs"] = lp
+    _type(body, "user", (str,), "a string")
+    model = _type(body, "model", (str,), "a string")
+    priority = _type(body, "priority", (int,), "an integer") or 0
+    return ParsedRequest(params=make_params(kw), stream=stream, include_usage=include_usage, model=model,
+                         priority=priority)
+
+
+def make_params(kw: dict[str, Any], aliases: dict[str, str] | None = None) -> SamplingParams:
+    """Build ``SamplingParams``; its validation errors become 400s naming the API field."""
+    back = {v: k for k, v in (aliases or {}).items()}
+    back.update({v: k for k, v in EXTENSIONS.items()})
+    back.setdefault("max_new_tokens", "max_tokens")
+    try:
+        return SamplingParams(**kw)
+    except InvalidRequest as exc:
+        param = back.get(exc.field, exc.field)
+        raise ApiError(400, f"'{param}': {exc.message}", param=param) from exc
+    except TypeError as exc:  # a wrongly typed value reached the dataclass
+        raise ApiError(400, str(exc)) from exc
+
+
+NATIVE_PARAMS = {
+    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
+    "logprobs", "top_logprobs", "skip_special_tokens",
+}
+
+
+def sampling_from_native(sp: Any) -> SamplingParams:
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, dict):
+        raise ApiError(400, "'sampling_params' must be an object", param="sampling_params")
+    for key in sp:
+        if key not in NATIVE_PARAMS:
+            raise ApiError(400, f"unrecognized sampling parameter: '{key}'", param=f"sampling_params.{key}")
+    try:
+        return SamplingParams(**sp)
+    except InvalidRequest as exc:
+        raise ApiError(400, f"'sampling_params.{exc.field}': {exc.message}", param=f"sampling_params.{exc.field}") from exc
+
+
+def chat_messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"'messages[{i}]' must be an object", param="messages")
+        role = m.get("role")
+        if role not in ("system", "user", "assistant", "developer", "tool"):
+            raise ApiError(400, f"'messages[{i}].role' must be system, user, assistant, developer or tool",
+                           param="messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"'messages[{i}].content' parts must be text parts", param="messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise ApiError(400, f"'messages[{i}].content' must be a string or a list of text parts",
+                           param="messages")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def completion_prompts(body: dict) -> list[str | list[int]]:
+    """``prompt`` may be a string, a list of strings, a list of token ids or a list of lists."""
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list) and p:
+        if all(isinstance(x, str) for x in p):
+            return list(p)
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            return [list(p)]
+        if all(isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x) for x in p):
+            return [list(x) for x in p]
+    raise ApiError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                        "token-id lists (non-empty)", param="prompt")
