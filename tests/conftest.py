@@ -35,6 +35,10 @@ def _tokenizer():
               "abcdefghijklmnopqrstuvwxyz 0123456789"] * 10
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     return fast
 
 
@@ -100,3 +104,52 @@ def _hf_model(path: Path):
     if path not in _HF_CACHE:
         _HF_CACHE[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return _HF_CACHE[path]
+
+
+class Daemon:
+    """A real ``radixd --config FILE`` subprocess on a free loopback port."""
+
+    def __init__(self, tmp: Path, toml: str, env: dict | None = None):
+        import subprocess
+        import sys
+
+        self.config = tmp / "radixd.toml"
+        self.config.write_text(toml)
+        self.log_path = tmp / "radixd.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "radixd", "--config", str(self.config)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.port = self._wait_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _wait_port(self, timeout: float = 180.0) -> int:
+        import json
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.log_path.read_text().splitlines():
+                if line.startswith("{") and '"listening"' in line:
+                    return json.loads(line)["port"]
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"radixd exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.1)
+        raise TimeoutError(f"radixd did not start:\n{self.log_path.read_text()[-3000:]}")
+
+    def log_lines(self) -> list[dict]:
+        import json
+
+        return [json.loads(x) for x in self.log_path.read_text().splitlines() if x.startswith("{")]
+
+    def stop(self) -> int:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode

@@ -320,7 +320,6 @@ async def test_stop_token_ids_and_min_new_tokens(model_path):
         await eng.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="engine._emit detokenizes the stop token id (radixd/core/engine.py)")
 async def test_stop_token_text_is_not_emitted(model_path):
     """SamplingParams: stop_token_ids 'end the request after emitting nothing for that token'."""
     eng = make_engine(model_path)
@@ -334,7 +333,6 @@ async def test_stop_token_text_is_not_emitted(model_path):
         await eng.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="engine._emit keeps 'length' when a stop string completes on the last token")
 async def test_stop_string_completed_by_last_allowed_token_reports_stop(model_path):
     eng = make_engine(model_path)
     try:

@@ -409,9 +409,12 @@ class Engine:
             if stream is None:
                 continue
             tok = r.output_ids[-1]
-            text = stream.detok.add(tok)
-            if stream.detok.stopped:
-                self.scheduler.finish(r, "stop")
+            if r.finish_reason == "stop":  # a stop token id or EOS: its text is not output
+                text = ""
+            else:
+                text = stream.detok.add(tok)
+                if stream.detok.stopped:  # a stop string, even on the last allowed token
+                    r.finish_reason = "stop"
             finished = r.finish_reason is not None
             if finished and not stream.detok.stopped:
                 text += stream.detok.finish()
