@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         pm = make_plugin_manager(load_entry_points=settings.plugins.entry_points,
                                  allow=settings.plugins.allow or None, block=settings.plugins.block)
         for name, plugin in pm.list_name_plugin():
+            if plugin is None:  # blocked by the allow/block lists
+                continue
             where = getattr(plugin, "__file__", None) or type(plugin).__module__
             print(f"{name}\t{where}")
         return 0

@@ -109,8 +109,6 @@ def test_cli_honours_plugins_settings(priority_plugin, tmp_path):
     assert "priority" not in rows_with("[plugins]\nentry_points = false\n")
 
 
-@pytest.mark.xfail(strict=True, reason="radixd/cli.py lists pluggy's blocked-name placeholders "
-                   "(plugin None) as loaded plugins, printed as 'priority\\tbuiltins'")
 def test_cli_does_not_list_blocked_plugin(priority_plugin, tmp_path):
     cfg = tmp_path / "radixd.toml"
     cfg.write_text('[plugins]\nblock = ["priority"]\n')

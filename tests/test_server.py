@@ -5,6 +5,7 @@ official ``openai`` client and raw HTTP: routes, SSE framing, usage, and every e
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -203,6 +204,42 @@ def test_access_log_line(daemon, client):
     assert line["status"] == 200 and line["completion_tokens"] == 3 and line["prompt_tokens"] > 0
     assert line["ttft_ms"] > 0 and line["duration_ms"] >= line["ttft_ms"] and "cached_tokens" in line
     assert KEY not in daemon.log_path.read_text()
+
+
+# ------------------------------------------------------------------------ disconnects
+
+
+def stats(http: httpx.Client) -> dict:
+    return http.get("/server_info").json()["stats"]
+
+
+def test_disconnect_frees_kv(http):
+    before = stats(http)["decode_tokens"]
+    body = {"prompt": list(range(500, 560)), "max_tokens": 450, "temperature": 0, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body, timeout=60) as r:
+        n = 0
+        for line in r.iter_lines():
+            n += line.startswith("data: ")
+            if n >= 5:
+                break
+        at_disconnect = stats(http)
+        assert at_disconnect["kv"]["private"] > 0 and at_disconnect["running"] == 1
+    # the client is gone: the request is aborted and its KV returned within a step or so
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (stats(http)["running"] or stats(http)["kv"]["private"]):
+        time.sleep(0.01)
+    st = stats(http)
+    assert st["running"] == 0 and st["kv"]["private"] == 0 and st["kv"]["locked"] == 0
+    assert st["decode_tokens"] - before < 450
+    assert st["steps"] - at_disconnect["steps"] <= 3  # noticed and freed within a few steps
+    # a non-streaming request whose client times out is aborted too
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json={**body, "stream": False}, timeout=0.5)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and stats(http)["running"]:
+        time.sleep(0.01)
+    assert stats(http)["decode_tokens"] - before < 2 * 450
+    assert_idle(http)
 
 
 # ------------------------------------------------------------------------ errors

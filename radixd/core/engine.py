@@ -467,6 +467,7 @@ class Engine:
             "cache_hit_tokens": self.cache.hit_tokens,
             "cache_hit_rate": self.cache.hit_tokens / self.cache.queried_tokens if self.cache.queried_tokens else 0.0,
             "preemptions": self.scheduler.stats.preemptions,
+            "steps": self.scheduler.stats.steps,
             "prefill_tokens": self.scheduler.stats.prefill_tokens,
             "decode_tokens": self.scheduler.stats.decode_tokens,
         }

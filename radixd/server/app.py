@@ -599,7 +599,7 @@ async def server_info(request: Request) -> Response:
         "version": __version__, "model": st.model_name, "context_len": st.engine.context_len,
         "device": str(st.engine.device), "dtype": str(st.engine.dtype).removeprefix("torch."),
         "settings": settings, "stats": st.engine.stats(), "draining": st.draining,
-        "plugins": [name for name, _ in st.plugins.list_name_plugin()],
+        "plugins": [name for name, plugin in st.plugins.list_name_plugin() if plugin is not None],
     })
 
 

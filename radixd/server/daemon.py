@@ -170,7 +170,7 @@ class Daemon:
         lg = self.settings.logging
         configure_logging(lg.level, lg.format)
         log.info("reloaded", needs_restart=pending or None)
-        notify("RELOADING=0\nSTATUS=reloaded")
+        notify("STATUS=reloaded")
 
     async def _watchdog(self, interval: float) -> None:
         """Ping systemd while the batching loop is alive."""
