@@ -129,7 +129,7 @@ class Engine:
         self.cache = RadixCache(self.allocator, enabled=config.radix_cache)
         backend = config.attention_backend
         if backend == "auto":
-            backend = "torch"
+            backend = "triton" if self.device.type == "cuda" else "torch"
         self.worker = ModelWorker(
             model_path=self.model_path,
             model_cfg=self.model_cfg,

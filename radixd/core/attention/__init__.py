@@ -28,4 +28,8 @@ def make_backend(name: str, pool: KVPool, *, num_heads: int, head_dim: int, scal
         from radixd.core.attention.torch_backend import TorchAttention
 
         return TorchAttention(pool, num_heads=num_heads, head_dim=head_dim, scale=scale)
-    raise ValueError(f"attention backend {name!r} is not available (available: 'torch')")
+    if name == "triton":
+        from radixd.core.attention.triton_backend import TritonAttention
+
+        return TritonAttention(pool, num_heads=num_heads, head_dim=head_dim, scale=scale)
+    raise ValueError(f"attention backend {name!r} is not available (available: 'torch', 'triton')")

@@ -1,0 +1,71 @@
+"""The ``triton`` attention backend: radix attention kernels reading the pool in place.
+
+A batch of only decode requests runs the split-KV decode kernel; any other batch runs the
+extend kernel for every request (a decode request is an extend of one token). ``set_decode``
+points the backend at caller-owned device tensors, which is how CUDA graphs replay it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixd.core.attention.triton_kernels import decode_attention, extend_attention
+from radixd.core.forward_batch import ForwardBatch
+from radixd.core.kv_pool import KVPool
+
+
+class TritonAttention:
+    def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float, num_splits: int = 8):
+        self.pool = pool
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_splits = num_splits
+        self.decode = False
+        self._mid: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _scratch(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Split-KV partials for up to ``batch`` requests (grown, never shrunk)."""
+        have = max(self._mid, default=0)
+        if have < batch:
+            dev = self.pool.device
+            self._mid = {batch: (
+                torch.empty((batch, self.num_heads, self.num_splits, self.head_dim), dtype=torch.float32, device=dev),
+                torch.empty((batch, self.num_heads, self.num_splits), dtype=torch.float32, device=dev),
+            )}
+            have = batch
+        mid_o, mid_lse = self._mid[have]
+        return mid_o[:batch], mid_lse[:batch]
+
+    def set_decode(self, rows: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
+        self.decode = True
+        self.rows, self.seq_lens, self.out_cache_loc = rows, seq_lens, out_cache_loc
+        self.mid_o, self.mid_lse = self._scratch(rows.numel())
+
+    def begin(self, batch: ForwardBatch) -> None:
+        dev = self.pool.device
+        rows = torch.tensor(batch.rows, dtype=torch.int64).to(dev, non_blocking=True)
+        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64).to(dev, non_blocking=True)
+        loc = batch.out_cache_loc.to(dev, non_blocking=True)
+        if all(e == 1 for e in batch.extend_lens):
+            self.set_decode(rows, seq_lens, loc)
+            return
+        self.decode = False
+        self.rows, self.out_cache_loc = rows, loc
+        self.prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int64).to(dev, non_blocking=True)
+        self.extend_lens = torch.tensor(batch.extend_lens, dtype=torch.int64).to(dev, non_blocking=True)
+        starts = [0]
+        for e in batch.extend_lens[:-1]:
+            starts.append(starts[-1] + e)
+        self.q_starts = torch.tensor(starts, dtype=torch.int64).to(dev, non_blocking=True)
+        self.max_extend = max(batch.extend_lens)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        self.pool.store(layer, self.out_cache_loc, k, v)
+        k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
+        table = self.pool.req_to_token
+        if self.decode:
+            return decode_attention(q, k_buf, v_buf, table, self.rows, self.seq_lens, self.scale,
+                                    num_splits=self.num_splits, mid_o=self.mid_o, mid_lse=self.mid_lse)
+        return extend_attention(q, k_buf, v_buf, table, self.rows, self.prefix_lens, self.extend_lens,
+                                self.q_starts, self.max_extend, self.scale)

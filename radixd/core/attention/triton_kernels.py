@@ -1,0 +1,221 @@
+"""Triton kernels for radix attention: K and V are read in place from the token pool through
+the request-to-token table (no copy of a request's KV).
+
+* ``decode_attention``: one new token per request. Split-KV flash decoding: stage 1 gives
+  each (request, KV head, split) program a slice of the sequence and all query heads of the
+  KV head's group (GQA) as one tile; stage 2 merges the splits with their log-sum-exp.
+* ``extend_attention``: a block of new tokens of one request attends to its cached prefix and
+  to the new tokens themselves, causally (the new K/V are stored in the pool before).
+* ``build_kv_indices``: flattens the table rows of a batch into one slot array (CSR layout).
+
+They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_stage1(
+    Q, K, V, Table, Rows, SeqLens, MidO, MidLse, scale,
+    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_tr,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    row = tl.load(Rows + b)
+    seq_len = tl.load(SeqLens + b)
+    split_len = tl.cdiv(seq_len, SPLITS)
+    start = sp * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_H)
+    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    lsum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0)
+        k = tl.load(K + slots[None, :] * stride_kn + kvh * stride_kh + offs_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        qk = tl.dot(q, k) * scale
+        qk = tl.where(mask_g[:, None] & mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(qk - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        lsum = lsum * alpha + tl.sum(p, 1)
+        v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    has = lsum > 0
+    out = acc / tl.where(has, lsum, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log(tl.where(has, lsum, 1.0)), float("-inf"))
+    tl.store(MidO + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + offs_d[None, :], out,
+             mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(MidLse + b * stride_lb + heads * stride_lh + sp, lse, mask=mask_g)
+
+
+@triton.jit
+def _decode_stage2(
+    MidO, MidLse, Out,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < SPLITS
+    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    w = tl.where(mask_s & (lse > float("-inf")), tl.exp(lse - mx), 0.0)
+    w = w / tl.sum(w, 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    parts = tl.load(MidO + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
+                    mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], 0)
+    tl.store(Out + b * stride_b + h * stride_h + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+
+
+def decode_attention(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, table: torch.Tensor,
+    rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, num_splits: int = 8,
+    out: torch.Tensor | None = None, mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``q`` [B, H, D] (one token per request) -> [B, H, D]. ``rows``/``seq_lens`` [B] on the
+    device; the launch shape depends only on B, so it can be captured in a CUDA graph."""
+    B, H, D = q.shape
+    Hkv = k_buf.shape[1]
+    group = H // Hkv
+    if out is None:
+        out = torch.empty_like(q)
+    if mid_o is None:
+        mid_o = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(D)
+    _decode_stage1[(B, Hkv, num_splits)](
+        q, k_buf, v_buf, table, rows, seq_lens, mid_o, mid_lse, scale,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
+        HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits,
+    )
+    _decode_stage2[(B, H)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+    )
+    return out
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, Out, Table, Rows, PrefixLens, ExtendLens, QStarts, scale,
+    stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh, stride_tr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    mb = tl.program_id(2)
+    ext = tl.load(ExtendLens + r)
+    if mb * BLOCK_M < ext:
+        prefix = tl.load(PrefixLens + r)
+        row = tl.load(Rows + r)
+        q0 = tl.load(QStarts + r)
+        kvh = h // GROUP
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < ext
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        q = tl.load(Q + (q0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        q_pos = prefix + offs_m
+        end = tl.minimum(prefix + ext, prefix + (mb + 1) * BLOCK_M)
+        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        lsum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for n0 in range(0, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0)
+            k = tl.load(K + slots[None, :] * stride_kn + kvh * stride_kh + offs_d[:, None],
+                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+            qk = tl.dot(q, k) * scale
+            qk = tl.where(mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), qk, float("-inf"))
+            m_new = tl.maximum(m, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(qk - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            lsum = lsum * alpha + tl.sum(p, 1)
+            v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :],
+                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
+        tl.store(Out + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def extend_attention(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, table: torch.Tensor,
+    rows: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor, q_starts: torch.Tensor,
+    max_extend: int, scale: float, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``q`` [T, H, D]: the new tokens of R requests laid back to back (request r's start in
+    ``q_starts``) -> [T, H, D]."""
+    T, H, D = q.shape
+    Hkv = k_buf.shape[1]
+    if out is None:
+        out = torch.empty_like(q)
+    R = rows.numel()
+    block_m = 64 if max_extend > 32 else 16
+    block_d = triton.next_power_of_2(D)
+    grid = (R, H, triton.cdiv(max_extend, block_m))
+    _extend_kernel[grid](
+        q, k_buf, v_buf, out, table, rows, prefix_lens, extend_lens, q_starts, scale,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        out.stride(0), out.stride(1), table.stride(0),
+        GROUP=H // Hkv, BLOCK_M=block_m, BLOCK_N=64 if block_d <= 64 else 32, HEAD_DIM=D, BLOCK_D=block_d,
+    )
+    return out
+
+
+@triton.jit
+def _kv_indices_kernel(Table, Rows, Indptr, Indices, stride_tr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    row = tl.load(Rows + b)
+    start = tl.load(Indptr + b)
+    n = tl.load(Indptr + b + 1) - start
+    for i in range(0, n, BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(Indices + start + offs, tl.load(Table + row * stride_tr + offs, mask=mask), mask=mask)
+
+
+def build_kv_indices(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten ``table[rows[b], :seq_lens[b]]`` for every b: (indptr [B+1], indices [sum])."""
+    indptr = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=table.device)
+    indptr[1:] = torch.cumsum(seq_lens.to(torch.int64), 0)
+    total = int(indptr[-1])
+    indices = torch.empty(total, dtype=table.dtype, device=table.device)
+    if total:
+        _kv_indices_kernel[(rows.numel(),)](table, rows, indptr, indices, table.stride(0), BLOCK=512)
+    return indptr, indices
