@@ -40,6 +40,7 @@ class ModelSection:
     dtype: str = _f("auto", choices=DTYPES)
     device: str = _f("auto", choices=DEVICES)
     attention_backend: str = _f("auto", choices=ATTENTION_BACKENDS)
+    cuda_graphs: bool = _f(True)
     cache_dir: str = _f("")
     max_context_len: int = _f(0, min=0)
 
@@ -58,6 +59,7 @@ class ServerSection:
 class MemorySection:
     kv_cache_bytes: int = _f(0, min=0)
     kv_cache_tokens: int = _f(0, min=0)
+    mem_fraction: float = _f(0.85, min=0.05, max=0.98)
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,8 @@ class Settings:
             dtype=m.dtype,
             device=m.device,
             attention_backend=m.attention_backend,
+            cuda_graphs=m.cuda_graphs,
+            mem_fraction=mem.mem_fraction,
             cache_dir=m.cache_dir or None,
             kv_cache_bytes=mem.kv_cache_bytes or None,
             kv_cache_tokens=mem.kv_cache_tokens or None,

@@ -31,6 +31,10 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     kv_cache_tokens: int | None = None
     max_context_len: int | None = None
+    # On CUDA without an explicit size: share of the free memory after the weights.
+    mem_fraction: float = 0.85
+    # Capture decode steps as CUDA graphs (batch-size buckets up to max_running_requests).
+    cuda_graphs: bool = True
 
     # Radix cache.
     radix_cache: bool = True
@@ -78,6 +82,10 @@ class EngineConfig:
             or not 0.0 <= self.schedule_conservativeness <= 1.0
         ):
             raise ConfigError("schedule_conservativeness", self.schedule_conservativeness, "a number in [0, 1]")
+        if isinstance(self.mem_fraction, bool) or not isinstance(self.mem_fraction, int | float) or not 0.0 < self.mem_fraction < 1.0:
+            raise ConfigError("mem_fraction", self.mem_fraction, "a number in (0, 1)")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError("cuda_graphs", self.cuda_graphs, "true or false")
         if not isinstance(self.radix_cache, bool):
             raise ConfigError("radix_cache", self.radix_cache, "true or false")
         if not isinstance(self.policy, str) or not self.policy:

@@ -123,10 +123,6 @@ class Engine:
         self.context_len = min(self.model_cfg.context_len, config.max_context_len or 1 << 62)
         self.eos_token_ids = _eos_ids(self.model_cfg, self.tokenizer)
 
-        num_slots = self._num_slots()
-        self.allocator = SlotAllocator(num_slots)
-        self.rows = RowAllocator(config.max_running_requests)
-        self.cache = RadixCache(self.allocator, enabled=config.radix_cache)
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
@@ -136,10 +132,14 @@ class Engine:
             device=self.device,
             dtype=self.dtype,
             attention_backend=backend,
-            num_slots=num_slots,
+            kv_slots=self._kv_slots,
             max_rows=config.max_running_requests,
             max_context_len=self.context_len,
+            cuda_graphs=config.cuda_graphs,
         )
+        self.allocator = SlotAllocator(self.worker.pool.num_slots)
+        self.rows = RowAllocator(config.max_running_requests)
+        self.cache = RadixCache(self.allocator, enabled=config.radix_cache)
         if plugin_manager is None:
             from radixd.plugins import make_plugin_manager
 
@@ -167,18 +167,16 @@ class Engine:
 
     # ------------------------------------------------------------------ set-up
 
-    def _num_slots(self) -> int:
+    def _kv_slots(self, free_bytes: int | None) -> int:
+        """Pool size in slots; called by the worker once the weights are on the device
+        (``free_bytes``: the device's free memory then, None on CPU)."""
         c = self.config
         if c.kv_cache_tokens is not None and c.kv_cache_bytes is None:
             return c.kv_cache_tokens + 1
         per_token = kv_bytes_per_token(self.model_cfg.num_layers, self.model_cfg.num_kv_heads, self.model_cfg.head_dim, self.dtype)
         budget = c.kv_cache_bytes
         if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * 0.5)  # weights are not loaded yet; leave them room
-            else:
-                budget = DEFAULT_KV_BYTES_CPU
+            budget = int(free_bytes * c.mem_fraction) if free_bytes is not None else DEFAULT_KV_BYTES_CPU
         return max(2, budget // per_token + 1)
 
     def _make_policy(self, name: str):

@@ -6,6 +6,7 @@ Its ``step`` runs in the worker's own thread (one per device); the event loop ha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,13 +28,19 @@ class ModelWorker:
         device: torch.device,
         dtype: torch.dtype,
         attention_backend: str,
-        num_slots: int,
+        kv_slots: Callable[[int | None], int],
         max_rows: int,
         max_context_len: int,
+        cuda_graphs: bool = False,
     ):
         self.device = device
         self.model_cfg = model_cfg
         self.model = load_model(model_path, model_cfg, dtype, device)
+        free = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            free, _ = torch.cuda.mem_get_info(device)
+        num_slots = kv_slots(free)
         self.pool = KVPool(
             num_layers=model_cfg.num_layers,
             num_slots=num_slots,
@@ -51,12 +58,19 @@ class ModelWorker:
             head_dim=model_cfg.head_dim,
             scale=model_cfg.head_dim**-0.5,
         )
+        self.graphs = None
+        if cuda_graphs and device.type == "cuda" and attention_backend == "triton":
+            from radixd.core.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.attn, self.pool, max_batch=max_rows)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the batch; return float32 logits of the sampled requests' last tokens."""
         for row, start, slots in batch.table_writes:
             self.pool.write_table(row, start, slots)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
         self.attn.begin(batch)
         dev = self.device
         return self.model(

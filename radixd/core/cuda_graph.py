@@ -1,0 +1,79 @@
+"""CUDA graphs of the decode forward pass, one per batch-size bucket.
+
+Each graph reads static device buffers (token ids, positions, output slots, table rows,
+sequence lengths); a replay copies the batch into them, pads the bucket with dummy requests
+(row 0, length 1, writing into the pool's padding slot 0) and returns the real rows' logits.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from radixd.core.forward_batch import ForwardBatch
+
+
+def buckets_up_to(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512]
+    out = [b for b in sizes if b < max_batch]
+    return out + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, model, attn, pool, *, max_batch: int):
+        self.model = model
+        self.attn = attn
+        self.pool = pool
+        self.buckets = buckets_up_to(max_batch)
+        dev = pool.device
+        n = self.buckets[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.rows = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
+        self.logits_idx = torch.arange(n, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._capture()
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        mempool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.pool.device)
+        stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.buckets):  # largest first: scratch buffers never regrow
+                self.attn.set_decode(self.rows[:bs], self.seq_lens[:bs], self.out_cache_loc[:bs])
+                args = (self.input_ids[:bs], self.positions[:bs], self.attn, self.logits_idx[:bs])
+                for _ in range(2):  # warm up: autotuning and lazy initialisation outside capture
+                    self.model(*args)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=mempool, stream=stream):
+                    out = self.model(*args)
+                self.graphs[bs] = (graph, out)
+        torch.cuda.current_stream(self.pool.device).wait_stream(stream)
+        torch.cuda.synchronize(self.pool.device)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.batch_size <= self.buckets[-1] and all(e == 1 for e in batch.extend_lens)
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        b = batch.batch_size
+        bs = self.buckets[bisect.bisect_left(self.buckets, b)]
+        dev = self.pool.device
+        self.input_ids[:b].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:b].copy_(batch.positions, non_blocking=True)
+        self.out_cache_loc[:b].copy_(batch.out_cache_loc, non_blocking=True)
+        self.rows[:b].copy_(torch.tensor(batch.rows, dtype=torch.int64), non_blocking=True)
+        self.seq_lens[:b].copy_(torch.tensor(batch.seq_lens, dtype=torch.int64), non_blocking=True)
+        if bs > b:
+            self.input_ids[b:bs].zero_()
+            self.positions[b:bs].zero_()
+            self.out_cache_loc[b:bs].zero_()
+            self.rows[b:bs].zero_()
+            self.seq_lens[b:bs].fill_(1)
+        graph, out = self.graphs[bs]
+        graph.replay()
+        idx = torch.tensor(batch.sample_indices, dtype=torch.int64).to(dev, non_blocking=True)
+        return out[:b].index_select(0, idx)
