@@ -230,8 +230,6 @@ async def test_hook_radixd_request_finished(tiny_models):
         assert r.status_code == 404 and plugin.finished == []
 
 
-@pytest.mark.xfail(strict=True, reason="app.completions calls Tracker.done once per prompt with the whole "
-                   "request's completion count and finish reasons, so each prompt reports the total")
 async def test_request_finished_per_prompt_of_batched_completion(tiny_models):
     plugin = RequestProbe()
     async with served(tiny_models, plugin) as (state, client):
@@ -279,8 +277,6 @@ async def _call_and_disconnect(app, engine, plugin: RequestProbe, path: str, bod
             await task
 
 
-@pytest.mark.xfail(strict=True, reason="on a client disconnect the hook is not called (non-streaming) or gets "
-                   "finish_reasons [] instead of one None per sample (streaming)")
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 async def test_request_finished_on_disconnect(tiny_models, stream):
     plugin = RequestProbe()
@@ -457,8 +453,6 @@ def test_hook_radixd_step_stats(daemon_run):
     assert kv == sorted(kv)  # one more slot per step while the first request runs
 
 
-@pytest.mark.xfail(strict=True, reason="radixd.server.daemon.Daemon._on_step omits the documented "
-                   "'step_ms' key")
 def test_step_stats_step_ms(daemon_run):
     steps = [e["stats"] for e in daemon_run["events"] if e["event"] == "step"]
     assert steps and all(set(s) == STEP_KEYS for s in steps)

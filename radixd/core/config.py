@@ -9,6 +9,7 @@ from radixd.core.errors import ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -21,11 +22,13 @@ class EngineConfig:
     """
 
     model: str = "default"
-    tokenizer: str | None = None
+    tokenizer: str | None = None  # a directory; "none": token ids only, no text
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
     cache_dir: str | None = None
+    # "dummy": random weights of the checkpoint's shape, no weight files (benchmarks).
+    load_format: str = "auto"
 
     # KV memory. ``kv_cache_bytes`` wins over ``kv_cache_tokens`` when both are set.
     kv_cache_bytes: int | None = None
@@ -61,6 +64,7 @@ class EngineConfig:
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("device", self.device, DEVICES)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _one_of("load_format", self.load_format, LOAD_FORMATS)
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("model", self.model, "a checkpoint directory, a .gguf file or 'default'")
         if self.kv_cache_bytes is not None:

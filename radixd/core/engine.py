@@ -14,6 +14,7 @@ import concurrent.futures
 import itertools
 import logging
 import random
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -69,6 +70,7 @@ class Submission:
         self.rid = rid
         self.reqs = reqs
         self.prompt_tokens = prompt_tokens
+        self.n = n
         self._queue = queue
         self._left = n
 
@@ -109,7 +111,7 @@ class Engine:
     running event loop; ``await engine.stop()`` ends it.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, plugin_manager=None, tokenizer=None, **overrides):
+    def __init__(self, config: EngineConfig | None = None, *, plugin_manager=None, **overrides):
         if config is None:
             config = EngineConfig(**overrides)
         elif overrides:
@@ -119,7 +121,8 @@ class Engine:
         self.dtype = _pick_dtype(config.dtype, self.device)
         self.model_path = resolve_model(config.model, config.cache_dir)
         self.model_cfg = read_config(self.model_path)
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.tokenizer or self.model_path)
+        # None: token ids in and out only (tokenizer = "none", for benchmarks)
+        self.tokenizer = None if config.tokenizer == "none" else _load_tokenizer(config.tokenizer or self.model_path)
         self.context_len = min(self.model_cfg.context_len, config.max_context_len or 1 << 62)
         self.eos_token_ids = _eos_ids(self.model_cfg, self.tokenizer)
 
@@ -131,6 +134,7 @@ class Engine:
             model_cfg=self.model_cfg,
             device=self.device,
             dtype=self.dtype,
+            load_format=config.load_format,
             attention_backend=backend,
             kv_slots=self._kv_slots,
             max_rows=config.max_running_requests,
@@ -236,6 +240,8 @@ class Engine:
         if input_ids is None:
             if not isinstance(prompt, str):
                 raise InvalidRequest("prompt", "must be a string")
+            if self.tokenizer is None:
+                raise InvalidRequest("prompt", "this engine runs without a tokenizer: send input_ids")
             ids = self.tokenize(prompt)
         else:
             ids = list(input_ids)
@@ -244,6 +250,8 @@ class Engine:
                 raise InvalidRequest("input_ids", f"token ids must be integers in [0, {vocab})")
         if not ids:
             raise InvalidRequest("prompt", "the prompt is empty")
+        if self.tokenizer is None and params.stop:
+            raise InvalidRequest("stop", "stop strings need a tokenizer; this engine runs without one")
         if params.n > self.config.max_n:
             raise InvalidRequest("n", f"must be <= {self.config.max_n}, got {params.n}")
         if params.top_logprobs > self.config.max_top_logprobs:
@@ -303,7 +311,10 @@ class Engine:
         reqs = self._make_requests(rid, ids, params)
         for r in reqs:
             r.priority = priority
-            detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop)
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                                               stop=params.stop)
             self._streams[r] = _Stream(queue, detok)
             self.scheduler.add(r)
         self._by_rid[rid] = reqs
@@ -378,28 +389,45 @@ class Engine:
     # ------------------------------------------------------------------ the loop
 
     async def _loop(self) -> None:
+        """The batching loop. A failure of one step fails the requests in flight, never the
+        loop itself (a dead loop would leave every caller waiting forever)."""
         loop = asyncio.get_running_loop()
         while True:
-            step = self.scheduler.schedule()
-            self._report_dropped()
-            if step is None:
-                if self._stopping:
-                    return
-                self._wake.clear()
-                await self._wake.wait()
-                continue
             try:
-                out = await loop.run_in_executor(self._executor, self.worker.step, step.batch)
-            except Exception as exc:  # a failed forward fails its requests, not the engine
-                log.exception("forward pass failed; failing %d requests", len(step.reqs))
-                self._fail(step, exc)
-                continue
-            self.scheduler.process(step, out)
-            self._emit(step, out)
-            for r in self.scheduler.release_finished():
-                self._streams.pop(r, None)
-            if self.step_hook is not None:
+                if not await self._step(loop):
+                    return
+            except Exception as exc:
+                log.exception("batching step failed; failing the requests in flight")
+                self._fail_all(exc)
+
+    async def _step(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Schedule, run and process one batch; False when the engine has stopped."""
+        step = self.scheduler.schedule()
+        self._report_dropped()
+        if step is None:
+            if self._stopping:
+                return False
+            self._wake.clear()
+            await self._wake.wait()
+            return True
+        t0 = time.perf_counter()
+        try:
+            out = await loop.run_in_executor(self._executor, self.worker.step, step.batch)
+        except Exception as exc:  # a failed forward fails its requests, not the engine
+            log.exception("forward pass failed; failing %d requests", len(step.reqs))
+            self._fail(step, exc)
+            return True
+        self.scheduler.process(step, out)
+        self._emit(step, out)
+        for r in self.scheduler.release_finished():
+            self._streams.pop(r, None)
+        step.step_ms = (time.perf_counter() - t0) * 1000
+        if self.step_hook is not None:
+            try:
                 self.step_hook(step)
+            except Exception:
+                log.exception("step hook failed")
+        return True
 
     def _emit(self, step: ScheduledStep, out) -> None:
         for i, r in enumerate(step.sampled):
@@ -407,15 +435,16 @@ class Engine:
             if stream is None:
                 continue
             tok = r.output_ids[-1]
-            if r.finish_reason == "stop":  # a stop token id or EOS: its text is not output
+            detok = stream.detok
+            if r.finish_reason == "stop" or detok is None:  # a stop token id or EOS: no text
                 text = ""
             else:
-                text = stream.detok.add(tok)
-                if stream.detok.stopped:  # a stop string, even on the last allowed token
+                text = detok.add(tok)
+                if detok.stopped:  # a stop string, even on the last allowed token
                     r.finish_reason = "stop"
             finished = r.finish_reason is not None
-            if finished and not stream.detok.stopped:
-                text += stream.detok.finish()
+            if finished and detok is not None and not detok.stopped:
+                text += detok.finish()
             lp = None
             if r.params.logprobs and out.logprobs is not None:
                 top = out.top_logprobs[i][: r.params.top_logprobs] if out.top_logprobs else []
@@ -444,6 +473,12 @@ class Engine:
                                    completion_tokens=len(r.output_ids), cached_tokens=r.cached_tokens or 0)
                 )
         self.scheduler.finished.clear()
+
+    def _fail_all(self, exc: Exception) -> None:
+        for r, stream in list(self._streams.items()):
+            self.scheduler.abort(r)
+            stream.queue.put_nowait(RuntimeError(f"engine step failed: {exc!r}"))
+        self._streams.clear()
 
     def _fail(self, step: ScheduledStep, exc: Exception) -> None:
         for r in step.reqs:
@@ -500,6 +535,7 @@ def _load_tokenizer(path):
 
 
 def _eos_ids(cfg, tokenizer) -> tuple[int, ...]:
+    """EOS ids from the model's config plus the tokenizer's (if there is one)."""
     ids = list(cfg.eos_token_ids)
     tid = getattr(tokenizer, "eos_token_id", None)
     if tid is not None and tid not in ids:

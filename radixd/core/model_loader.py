@@ -129,15 +129,27 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Build radixd's model for ``cfg`` on ``device`` and fill it from the checkpoint."""
+def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+               *, random_weights: bool = False) -> torch.nn.Module:
+    """Build radixd's model for ``cfg`` on ``device`` and fill it from the checkpoint, or
+    with seeded random weights of the same shapes (``random_weights``, for benchmarks)."""
     cls = model_class(cfg)
     with torch.device("meta"):
         model = cls(cfg)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(iter_safetensors(path))
+    if random_weights:
+        model = model.to(dtype=dtype)
+        gen = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+    else:
+        model.load_weights(iter_safetensors(path))
     model = model.to(dtype=dtype).eval()
     # Rotary tables stay float32 whatever the weights' dtype.
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(device)

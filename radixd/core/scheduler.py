@@ -29,6 +29,7 @@ class ScheduledStep:
     batch: ForwardBatch
     reqs: list[Request]          # in batch order
     sampled: list[Request]       # requests that pick a token this step (batch.sample_indices)
+    step_ms: float = 0.0         # wall time of the step, set by the engine once it ran
 
 
 @dataclass

@@ -28,6 +28,7 @@ class ModelWorker:
         device: torch.device,
         dtype: torch.dtype,
         attention_backend: str,
+        load_format: str = "auto",
         kv_slots: Callable[[int | None], int],
         max_rows: int,
         max_context_len: int,
@@ -35,7 +36,7 @@ class ModelWorker:
     ):
         self.device = device
         self.model_cfg = model_cfg
-        self.model = load_model(model_path, model_cfg, dtype, device)
+        self.model = load_model(model_path, model_cfg, dtype, device, random_weights=load_format == "dummy")
         free = None
         if device.type == "cuda":
             torch.cuda.synchronize(device)

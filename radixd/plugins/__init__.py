@@ -53,6 +53,7 @@ def make_plugin_manager(
             pm.load_setuptools_entrypoints(PROJECT)
     for obj in extra:
         pm.register(obj)
+    pm.check_pending()  # a misspelled radixd_* hook is an error, not a silent no-op
     return pm
 
 

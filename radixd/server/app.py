@@ -189,8 +189,12 @@ def submit(st: ServerState, request: Request, *, params: SamplingParams, prompt:
         raise ApiError(503, str(exc), code="shutting_down") from exc
     info = request.scope["state"]["radixd"]
     info["prompt_tokens"] = info.get("prompt_tokens", 0) + sub.prompt_tokens
-    st.plugins.hook.radixd_request_received(rid=sub.rid, route=request.url.path, prompt_tokens=sub.prompt_tokens,
-                                            params=params)
+    try:
+        st.plugins.hook.radixd_request_received(rid=sub.rid, route=request.url.path,
+                                                prompt_tokens=sub.prompt_tokens, params=params)
+    except BaseException:
+        sub.close()  # a failing plugin must not leave the request queued
+        raise
     return sub
 
 
@@ -199,18 +203,29 @@ def _api_param(field_name: str) -> str:
 
 
 class Tracker:
-    """Per-request timing and usage: TTFT, inter-token gaps, token counts -> metrics + log."""
+    """Timing and usage of one HTTP request's submissions: TTFT, inter-token gaps, token
+    counts per submission -> metrics, the access log and ``radixd_request_finished``."""
 
-    def __init__(self, st: ServerState, request: Request):
+    def __init__(self, st: ServerState, request: Request, subs: list[Submission]):
         self.st = st
+        self.subs = subs
         self.info = request.scope["state"]["radixd"]
         self.t0 = self.info["start"]
         self.last: float | None = None
-        self.completion = 0
-        self.cached = 0
-        self.finished: list[tuple[str, str | None]] = []
+        self.tokens = [0] * len(subs)
+        self.cached_of = [0] * len(subs)          # prompt tokens served from the cache, per prompt
+        self.reasons: list[dict[int, str | None]] = [{} for _ in subs]
+        self._done = False
 
-    def see(self, out: GenerateOutput) -> None:
+    @property
+    def completion(self) -> int:
+        return sum(self.tokens)
+
+    @property
+    def cached(self) -> int:
+        return sum(self.cached_of)
+
+    def see(self, out: GenerateOutput, i: int = 0) -> None:
         now = time.perf_counter()
         if out.token_ids:
             m = self.st.metrics
@@ -221,22 +236,28 @@ class Tracker:
                 m.itl.observe(now - self.last)
             self.last = now
             m.generation_tokens.inc(len(out.token_ids))
-        self.completion += len(out.token_ids)
+        self.tokens[i] += len(out.token_ids)
         if out.finished:
-            self.cached += out.cached_tokens
-            self.finished.append((str(out.index), out.finish_reason))
+            self.reasons[i][out.index] = out.finish_reason
+            if out.index == 0:  # the sample that computed (or read) the prompt
+                self.cached_of[i] = out.cached_tokens
 
-    def done(self, prompt_tokens: int, rid: str) -> None:
+    def done(self) -> None:
+        """Report once, also when the client left early (unfinished samples: None)."""
+        if self._done:
+            return
+        self._done = True
         m = self.st.metrics
         self.info["completion_tokens"] = self.completion
         self.info["cached_tokens"] = self.cached
-        m.prompt_tokens.inc(prompt_tokens)
         m.cached_tokens.inc(self.cached)
         m.e2e.observe(time.perf_counter() - self.t0)
-        self.st.plugins.hook.radixd_request_finished(
-            rid=rid, prompt_tokens=prompt_tokens, completion_tokens=self.completion, cached_tokens=self.cached,
-            finish_reasons=[r for _, r in self.finished],
-        )
+        for i, sub in enumerate(self.subs):
+            m.prompt_tokens.inc(sub.prompt_tokens)
+            self.st.plugins.hook.radixd_request_finished(
+                rid=sub.rid, prompt_tokens=sub.prompt_tokens, completion_tokens=self.tokens[i],
+                cached_tokens=self.cached_of[i], finish_reasons=[self.reasons[i].get(j) for j in range(sub.n)],
+            )
 
 
 async def until_disconnect(request: Request) -> None:
@@ -250,14 +271,15 @@ async def until_disconnect(request: Request) -> None:
 async def collect(subs: list[Submission], request: Request, tracker: Tracker) -> list[list[GenerateOutput]]:
     """Run submissions to completion, aborting them all if the client disconnects."""
 
-    async def drain(sub: Submission) -> list[GenerateOutput]:
+    async def drain(i: int, sub: Submission) -> list[GenerateOutput]:
         outs = []
         async for out in sub:
-            tracker.see(out)
+            tracker.see(out, i)
             outs.append(out)
         return outs
 
-    work = asyncio.ensure_future(asyncio.gather(*(drain(s) for s in subs)))
+    work = asyncio.ensure_future(asyncio.gather(*(drain(i, s) for i, s in enumerate(subs))))
+    work.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
     watch = asyncio.ensure_future(until_disconnect(request))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -357,14 +379,16 @@ async def chat_completions(request: Request) -> Response:
     except Exception as exc:  # templates raise on e.g. a bad role order
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
     sub = submit(st, request, params=parsed.params, input_ids=ids, priority=parsed.priority)
-    tracker = Tracker(st, request)
+    tracker = Tracker(st, request, [sub])
     cid = f"chatcmpl-{sub.rid}"
     created = int(time.time())
     tok = st.engine.tokenizer
 
     if not parsed.stream:
-        outs = (await collect([sub], request, tracker))[0]
-        tracker.done(sub.prompt_tokens, sub.rid)
+        try:
+            outs = (await collect([sub], request, tracker))[0]
+        finally:
+            tracker.done()
         choices = []
         for i in range(parsed.params.n):
             mine = [o for o in outs if o.index == i]
@@ -374,10 +398,9 @@ async def chat_completions(request: Request) -> Response:
                 "logprobs": chat_logprobs(tok, mine) if parsed.params.logprobs else None,
                 "finish_reason": mine[-1].finish_reason,
             })
-        cached = sum(o.cached_tokens for o in outs if o.finished)
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": st.model_name,
-            "choices": choices, "usage": usage(sub.prompt_tokens, tracker.completion, cached),
+            "choices": choices, "usage": usage(sub.prompt_tokens, tracker.completion, tracker.cached),
             "system_fingerprint": f"radixd-{__version__}",
         })
 
@@ -400,7 +423,7 @@ async def chat_completions(request: Request) -> Response:
             yield {"data": "[DONE]"}
         finally:
             sub.close()
-            tracker.done(sub.prompt_tokens, sub.rid)
+            tracker.done()
 
     return EventSourceResponse(events(), ping=15)
 
@@ -431,16 +454,17 @@ async def completions(request: Request) -> Response:
         raise
     tok = st.engine.tokenizer
     n = parsed.params.n
-    tracker = Tracker(st, request)
+    tracker = Tracker(st, request, subs)
     cid = f"cmpl-{subs[0].rid}"
     created = int(time.time())
     prompt_total = sum(s.prompt_tokens for s in subs)
     echoes = [(p if isinstance(p, str) else tok.decode(p)) if echo else "" for p in prompts]
 
     if not parsed.stream:
-        results = await collect(subs, request, tracker)
-        for s in subs:
-            tracker.done(s.prompt_tokens, s.rid)
+        try:
+            results = await collect(subs, request, tracker)
+        finally:
+            tracker.done()
         choices = []
         for pi, outs in enumerate(results):
             for i in range(n):
@@ -450,9 +474,8 @@ async def completions(request: Request) -> Response:
                     "logprobs": completion_logprobs(tok, mine, len(echoes[pi])) if parsed.params.logprobs else None,
                     "finish_reason": mine[-1].finish_reason,
                 })
-        cached = sum(o.cached_tokens for outs in results for o in outs if o.finished)
         return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": st.model_name,
-                             "choices": choices, "usage": usage(prompt_total, tracker.completion, cached)})
+                             "choices": choices, "usage": usage(prompt_total, tracker.completion, tracker.cached)})
 
     async def events():
         base = {"id": cid, "object": "text_completion", "created": created, "model": st.model_name}
@@ -464,7 +487,7 @@ async def completions(request: Request) -> Response:
                         yield sse({**base, "choices": [{"index": pi * n + i, "text": echoes[pi], "logprobs": None,
                                                         "finish_reason": None}]})
             async for pi, out in merged(subs):
-                tracker.see(out)
+                tracker.see(out, pi)
                 idx = pi * n + out.index
                 lp = None
                 if parsed.params.logprobs:
@@ -479,7 +502,7 @@ async def completions(request: Request) -> Response:
         finally:
             for s in subs:
                 s.close()
-                tracker.done(s.prompt_tokens, s.rid)
+            tracker.done()
 
     return EventSourceResponse(events(), ping=15)
 
@@ -504,7 +527,7 @@ async def native_generate(request: Request) -> Response:
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ApiError(400, "'priority' must be an integer", param="priority")
     sub = submit(st, request, params=params, prompt=text, input_ids=ids, priority=priority)
-    tracker = Tracker(st, request)
+    tracker = Tracker(st, request, [sub])
 
     def item(i: int, text: str, ids: list[int], last: GenerateOutput | None) -> dict:
         return {"index": i, "text": text, "output_ids": ids, "meta_info": {
@@ -513,8 +536,10 @@ async def native_generate(request: Request) -> Response:
             "cached_tokens": last.cached_tokens if last else 0}}
 
     if not stream:
-        outs = (await collect([sub], request, tracker))[0]
-        tracker.done(sub.prompt_tokens, sub.rid)
+        try:
+            outs = (await collect([sub], request, tracker))[0]
+        finally:
+            tracker.done()
         items = []
         for i in range(params.n):
             mine = [o for o in outs if o.index == i]
@@ -533,7 +558,7 @@ async def native_generate(request: Request) -> Response:
             yield {"data": "[DONE]"}
         finally:
             sub.close()
-            tracker.done(sub.prompt_tokens, sub.rid)
+            tracker.done()
 
     return EventSourceResponse(events(), ping=15)
 

@@ -106,7 +106,8 @@ class Daemon:
         prefill = sum(n for n in b.extend_lens if n > 1)
         stats = {"batch_size": b.batch_size, "prefill_tokens": prefill, "decode_tokens": b.num_tokens - prefill,
                  "running": len(st.engine.scheduler.running), "waiting": len(st.engine.scheduler.waiting),
-                 "kv_usage": 1.0 - st.engine.allocator.available / st.engine.allocator.total}
+                 "kv_usage": 1.0 - st.engine.allocator.available / st.engine.allocator.total,
+                 "step_ms": step.step_ms}
         st.plugins.hook.radixd_step_stats(stats=stats)
 
     # ------------------------------------------------------------------ signals
