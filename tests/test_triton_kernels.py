@@ -118,3 +118,58 @@ async def test_engine_with_triton_backend_matches_transformers(tiny_models, arch
             assert_greedy_matches(path, p, got, 6)
     finally:
         await eng.stop()
+
+
+# ------------------------------------------------------------------------ fused element-wise ops
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rmsnorm_kernel(with_residual):
+    from radixd.core.triton_ops import add_rmsnorm
+
+    dtype = torch.bfloat16 if GPU else torch.float32
+    dim = 4096 if GPU else 96
+    x = torch.randn(37, dim, device=DEV).to(dtype)
+    w = torch.randn(dim, device=DEV).to(dtype)
+    res = torch.randn(37, dim, device=DEV).to(dtype) if with_residual else None
+    ref_sum = (x.double() + res.double()) if with_residual else x.double()
+    ref = ref_sum * torch.rsqrt(ref_sum.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    out, new_res = add_rmsnorm(x, w, 1e-5, res.clone() if with_residual else None, use_triton=True)
+    assert rel_err(out, ref) < (2e-2 if GPU else 1e-5)
+    assert rel_err(new_res, ref_sum) < (1e-2 if GPU else 1e-6)
+
+
+def test_silu_mul_kernel():
+    from radixd.core.triton_ops import silu_mul
+
+    dtype = torch.bfloat16 if GPU else torch.float32
+    x = torch.randn(9, 2 * (14336 if GPU else 1100), device=DEV).to(dtype)
+    gate, up = x.double().chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    assert rel_err(silu_mul(x, use_triton=True), ref) < (2e-2 if GPU else 1e-5)
+
+
+def test_rope_store_kernel():
+    from radixd.core.models.layers import Rotary
+    from radixd.core.triton_ops import rope_store
+
+    dtype = torch.bfloat16 if GPU else torch.float32
+    T, H, Hkv, D = 11, 8, 2, 64
+    rot = Rotary(D, 4096, 500000.0, None).to(DEV)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, device=DEV).to(dtype)
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)  # strided views, as in the model
+    q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+    pos = torch.randint(0, 4000, (T,), device=DEV)
+    ref_q, ref_k = rot(pos, q.double(), k.double())
+    kb = torch.zeros(50, Hkv, D, device=DEV, dtype=dtype)
+    vb = torch.zeros_like(kb)
+    loc = torch.randperm(49, device=DEV)[:T] + 1
+    q_in = q.clone()
+    rope_store(q_in, k, v, pos, rot.cos, rot.sin, kb, vb, loc)
+    tol = 1e-2 if GPU else 1e-6
+    assert rel_err(q_in, ref_q) < tol
+    assert rel_err(kb[loc], ref_k) < tol
+    assert torch.equal(vb[loc], v)
+    untouched = torch.ones(50, dtype=torch.bool, device=DEV)
+    untouched[loc] = False
+    assert not kb[untouched].any() and not vb[untouched].any()

@@ -19,8 +19,10 @@ class AttentionBackend(Protocol):
     def begin(self, batch: ForwardBatch) -> None:
         """Prepare per-batch metadata (index arrays, masks) shared by all layers."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-        """``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] for the batch's new tokens -> [T, H, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                positions: torch.Tensor, rotary) -> torch.Tensor:
+        """``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] for the batch's new tokens, before rotary:
+        apply ``rotary`` at ``positions``, store K/V in the pool, attend -> [T, H, D]."""
 
 
 def make_backend(name: str, pool: KVPool, *, num_heads: int, head_dim: int, scale: float) -> AttentionBackend:

@@ -49,7 +49,9 @@ class TorchAttention:
             self.decode_kv_idx = kv_idx
             self.decode_mask = valid[:, None, None, :]          # [Bd, 1, 1, L]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                positions: torch.Tensor, rotary) -> torch.Tensor:
+        q, k = rotary(positions, q, k)
         self.pool.store(layer, self.out_cache_loc, k, v)
         k_buf = self.pool.k_buffers[layer]
         v_buf = self.pool.v_buffers[layer]

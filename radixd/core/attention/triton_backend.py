@@ -12,6 +12,7 @@ import torch
 from radixd.core.attention.triton_kernels import decode_attention, extend_attention
 from radixd.core.forward_batch import ForwardBatch
 from radixd.core.kv_pool import KVPool
+from radixd.core.triton_ops import rope_store
 
 
 class TritonAttention:
@@ -60,9 +61,10 @@ class TritonAttention:
         self.q_starts = torch.tensor(starts, dtype=torch.int64).to(dev, non_blocking=True)
         self.max_extend = max(batch.extend_lens)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-        self.pool.store(layer, self.out_cache_loc, k, v)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                positions: torch.Tensor, rotary) -> torch.Tensor:
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
+        rope_store(q, k, v, positions, rotary.cos, rotary.sin, k_buf, v_buf, self.out_cache_loc)
         table = self.pool.req_to_token
         if self.decode:
             return decode_attention(q, k_buf, v_buf, table, self.rows, self.seq_lens, self.scale,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixd.core.attention import AttentionBackend
+from radixd.core.triton_ops import add_rmsnorm, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -18,10 +18,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return add_rmsnorm(x, self.weight, self.eps)[0]
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual += x`` (in place), then normalise it: one fused kernel on CUDA."""
+        return add_rmsnorm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -79,8 +80,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class Attention(nn.Module):
@@ -107,8 +107,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        o = attn.forward(q, k, v, self.layer)
+        o = attn.forward(q, k, v, self.layer, positions, rotary)
         return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
 
 
@@ -120,6 +119,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, positions, rotary, attn):
-        h = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, positions, rotary, attn):
+        """Pre-norm block with the residual carried separately (so each norm fuses the add):
+        returns the block's output and the running residual stream."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_add(x, residual)
+        h = self.self_attn(h, positions, rotary, attn)
+        h, residual = self.post_attention_layernorm.forward_add(h, residual)
+        return self.mlp(h), residual

@@ -53,9 +53,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits (float32) at ``logits_indices`` of the flat token axis."""
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, attn)
-        x = self.norm(x[logits_indices])
+            x, residual = layer(x, residual, positions, self.rotary, attn)
+        x, _ = self.norm.forward_add(x[logits_indices], residual[logits_indices])
         return self.lm_head(x).float()
 
     # ------------------------------------------------------------------ weights

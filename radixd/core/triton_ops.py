@@ -1,0 +1,127 @@
+"""Fused element-wise kernels for the decoder block (Triton), each replacing a chain of
+small torch ops, with torch fallbacks used on CPU:
+
+* ``add_rmsnorm``: residual += x; out = RMSNorm(residual) (or just RMSNorm(x)).
+* ``rope_store``: rotate q in place and write rotated k and v into the KV pool slots.
+* ``silu_mul``: SiLU(gate) * up from the fused gate/up projection.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rmsnorm_kernel(X, R, W, Out, stride_x, stride_r, stride_o, N, eps,
+                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(R + row * stride_r + offs, x.to(R.dtype.element_ty), mask=mask)
+    var = tl.sum(x * x, 0) / N
+    w = tl.load(W + offs, mask=mask, other=0.0)
+    y = (x * tl.rsqrt(var + eps)).to(Out.dtype.element_ty) * w
+    tl.store(Out + row * stride_o + offs, y, mask=mask)
+
+
+def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                residual: torch.Tensor | None = None, *, use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (RMSNorm(x + residual), x + residual); the sum is written into ``residual``
+    in place. Without ``residual``: (RMSNorm(x), x). Rows are the last dimension.
+    ``use_triton``: None picks the kernel on CUDA and torch ops elsewhere."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if not (x.is_cuda if use_triton is None else use_triton):
+        if residual is not None:
+            residual.add_(x)
+            x2 = residual.reshape(-1, shape[-1])
+        xf = x2.float()
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+        return y.reshape(shape), (residual if residual is not None else x)
+    out = torch.empty_like(x2)
+    r2 = residual.reshape(-1, shape[-1]) if residual is not None else x2
+    n = shape[-1]
+    _add_rmsnorm_kernel[(x2.shape[0],)](
+        x2, r2, weight, out, x2.stride(0), r2.stride(0), out.stride(0), n, eps,
+        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8,
+    )
+    return out.reshape(shape), (residual if residual is not None else x)
+
+
+@triton.jit
+def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, KBuf, VBuf, Loc,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                       stride_cos, stride_bn, stride_bh, stride_vbn, stride_vbh,
+                       H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr):
+    t = tl.program_id(0)
+    pos = tl.load(Pos + t)
+    loc = tl.load(Loc + t)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask_d = offs < HALF
+    cos = tl.load(Cos + pos * stride_cos + offs, mask=mask_d, other=0.0)
+    sin = tl.load(Sin + pos * stride_cos + offs, mask=mask_d, other=0.0)
+    hq = tl.arange(0, BLOCK_H)
+    mq = (hq < H)[:, None] & mask_d[None, :]
+    q1p = Q + t * stride_qt + hq[:, None] * stride_qh + offs[None, :]
+    q1 = tl.load(q1p, mask=mq, other=0.0).to(tl.float32)
+    q2 = tl.load(q1p + HALF, mask=mq, other=0.0).to(tl.float32)
+    tl.store(q1p, (q1 * cos - q2 * sin).to(Q.dtype.element_ty), mask=mq)
+    tl.store(q1p + HALF, (q2 * cos + q1 * sin).to(Q.dtype.element_ty), mask=mq)
+    hk = tl.arange(0, BLOCK_HKV)
+    mk = (hk < HKV)[:, None] & mask_d[None, :]
+    k1p = K + t * stride_kt + hk[:, None] * stride_kh + offs[None, :]
+    k1 = tl.load(k1p, mask=mk, other=0.0).to(tl.float32)
+    k2 = tl.load(k1p + HALF, mask=mk, other=0.0).to(tl.float32)
+    kb = KBuf + loc * stride_bn + hk[:, None] * stride_bh + offs[None, :]
+    tl.store(kb, (k1 * cos - k2 * sin).to(KBuf.dtype.element_ty), mask=mk)
+    tl.store(kb + HALF, (k2 * cos + k1 * sin).to(KBuf.dtype.element_ty), mask=mk)
+    vp = V + t * stride_vt + hk[:, None] * stride_vh + offs[None, :]
+    vb = VBuf + loc * stride_vbn + hk[:, None] * stride_vbh + offs[None, :]
+    tl.store(vb, tl.load(vp, mask=mk, other=0.0).to(VBuf.dtype.element_ty), mask=mk)
+    tl.store(vb + HALF, tl.load(vp + HALF, mask=mk, other=0.0).to(VBuf.dtype.element_ty), mask=mk)
+
+
+def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+               loc: torch.Tensor) -> None:
+    """Neox-style rotary on ``q`` [T, H, D] (in place) and ``k`` [T, Hkv, D]; rotated k and
+    v go to ``k_buf[loc]``/``v_buf[loc]``. ``cos``/``sin``: [max_pos, D/2] float32."""
+    T, H, D = q.shape
+    hkv = k.shape[1]
+    half = D // 2
+    _rope_store_kernel[(T,)](
+        q, k, v, positions, cos, sin, k_buf, v_buf, loc,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        H=H, HKV=hkv, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_H=triton.next_power_of_2(H), BLOCK_HKV=triton.next_power_of_2(hkv),
+    )
+
+
+@triton.jit
+def _silu_mul_kernel(X, Out, stride_x, stride_o, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < N
+    g = tl.load(X + row * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X + row * stride_x + N + col, mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(Out + row * stride_o + col, y.to(Out.dtype.element_ty), mask=mask)
+
+
+def silu_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> SiLU(gate) * up, [T, I]."""
+    n = x.shape[-1] // 2
+    if not (x.is_cuda if use_triton is None else use_triton):
+        gate, up = x.split(n, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
+    return out
