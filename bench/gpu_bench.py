@@ -63,13 +63,15 @@ VOCAB_HI = 40000  # random prompt token ids below every shape's vocabulary
 def engine(path: str, **kw) -> Engine:
     if DEVICE["name"] == "cpu":  # a smoke run of the script's logic: torch backend, fp32
         kw.update(attention_backend="torch", cuda_graphs=False)
-        return Engine(model=path, tokenizer="none", load_format="dummy", dtype="float32", device="cpu",
+        kw["dtype"] = "float32"
+        return Engine(model=path, tokenizer="none", load_format="dummy", device="cpu",
                       **{"kv_cache_tokens": 40_000, "max_running_requests": 64, **kw})
     kw.setdefault("kv_cache_tokens", 300_000)
     kw.setdefault("max_running_requests", 256)
     kw.setdefault("max_prefill_tokens", 16384)
     kw.setdefault("chunked_prefill_size", 8192)
-    return Engine(model=path, tokenizer="none", load_format="dummy", dtype="bfloat16", device="cuda", **kw)
+    kw.setdefault("dtype", "bfloat16")
+    return Engine(model=path, tokenizer="none", load_format="dummy", device="cuda", **kw)
 
 
 def free() -> None:
@@ -140,14 +142,23 @@ def _manual_logits(eng: Engine, prompt: list[int], steps: int, tokens: list[int]
 
 
 def correct(args, ctx) -> dict:
-    path = ctx["path"]
-    fast = engine(path, kv_cache_tokens=8192, max_running_requests=8)
+    out = {dtype: _correct(ctx["path"], dtype) for dtype in ("bfloat16", "float32")}
+    out["ok"] = all(v["ok"] for v in out.values())
+    return out
+
+
+def _correct(path: str, dtype: str) -> dict:
+    """Triton backend (+CUDA graphs) against the torch backend, teacher-forced on the fast
+    path's greedy tokens. float32 isolates the kernels from bf16 rounding (Triton's fp32 dot
+    uses TF32, so ~1e-3 is expected there)."""
+    fast = engine(path, kv_cache_tokens=8192, max_running_requests=8, dtype=dtype)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, VOCAB_HI) for _ in range(n)] for n in (7, 300, 1500)]
     runs = [_manual_logits(fast, p, 24, None) for p in prompts]
     fast = None
     free()
-    ref = engine(path, kv_cache_tokens=8192, max_running_requests=8, attention_backend="torch", cuda_graphs=False)
+    ref = engine(path, kv_cache_tokens=8192, max_running_requests=8, attention_backend="torch", cuda_graphs=False,
+                 dtype=dtype)
     res = []
     for p, (logits, chosen) in zip(prompts, runs, strict=True):
         ref_logits, _ = _manual_logits(ref, p, 24, chosen)  # teacher-forced on the fast path's tokens
@@ -163,8 +174,9 @@ def correct(args, ctx) -> dict:
                     "argmax_equal": agree, "near_ties": margin_ok})
     ref = None
     free()
-    ok = all(r["max_rel_err"] < 2e-2 and r["argmax_equal"] + r["near_ties"] == r["steps"] for r in res)
-    return {"ok": ok, "cases": res}
+    tol = 1e-1 if dtype == "bfloat16" else 1e-2
+    ok = all(r["max_rel_err"] < tol and r["argmax_equal"] + r["near_ties"] == r["steps"] for r in res)
+    return {"ok": ok, "tolerance": tol, "cases": res}
 
 
 async def _run_batch(eng: Engine, prompts: list[list[int]], new: int) -> dict:
