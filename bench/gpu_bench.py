@@ -211,7 +211,7 @@ def decode(args, ctx) -> dict:
                 _instrument(eng, gpu_times)
             r = loop.run_until_complete(_run_batch(eng, prompts, 128))
             if bs == 64:
-                _uninstrument(eng)
+                _uninstrument(eng, gpu_times)
             dec_t = r["end"] - r["all_first"]
             dec_tok_s = bs * 127 / dec_t
             avg_ctx = 512 + 64
@@ -236,31 +236,35 @@ def decode(args, ctx) -> dict:
     return out
 
 
-def _instrument(eng: Engine, sink: list[float]) -> None:
-    """Time each worker step on the GPU (events around it) to compare with wall time."""
+def _instrument(eng: Engine, sink: list) -> None:
+    """Bracket each launched step with CUDA events (no synchronisation, so overlap stays):
+    the time between the pair is the device's time on that step; summed and compared with
+    the wall time of the decode phase it gives the device's idle share."""
     w = eng.worker
-    orig = w.step
+    orig = w.launch
 
-    def timed(batch):
+    def timed(batch, prev=None):
         if DEVICE["name"] == "cpu":
             t = time.perf_counter()
-            res = orig(batch)
+            res = orig(batch, prev)
             sink.append(time.perf_counter() - t)
             return res
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        res = orig(batch)  # .tolist() inside synchronizes
+        res = orig(batch, prev)
         b.record()
-        b.synchronize()
-        sink.append(a.elapsed_time(b) / 1000)
+        sink.append((a, b))
         return res
 
-    w._orig_step = orig
-    w.step = timed
+    w._orig_launch = orig
+    w.launch = timed
 
 
-def _uninstrument(eng: Engine) -> None:
-    eng.worker.step = eng.worker._orig_step
+def _uninstrument(eng: Engine, sink: list) -> None:
+    eng.worker.launch = eng.worker._orig_launch
+    if DEVICE["name"] != "cpu":
+        torch.cuda.synchronize()
+        sink[:] = [a.elapsed_time(b) / 1000 for a, b in sink]
 
 
 def prefill(args, ctx) -> dict:

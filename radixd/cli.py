@@ -26,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
+    from radixd.bench import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser("bench", help="the serving benchmark: a server over HTTP, the engine or the hf peer")
+    add_bench_arguments(bench)
     return p
 
 
@@ -75,7 +79,17 @@ def main(argv: list[str] | None = None) -> int:
         import asyncio
 
         return asyncio.run(_generate(args))
+    if args.command == "bench":
+        from radixd.bench import main as bench_main
+
+        return bench_main(args, _bench_argv(argv))
     return 2
+
+
+def _bench_argv(argv: list[str] | None) -> list[str]:
+    """The words after ``bench`` (recorded in the JSON report)."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    return words[words.index("bench") + 1:] if "bench" in words else words
 
 
 async def _generate(args) -> int:

@@ -288,3 +288,31 @@ def test_missing_tensor_is_an_error(tmp_path):
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(KeyError, match="lacks 1 tensors"):
         Engine(model=str(path), kv_cache_tokens=64)
+
+
+async def test_overlap_schedule_launches_ahead_and_matches_sync(tiny_models):
+    """With overlap on, decode inputs come from the previous step's picks on the device
+    (placeholders); outputs equal the synchronous schedule's, preemption and stops included."""
+    path = tiny_models["llama"]
+    results = {}
+    for overlap in (True, False):
+        eng = make_engine(path, overlap_schedule=overlap, kv_cache_tokens=150, schedule_conservativeness=0.0)
+        placeholders = 0
+
+        def hook(step, eng=eng):
+            nonlocal placeholders
+            placeholders += len(step.batch.placeholder_pos)
+            eng.check_accounting()
+
+        eng.step_hook = hook
+        try:
+            ps = prompts(4, 30, seed=5)
+            outs = await asyncio.gather(*(collect(eng, p, 30 - 3 * i) for i, p in enumerate(ps)))
+            results[overlap] = outs
+            assert eng.scheduler.stats.preemptions > 0
+            assert (placeholders > 0) == overlap
+            assert [len(o) for o in outs] == [30, 27, 24, 21]  # no extra token from a launched-ahead step
+            await assert_idle(eng)
+        finally:
+            await eng.stop()
+    assert results[True] == results[False]

@@ -49,6 +49,8 @@ class EngineConfig:
     chunked_prefill_size: int = 2048
     max_queued_requests: int = 1024
     lpm_dedup_min_tokens: int = 32
+    # Launch step N+1 before reading step N's picks (the device never waits for the host).
+    overlap_schedule: bool = True
     # Fraction of each running request's remaining max_new_tokens kept free when admitting.
     schedule_conservativeness: float = 0.3
 
@@ -88,6 +90,8 @@ class EngineConfig:
             raise ConfigError("schedule_conservativeness", self.schedule_conservativeness, "a number in [0, 1]")
         if isinstance(self.mem_fraction, bool) or not isinstance(self.mem_fraction, int | float) or not 0.0 < self.mem_fraction < 1.0:
             raise ConfigError("mem_fraction", self.mem_fraction, "a number in (0, 1)")
+        if not isinstance(self.overlap_schedule, bool):
+            raise ConfigError("overlap_schedule", self.overlap_schedule, "true or false")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError("cuda_graphs", self.cuda_graphs, "true or false")
         if not isinstance(self.radix_cache, bool):

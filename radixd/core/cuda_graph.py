@@ -58,11 +58,11 @@ class DecodeGraphs:
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.batch_size <= self.buckets[-1] and all(e == 1 for e in batch.extend_lens)
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
+    def run(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
         b = batch.batch_size
         bs = self.buckets[bisect.bisect_left(self.buckets, b)]
         dev = self.pool.device
-        self.input_ids[:b].copy_(batch.input_ids, non_blocking=True)
+        self.input_ids[:b].copy_(input_ids, non_blocking=True)
         self.positions[:b].copy_(batch.positions, non_blocking=True)
         self.out_cache_loc[:b].copy_(batch.out_cache_loc, non_blocking=True)
         self.rows[:b].copy_(torch.tensor(batch.rows, dtype=torch.int64), non_blocking=True)

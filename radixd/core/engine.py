@@ -29,7 +29,7 @@ from radixd.core.model_loader import read_config, resolve_model
 from radixd.core.radix_cache import RadixCache
 from radixd.core.request import Group, Request
 from radixd.core.sampling_params import SamplingParams
-from radixd.core.scheduler import ScheduledStep, Scheduler
+from radixd.core.scheduler import NEED_SYNC, ScheduledStep, Scheduler
 from radixd.core.worker import ModelWorker
 
 log = logging.getLogger("radixd.engine")
@@ -166,6 +166,7 @@ class Engine:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"radixd-worker-{self.device}")
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._inflight = None  # (step, picks on the device, launch time) not yet read back
         self._stopping = False
         self.step_hook = None  # optional callable(ScheduledStep), for tests and statistics
 
@@ -401,9 +402,17 @@ class Engine:
                 self._fail_all(exc)
 
     async def _step(self, loop: asyncio.AbstractEventLoop) -> bool:
-        """Schedule, run and process one batch; False when the engine has stopped."""
-        step = self.scheduler.schedule()
+        """Schedule and launch one batch, then finish the one launched before it (overlap:
+        the device runs step N+1 while the loop reads step N's picks and streams them).
+        False when the engine has stopped."""
+        prev = self._inflight
+        inflight = frozenset(prev[0].reqs) if prev else frozenset()
+        step = self.scheduler.schedule(inflight)
         self._report_dropped()
+        if step is NEED_SYNC or (step is None and prev is not None):
+            self._inflight = None
+            await self._finish(loop, prev, frozenset())
+            return True
         if step is None:
             if self._stopping:
                 return False
@@ -411,15 +420,38 @@ class Engine:
             await self._wake.wait()
             return True
         t0 = time.perf_counter()
+        if step.placeholder_reqs:
+            src = {r: i for i, r in enumerate(prev[0].sampled)}
+            step.batch.placeholder_src = [src[r] for r in step.placeholder_reqs]
         try:
-            out = await loop.run_in_executor(self._executor, self.worker.step, step.batch)
+            picks = await loop.run_in_executor(self._executor, self.worker.launch, step.batch,
+                                               prev[1] if prev else None)
         except Exception as exc:  # a failed forward fails its requests, not the engine
             log.exception("forward pass failed; failing %d requests", len(step.reqs))
+            self.scheduler.rollback(step)
             self._fail(step, exc)
             return True
-        self.scheduler.process(step, out)
-        self._emit(step, out)
-        for r in self.scheduler.release_finished():
+        self._inflight = (step, picks, t0)
+        if prev is not None:
+            await self._finish(loop, prev, frozenset(step.reqs))
+        if not self.config.overlap_schedule:
+            self._inflight = None
+            await self._finish(loop, (step, picks, t0), frozenset())
+        return True
+
+    async def _finish(self, loop, launched, inflight: frozenset) -> None:
+        """Read a launched step's picks, stream them, release what finished."""
+        step, picks, t0 = launched
+        try:
+            out = await loop.run_in_executor(self._executor, self.worker.resolve, picks)
+        except Exception as exc:
+            log.exception("forward pass failed; failing %d requests", len(step.reqs))
+            self.scheduler.rollback(step)
+            self._fail(step, exc)
+            return
+        accepted = self.scheduler.process(step, out)
+        self._emit(step, out, accepted)
+        for r in self.scheduler.release_finished(inflight):
             self._streams.pop(r, None)
         step.step_ms = (time.perf_counter() - t0) * 1000
         if self.step_hook is not None:
@@ -427,14 +459,14 @@ class Engine:
                 self.step_hook(step)
             except Exception:
                 log.exception("step hook failed")
-        return True
 
-    def _emit(self, step: ScheduledStep, out) -> None:
-        for i, r in enumerate(step.sampled):
+    def _emit(self, step: ScheduledStep, out, accepted: list[int]) -> None:
+        for i in accepted:
+            r = step.sampled[i]
             stream = self._streams.get(r)
             if stream is None:
                 continue
-            tok = r.output_ids[-1]
+            tok = out.next_tokens[i]
             detok = stream.detok
             if r.finish_reason == "stop" or detok is None:  # a stop token id or EOS: no text
                 text = ""
@@ -458,7 +490,7 @@ class Engine:
                     finish_reason=r.finish_reason,
                     logprobs=lp,
                     prompt_tokens=len(r.prompt_ids),
-                    completion_tokens=len(r.output_ids),
+                    completion_tokens=r.num_output,
                     cached_tokens=r.cached_tokens or 0,
                 )
             )
@@ -470,11 +502,14 @@ class Engine:
             if stream is not None:
                 stream.queue.put_nowait(
                     GenerateOutput(r.index, [], "", True, r.finish_reason, prompt_tokens=len(r.prompt_ids),
-                                   completion_tokens=len(r.output_ids), cached_tokens=r.cached_tokens or 0)
+                                   completion_tokens=r.num_output, cached_tokens=r.cached_tokens or 0)
                 )
         self.scheduler.finished.clear()
 
     def _fail_all(self, exc: Exception) -> None:
+        if self._inflight is not None:
+            self.scheduler.rollback(self._inflight[0])
+            self._inflight = None
         for r, stream in list(self._streams.items()):
             self.scheduler.abort(r)
             stream.queue.put_nowait(RuntimeError(f"engine step failed: {exc!r}"))

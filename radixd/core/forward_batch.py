@@ -48,6 +48,10 @@ class ForwardBatch:
     extend_lens: list[int]           # [B]
     # Rows of the table to (re)write before running: (row, start position, slots).
     table_writes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    # Tokens not known when the batch was built: flat positions, and where each comes from
+    # (index into the previous step's picks). Filled in on the device by the worker.
+    placeholder_pos: list[int] = field(default_factory=list)
+    placeholder_src: list[int] = field(default_factory=list)
     # Which requests pick a token this step (index into the B requests), and how.
     sample_indices: list[int] = field(default_factory=list)
     sampling: SamplingBatch | None = None

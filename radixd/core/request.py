@@ -50,6 +50,7 @@ class Request:
     group: Group | None = None
     state: State = State.WAITING
     output_ids: list[int] = field(default_factory=list)
+    pending: int = 0                      # trailing output ids still on the device (placeholders)
     row: int | None = None
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     kv_len: int = 0
@@ -72,6 +73,11 @@ class Request:
     @property
     def is_follower(self) -> bool:
         return self.group is not None and self.index > 0
+
+    @property
+    def num_output(self) -> int:
+        """Generated tokens known on the host."""
+        return len(self.output_ids) - self.pending
 
     @property
     def remaining_new_tokens(self) -> int:

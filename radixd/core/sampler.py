@@ -6,6 +6,8 @@ request's draws do not depend on what else is in the batch, on preemption, or on
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from radixd.core.forward_batch import SamplingBatch, StepOutput
@@ -45,8 +47,32 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> None:
         logits -= sb.frequency_penalty[:, None] * counts + sb.presence_penalty[:, None] * (counts > 0)
 
 
+@dataclass
+class SampledTokens:
+    """A step's picks, still on the device (reading them waits for the GPU)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_vals: torch.Tensor | None = None
+
+    def to_output(self) -> StepOutput:
+        out = StepOutput(next_tokens=self.tokens.tolist())
+        if self.logprobs is not None:
+            out.logprobs = self.logprobs.tolist()
+            if self.top_ids is not None:
+                out.top_logprobs = [list(zip(i, v, strict=True))
+                                    for i, v in zip(self.top_ids.tolist(), self.top_vals.tolist(), strict=True)]
+        return out
+
+
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> StepOutput:
     """Pick one token per row of ``logits`` [S, V] (float32; modified in place)."""
+    return sample_on_device(logits, sb).to_output()
+
+
+def sample_on_device(logits: torch.Tensor, sb: SamplingBatch) -> SampledTokens:
+    """As ``sample``, without waiting for the device."""
     raw_logprobs = torch.log_softmax(logits, dim=-1) if sb.want_logprobs else None
     apply_penalties(logits, sb)
     if sb.banned_rows is not None and sb.banned_rows.numel():
@@ -80,10 +106,9 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> StepOutput:
         choice = race.argmax(dim=-1)
         sampled = sorted_ids.gather(1, choice[:, None])[:, 0]
         tokens = torch.where(greedy, greedy_tokens, sampled)
-    out = StepOutput(next_tokens=tokens.tolist())
+    out = SampledTokens(tokens=tokens)
     if raw_logprobs is not None:
-        out.logprobs = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        out.logprobs = raw_logprobs.gather(1, tokens[:, None])[:, 0]
         if sb.top_logprobs:
-            vals, ids = raw_logprobs.topk(sb.top_logprobs, dim=-1)
-            out.top_logprobs = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+            out.top_vals, out.top_ids = raw_logprobs.topk(sb.top_logprobs, dim=-1)
     return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,14 +23,20 @@ from radixd.core.policy import PolicyContext, SchedulePolicy
 from radixd.core.radix_cache import RadixCache
 from radixd.core.request import Request, State
 
+PLACEHOLDER = -1  # a generated token whose value is still on the device
+
 
 @dataclass
 class ScheduledStep:
     batch: ForwardBatch
     reqs: list[Request]          # in batch order
     sampled: list[Request]       # requests that pick a token this step (batch.sample_indices)
+    pick_index: list[int] = field(default_factory=list)  # where each pick goes in output_ids
+    placeholder_reqs: list[Request] = field(default_factory=list)  # inputs pending on the device
     step_ms: float = 0.0         # wall time of the step, set by the engine once it ran
 
+
+NEED_SYNC = object()  # schedule(): resolve the launched step first, then ask again
 
 @dataclass
 class SchedulerStats:
@@ -84,14 +90,22 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def schedule(self) -> ScheduledStep | None:
-        self._drop_aborted()
+    def schedule(self, inflight: frozenset[Request] = frozenset()) -> ScheduledStep | None:
+        """The next batch. ``inflight``: requests of a launched step whose picks are not back
+        yet (overlap scheduling); their last token is a placeholder the worker fills in on
+        the device. Returns ``NEED_SYNC`` when that step must be resolved first (a
+        preemption, or penalties that need the pending token)."""
+        self._drop_aborted(inflight)
         plan: list[tuple[Request, int]] = []   # (request, tokens to run)
         budget = self.config.max_prefill_tokens
 
         # 1. Decode for every running request past its prompt; preempt if KV runs out.
-        decoding = [r for r in self.running if r.kv_len == r.seq_len - 1]
+        decoding = [r for r in self.running if r.kv_len == r.seq_len - 1 and self._may_continue(r)]
+        if inflight and any(r.pending and r.params.needs_penalties for r in decoding):
+            return NEED_SYNC
         while decoding and not self._make_room(len(decoding)):
+            if inflight:
+                return NEED_SYNC
             victim = max(self.running, key=lambda r: r.arrival)
             self._preempt(victim)
             decoding = [r for r in decoding if r is not victim]
@@ -100,7 +114,7 @@ class Scheduler:
 
         # 2. Continue chunked prefills (a smaller chunk if memory is short).
         for r in self.running:
-            if r.kv_len < r.seq_len - 1 and budget > 0:
+            if r.kv_len < r.seq_len - 1 and budget > 0 and not r.aborted:
                 want = min(r.seq_len - r.kv_len, budget, self.config.chunked_prefill_size)
                 n = self._room_for(want, planned=sum(k for _, k in plan))
                 if n == 0:
@@ -123,12 +137,19 @@ class Scheduler:
                 budget -= n
 
         if not plan:
-            if self.running:
+            if inflight:
+                return None  # the launched step's results decide what comes next
+            if any(r.finish_reason is None and r.kv_len < r.seq_len - 1 for r in self.running):
                 # Everything running is stuck mid-prefill without memory: make one give way.
                 self._preempt(max(self.running, key=lambda r: r.arrival))
                 return self.schedule()
             return None
         return self._build(plan)
+
+    def _may_continue(self, r: Request) -> bool:
+        """False once ``r`` has (or will have, counting its pending pick) all its tokens."""
+        return (r.finish_reason is None and not r.aborted and len(r.output_ids) < r.params.max_new_tokens
+                and r.seq_len < self.context_len)
 
     def _blocked(self, r: Request) -> bool:
         """A follower of an ``n > 1`` call waits until its leader's prompt is cached."""
@@ -195,8 +216,13 @@ class Scheduler:
         new_slots = self.allocator.alloc(total)
         assert new_slots is not None, "scheduler: room was checked before building"
         off = 0
+        ph_pos: list[int] = []
+        ph_req: list[Request] = []
         for i, (r, n) in enumerate(plan):
             seq = r.seq
+            if r.pending and r.kv_len + n == r.seq_len:  # its last token is a pending pick
+                ph_pos.append(len(ids) + n - 1)
+                ph_req.append(r)
             ids.extend(seq[r.kv_len : r.kv_len + n])
             pos.extend(range(r.kv_len, r.kv_len + n))
             for start, slots in r.pending_writes:
@@ -217,8 +243,24 @@ class Scheduler:
                 self.stats.decode_tokens += n
         reqs = [r for r, _ in plan]
         sampled = [reqs[i] for i in sampled_idx]
+        sampling = self._sampling_batch(sampled) if sampled else None
+        # The step is committed: its KV positions count as computed from now on (the device
+        # runs steps in order, so a later step may read them), and each pick gets a place.
+        slots_of: list[int] = []
+        for r, n in plan:
+            r.kv_len += n
+            if n > 1:
+                self._cache_progress(r)  # a prefill chunk: share it with later requests now
+        for r in sampled:
+            g = r.group
+            if g is not None and r.index == 0 and g.prompt_node is None and g.pending > 0:
+                g.prompt_node = r.last_node  # the leader's prompt is cached: followers may go
+                self.cache.lock(g.prompt_node)
+            r.output_ids.append(PLACEHOLDER)
+            r.pending += 1
+            slots_of.append(len(r.output_ids) - 1)
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
+            input_ids=torch.tensor([0 if t == PLACEHOLDER else t for t in ids], dtype=torch.int64),
             positions=torch.tensor(pos, dtype=torch.int64),
             out_cache_loc=new_slots,
             rows=rows,
@@ -226,10 +268,13 @@ class Scheduler:
             extend_lens=extend_lens,
             table_writes=writes,
             sample_indices=sampled_idx,
-            sampling=self._sampling_batch(sampled) if sampled else None,
+            sampling=sampling,
         )
         self.stats.steps += 1
-        return ScheduledStep(batch, reqs, sampled)
+        step = ScheduledStep(batch, reqs, sampled, pick_index=slots_of)
+        step.placeholder_reqs = ph_req
+        batch.placeholder_pos = ph_pos
+        return step
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         ps = [r.params for r in reqs]
@@ -275,28 +320,39 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results
 
-    def process(self, step: ScheduledStep, out: StepOutput) -> None:
-        """Advance KV lengths, append sampled tokens and mark token-level finishes."""
-        for r, n in zip(step.reqs, step.batch.extend_lens, strict=True):
-            r.kv_len += n
-        for r, n in zip(step.reqs, step.batch.extend_lens, strict=True):
-            if n > 1:
-                self._cache_progress(r)  # a prefill chunk: share what is computed so far
-        for r, tok in zip(step.sampled, out.next_tokens, strict=True):
-            g = r.group
-            if g is not None and r.index == 0 and g.prompt_node is None and g.pending > 0:
-                self._cache_progress(r)
-                g.prompt_node = r.last_node
-                self.cache.lock(g.prompt_node)
-            r.output_ids.append(tok)
-            r.finish_reason = self._token_finish(r, tok)
+    def process(self, step: ScheduledStep, out: StepOutput) -> list[int]:
+        """Put the step's picks in place of their placeholders and mark token-level finishes.
 
-    def _token_finish(self, r: Request, tok: int) -> str | None:
+        A request that finished while this step was in flight gets no token from it: its
+        placeholder is dropped (the KV the step computed is for tokens it already has)."""
+        accepted = []
+        for i, (r, idx, tok) in enumerate(zip(step.sampled, step.pick_index, out.next_tokens, strict=True)):
+            r.pending -= 1
+            if r.finish_reason is not None:
+                assert idx == len(r.output_ids) - 1
+                r.output_ids.pop()
+                continue
+            r.output_ids[idx] = tok
+            r.finish_reason = self._token_finish(r, tok, idx + 1)
+            accepted.append(i)
+        return accepted  # indices into step.sampled of the picks that count
+
+    def rollback(self, step: ScheduledStep) -> None:
+        """A launched step failed: forget what it would have computed (its KV is not valid)."""
+        for r, n in zip(step.reqs, step.batch.extend_lens, strict=True):
+            r.kv_len -= n
+            r.cached_len = min(r.cached_len, r.kv_len)
+        for r, idx in zip(step.sampled, step.pick_index, strict=True):
+            r.pending -= 1
+            del r.output_ids[idx]
+
+    def _token_finish(self, r: Request, tok: int, count: int) -> str | None:
+        """Finish reason after ``tok``, the ``count``-th generated token, if any."""
         p = r.params
-        if len(r.output_ids) >= p.min_new_tokens:
+        if count >= p.min_new_tokens:
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
                 return "stop"
-        if len(r.output_ids) >= p.max_new_tokens or r.seq_len >= self.context_len:
+        if count >= p.max_new_tokens or len(r.prompt_ids) + count >= self.context_len:
             return "length"
         return None
 
@@ -304,9 +360,9 @@ class Scheduler:
         if r.finish_reason is None:
             r.finish_reason = reason
 
-    def release_finished(self) -> list[Request]:
-        """Release the KV of requests that finished this step; return them."""
-        done = [r for r in self.running if r.finish_reason is not None]
+    def release_finished(self, inflight: frozenset[Request] = frozenset()) -> list[Request]:
+        """Release the KV of finished requests (not those a launched step still writes for)."""
+        done = [r for r in self.running if r.finish_reason is not None and r not in inflight]
         for r in done:
             self._release(r)
             self.running.remove(r)
@@ -354,14 +410,14 @@ class Scheduler:
         self.stats.preemptions += 1
         self.add(r)
 
-    def _drop_aborted(self) -> None:
+    def _drop_aborted(self, inflight: frozenset[Request] = frozenset()) -> None:
         for r in [r for r in self.waiting if r.aborted]:
             self.waiting.remove(r)
             self._leave_group(r)
             r.finish_reason = r.finish_reason or "abort"
             r.state = State.FINISHED
             self.finished.append(r)
-        for r in [r for r in self.running if r.aborted]:
+        for r in [r for r in self.running if r.aborted and r not in inflight]:
             if r.group is not None and not r.is_follower:
                 r.group.leader_gone = True
             self._release(r)

@@ -16,7 +16,7 @@ from radixd.core.forward_batch import ForwardBatch, StepOutput
 from radixd.core.kv_pool import KVPool
 from radixd.core.model_loader import load_model
 from radixd.core.models.config import ModelConfig
-from radixd.core.sampler import sample
+from radixd.core.sampler import SampledTokens, sample_on_device
 
 
 class ModelWorker:
@@ -66,28 +66,46 @@ class ModelWorker:
             self.graphs = DecodeGraphs(self.model, self.attn, self.pool, max_batch=max_rows)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run the batch; return float32 logits of the sampled requests' last tokens."""
+    def forward(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> torch.Tensor:
+        """Run the batch; return float32 logits of the sampled requests' last tokens.
+
+        Tokens the scheduler did not know yet (``batch.placeholder_pos``: picks of the step
+        before, still on the device) are filled in from ``prev`` here, on the device."""
         for row, start, slots in batch.table_writes:
             self.pool.write_table(row, start, slots)
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
-        self.attn.begin(batch)
         dev = self.device
+        input_ids = batch.input_ids.to(dev, non_blocking=True)
+        if batch.placeholder_pos:
+            assert prev is not None, "a batch with placeholders needs the previous step's picks"
+            pos = torch.tensor(batch.placeholder_pos, dtype=torch.int64).to(dev, non_blocking=True)
+            src = torch.tensor(batch.placeholder_src, dtype=torch.int64).to(dev, non_blocking=True)
+            input_ids[pos] = prev.tokens[src]
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch, input_ids)
+        self.attn.begin(batch)
         return self.model(
-            batch.input_ids.to(dev, non_blocking=True),
+            input_ids,
             batch.positions.to(dev, non_blocking=True),
             self.attn,
             batch.logits_indices().to(dev),
         )
 
     @torch.inference_mode()
-    def step(self, batch: ForwardBatch) -> StepOutput:
-        logits = self.forward(batch)
+    def launch(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> SampledTokens | None:
+        """Queue the forward pass and sampling on the device; returns without waiting."""
+        logits = self.forward(batch, prev)
         if not batch.sample_indices:
-            return StepOutput(next_tokens=[])
+            return None
         assert batch.sampling is not None
-        return sample(logits, _to_device(batch.sampling, self.device))
+        return sample_on_device(logits, _to_device(batch.sampling, self.device))
+
+    @staticmethod
+    def resolve(picks: SampledTokens | None) -> StepOutput:
+        """Wait for a launched step and read its picks."""
+        return picks.to_output() if picks is not None else StepOutput(next_tokens=[])
+
+    def step(self, batch: ForwardBatch) -> StepOutput:
+        return self.resolve(self.launch(batch))
 
 
 def _to_device(sb, device: torch.device):

@@ -91,6 +91,8 @@ class Gate:
         try:
             error = self._check(scope, headers)
             if error is not None:
+                if error.status == 413:
+                    await _discard_body(receive, cap=64 * st.settings.server.max_body_bytes)
                 await error.response()(scope, receive, send_wrapped)
                 return
             limit = st.settings.server.max_body_bytes
@@ -102,6 +104,8 @@ class Gate:
                 if message["type"] == "http.request":
                     seen += len(message.get("body", b""))
                     if seen > limit:
+                        if message.get("more_body"):
+                            await _discard_body(receive, cap=64 * limit)
                         raise ApiError(413, f"request body exceeds {limit} bytes", code="body_too_large")
                 return message
 
@@ -140,6 +144,19 @@ class Gate:
                 cached_tokens=info.get("cached_tokens"), ttft_ms=_ms(info.get("ttft")),
                 duration_ms=_ms(time.perf_counter() - info["start"]),
             )
+
+
+async def _discard_body(receive, cap: int) -> None:
+    """Read and drop the rest of a refused body (up to ``cap`` bytes), so a client that sends
+    its whole body before reading gets the error response instead of a reset connection."""
+    seen = 0
+    while seen <= cap:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        seen += len(message.get("body", b""))
+        if not message.get("more_body"):
+            return
 
 
 def _ms(seconds: float | None) -> float | None:
