@@ -23,6 +23,13 @@ def _cdf(ax, values: list[float], label: str) -> None:
     ax.step(xs, ys, where="post", label=label)
 
 
+def _concurrency_axis(ax, cs: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cs, [str(c) for c in cs])
+    ax.minorticks_off()
+    ax.set_xlabel("max concurrency")
+
+
 def plot_all(plot_dir: str | Path, name: str, runs: list[dict]) -> list[Path]:
     """Write ``<name>_latency_cdf.png`` and, with more than one run, ``<name>_sweep_throughput.png``
     and ``<name>_sweep_ttft_p99.png``; return the paths."""
@@ -57,8 +64,7 @@ def plot_all(plot_dir: str | Path, name: str, runs: list[dict]) -> list[Path]:
         ax2 = ax.twinx()
         ax2.plot(cs, [run["figures"]["request_throughput"] for run in runs], "^--", color="gray", label="req/s")
         ax2.set_ylabel("requests / s")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("max concurrency")
+        _concurrency_axis(ax, cs)
         ax.set_ylabel("tokens / s")
         ax.set_title(f"Throughput vs concurrency: {name}")
         ax.grid(alpha=0.3)
@@ -73,8 +79,7 @@ def plot_all(plot_dir: str | Path, name: str, runs: list[dict]) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
         ttft = [(run["figures"]["ttft_ms"] or {}).get("p99") for run in runs]
         ax.plot(cs, ttft, "o-", color="tab:red")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("max concurrency")
+        _concurrency_axis(ax, cs)
         ax.set_ylabel("p99 TTFT (ms)")
         ax.set_title(f"p99 time to first token vs concurrency: {name}")
         ax.grid(alpha=0.3)
