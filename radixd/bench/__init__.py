@@ -211,6 +211,11 @@ async def _main(args: argparse.Namespace, argv: list[str]) -> int:
         raise UnsupportedWorkload(
             "the json workload needs grammar-constrained generation (the grammar feature), which radixd "
             "does not have yet")
+    if args.plot_dir:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UnsupportedWorkload("--plot-dir needs matplotlib: pip install 'radixd[bench]'") from None
     progress = not args.no_progress
     ignore_eos = not args.disable_ignore_eos
 
