@@ -500,7 +500,8 @@ class HFTarget(Target):
         gc.max_new_tokens = max(spec.output_len for spec, *_ in batch)
         gc.min_new_tokens = None
         gc.pad_token_id = self.pad
-        gc.eos_token_id = None if ignore_eos else sorted(self.eos) or None
+        # ignore_eos: [] (None would fall back to the model's default EOS and stop there)
+        gc.eos_token_id = [] if ignore_eos else sorted(self.eos)
         with torch.inference_mode():
             out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gc,
                                       stopping_criteria=StoppingCriteriaList([Stamp()]))

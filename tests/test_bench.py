@@ -1,0 +1,322 @@
+"""``radixd bench``: run against a real daemon (default model, loopback), the in-process
+engine and the transformers peer (tiny models), and check that the JSON report's figures
+are consistent with its per-request records and with what the server reported."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import Daemon
+
+from radixd.cli import main as radixd_main
+
+TOML = """
+[server]
+port = 0
+[model]
+max_context_len = 2048
+[memory]
+kv_cache_tokens = 16384
+"""
+
+# a server that refuses: one request running, one queued, the rest get 503 at once
+TOML_REFUSING = """
+[server]
+port = 0
+[model]
+max_context_len = 1024
+[memory]
+kv_cache_tokens = 4096
+[scheduler]
+max_running_requests = 1
+[limits]
+max_queued_requests = 1
+"""
+
+SUMMARIES = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
+
+
+def bench(tmp_path: Path, *argv: str, name: str = "run") -> tuple[int, dict]:
+    out = tmp_path / f"{name}.json"
+    rc = radixd_main(["bench", *argv, "--output", str(out), "--no-progress"])
+    return rc, (json.loads(out.read_text()) if out.exists() else {})
+
+
+def check_consistent(doc: dict, *, exact_output: bool = True) -> None:
+    """Figures against records, for every run of a report."""
+    for run in doc["runs"]:
+        f, recs = run["figures"], run["records"]
+        ok = [r for r in recs if r["ok"]]
+        assert f["requests"] == len(recs) and f["completed"] == len(ok) and f["failed"] == len(recs) - len(ok)
+        assert f["errors"]["count"] == f["failed"]
+        # tokens counted == tokens received == what the server says it sent
+        assert f["output_tokens"] == sum(r["output_tokens"] for r in ok)
+        for r in ok:
+            assert r["chunks"] == r["output_tokens"], r      # radixd streams one event per token
+            if r["usage_completion_tokens"] is not None:
+                assert r["output_tokens"] == r["usage_completion_tokens"], r
+            if r["output_ids"] is not None:
+                assert len(r["output_ids"]) == r["output_tokens"]
+            if exact_output:                                 # ignore_eos: exactly max_tokens
+                assert r["output_tokens"] == r["max_tokens"], r
+            assert len(r["itl_ms"]) == r["output_tokens"] - 1
+            assert 0 < r["ttft_ms"] <= r["e2e_ms"]
+        if f["usage_completion_tokens"] is not None:
+            assert f["usage_completion_tokens"] == f["output_tokens"]
+        if f["input_tokens_source"] == "server usage":
+            assert f["input_tokens"] == sum(r["usage_prompt_tokens"] for r in ok)
+        d = f["duration_s"]
+        assert d >= max(r["start_ms"] + r["e2e_ms"] for r in ok) / 1000 - 0.05
+        assert math.isclose(f["output_token_throughput"] * d, f["output_tokens"], rel_tol=1e-9)
+        assert math.isclose(f["total_token_throughput"] * d, f["input_tokens"] + f["output_tokens"], rel_tol=1e-9)
+        assert math.isclose(f["request_throughput"] * d, len(ok), rel_tol=1e-9)
+        for key in SUMMARIES:
+            s = f[key]
+            assert s is not None, key
+            assert s["min"] <= s["median"] <= s["p90"] <= s["p95"] <= s["p99"] <= s["max"], (key, s)
+            assert s["min"] <= s["mean"] <= s["max"], (key, s)
+        assert f["ttft_ms"]["count"] == len(ok) and f["itl_ms"]["count"] == sum(len(r["itl_ms"]) for r in ok)
+        if f["cache_hit_rate"] is not None:
+            assert 0.0 <= f["cache_hit_rate"] <= 1.0
+            assert f["cache"]["cached_tokens"] <= f["cache"]["prompt_tokens"]
+    assert doc["figures"] == doc["runs"][-1]["figures"]
+
+
+def is_png(path: Path) -> bool:
+    return path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+# ------------------------------------------------------------------------ a real daemon
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("bench-daemon"), TOML)
+    yield d
+    assert d.stop() == 0
+
+
+SHARED = ["--workload", "shared-prefix", "--groups", "4", "--prompts-per-group", "4", "--system-len", "256",
+          "--question-len", "16", "--output-len", "16"]
+
+
+@pytest.mark.slow
+def test_shared_prefix_native(daemon, tmp_path):
+    rc, doc = bench(tmp_path, "--url", daemon.url, "--api", "native", *SHARED, "--plot-dir", str(tmp_path))
+    assert rc == 0
+    f = doc["figures"]
+    assert f["completed"] == 16 and f["failed"] == 0
+    check_consistent(doc)
+    # the radix cache: high on shared prefixes, never above what sharing allows
+    theo = doc["workload"]["theoretical_max_hit_rate"]
+    assert f["cache"]["source"] == "server /metrics"
+    assert 0.5 < f["cache_hit_rate"] <= theo + 1e-9
+    assert f["cache_hit_rate"] == pytest.approx(f["cache_hit_rate_usage"])  # /metrics == per-request usage
+    assert f["cache"]["prompt_tokens"] == f["input_tokens"] == 16 * (256 + 16)
+    # the exact configuration and the per-request records are in the report
+    assert doc["config"]["groups"] == 4 and doc["config"]["system_len"] == 256 and doc["config"]["api"] == "native"
+    assert len(doc["runs"][0]["records"]) == 16
+    assert sorted({r["group"] for r in doc["runs"][0]["records"]}) == [0, 1, 2, 3]
+    assert doc["target"]["server_info"]["model"] == "SmolLM2-135M-Instruct"
+    assert is_png(tmp_path / "http-shared-prefix_latency_cdf.png")
+
+
+@pytest.mark.slow
+def test_random_completions_sweep_flushes_between_runs(daemon, tmp_path):
+    rc, doc = bench(tmp_path, "--url", daemon.url, "--api", "completions", "--workload", "random",
+                    "--num-prompts", "8", "--input-len", "64:128", "--output-len", "8:12",
+                    "--sweep-concurrency", "2,8", "--plot-dir", str(tmp_path), "--name", "sweep")
+    assert rc == 0
+    check_consistent(doc)
+    assert [r["max_concurrency"] for r in doc["runs"]] == [2, 8]
+    for run in doc["runs"]:
+        assert run["figures"]["completed"] == 8
+        assert run["cache_flushed"] is True
+        # random prompts share nothing, and the second run does not reuse the first's cache
+        assert run["figures"]["cache_hit_rate"] < 0.1
+        assert max(r["start_ms"] for r in run["records"]) > 0  # a bound of 2 delays the later ones
+    lens = [r["max_tokens"] for r in doc["runs"][0]["records"]]
+    assert min(lens) >= 8 and max(lens) <= 12
+    for suffix in ("latency_cdf", "sweep_throughput", "sweep_ttft_p99"):
+        assert is_png(tmp_path / f"sweep_{suffix}.png"), suffix
+
+
+@pytest.mark.slow
+def test_multi_turn_chat_resends_history(daemon, tmp_path):
+    rc, doc = bench(tmp_path, "--url", daemon.url, "--api", "chat", "--workload", "multi-turn",
+                    "--conversations", "3", "--turns", "3", "--turn-len", "24", "--output-len", "6")
+    assert rc == 0
+    check_consistent(doc)
+    recs = doc["runs"][0]["records"]
+    assert len(recs) == 9
+    by_conv: dict[int, list[dict]] = {}
+    for r in recs:
+        by_conv.setdefault(r["session"], []).append(r)
+    for turns in by_conv.values():
+        turns.sort(key=lambda r: r["turn"])
+        assert [r["turn"] for r in turns] == [0, 1, 2]
+        prompts = [r["usage_prompt_tokens"] for r in turns]
+        assert prompts[0] < prompts[1] < prompts[2]      # each turn carries the history
+        assert turns[0]["usage_cached_tokens"] < turns[2]["usage_cached_tokens"]
+    assert doc["figures"]["cache_hit_rate"] > 0.3
+
+
+@pytest.mark.slow
+def test_refusing_server_counts_errors(tmp_path):
+    d = Daemon(tmp_path, TOML_REFUSING)
+    try:
+        rc, doc = bench(tmp_path, "--url", d.url, "--workload", "random", "--num-prompts", "12",
+                        "--input-len", "32", "--output-len", "8", "--warmup", "0")
+    finally:
+        assert d.stop() == 0
+    assert rc == 0
+    f = doc["figures"]
+    assert f["requests"] == 12 and f["failed"] > 0 and f["completed"] > 0
+    assert f["errors"]["by_status"].get("503") == f["failed"]
+    assert any("overloaded" in m for m in f["errors"]["first"])
+    check_consistent(doc)
+
+
+@pytest.mark.slow
+def test_compare_prints_ratios(daemon, tmp_path):
+    args = ["--url", daemon.url, "--workload", "random", "--num-prompts", "4", "--input-len", "32",
+            "--output-len", "4"]
+    assert bench(tmp_path, *args, "--max-concurrency", "1", name="a")[0] == 0
+    assert bench(tmp_path, *args, name="b")[0] == 0
+    r = subprocess.run([sys.executable, "-m", "radixd", "bench", "compare", str(tmp_path / "a.json"),
+                        str(tmp_path / "b.json")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    fa = json.loads((tmp_path / "a.json").read_text())["figures"]
+    fb = json.loads((tmp_path / "b.json").read_text())["figures"]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("output token throughput"))
+    ratio = float(line.split()[-1] if line.split()[-1][0].isdigit() else line.split()[-3])
+    assert ratio == pytest.approx(fb["output_token_throughput"] / fa["output_token_throughput"], abs=1e-3)
+    assert "TTFT p99 (ms)" in r.stdout and "cache hit rate" in r.stdout
+
+
+@pytest.mark.slow
+def test_greedy_check_default_model(tmp_path):
+    rc, doc = bench(tmp_path, "--check-greedy", "2", "--workload", "random", "--input-len", "24:40",
+                    "--output-len", "12")
+    assert rc == 0
+    res = doc["check_greedy"]
+    assert res["all_identical"] and res["prompts"] == 2
+    for p in res["per_prompt"]:
+        assert p["engine_ids"] == p["hf_ids"] and len(p["engine_ids"]) == 12
+
+
+# ------------------------------------------------------------------------ no daemon needed
+
+
+def test_unreachable_target_exits_1_with_one_line():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-m", "radixd", "bench", "--url", f"http://127.0.0.1:{port}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("radixd bench: cannot reach") and str(port) in lines[0]
+    assert r.stdout == ""
+
+
+def test_json_workload_needs_grammars(capsys):
+    assert radixd_main(["bench", "--workload", "json"]) == 2
+    err = capsys.readouterr().err
+    assert "grammar" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_options_exit_2(capsys):
+    for argv in (["--input-len", "9:3"], ["--sweep-concurrency", "1,0"], ["--request-rate", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            radixd_main(["bench", *argv])
+        assert exc.value.code == 2, argv
+
+
+def test_workloads_reproducible_from_seed(tiny_models):
+    from transformers import AutoTokenizer
+
+    from radixd.bench.workloads import build
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_models["llama"]))
+
+    def ids(name, seed, **kw):
+        w = build(name, tok, seed=seed, **kw)
+        return [(w.spec(s, 0, []).input_ids, [t.output_len for t in s.turns]) for s in w.sessions]
+
+    kw = dict(num_prompts=5, input_len=(10, 30), output_len=(2, 9))
+    assert ids("random", 3, **kw) == ids("random", 3, **kw)
+    assert ids("random", 3, **kw) != ids("random", 4, **kw)
+    got = ids("random", 3, **kw)
+    assert all(10 <= len(p) <= 30 and all(2 <= n <= 9 for n in o) for p, o in got)
+    assert len({p[0] for p, _ in got}) == 5  # distinct first tokens: no shared prefix
+
+    sp = build("shared-prefix", tok, seed=1, groups=3, prompts_per_group=4, system_len=20, question_len=5)
+    assert len(sp.sessions) == 12 and sp.describe()["requests"] == 12
+    by_group: dict[int, set] = {}
+    for s in sp.sessions:
+        spec = sp.spec(s, 0, [])
+        assert len(spec.input_ids) == 25 and spec.output_len == 256  # the workload's default
+        by_group.setdefault(s.group, set()).add(tuple(spec.input_ids[:20]))
+        assert spec.messages[0]["role"] == "system" and spec.messages[1]["role"] == "user"
+    assert all(len(v) == 1 for v in by_group.values()) and len(set().union(*by_group.values())) == 3
+    assert sp.config["theoretical_max_hit_rate"] == pytest.approx(3 * 3 * 20 / (12 * 25))
+
+    mt = build("multi-turn", tok, seed=1, conversations=2, turns=3, turn_len=(7, 7), output_len=(4, 4))
+    s = mt.sessions[0]
+    spec2 = mt.spec(s, 2, [([1, 2, 3, 4], "a"), ([5, 6, 7, 8], "b")])
+    t = [x.user.ids for x in s.turns]
+    assert spec2.input_ids == t[0] + [1, 2, 3, 4] + t[1] + [5, 6, 7, 8] + t[2]
+    assert [m["role"] for m in spec2.messages] == ["user", "assistant", "user", "assistant", "user"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_engine_and_hf_give_identical_greedy_outputs(tiny_models, tmp_path, arch):
+    model = str(tiny_models[arch])
+    common = ["--model", model, "--workload", "shared-prefix", "--groups", "2", "--prompts-per-group", "3",
+              "--system-len", "60", "--question-len", "6", "--output-len", "10", "--hf-batch-size", "4"]
+    rc_e, eng = bench(tmp_path, "--target", "engine", *common, name="engine")
+    rc_h, hf = bench(tmp_path, "--target", "hf", *common, name="hf")
+    assert rc_e == 0 and rc_h == 0
+    check_consistent(eng)
+    check_consistent(hf)
+    out_e = {r["session"]: r["output_ids"] for r in eng["runs"][0]["records"]}
+    out_h = {r["session"]: r["output_ids"] for r in hf["runs"][0]["records"]}
+    assert len(out_e) == 6 and out_e == out_h
+    assert len({tuple(v) for v in out_e.values()}) > 1   # not one constant output
+    # the engine reports its cache (engine.stats()), the peer has none
+    fe, fh = eng["figures"], hf["figures"]
+    assert fe["cache"]["source"] == "engine.stats()" and 0.5 < fe["cache_hit_rate"] <= 1.0
+    assert fh["cache_hit_rate"] is None and fh["cache"]["source"] is None
+    assert eng["workload"] == hf["workload"]
+
+    rc, doc = bench(tmp_path, "--check-greedy", "3", *common[:2], "--workload", "random", "--input-len", "8:20",
+                    "--output-len", "12", name="check")
+    assert rc == 0 and doc["check_greedy"]["all_identical"] and doc["check_greedy"]["identical"] == 3
+
+
+def test_greedy_check_reports_a_difference(tiny_models, tmp_path, capsys, monkeypatch):
+    """The check can fail: give the hf peer another model's weights."""
+    from radixd.bench import targets
+
+    other = tiny_models["llama-tied"]
+    real_load = targets.HFTarget._load
+
+    def load_other(self):
+        self.model_name = str(other)
+        real_load(self)
+
+    monkeypatch.setattr(targets.HFTarget, "_load", load_other)
+    rc, doc = bench(tmp_path, "--check-greedy", "2", "--model", str(tiny_models["llama"]), "--workload", "random",
+                    "--input-len", "8:20", "--output-len", "12")
+    assert rc == 1
+    assert not doc["check_greedy"]["all_identical"]
+    assert re.search(r"NOT identical for [01]/2 prompts", capsys.readouterr().out)
