@@ -58,15 +58,15 @@ class DecodeGraphs:
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.batch_size <= self.buckets[-1] and all(e == 1 for e in batch.extend_lens)
 
-    def run(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
+    def run(self, batch: ForwardBatch, input_ids: torch.Tensor, stage) -> torch.Tensor:
+        """Replay the bucket's graph; ``stage`` copies host tensors without blocking."""
         b = batch.batch_size
         bs = self.buckets[bisect.bisect_left(self.buckets, b)]
-        dev = self.pool.device
         self.input_ids[:b].copy_(input_ids, non_blocking=True)
-        self.positions[:b].copy_(batch.positions, non_blocking=True)
-        self.out_cache_loc[:b].copy_(batch.out_cache_loc, non_blocking=True)
-        self.rows[:b].copy_(torch.tensor(batch.rows, dtype=torch.int64), non_blocking=True)
-        self.seq_lens[:b].copy_(torch.tensor(batch.seq_lens, dtype=torch.int64), non_blocking=True)
+        self.positions[:b].copy_(stage(batch.positions), non_blocking=True)
+        self.out_cache_loc[:b].copy_(stage(batch.out_cache_loc), non_blocking=True)
+        self.rows[:b].copy_(stage(batch.rows), non_blocking=True)
+        self.seq_lens[:b].copy_(stage(batch.seq_lens), non_blocking=True)
         if bs > b:
             self.input_ids[b:bs].zero_()
             self.positions[b:bs].zero_()
@@ -75,5 +75,6 @@ class DecodeGraphs:
             self.seq_lens[b:bs].fill_(1)
         graph, out = self.graphs[bs]
         graph.replay()
-        idx = torch.tensor(batch.sample_indices, dtype=torch.int64).to(dev, non_blocking=True)
-        return out[:b].index_select(0, idx)
+        if len(batch.sample_indices) == b:
+            return out[:b]
+        return out[:b].index_select(0, stage(batch.sample_indices))

@@ -89,9 +89,6 @@ class KVPool:
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.req_to_token = torch.zeros((max_rows, max_context_len), dtype=torch.int64, device=device)
 
-    def write_table(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.req_to_token[row, start : start + slots.numel()] = slots.to(self.device, non_blocking=True)
-
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffers[layer][loc] = k.to(self.dtype)
         self.v_buffers[layer][loc] = v.to(self.dtype)

@@ -17,6 +17,7 @@ from radixd.core.kv_pool import KVPool
 from radixd.core.model_loader import load_model
 from radixd.core.models.config import ModelConfig
 from radixd.core.sampler import SampledTokens, sample_on_device
+from radixd.core.staging import Stager
 
 
 class ModelWorker:
@@ -59,6 +60,7 @@ class ModelWorker:
             head_dim=model_cfg.head_dim,
             scale=model_cfg.head_dim**-0.5,
         )
+        self.stager = Stager(device)
         self.graphs = None
         if cuda_graphs and device.type == "cuda" and attention_backend == "triton":
             from radixd.core.cuda_graph import DecodeGraphs
@@ -71,24 +73,24 @@ class ModelWorker:
 
         Tokens the scheduler did not know yet (``batch.placeholder_pos``: picks of the step
         before, still on the device) are filled in from ``prev`` here, on the device."""
-        for row, start, slots in batch.table_writes:
-            self.pool.write_table(row, start, slots)
-        dev = self.device
-        input_ids = batch.input_ids.to(dev, non_blocking=True)
+        stage = self.stager.to_device
+        self.stager.next_step()
+        if batch.table_writes:  # one scatter for all rows' new slots
+            rows, cols, vals = [], [], []
+            for row, start, slots in batch.table_writes:
+                n = slots.numel()
+                rows.append(torch.full((n,), row, dtype=torch.int64))
+                cols.append(torch.arange(start, start + n, dtype=torch.int64))
+                vals.append(slots)
+            self.pool.req_to_token[stage(torch.cat(rows)), stage(torch.cat(cols))] = stage(torch.cat(vals))
+        input_ids = stage(batch.input_ids)
         if batch.placeholder_pos:
             assert prev is not None, "a batch with placeholders needs the previous step's picks"
-            pos = torch.tensor(batch.placeholder_pos, dtype=torch.int64).to(dev, non_blocking=True)
-            src = torch.tensor(batch.placeholder_src, dtype=torch.int64).to(dev, non_blocking=True)
-            input_ids[pos] = prev.tokens[src]
+            input_ids[stage(batch.placeholder_pos)] = prev.tokens[stage(batch.placeholder_src)]
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch, input_ids)
-        self.attn.begin(batch)
-        return self.model(
-            input_ids,
-            batch.positions.to(dev, non_blocking=True),
-            self.attn,
-            batch.logits_indices().to(dev),
-        )
+            return self.graphs.run(batch, input_ids, stage)
+        self.attn.begin(batch, stage)
+        return self.model(input_ids, stage(batch.positions), self.attn, stage(batch.logits_indices()))
 
     @torch.inference_mode()
     def launch(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> SampledTokens | None:
@@ -97,7 +99,7 @@ class ModelWorker:
         if not batch.sample_indices:
             return None
         assert batch.sampling is not None
-        return sample_on_device(logits, _to_device(batch.sampling, self.device))
+        return sample_on_device(logits, _to_device(batch.sampling, self.stager.to_device))
 
     @staticmethod
     def resolve(picks: SampledTokens | None) -> StepOutput:
@@ -108,14 +110,8 @@ class ModelWorker:
         return self.resolve(self.launch(batch))
 
 
-def _to_device(sb, device: torch.device):
-    if device.type == "cpu":
-        return sb
+def _to_device(sb, stage):
     from dataclasses import fields, replace
 
-    moved = {
-        f.name: getattr(sb, f.name).to(device, non_blocking=True)
-        for f in fields(sb)
-        if isinstance(getattr(sb, f.name), torch.Tensor)
-    }
+    moved = {f.name: stage(getattr(sb, f.name)) for f in fields(sb) if isinstance(getattr(sb, f.name), torch.Tensor)}
     return replace(sb, **moved)

@@ -16,8 +16,9 @@ from radixd.core.kv_pool import KVPool
 
 
 class AttentionBackend(Protocol):
-    def begin(self, batch: ForwardBatch) -> None:
-        """Prepare per-batch metadata (index arrays, masks) shared by all layers."""
+    def begin(self, batch: ForwardBatch, stage=None) -> None:
+        """Prepare per-batch metadata (index arrays, masks) shared by all layers. ``stage``
+        copies a host tensor or int list to the device without blocking the host."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 positions: torch.Tensor, rotary) -> torch.Tensor:

@@ -20,7 +20,7 @@ class TorchAttention:
         self.head_dim = head_dim
         self.scale = scale
 
-    def begin(self, batch: ForwardBatch) -> None:
+    def begin(self, batch: ForwardBatch, stage=None) -> None:
         device = self.pool.device
         self.out_cache_loc = batch.out_cache_loc.to(device)
         starts = [0]

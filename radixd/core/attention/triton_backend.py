@@ -43,22 +43,22 @@ class TritonAttention:
         self.rows, self.seq_lens, self.out_cache_loc = rows, seq_lens, out_cache_loc
         self.mid_o, self.mid_lse = self._scratch(rows.numel())
 
-    def begin(self, batch: ForwardBatch) -> None:
-        dev = self.pool.device
-        rows = torch.tensor(batch.rows, dtype=torch.int64).to(dev, non_blocking=True)
-        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64).to(dev, non_blocking=True)
-        loc = batch.out_cache_loc.to(dev, non_blocking=True)
+    def begin(self, batch: ForwardBatch, stage=None) -> None:
+        stage = stage or (lambda t: torch.as_tensor(t, dtype=torch.int64).to(self.pool.device))
+        rows = stage(batch.rows)
+        seq_lens = stage(batch.seq_lens)
+        loc = stage(batch.out_cache_loc)
         if all(e == 1 for e in batch.extend_lens):
             self.set_decode(rows, seq_lens, loc)
             return
         self.decode = False
         self.rows, self.out_cache_loc = rows, loc
-        self.prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int64).to(dev, non_blocking=True)
-        self.extend_lens = torch.tensor(batch.extend_lens, dtype=torch.int64).to(dev, non_blocking=True)
+        self.prefix_lens = stage(batch.prefix_lens)
+        self.extend_lens = stage(batch.extend_lens)
         starts = [0]
         for e in batch.extend_lens[:-1]:
             starts.append(starts[-1] + e)
-        self.q_starts = torch.tensor(starts, dtype=torch.int64).to(dev, non_blocking=True)
+        self.q_starts = stage(starts)
         self.max_extend = max(batch.extend_lens)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
