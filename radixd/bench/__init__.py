@@ -139,12 +139,12 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from radixd.bench.targets import TargetError
-    from radixd.bench.workloads import UnsupportedWorkload
+    from radixd.bench.workloads import UsageError
 
     argv = list(sys.argv[2:] if argv is None else argv)
     try:
         return asyncio.run(_main(args, argv))
-    except UnsupportedWorkload as exc:
+    except UsageError as exc:
         print(f"radixd bench: {exc}", file=sys.stderr)
         return 2
     except TargetError as exc:
@@ -205,7 +205,7 @@ async def _main(args: argparse.Namespace, argv: list[str]) -> int:
     from radixd.bench import report
     from radixd.bench.metrics import figures
     from radixd.bench.runner import check_greedy, run_once, warmup
-    from radixd.bench.workloads import UnsupportedWorkload, warmup_spec
+    from radixd.bench.workloads import UnsupportedWorkload, UsageError, warmup_spec
 
     if args.workload == "json":  # before loading anything
         raise UnsupportedWorkload(
@@ -215,7 +215,7 @@ async def _main(args: argparse.Namespace, argv: list[str]) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise UnsupportedWorkload("--plot-dir needs matplotlib: pip install 'radixd[bench]'") from None
+            raise UsageError("--plot-dir needs matplotlib: pip install 'radixd[bench]'") from None
     progress = not args.no_progress
     ignore_eos = not args.disable_ignore_eos
 

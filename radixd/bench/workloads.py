@@ -110,8 +110,12 @@ class Workload:
         }
 
 
-class UnsupportedWorkload(Exception):
-    """A workload radixd cannot run yet (exit status 2)."""
+class UsageError(Exception):
+    """A request ``radixd bench`` cannot carry out as given (exit status 2)."""
+
+
+class UnsupportedWorkload(UsageError):
+    """A workload radixd cannot run yet."""
 
 
 def parse_range(text: str) -> tuple[int, int]:
