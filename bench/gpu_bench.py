@@ -85,6 +85,11 @@ def param_bytes(eng: Engine) -> int:
     return sum(p.numel() * p.element_size() for p in eng.worker.model.parameters())
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def median_time(fn, reps: int = 20, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
@@ -128,6 +133,7 @@ def _manual_logits(eng: Engine, prompt: list[int], steps: int, tokens: list[int]
                      out_cache_loc=slots[: len(prompt)], rows=[row], prefix_lens=[0], extend_lens=[len(prompt)],
                      table_writes=[(row, 0, slots[: len(prompt)])], sample_indices=[0])
     out = [w.forward(b)[0].float()]
+    _sync()  # forward() stages inputs in two alternating pinned arenas
     chosen = []
     for i in range(steps):
         tok = tokens[i] if tokens is not None else int(out[-1].argmax())
@@ -137,6 +143,7 @@ def _manual_logits(eng: Engine, prompt: list[int], steps: int, tokens: list[int]
                          rows=[row], prefix_lens=[pos], extend_lens=[1], table_writes=[(row, pos, slots[pos : pos + 1])],
                          sample_indices=[0])
         out.append(w.forward(b)[0].float())
+        _sync()
     eng.allocator.free(slots)
     return out, chosen
 
@@ -263,7 +270,7 @@ def _instrument(eng: Engine, sink: list) -> None:
 def _uninstrument(eng: Engine, sink: list) -> None:
     eng.worker.launch = eng.worker._orig_launch
     if DEVICE["name"] != "cpu":
-        torch.cuda.synchronize()
+        _sync()
         sink[:] = [a.elapsed_time(b) / 1000 for a, b in sink]
 
 

@@ -49,20 +49,37 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> None:
 
 @dataclass
 class SampledTokens:
-    """A step's picks, still on the device (reading them waits for the GPU)."""
+    """A step's picks, on the device; ``start_copy`` queues their copy to the host."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_vals: torch.Tensor | None = None
+    _host: tuple | None = None
+    _done: torch.cuda.Event | None = None
+
+    def start_copy(self) -> None:
+        """Queue device-to-host copies into page-locked memory and an event after them, so
+        that reading waits on the event (which lets go of the GIL) rather than on a copy."""
+        if not self.tokens.is_cuda:
+            return
+        parts = (self.tokens, self.logprobs, self.top_ids, self.top_vals)
+        self._host = tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                           for t in parts)
+        self._done = torch.cuda.Event()
+        self._done.record()
 
     def to_output(self) -> StepOutput:
-        out = StepOutput(next_tokens=self.tokens.tolist())
-        if self.logprobs is not None:
-            out.logprobs = self.logprobs.tolist()
-            if self.top_ids is not None:
+        tokens, logprobs, top_ids, top_vals = self.tokens, self.logprobs, self.top_ids, self.top_vals
+        if self._done is not None:
+            self._done.synchronize()
+            tokens, logprobs, top_ids, top_vals = self._host
+        out = StepOutput(next_tokens=tokens.tolist())
+        if logprobs is not None:
+            out.logprobs = logprobs.tolist()
+            if top_ids is not None:
                 out.top_logprobs = [list(zip(i, v, strict=True))
-                                    for i, v in zip(self.top_ids.tolist(), self.top_vals.tolist(), strict=True)]
+                                    for i, v in zip(top_ids.tolist(), top_vals.tolist(), strict=True)]
         return out
 
 

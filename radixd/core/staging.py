@@ -5,7 +5,7 @@ reaches it, i.e. until the step before has finished: that would undo overlap sch
 ``Stager`` copies each small host tensor into page-locked memory first, so the transfer is
 queued and the host moves on. Two arenas alternate between launched steps: a step's arena
 is reused two launches later, after the engine has read that step's picks back (so its
-copies are done).
+copies are done). Callers that launch without reading back must synchronise themselves.
 """
 
 from __future__ import annotations

@@ -99,7 +99,9 @@ class ModelWorker:
         if not batch.sample_indices:
             return None
         assert batch.sampling is not None
-        return sample_on_device(logits, _to_device(batch.sampling, self.stager.to_device))
+        picks = sample_on_device(logits, _to_device(batch.sampling, self.stager.to_device))
+        picks.start_copy()
+        return picks
 
     @staticmethod
     def resolve(picks: SampledTokens | None) -> StepOutput:
