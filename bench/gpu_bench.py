@@ -132,7 +132,7 @@ def _manual_logits(eng: Engine, prompt: list[int], steps: int, tokens: list[int]
     b = ForwardBatch(input_ids=torch.tensor(prompt), positions=torch.arange(len(prompt)),
                      out_cache_loc=slots[: len(prompt)], rows=[row], prefix_lens=[0], extend_lens=[len(prompt)],
                      table_writes=[(row, 0, slots[: len(prompt)])], sample_indices=[0])
-    out = [w.forward(b)[0].float()]
+    out = [w.forward(b)[0].float().clone()]  # a graph's output buffer is reused by the next replay
     _sync()  # forward() stages inputs in two alternating pinned arenas
     chosen = []
     for i in range(steps):
@@ -142,7 +142,7 @@ def _manual_logits(eng: Engine, prompt: list[int], steps: int, tokens: list[int]
         b = ForwardBatch(input_ids=torch.tensor([tok]), positions=torch.tensor([pos]), out_cache_loc=slots[pos : pos + 1],
                          rows=[row], prefix_lens=[pos], extend_lens=[1], table_writes=[(row, pos, slots[pos : pos + 1])],
                          sample_indices=[0])
-        out.append(w.forward(b)[0].float())
+        out.append(w.forward(b)[0].float().clone())
         _sync()
     eng.allocator.free(slots)
     return out, chosen

@@ -69,7 +69,8 @@ class ModelWorker:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> torch.Tensor:
-        """Run the batch; return float32 logits of the sampled requests' last tokens.
+        """Run the batch; return float32 logits of the sampled requests' last tokens (on a
+        CUDA graph's output buffer: valid until the next forward, clone to keep).
 
         Tokens the scheduler did not know yet (``batch.placeholder_pos``: picks of the step
         before, still on the device) are filled in from ``prev`` here, on the device."""
