@@ -125,7 +125,9 @@ class Scheduler:
         # 3. Admit waiting requests in the policy's order.
         ready = [r for r in self.waiting if not self._blocked(r)]
         if ready and budget > 0:
-            prefilling = [r for r, _ in plan if r.kv_len + _ < r.seq_len]
+            # requests computing prompt tokens this step (their final chunk included): later
+            # requests sharing those tokens should wait a step and read them from the cache
+            prefilling = [r for r, n in plan if n > 1 or r.kv_len + n < r.seq_len]
             ctx = PolicyContext(cache=self.cache, prefilling=prefilling)
             for r in self.policy.order(ready, ctx):
                 if budget <= 0 or len(self.running) >= self.config.max_running_requests:
