@@ -303,6 +303,23 @@ def test_engine_and_hf_give_identical_greedy_outputs(tiny_models, tmp_path, arch
     assert rc == 0 and doc["check_greedy"]["all_identical"] and doc["check_greedy"]["identical"] == 3
 
 
+def test_engine_args_reach_the_engine(tiny_models, tmp_path, capsys):
+    common = ["--target", "engine", "--model", str(tiny_models["llama"]), "--workload", "shared-prefix",
+              "--groups", "1", "--prompts-per-group", "4", "--system-len", "60", "--question-len", "4",
+              "--output-len", "3"]
+    rc, on = bench(tmp_path, *common, "--engine-arg", "kv_cache_tokens=2048", name="on")
+    rc_off, off = bench(tmp_path, *common, "--engine-arg", "radix_cache=false", name="off")
+    assert rc == 0 and rc_off == 0
+    assert on["target"]["kv_pool_tokens"] == 2048 and on["target"]["radix_cache"] is True
+    assert on["figures"]["cache_hit_rate"] > 0.5
+    assert off["target"]["radix_cache"] is False and off["figures"]["cache_hit_rate"] == 0.0
+    capsys.readouterr()
+    for bad in ("policy=nope", "no_such_key=1", "kv_cache_tokens=many"):
+        assert radixd_main(["bench", *common, "--engine-arg", bad, "--no-progress"]) == 2, bad
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("radixd bench: --engine-arg"), err
+
+
 def test_greedy_check_reports_a_difference(tiny_models, tmp_path, capsys, monkeypatch):
     """The check can fail: give the hf peer another model's weights."""
     from radixd.bench import targets

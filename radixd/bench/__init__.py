@@ -74,6 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokenizer that builds the prompts (default: the model's; http: the default model's)")
     t.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (http)")
     t.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per-request timeout, http (default: 600)")
+    t.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="an EngineConfig field for the engine target, e.g. kv_cache_tokens=32768 (repeatable)")
     t.add_argument("--hf-batch-size", type=_positive, default=8, metavar="N",
                    help="requests per generate() call of the hf peer (default: 8)")
     w = p.add_argument_group("workload")
@@ -190,6 +192,42 @@ def _workload(args: argparse.Namespace, tokenizer):
                  turns=args.turns, turn_len=args.turn_len)
 
 
+def engine_overrides(items: list[str]) -> dict:
+    """``KEY=VALUE`` words -> EngineConfig overrides, typed after the field's default."""
+    from dataclasses import fields
+
+    from radixd.bench.workloads import UsageError
+    from radixd.core.config import EngineConfig
+
+    known = {f.name: f for f in fields(EngineConfig)}
+    out: dict = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in known or key == "model":
+            raise UsageError(f"--engine-arg {item!r}: expected KEY=VALUE with KEY one of "
+                             + ", ".join(sorted(k for k in known if k != "model")))
+        f = known[key]
+        kind = str(f.type)
+        try:
+            if "bool" in kind:
+                if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(text)
+                value = text.lower() in ("true", "1", "yes")
+            elif "int" in kind:
+                value = int(text)
+            elif "float" in kind:
+                value = float(text)
+            elif "tuple" in kind:
+                value = tuple(x for x in text.split(",") if x)
+            else:
+                value = text
+        except ValueError:
+            raise UsageError(f"--engine-arg {item!r}: {text!r} is not a valid {kind}") from None
+        out[key] = value
+    return out
+
+
 def _target(args: argparse.Namespace):
     from radixd.bench.targets import EngineTarget, HFTarget, HttpTarget
 
@@ -197,7 +235,7 @@ def _target(args: argparse.Namespace):
         return HttpTarget(args.url, args.api, model=args.model, api_key=args.api_key, timeout=args.timeout,
                           max_connections=args.max_concurrency)
     if args.target == "engine":
-        return EngineTarget(args.model or "default")
+        return EngineTarget(args.model or "default", **engine_overrides(args.engine_arg))
     return HFTarget(args.model or "default", batch_size=args.hf_batch_size)
 
 
@@ -239,7 +277,10 @@ async def _main(args: argparse.Namespace, argv: list[str]) -> int:
         return 0 if res["all_identical"] else 1
 
     target = _target(args)
-    info = await target.start()  # TargetError: unreachable / unloadable -> exit 1
+    try:
+        info = await target.start()  # TargetError: unreachable / unloadable -> exit 1
+    except (TypeError, ValueError) as exc:  # EngineConfig refused an override (ConfigError)
+        raise UsageError(f"--engine-arg: {exc}") from None  # TargetError: unreachable / unloadable -> exit 1
     info["kind"] = args.target
     try:
         tokenizer = _tokenizer(args)

@@ -152,10 +152,8 @@ class HttpTarget(Target):
             si = await self.client.get("/server_info", timeout=10.0)
             if si.status_code == 200:
                 body = si.json()
-                info["server_info"] = {k: body.get(k) for k in ("version", "model", "device", "dtype", "context_len")}
-                sched = (body.get("settings") or {}).get("scheduler")
-                if sched:
-                    info["server_info"]["scheduler"] = sched
+                info["server_info"] = {k: body.get(k) for k in ("version", "model", "device", "dtype", "context_len",
+                                                                 "settings", "plugins")}
         except (httpx.HTTPError, ValueError):
             pass
         return info
@@ -338,16 +336,20 @@ class EngineTarget(Target):
 
     async def start(self) -> dict:
         from radixd.core.engine import Engine
+        from radixd.core.errors import ConfigError
 
         try:
             self.engine = await asyncio.to_thread(Engine, model=self.model, **self.overrides)
+        except (ConfigError, TypeError):  # a bad --engine-arg: the caller says so
+            raise
         except Exception as exc:  # a missing or unreadable model
             raise TargetError(f"cannot load the model {self.model!r}: {exc}") from None
         await self.engine.start()
         e = self.engine
         return {"model": str(e.model_path), "device": str(e.device), "dtype": str(e.dtype).removeprefix("torch."),
                 "context_len": e.context_len, "kv_pool_tokens": e.allocator.total,
-                "max_running_requests": e.config.max_running_requests, "policy": e.config.policy}
+                "max_running_requests": e.config.max_running_requests, "policy": e.config.policy,
+                "radix_cache": e.config.radix_cache, "overrides": self.overrides}
 
     async def close(self) -> None:
         if self.engine is not None:
