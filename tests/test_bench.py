@@ -89,6 +89,12 @@ def check_consistent(doc: dict, *, exact_output: bool = True) -> None:
     assert doc["figures"] == doc["runs"][-1]["figures"]
 
 
+def max_in_flight(records: list[dict]) -> int:
+    """Most requests in flight at once, from their send times and latencies."""
+    return max(sum(1 for r in records if r["start_ms"] <= t < r["start_ms"] + r["e2e_ms"])
+               for t in (x["start_ms"] for x in records))
+
+
 def is_png(path: Path) -> bool:
     return path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
 
@@ -141,7 +147,10 @@ def test_random_completions_sweep_flushes_between_runs(daemon, tmp_path):
         assert run["cache_flushed"] is True
         # random prompts share nothing, and the second run does not reuse the first's cache
         assert run["figures"]["cache_hit_rate"] < 0.1
-        assert max(r["start_ms"] for r in run["records"]) > 0  # a bound of 2 delays the later ones
+    # the bound held: never more than 2 in flight; without it (8 >= all), all were sent at once
+    bounded, unbounded = (run["records"] for run in doc["runs"])
+    assert max_in_flight(bounded) == 2 and doc["runs"][0]["figures"]["concurrency"] <= 2 + 1e-6
+    assert max_in_flight(unbounded) == 8 and max(r["start_ms"] for r in unbounded) < 1000
     lens = [r["max_tokens"] for r in doc["runs"][0]["records"]]
     assert min(lens) >= 8 and max(lens) <= 12
     for suffix in ("latency_cdf", "sweep_throughput", "sweep_ttft_p99"):
@@ -276,6 +285,41 @@ def test_workloads_reproducible_from_seed(tiny_models):
     t = [x.user.ids for x in s.turns]
     assert spec2.input_ids == t[0] + [1, 2, 3, 4] + t[1] + [5, 6, 7, 8] + t[2]
     assert [m["role"] for m in spec2.messages] == ["user", "assistant", "user", "assistant", "user"]
+
+
+def test_poisson_arrivals_seeded_and_kept(tiny_models):
+    import asyncio
+    import statistics
+
+    from transformers import AutoTokenizer
+
+    from radixd.bench.runner import arrival_times, run_once
+    from radixd.bench.targets import Target, new_record
+    from radixd.bench.workloads import build
+
+    assert arrival_times(5, math.inf, 1) == [0.0] * 5
+    a = arrival_times(4000, 20.0, 1)
+    assert a == arrival_times(4000, 20.0, 1) and a != arrival_times(4000, 20.0, 2)
+    gaps = [y - x for x, y in zip(a, a[1:], strict=False)]
+    assert a[0] == 0.0 and min(gaps) >= 0
+    assert statistics.mean(gaps) == pytest.approx(1 / 20, rel=0.08)       # exponential: mean = sd
+    assert statistics.stdev(gaps) == pytest.approx(1 / 20, rel=0.12)
+
+    class Echo(Target):  # replies at once with one token per requested token
+        async def request(self, spec, ignore_eos=True):
+            rec = new_record(spec)
+            await asyncio.sleep(0.002)
+            rec.ok, rec.output_tokens, rec.ttft_ms, rec.e2e_ms = True, spec.output_len, 1.0, 2.0
+            return rec
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_models["llama"]))
+    w = build("random", tok, seed=1, num_prompts=12, input_len=(4, 8), output_len=(1, 3))
+    records, duration = asyncio.run(run_once(Echo(), w, request_rate=40.0, seed=5, progress=False))
+    expected = arrival_times(12, 40.0, 5)
+    starts = sorted(r.start_ms / 1000 for r in records)
+    assert len(records) == 12 and duration >= expected[-1]
+    for got, want in zip(starts, expected, strict=True):   # sent at its arrival time, not before
+        assert want - 1e-3 <= got <= want + 0.25
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

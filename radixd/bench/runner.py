@@ -14,6 +14,19 @@ from radixd.bench.targets import Record, Target
 from radixd.bench.workloads import Workload
 
 
+def arrival_times(n: int, request_rate: float, seed: int) -> list[float]:
+    """Seconds from the start at which each of ``n`` sessions arrives: all at 0 for an infinite
+    rate, else a Poisson process (exponential gaps of mean 1 / rate), the first at 0."""
+    if not (math.isfinite(request_rate) and request_rate > 0):
+        return [0.0] * n
+    rng = random.Random(seed * 1_000_003 + 17)
+    out, t = [], 0.0
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(request_rate)
+    return out
+
+
 async def run_once(target: Target, workload: Workload, *, request_rate: float = math.inf,
                    max_concurrency: int | None = None, seed: int = 0, ignore_eos: bool = True,
                    progress: bool = True, desc: str = "") -> tuple[list[Record], float]:
@@ -21,13 +34,7 @@ async def run_once(target: Target, workload: Workload, *, request_rate: float = 
     duration from the first arrival to the last reply."""
     from tqdm import tqdm
 
-    rng = random.Random(seed * 1_000_003 + 17)
-    arrivals = []
-    t = 0.0
-    for _ in workload.sessions:
-        arrivals.append(t)
-        if math.isfinite(request_rate) and request_rate > 0:
-            t += rng.expovariate(request_rate)
+    arrivals = arrival_times(len(workload.sessions), request_rate, seed)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     records: list[Record] = []
     bar = tqdm(total=workload.num_requests, desc=desc or workload.name, unit="req", file=sys.stderr,
