@@ -74,6 +74,7 @@ class SchedulerSection:
     max_prefill_tokens: int = _f(4096, min=1)
     chunked_prefill_size: int = _f(2048, min=1)
     schedule_conservativeness: float = _f(0.3, min=0.0, max=1.0)
+    overlap: bool = _f(True)
     seed: int = _f(0, min=0)
 
 
@@ -152,6 +153,7 @@ class Settings:
             max_prefill_tokens=s.max_prefill_tokens,
             chunked_prefill_size=s.chunked_prefill_size,
             schedule_conservativeness=s.schedule_conservativeness,
+            overlap_schedule=s.overlap,
             seed=s.seed,
             max_queued_requests=lim.max_queued_requests,
             max_n=lim.max_n,
