@@ -49,6 +49,7 @@ def plot_all(plot_dir: str | Path, name: str, runs: list[dict]) -> list[Path]:
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of requests")
         ax.set_ylim(0, 1.02)
+        ax.ticklabel_format(axis="x", style="plain", useOffset=False)
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize="small")
     fig.tight_layout()
