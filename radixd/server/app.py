@@ -342,6 +342,23 @@ async def merged(subs: list[Submission]) -> AsyncIterator[tuple[int, GenerateOut
             s.close()
 
 
+def sse_response(events: AsyncIterator[dict], subs: list[Submission], tracker: Tracker) -> Response:
+    """Stream ``events`` as SSE, end with ``[DONE]``; however the stream ends (finished,
+    client gone), close the submissions and report the request once."""
+
+    async def framed():
+        try:
+            async for event in events:
+                yield event
+            yield {"data": "[DONE]"}
+        finally:
+            for sub in subs:
+                sub.close()
+            tracker.done()
+
+    return EventSourceResponse(framed(), ping=15)
+
+
 def usage(prompt: int, completion: int, cached: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -424,25 +441,20 @@ async def chat_completions(request: Request) -> Response:
     async def events():
         base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
                 "system_fingerprint": f"radixd-{__version__}"}
-        try:
-            for i in range(parsed.params.n):
-                yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]})
-            async for _, out in merged([sub]):
-                tracker.see(out)
-                lp = chat_logprobs(tok, [out]) if parsed.params.logprobs and out.token_ids else None
-                if out.text or lp or out.finished:
-                    yield sse({**base, "choices": [{
-                        "index": out.index, "delta": {"content": out.text} if out.text else {}, "logprobs": lp,
-                        "finish_reason": out.finish_reason if out.finished else None}]})
-            if parsed.include_usage:
-                yield sse({**base, "choices": [], "usage": usage(sub.prompt_tokens, tracker.completion, tracker.cached)})
-            yield {"data": "[DONE]"}
-        finally:
-            sub.close()
-            tracker.done()
+        for i in range(parsed.params.n):
+            yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
+        async for _, out in merged([sub]):
+            tracker.see(out)
+            lp = chat_logprobs(tok, [out]) if parsed.params.logprobs and out.token_ids else None
+            if out.text or lp or out.finished:
+                yield sse({**base, "choices": [{
+                    "index": out.index, "delta": {"content": out.text} if out.text else {}, "logprobs": lp,
+                    "finish_reason": out.finish_reason if out.finished else None}]})
+        if parsed.include_usage:
+            yield sse({**base, "choices": [], "usage": usage(sub.prompt_tokens, tracker.completion, tracker.cached)})
 
-    return EventSourceResponse(events(), ping=15)
+    return sse_response(events(), [sub], tracker)
 
 
 async def completions(request: Request) -> Response:
@@ -497,31 +509,25 @@ async def completions(request: Request) -> Response:
     async def events():
         base = {"id": cid, "object": "text_completion", "created": created, "model": st.model_name}
         offsets: dict[int, int] = {}
-        try:
-            if echo:
-                for pi in range(len(prompts)):
-                    for i in range(n):
-                        yield sse({**base, "choices": [{"index": pi * n + i, "text": echoes[pi], "logprobs": None,
-                                                        "finish_reason": None}]})
-            async for pi, out in merged(subs):
-                tracker.see(out, pi)
-                idx = pi * n + out.index
-                lp = None
-                if parsed.params.logprobs:
-                    lp = completion_logprobs(tok, [out], offsets.get(idx, 0))
-                    offsets[idx] = offsets.get(idx, 0) + len(out.text)
-                if out.text or out.token_ids or out.finished:
-                    yield sse({**base, "choices": [{"index": idx, "text": out.text, "logprobs": lp,
-                                                    "finish_reason": out.finish_reason if out.finished else None}]})
-            if parsed.include_usage:
-                yield sse({**base, "choices": [], "usage": usage(prompt_total, tracker.completion, tracker.cached)})
-            yield {"data": "[DONE]"}
-        finally:
-            for s in subs:
-                s.close()
-            tracker.done()
+        if echo:
+            for pi in range(len(prompts)):
+                for i in range(n):
+                    yield sse({**base, "choices": [{"index": pi * n + i, "text": echoes[pi], "logprobs": None,
+                                                    "finish_reason": None}]})
+        async for pi, out in merged(subs):
+            tracker.see(out, pi)
+            idx = pi * n + out.index
+            lp = None
+            if parsed.params.logprobs:
+                lp = completion_logprobs(tok, [out], offsets.get(idx, 0))
+                offsets[idx] = offsets.get(idx, 0) + len(out.text)
+            if out.text or out.token_ids or out.finished:
+                yield sse({**base, "choices": [{"index": idx, "text": out.text, "logprobs": lp,
+                                                "finish_reason": out.finish_reason if out.finished else None}]})
+        if parsed.include_usage:
+            yield sse({**base, "choices": [], "usage": usage(prompt_total, tracker.completion, tracker.cached)})
 
-    return EventSourceResponse(events(), ping=15)
+    return sse_response(events(), subs, tracker)
 
 
 async def native_generate(request: Request) -> Response:
@@ -566,18 +572,13 @@ async def native_generate(request: Request) -> Response:
     async def events():
         texts: dict[int, str] = {}
         toks: dict[int, list[int]] = {}
-        try:
-            async for _, out in merged([sub]):
-                tracker.see(out)
-                texts[out.index] = texts.get(out.index, "") + out.text
-                toks.setdefault(out.index, []).extend(out.token_ids)
-                yield sse(item(out.index, texts[out.index], toks[out.index], out))
-            yield {"data": "[DONE]"}
-        finally:
-            sub.close()
-            tracker.done()
+        async for _, out in merged([sub]):
+            tracker.see(out)
+            texts[out.index] = texts.get(out.index, "") + out.text
+            toks.setdefault(out.index, []).extend(out.token_ids)
+            yield sse(item(out.index, texts[out.index], toks[out.index], out))
 
-    return EventSourceResponse(events(), ping=15)
+    return sse_response(events(), [sub], tracker)
 
 
 async def models(request: Request) -> Response:
