@@ -85,6 +85,16 @@ def param_bytes(eng: Engine) -> int:
     return sum(p.numel() * p.element_size() for p in eng.worker.model.parameters())
 
 
+def read_bytes(eng: Engine) -> int:
+    """Weight bytes one decode step reads: all but the embedding table, of which it reads a
+    row per token (unless the table is tied to the lm_head, which reads all of it)."""
+    model = eng.worker.model
+    n = param_bytes(eng)
+    if not model.cfg.tie_word_embeddings:
+        n -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return n
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -205,9 +215,11 @@ async def _run_batch(eng: Engine, prompts: list[list[int]], new: int) -> dict:
 def decode(args, ctx) -> dict:
     eng = engine(ctx["path"])
     ctx["param_bytes"] = param_bytes(eng)
+    ctx["read_bytes"] = read_bytes(eng)
     per_tok = eng.worker.pool.k_buffers[0][0].numel() * 2 * 2 * len(eng.worker.pool.k_buffers)
     rng = random.Random(1)
-    out = {"weights_GB": round(ctx["param_bytes"] / 1e9, 3), "kv_bytes_per_token": per_tok, "cases": []}
+    out = {"weights_GB": round(ctx["param_bytes"] / 1e9, 3), "weights_read_per_step_GB": round(ctx["read_bytes"] / 1e9, 3),
+           "kv_bytes_per_token": per_tok, "cases": []}
     loop = asyncio.new_event_loop()
     try:
         loop.run_until_complete(_run_batch(eng, [[rng.randrange(100, VOCAB_HI) for _ in range(64)] for _ in range(4)], 8))
@@ -222,7 +234,7 @@ def decode(args, ctx) -> dict:
             dec_t = r["end"] - r["all_first"]
             dec_tok_s = bs * 127 / dec_t
             avg_ctx = 512 + 64
-            step_bytes = ctx["param_bytes"] + bs * avg_ctx * per_tok
+            step_bytes = ctx["read_bytes"] + bs * avg_ctx * per_tok
             roof = bs / (step_bytes / ctx["copy_Bps"])
             case = {"batch": bs, "decode_tok_s": round(dec_tok_s, 1), "roofline_tok_s": round(roof, 1),
                     "roofline_fraction": round(dec_tok_s / roof, 3),

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from radixd.core.attention import triton_kernels
 from radixd.core.attention.triton_kernels import (
     build_kv_indices,
     decode_attention,
@@ -70,8 +71,12 @@ def test_decode_matches_reference(heads, kv_heads, dim, seq_lens, splits):
         assert rel_err(out[b], ref) < TOL
 
 
+EXTEND_TILES = [None, (16, 16, 4, 2)] + (list(triton_kernels.EXTEND_CONFIGS) if GPU else [])
+
+
+@pytest.mark.parametrize("config", EXTEND_TILES, ids=str)
 @pytest.mark.parametrize("heads,kv_heads,dim,seq_lens", REAL if GPU else SMALL)
-def test_extend_matches_reference(heads, kv_heads, dim, seq_lens):
+def test_extend_matches_reference(heads, kv_heads, dim, seq_lens, config):
     dtype = torch.bfloat16 if GPU else torch.float32
     kb, vb, table, rows = make_pool(sum(seq_lens) + 11, kv_heads, dim, dtype, seq_lens, seed=dim)
     rng = random.Random(dim)
@@ -81,7 +86,7 @@ def test_extend_matches_reference(heads, kv_heads, dim, seq_lens):
     q = torch.randn(sum(ext), heads, dim, device=DEV).to(dtype)
     out = torch.full_like(q, float("nan"))
     t = lambda xs: torch.tensor(xs, device=DEV)  # noqa: E731
-    extend_attention(q, kb, vb, table, rows, t(prefix), t(ext), t(starts), max(ext), dim**-0.5, out=out)
+    extend_attention(q, kb, vb, table, rows, t(prefix), t(ext), t(starts), max(ext), dim**-0.5, out=out, config=config)
     assert not out.isnan().any()
     for i, (p, e) in enumerate(zip(prefix, ext, strict=True)):
         idx = table[rows[i], : p + e]

@@ -126,15 +126,47 @@ def decode_attention(
 
 
 @triton.jit
+def _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, lo, hi, qk_scale,
+                  stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Online softmax of one query tile over keys ``[lo, hi)``; ``MASKED`` adds the bounds
+    and causal masks (needed only on the diagonal and the ragged end)."""
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            mask_n = offs_n < hi
+            slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0)
+            k = tl.load(K + slots[None, :] * stride_kn + kvh * stride_kh + offs_d[:, None],
+                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+            v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :],
+                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        else:
+            slots = tl.load(Table + row * stride_tr + offs_n)
+            k = tl.load(K + slots[None, :] * stride_kn + kvh * stride_kh + offs_d[:, None], mask=mask_d[:, None], other=0.0)
+            v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+        qk = tl.dot(q, k) * qk_scale
+        if MASKED:
+            qk = tl.where(mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_safe[:, None])
+        alpha = tl.math.exp2(m - m_safe)
+        lsum = lsum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    return m, lsum, acc
+
+
+@triton.jit
 def _extend_kernel(
-    Q, K, V, Out, Table, Rows, PrefixLens, ExtendLens, QStarts, scale,
+    Q, K, V, Out, Table, Rows, PrefixLens, ExtendLens, QStarts, qk_scale,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh, stride_tr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
-    mb = tl.program_id(2)
+    mb = tl.num_programs(2) - 1 - tl.program_id(2)  # the longest (last) tiles start first
     ext = tl.load(ExtendLens + r)
     if mb * BLOCK_M < ext:
         prefix = tl.load(PrefixLens + r)
@@ -149,51 +181,56 @@ def _extend_kernel(
                     mask=mask_m[:, None] & mask_d[None, :], other=0.0)
         q_pos = prefix + offs_m
         end = tl.minimum(prefix + ext, prefix + (mb + 1) * BLOCK_M)
+        # every key before the tile's first query is visible to all its queries: no masks there
+        full = ((prefix + mb * BLOCK_M) // BLOCK_N) * BLOCK_N
         m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         lsum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for n0 in range(0, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0)
-            k = tl.load(K + slots[None, :] * stride_kn + kvh * stride_kh + offs_d[:, None],
-                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-            qk = tl.dot(q, k) * scale
-            qk = tl.where(mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), qk, float("-inf"))
-            m_new = tl.maximum(m, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(qk - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
-            lsum = lsum * alpha + tl.sum(p, 1)
-            v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :],
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+        m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, 0, full, qk_scale,
+                                     stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
+                                     BLOCK_N, False)
+        m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, full, end, qk_scale,
+                                     stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
+                                     BLOCK_N, True)
         out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
         tl.store(Out + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+# Tile configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) swept by bench/decode_profile.py.
+EXTEND_CONFIGS = [(64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 2),
+                  (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 8, 2)]
+_LOG2E = 1.4426950408889634
+
+
+def _extend_config(head_dim: int, max_extend: int) -> tuple[int, int, int, int]:
+    if max_extend <= 32:
+        return (16, 64 if head_dim <= 64 else 32, 4, 2)
+    return (64, 64, 4, 2)
 
 
 def extend_attention(
     q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, table: torch.Tensor,
     rows: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor, q_starts: torch.Tensor,
     max_extend: int, scale: float, out: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """``q`` [T, H, D]: the new tokens of R requests laid back to back (request r's start in
-    ``q_starts``) -> [T, H, D]."""
+    ``q_starts``) -> [T, H, D]. ``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
     T, H, D = q.shape
     Hkv = k_buf.shape[1]
     if out is None:
         out = torch.empty_like(q)
     R = rows.numel()
-    block_m = 64 if max_extend > 32 else 16
+    block_m, block_n, warps, stages = config or _extend_config(D, max_extend)
     block_d = triton.next_power_of_2(D)
     grid = (R, H, triton.cdiv(max_extend, block_m))
     _extend_kernel[grid](
-        q, k_buf, v_buf, out, table, rows, prefix_lens, extend_lens, q_starts, scale,
+        q, k_buf, v_buf, out, table, rows, prefix_lens, extend_lens, q_starts, scale * _LOG2E,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), table.stride(0),
-        GROUP=H // Hkv, BLOCK_M=block_m, BLOCK_N=64 if block_d <= 64 else 32, HEAD_DIM=D, BLOCK_D=block_d,
+        GROUP=H // Hkv, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, BLOCK_D=block_d,
+        num_warps=warps, num_stages=stages,
     )
     return out
 

@@ -1,0 +1,258 @@
+"""Where batch-1 decode time goes on a GPU, and what the kernels could reach.
+
+One run (random bf16 weights in Llama-3-8B's shape, no downloads) prints and writes JSON:
+
+- ``step``: the decode CUDA graph replayed alone at batch 1 and 64 (device time per step),
+  against the bytes a step really reads (layer weights, final norm, lm_head and the KV; the
+  embedding table is not read, only one row of it);
+- ``kernels``: one eager batch-1 decode forward under ``torch.profiler``: device time per
+  kernel family, their sum and the count of launches;
+- ``gemv``: the step's matrix-vector products alone (every layer's qkv, o, gate_up, down and
+  the lm_head) captured in one CUDA graph, through cuBLAS (``F.linear``) and through a Triton
+  GEMV swept over tile sizes: the ceiling the weights' reads allow with each;
+- ``extend``: the extend-attention kernel's tile configurations swept on 8 x 2048 against SDPA.
+
+    python bench/decode_profile.py --out results/dir
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_bench  # noqa: E402
+
+from radixd.core.sampling_params import SamplingParams  # noqa: E402
+
+
+def time_graph(fn, reps: int = 30) -> float:
+    """Median device seconds of ``fn`` captured in a CUDA graph (launch gaps as in serving)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return gpu_bench.median_time(g.replay, reps=reps)
+
+
+@triton.jit
+def _gemv(X, W, Y, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + offs_k).to(tl.float32)
+        w = tl.load(W + offs_n[:, None] * stride_w + offs_k[None, :], mask=mask_n[:, None], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+    tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=mask_n)
+
+
+def triton_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bn: int, bk: int, warps: int) -> torch.Tensor:
+    N, K = w.shape
+    _gemv[(triton.cdiv(N, bn),)](x, w, out, N, K, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    return out
+
+
+def step_bytes(model, kv_bytes: int) -> int:
+    n = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    if model.cfg.tie_word_embeddings:
+        n += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return n + kv_bytes
+
+
+def section_step(eng, ctx) -> dict:
+    loop = ctx["loop"]
+    p = [[1000 + i for i in range(512)]]
+    loop.run_until_complete(_gen(eng, p, 64))
+    g = eng.worker.graphs
+    out = {}
+    for bs in (1,):  # (larger buckets would read table row 0 repeatedly: L2 hits, not HBM)
+        g.seq_lens[:bs].fill_(576)
+        graph, _ = g.graphs[bs]
+        t = gpu_bench.median_time(graph.replay, reps=50)
+        kv = bs * 576 * ctx["kv_per_tok"]
+        by = step_bytes(eng.worker.model, kv)
+        out[f"b{bs}"] = {"graph_ms": round(t * 1e3, 3), "bytes_GB": round(by / 1e9, 3),
+                         "roofline_ms": round(by / ctx["copy"] * 1e3, 3), "fraction": round(by / ctx["copy"] / t, 3)}
+    g.seq_lens.fill_(1)
+    return out
+
+
+async def _gen(eng, prompts, new):
+    async def one(p):
+        async for _ in eng.generate(input_ids=p, params=SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True)):
+            pass
+    import asyncio
+    await asyncio.gather(*(one(p) for p in prompts))
+
+
+def section_kernels(eng, ctx) -> dict:
+    g = eng.worker.graphs
+    model, attn = eng.worker.model, eng.worker.attn
+    g.seq_lens[:1].fill_(576)
+    attn.set_decode(g.rows[:1], g.seq_lens[:1], g.out_cache_loc[:1])
+    args = (g.input_ids[:1], g.positions[:1], attn, g.logits_idx[:1])
+    with torch.inference_mode():
+        for _ in range(3):
+            model(*args)
+        torch.cuda.synchronize()
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(*args)
+            torch.cuda.synchronize()
+    fam: dict[str, list[float]] = {}
+    for ev in prof.key_averages():
+        if str(getattr(ev, "device_type", "")).split(".")[-1] != "CUDA":
+            continue
+        us = getattr(ev, "self_device_time_total", None)
+        if us is None:
+            us = ev.self_cuda_time_total
+        name = ev.key
+        key = ("gemm/gemv" if any(s in name.lower() for s in ("gemm", "gemv", "cutlass", "sm90", "nvjet", "cublas"))
+               else name[:60])
+        fam.setdefault(key, [0.0, 0])
+        fam[key][0] += us
+        fam[key][1] += ev.count
+    rows = sorted(((k, v[0], v[1]) for k, v in fam.items()), key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    g.seq_lens.fill_(1)
+    return {"kernel_us_total": round(total, 1), "launches": sum(r[2] for r in rows),
+            "families": [{"name": k, "us": round(us, 1), "count": n, "share": round(us / total, 3)} for k, us, n in rows[:16]]}
+
+
+def section_gemv(eng, ctx) -> dict:
+    model = eng.worker.model
+    ws = []
+    for layer in model.layers:
+        ws += [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+               layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+    ws.append(model.lm_head.weight)
+    by = sum(w.numel() * w.element_size() for w in ws)
+    xs = {w.shape[1]: torch.randn(1, w.shape[1], device="cuda", dtype=w.dtype) for w in ws}
+    outs = [torch.empty(w.shape[0], device="cuda", dtype=w.dtype) for w in ws]
+    res = {"bytes_GB": round(by / 1e9, 3)}
+
+    def cublas():
+        for w in ws:
+            F.linear(xs[w.shape[1]], w)
+
+    t = time_graph(cublas)
+    res["cublas"] = {"ms": round(t * 1e3, 3), "fraction_of_copy": round(by / t / ctx["copy"], 3)}
+    best = None
+    for bn, bk, warps in [(4, 512, 4), (8, 512, 4), (8, 256, 4), (16, 256, 4), (16, 512, 8), (32, 128, 4),
+                          (8, 1024, 8), (4, 1024, 4), (16, 128, 4)]:
+        def tri(bn=bn, bk=bk, warps=warps):
+            for w, o in zip(ws, outs, strict=True):
+                triton_gemv(xs[w.shape[1]][0], w, o, bn, bk, warps)
+        try:
+            t = time_graph(tri)
+        except Exception as exc:  # a tile that does not compile is a result too
+            res[f"triton_{bn}x{bk}_w{warps}"] = {"error": repr(exc)[:200]}
+            continue
+        r = {"ms": round(t * 1e3, 3), "fraction_of_copy": round(by / t / ctx["copy"], 3)}
+        res[f"triton_{bn}x{bk}_w{warps}"] = r
+        if best is None or t < best[1]:
+            best = (f"{bn}x{bk}_w{warps}", t)
+    w = ws[2]
+    ref = F.linear(xs[w.shape[1]], w)[0]
+    bn, bk, warps = (int(best[0].split("x")[0]), int(best[0].split("x")[1].split("_")[0]), int(best[0].split("_w")[1]))
+    got = triton_gemv(xs[w.shape[1]][0], w, torch.empty_like(ref), bn, bk, warps)
+    res["best_triton"] = best[0]
+    res["triton_max_rel_err"] = round(float((got.float() - ref.float()).abs().max() / ref.float().abs().max()), 5)
+    # per-shape: cuBLAS vs best Triton
+    for name, w in [("qkv", ws[0]), ("o", ws[1]), ("gate_up", ws[2]), ("down", ws[3]), ("lm_head", ws[-1])]:
+        b = w.numel() * w.element_size()
+        tc = time_graph(lambda w=w: F.linear(xs[w.shape[1]], w), reps=50)
+        tt = time_graph(lambda w=w: triton_gemv(xs[w.shape[1]][0], w, torch.empty(w.shape[0], device="cuda", dtype=w.dtype), bn, bk, warps), reps=50)
+        res[f"shape_{name}"] = {"N_K": list(w.shape), "cublas_frac": round(b / tc / ctx["copy"], 3),
+                                "triton_frac": round(b / tt / ctx["copy"], 3)}
+    return res
+
+
+def section_extend(eng, ctx) -> dict:
+    from radixd.core.attention import triton_kernels as tk
+
+    cfg = eng.worker.model.cfg
+    H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    R, N = 8, 2048
+    kb = torch.randn(R * N + 1, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    vb = torch.randn_like(kb)
+    table = (torch.arange(R * N, device="cuda") + 1).view(R, N)
+    q = torch.randn(R * N, H, D, device="cuda", dtype=torch.bfloat16)
+    rows = torch.arange(R, device="cuda")
+    pre = torch.zeros(R, dtype=torch.int64, device="cuda")
+    ext = torch.full((R,), N, device="cuda")
+    starts = torch.arange(R, device="cuda") * N
+    qs = q.view(R, N, H, D).transpose(1, 2)
+    ks = kb[1:].view(R, N, Hkv, D).transpose(1, 2)
+    vs = vb[1:].view(R, N, Hkv, D).transpose(1, 2)
+    t_sdpa = gpu_bench.median_time(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True))
+    ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).transpose(1, 2).reshape(R * N, H, D)
+    flops = R * 4 * H * D * N * N / 2
+    res = {"sdpa_ms": round(t_sdpa * 1e3, 3), "sdpa_TFLOPs": round(flops / t_sdpa / 1e12, 1)}
+    t0 = gpu_bench.median_time(lambda: tk.extend_attention(q, kb, vb, table, rows, pre, ext, starts, N, D**-0.5))
+    res["current"] = {"ms": round(t0 * 1e3, 3), "sdpa_over": round(t_sdpa / t0, 3)}
+    if hasattr(tk, "EXTEND_CONFIGS"):
+        for cfg_ in tk.EXTEND_CONFIGS:
+            try:
+                fn = lambda c=cfg_: tk.extend_attention(q, kb, vb, table, rows, pre, ext, starts, N, D**-0.5, config=c)  # noqa: E731
+                out = fn()
+                err = float((out.float() - ref.float()).abs().max())
+                t = gpu_bench.median_time(fn)
+            except Exception as exc:
+                res[str(cfg_)] = {"error": repr(exc)[:200]}
+                continue
+            res[str(cfg_)] = {"ms": round(t * 1e3, 3), "sdpa_over": round(t_sdpa / t, 3), "max_abs_err": round(err, 4)}
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(gpu_bench.SHAPES))
+    ap.add_argument("--sections", default="step,kernels,gemv,extend")
+    args = ap.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    import asyncio
+    loop = asyncio.new_event_loop()
+    ctx = {"loop": loop}
+    gpu_bench.ceilings(None, ctx)
+    ctx["copy"] = ctx["copy_Bps"]
+    eng = gpu_bench.engine(gpu_bench.checkpoint_dir(args.model), max_running_requests=64)
+    ctx["kv_per_tok"] = eng.worker.pool.k_buffers[0][0].numel() * 2 * 2 * len(eng.worker.pool.k_buffers)
+    summary = {"copy_TBps": round(ctx["copy"] / 1e12, 3), "model": args.model}
+    fns = {"step": section_step, "kernels": section_kernels, "gemv": section_gemv, "extend": section_extend}
+    for name in args.sections.split(","):
+        t = time.perf_counter()
+        try:
+            summary[name] = fns[name](eng, ctx)
+        except Exception as exc:
+            import traceback
+            traceback.print_exc()
+            summary[name] = {"error": repr(exc)}
+        summary[name]["section_s"] = round(time.perf_counter() - t, 1)
+        print(f"== {name}: {json.dumps(summary[name])}", flush=True)
+    Path(args.out, f"profile_{args.model}.json").write_text(json.dumps(summary, indent=1))
+    loop.run_until_complete(eng.stop())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
