@@ -71,7 +71,7 @@ def test_decode_matches_reference(heads, kv_heads, dim, seq_lens, splits):
         assert rel_err(out[b], ref) < TOL
 
 
-EXTEND_TILES = [None, (16, 16, 4, 2)] + (list(triton_kernels.EXTEND_CONFIGS) if GPU else [])
+EXTEND_TILES = [None, (16, 16, 4, 2, False), (16, 16, 4, 2, True)] + (list(triton_kernels.EXTEND_CONFIGS) if GPU else [])
 
 
 @pytest.mark.parametrize("config", EXTEND_TILES, ids=str)
@@ -178,3 +178,14 @@ def test_rope_store_kernel():
     untouched = torch.ones(50, dtype=torch.bool, device=DEV)
     untouched[loc] = False
     assert not kb[untouched].any() and not vb[untouched].any()
+
+
+def test_decode_splits_fill_the_device():
+    from radixd.core.attention.triton_backend import MAX_SPLITS, MIN_SPLITS, decode_splits
+
+    assert decode_splits(1, 8, 132) == MAX_SPLITS  # one request: as many splits as allowed
+    assert decode_splits(4, 8, 132) == 16  # 4 x 8 x 16 = 512 programs >= 2 x 132
+    assert decode_splits(64, 8, 132) == MIN_SPLITS
+    for b in (1, 2, 3, 5, 16, 100):
+        s = decode_splits(b, 2, 132)
+        assert MIN_SPLITS <= s <= MAX_SPLITS and s & (s - 1) == 0

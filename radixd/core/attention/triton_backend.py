@@ -8,20 +8,33 @@ points the backend at caller-owned device tensors, which is how CUDA graphs repl
 from __future__ import annotations
 
 import torch
+import triton
 
 from radixd.core.attention.triton_kernels import decode_attention, extend_attention
 from radixd.core.forward_batch import ForwardBatch
 from radixd.core.kv_pool import KVPool
 from radixd.core.triton_ops import rope_store
 
+MIN_SPLITS, MAX_SPLITS = 4, 32
+
+
+def decode_splits(batch: int, kv_heads: int, processors: int) -> int:
+    """KV splits per request for a decode batch: enough programs (batch x kv heads x splits)
+    to fill the device's processors about twice, so that a small batch is not left with a
+    few long serial loops (latency-bound) while most of the device idles."""
+    want = -(-2 * processors // (batch * kv_heads))
+    return min(MAX_SPLITS, max(MIN_SPLITS, triton.next_power_of_2(want)))
+
 
 class TritonAttention:
-    def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float, num_splits: int = 8):
+    def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float):
         self.pool = pool
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.num_splits = num_splits
+        dev = pool.device
+        self.processors = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
+        self.num_splits = MAX_SPLITS
         self.decode = False
         self._mid: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -41,7 +54,9 @@ class TritonAttention:
     def set_decode(self, rows: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
         self.decode = True
         self.rows, self.seq_lens, self.out_cache_loc = rows, seq_lens, out_cache_loc
-        self.mid_o, self.mid_lse = self._scratch(rows.numel())
+        self.splits = decode_splits(rows.numel(), self.pool.k_buffers[0].shape[1], self.processors)
+        mid_o, mid_lse = self._scratch(rows.numel())
+        self.mid_o, self.mid_lse = mid_o[:, :, : self.splits], mid_lse[:, :, : self.splits]
 
     def begin(self, batch: ForwardBatch, stage=None) -> None:
         stage = stage or (lambda t: torch.as_tensor(t, dtype=torch.int64).to(self.pool.device))
@@ -68,6 +83,6 @@ class TritonAttention:
         table = self.pool.req_to_token
         if self.decode:
             return decode_attention(q, k_buf, v_buf, table, self.rows, self.seq_lens, self.scale,
-                                    num_splits=self.num_splits, mid_o=self.mid_o, mid_lse=self.mid_lse)
+                                    num_splits=self.splits, mid_o=self.mid_o, mid_lse=self.mid_lse)
         return extend_attention(q, k_buf, v_buf, table, self.rows, self.prefix_lens, self.extend_lens,
                                 self.q_starts, self.max_extend, self.scale)

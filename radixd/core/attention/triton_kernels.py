@@ -31,7 +31,7 @@ def _decode_stage1(
     sp = tl.program_id(2)
     row = tl.load(Rows + b)
     seq_len = tl.load(SeqLens + b)
-    split_len = tl.cdiv(seq_len, SPLITS)
+    split_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N  # whole tiles per split
     start = sp * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -128,23 +128,26 @@ def decode_attention(
 @triton.jit
 def _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, lo, hi, qk_scale,
                   stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, K_ROWS: tl.constexpr):
     """Online softmax of one query tile over keys ``[lo, hi)``; ``MASKED`` adds the bounds
     and causal masks (needed only on the diagonal and the ragged end)."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
         if MASKED:
-            mask_n = offs_n < hi
             slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0)
-            k = tl.load(K + slots[None, :] * stride_kn + kvh * stride_kh + offs_d[:, None],
-                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-            v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :],
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+            mask_nd = mask_n[:, None] & mask_d[None, :]
         else:
             slots = tl.load(Table + row * stride_tr + offs_n)
-            k = tl.load(K + slots[None, :] * stride_kn + kvh * stride_kh + offs_d[:, None], mask=mask_d[:, None], other=0.0)
-            v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=mask_d[None, :], other=0.0)
-        qk = tl.dot(q, k) * qk_scale
+            mask_nd = mask_d[None, :]
+        if K_ROWS:  # K tile read as rows (each slot's head contiguous), transposed for the dot
+            k = tl.load(K + slots[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=mask_nd, other=0.0)
+            qk = tl.dot(q, tl.trans(k)) * qk_scale
+        else:  # K tile gathered straight into [D, N]
+            k = tl.load(K + slots[None, :] * stride_kn + kvh * stride_kh + offs_d[:, None],
+                        mask=tl.trans(mask_nd), other=0.0)
+            qk = tl.dot(q, k) * qk_scale
+        v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=mask_nd, other=0.0)
         if MASKED:
             qk = tl.where(mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
@@ -162,7 +165,7 @@ def _extend_kernel(
     Q, K, V, Out, Table, Rows, PrefixLens, ExtendLens, QStarts, qk_scale,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh, stride_tr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, K_ROWS: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -188,41 +191,44 @@ def _extend_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, 0, full, qk_scale,
                                      stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                                     BLOCK_N, False)
+                                     BLOCK_N, False, K_ROWS)
         m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, full, end, qk_scale,
                                      stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                                     BLOCK_N, True)
+                                     BLOCK_N, True, K_ROWS)
         out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
         tl.store(Out + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-# Tile configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) swept by bench/decode_profile.py.
-EXTEND_CONFIGS = [(64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 2),
-                  (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 8, 2)]
+# Tile configurations (BLOCK_M, BLOCK_N, num_warps, num_stages, K_ROWS) swept by
+# bench/decode_profile.py; on an H200 (head dim 128, 8 x 2048) (64, 64, 4, 3) measured best of
+# the first eight without K_ROWS.
+EXTEND_CONFIGS = [(64, 64, 4, 3, False), (64, 64, 4, 3, True), (128, 64, 8, 3, False), (128, 64, 8, 3, True),
+                  (64, 64, 4, 4, True), (128, 64, 4, 3, True), (64, 32, 4, 3, True), (128, 128, 8, 3, True),
+                  (64, 128, 4, 3, True), (128, 32, 4, 3, False)]
 _LOG2E = 1.4426950408889634
 
 
-def _extend_config(head_dim: int, max_extend: int) -> tuple[int, int, int, int]:
+def _extend_config(head_dim: int, max_extend: int) -> tuple[int, int, int, int, bool]:
     if max_extend <= 32:
-        return (16, 64 if head_dim <= 64 else 32, 4, 2)
-    return (64, 64, 4, 2)
+        return (16, 64 if head_dim <= 64 else 32, 4, 2, False)
+    return (64, 64, 4, 3, False)
 
 
 def extend_attention(
     q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, table: torch.Tensor,
     rows: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor, q_starts: torch.Tensor,
     max_extend: int, scale: float, out: torch.Tensor | None = None,
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[int, int, int, int, bool] | None = None,
 ) -> torch.Tensor:
     """``q`` [T, H, D]: the new tokens of R requests laid back to back (request r's start in
-    ``q_starts``) -> [T, H, D]. ``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    ``q_starts``) -> [T, H, D]. ``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages, K_ROWS)."""
     T, H, D = q.shape
     Hkv = k_buf.shape[1]
     if out is None:
         out = torch.empty_like(q)
     R = rows.numel()
-    block_m, block_n, warps, stages = config or _extend_config(D, max_extend)
+    block_m, block_n, warps, stages, k_rows = config or _extend_config(D, max_extend)
     block_d = triton.next_power_of_2(D)
     grid = (R, H, triton.cdiv(max_extend, block_m))
     _extend_kernel[grid](
@@ -230,7 +236,7 @@ def extend_attention(
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), table.stride(0),
         GROUP=H // Hkv, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, BLOCK_D=block_d,
-        num_warps=warps, num_stages=stages,
+        K_ROWS=k_rows, num_warps=warps, num_stages=stages,
     )
     return out
 
