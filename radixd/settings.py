@@ -16,7 +16,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from radixd.core.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
+from radixd.core.config import ATTENTION_BACKENDS, DEVICES, DTYPES, ROUTING_POLICIES, EngineConfig
 from radixd.core.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -79,6 +79,14 @@ class SchedulerSection:
 
 
 @dataclass(frozen=True)
+class ParallelSection:
+    dp_size: int = _f(1, min=1)
+    tp_size: int = _f(1, min=1)
+    routing: str = _f("cache_aware", choices=ROUTING_POLICIES)
+    routing_balance_threshold: int = _f(16, min=0)
+
+
+@dataclass(frozen=True)
 class LimitsSection:
     max_queued_requests: int = _f(1024, min=1, live=True)
     max_n: int = _f(16, min=1)
@@ -113,6 +121,7 @@ SECTIONS: dict[str, type] = {
     "memory": MemorySection,
     "cache": CacheSection,
     "scheduler": SchedulerSection,
+    "parallel": ParallelSection,
     "limits": LimitsSection,
     "logging": LoggingSection,
     "plugins": PluginsSection,
@@ -127,6 +136,7 @@ class Settings:
     memory: MemorySection = field(default_factory=MemorySection)
     cache: CacheSection = field(default_factory=CacheSection)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     limits: LimitsSection = field(default_factory=LimitsSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     plugins: PluginsSection = field(default_factory=PluginsSection)
@@ -155,6 +165,10 @@ class Settings:
             schedule_conservativeness=s.schedule_conservativeness,
             overlap_schedule=s.overlap,
             seed=s.seed,
+            dp_size=self.parallel.dp_size,
+            tp_size=self.parallel.tp_size,
+            routing=self.parallel.routing,
+            routing_balance_threshold=self.parallel.routing_balance_threshold,
             max_queued_requests=lim.max_queued_requests,
             max_n=lim.max_n,
             max_top_logprobs=lim.max_top_logprobs,

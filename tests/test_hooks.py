@@ -355,7 +355,7 @@ def _write(event, **data):
 
 def _state(state):
     return {"type": type(state).__name__, "model": state.model_name, "draining": state.draining,
-            "loop_running": state.engine._task is not None and not state.engine._task.done(),
+            "loop_running": state.engine.loop_running,
             "inflight": state.engine.num_inflight}
 
 

@@ -10,6 +10,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
+ROUTING_POLICIES = ("cache_aware", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,16 @@ class EngineConfig:
     # Radix cache.
     radix_cache: bool = True
 
+    # Several devices: ``dp_size`` replicas (each a model copy, KV pool, radix tree and
+    # scheduler), each split over ``tp_size`` devices (heads and MLP columns per device).
+    dp_size: int = 1
+    tp_size: int = 1
+    # Which replica serves a request: "cache_aware" (the longest cached prefix unless that
+    # replica has more than ``routing_balance_threshold`` requests over the least-loaded one)
+    # or "round_robin".
+    routing: str = "cache_aware"
+    routing_balance_threshold: int = 16
+
     # Scheduler.
     policy: str = "lpm"
     max_running_requests: int = 64
@@ -67,6 +78,10 @@ class EngineConfig:
         _one_of("device", self.device, DEVICES)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _one_of("load_format", self.load_format, LOAD_FORMATS)
+        _one_of("routing", self.routing, ROUTING_POLICIES)
+        _int_at_least("dp_size", self.dp_size, 1)
+        _int_at_least("tp_size", self.tp_size, 1)
+        _int_at_least("routing_balance_threshold", self.routing_balance_threshold, 0)
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("model", self.model, "a checkpoint directory, a .gguf file or 'default'")
         if self.kv_cache_bytes is not None:

@@ -21,7 +21,8 @@ def buckets_up_to(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, attn, pool, *, max_batch: int):
+    def __init__(self, model, attn, pool, *, max_batch: int, capture_error_mode: str = "global"):
+        self.capture_error_mode = capture_error_mode
         self.model = model
         self.attn = attn
         self.pool = pool
@@ -49,7 +50,7 @@ class DecodeGraphs:
                 for _ in range(2):  # warm up: autotuning and lazy initialisation outside capture
                     self.model(*args)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool, stream=stream):
+                with torch.cuda.graph(graph, pool=mempool, stream=stream, capture_error_mode=self.capture_error_mode):
                     out = self.model(*args)
                 self.graphs[bs] = (graph, out)
         torch.cuda.current_stream(self.pool.device).wait_stream(stream)

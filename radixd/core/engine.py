@@ -1,10 +1,13 @@
-"""``Engine``: the Python API. An asyncio batching loop over one model worker thread.
+"""``Engine``: the Python API. An asyncio batching loop per replica over its worker thread.
 
-    generate() -> validate + tokenize -> Scheduler.add -> [loop: schedule -> worker.step
-    (thread) -> Scheduler.process -> detokenize/stream -> release_finished] -> outputs
+    generate() -> validate + tokenize -> Router.pick (dp_size > 1) -> Scheduler.add ->
+    [replica's loop: schedule -> worker.launch (thread) -> Scheduler.process ->
+    detokenize/stream -> release_finished] -> outputs
 
-Everything but the forward pass runs on the event loop's thread; the worker thread only
-computes. Requests are aborted when their consumer stops iterating.
+Everything but the forward pass runs on the event loop's thread; worker threads only
+compute. Requests are aborted when their consumer stops iterating. With ``dp_size`` > 1
+each replica (model copy, KV pool, radix tree, scheduler, worker) runs its own loop task;
+the ``n`` samples of one call stay on one replica.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from radixd.core.kv_pool import RowAllocator, SlotAllocator, kv_bytes_per_token
 from radixd.core.model_loader import read_config, resolve_model
 from radixd.core.radix_cache import RadixCache
 from radixd.core.request import Group, Request
+from radixd.core.router import Router
 from radixd.core.sampling_params import SamplingParams
 from radixd.core.scheduler import NEED_SYNC, ScheduledStep, Scheduler
-from radixd.core.worker import ModelWorker
+from radixd.core.worker import ModelWorker, bind_device, on_device
 
 log = logging.getLogger("radixd.engine")
 
@@ -73,6 +77,7 @@ class Submission:
         self.n = n
         self._queue = queue
         self._left = n
+        self.replica = 0  # which data-parallel replica serves it
 
     def __aiter__(self) -> Submission:
         return self
@@ -104,6 +109,32 @@ class _Stream:
     detok: IncrementalDetokenizer | None
 
 
+class Replica:
+    """One model copy: its worker (thread), KV slots, radix tree and scheduler, and the
+    state of its batching loop."""
+
+    def __init__(self, index: int, worker, config: EngineConfig, policy, *, eos_token_ids, context_len: int):
+        self.index = index
+        self.worker = worker
+        self.allocator = SlotAllocator(worker.pool.num_slots)
+        self.rows = RowAllocator(config.max_running_requests)
+        self.cache = RadixCache(self.allocator, enabled=config.radix_cache)
+        self.policy = policy
+        self.scheduler = Scheduler(config, allocator=self.allocator, rows=self.rows, cache=self.cache,
+                                   policy=policy, eos_token_ids=eos_token_ids, context_len=context_len)
+        device = worker.device
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"radixd-worker-{device}", initializer=bind_device, initargs=(device,))
+        self.inflight = None  # (step, picks on the device, launch time) not yet read back
+        self.wake: asyncio.Event | None = None
+        self.task: asyncio.Task | None = None
+
+    @property
+    def load(self) -> int:
+        """Requests waiting or running here (what the router balances)."""
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+
 class Engine:
     """Serve one model: ``async for out in engine.generate("Hi", params=...)``.
 
@@ -126,49 +157,73 @@ class Engine:
         self.context_len = min(self.model_cfg.context_len, config.max_context_len or 1 << 62)
         self.eos_token_ids = _eos_ids(self.model_cfg, self.tokenizer)
 
+        _check_parallel(config, self.model_cfg, self.device)
+
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
-        self.worker = ModelWorker(
-            model_path=self.model_path,
-            model_cfg=self.model_cfg,
-            device=self.device,
-            dtype=self.dtype,
-            load_format=config.load_format,
-            attention_backend=backend,
-            kv_slots=self._kv_slots,
-            max_rows=config.max_running_requests,
-            max_context_len=self.context_len,
-            cuda_graphs=config.cuda_graphs,
-        )
-        self.allocator = SlotAllocator(self.worker.pool.num_slots)
-        self.rows = RowAllocator(config.max_running_requests)
-        self.cache = RadixCache(self.allocator, enabled=config.radix_cache)
         if plugin_manager is None:
             from radixd.plugins import make_plugin_manager
 
             plugin_manager = make_plugin_manager(allow=config.plugins_allow, block=config.plugins_block)
         self.plugins = plugin_manager
-        self.policy = self._make_policy(config.policy)
-        self.scheduler = Scheduler(
-            config,
-            allocator=self.allocator,
-            rows=self.rows,
-            cache=self.cache,
-            policy=self.policy,
-            eos_token_ids=self.eos_token_ids,
-            context_len=self.context_len,
-        )
+        self.replicas: list[Replica] = []
+        for d in range(config.dp_size):
+            devices = _replica_devices(self.device, d, config.dp_size, config.tp_size)
+            worker = self._make_worker(devices, backend)
+            self.replicas.append(Replica(d, worker, config, self._make_policy(config.policy),
+                                         eos_token_ids=self.eos_token_ids, context_len=self.context_len))
+        self.device = self.replicas[0].worker.device
+        self.router = None
+        if config.dp_size > 1:
+            self.router = Router(config.dp_size, policy=config.routing,
+                                 balance_threshold=config.routing_balance_threshold,
+                                 capacity_tokens=self.replicas[0].allocator.total,
+                                 loads=lambda: [rep.load for rep in self.replicas])
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._streams: dict[Request, _Stream] = {}
         self._by_rid: dict[str, list[Request]] = {}
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"radixd-worker-{self.device}")
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-        self._inflight = None  # (step, picks on the device, launch time) not yet read back
+        self._started = False
         self._stopping = False
         self.step_hook = None  # optional callable(ScheduledStep), for tests and statistics
+
+    def _make_worker(self, devices: list[torch.device], backend: str):
+        kw = dict(model_path=self.model_path, model_cfg=self.model_cfg, dtype=self.dtype,
+                  load_format=self.config.load_format, attention_backend=backend, kv_slots=self._kv_slots,
+                  max_rows=self.config.max_running_requests, max_context_len=self.context_len,
+                  cuda_graphs=self.config.cuda_graphs)
+        if len(devices) > 1:
+            from radixd.core.tensor_parallel import TPWorker
+
+            return TPWorker(devices=devices, **kw)
+        with on_device(devices[0]):
+            return ModelWorker(device=devices[0], **kw)
+
+    # The first replica's parts (the only ones with dp_size = 1).
+    @property
+    def worker(self):
+        return self.replicas[0].worker
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.replicas[0].scheduler
+
+    @property
+    def cache(self) -> RadixCache:
+        return self.replicas[0].cache
+
+    @property
+    def allocator(self) -> SlotAllocator:
+        return self.replicas[0].allocator
+
+    @property
+    def rows(self) -> RowAllocator:
+        return self.replicas[0].rows
+
+    @property
+    def policy(self):
+        return self.replicas[0].policy
 
     # ------------------------------------------------------------------ set-up
 
@@ -178,7 +233,9 @@ class Engine:
         c = self.config
         if c.kv_cache_tokens is not None and c.kv_cache_bytes is None:
             return c.kv_cache_tokens + 1
-        per_token = kv_bytes_per_token(self.model_cfg.num_layers, self.model_cfg.num_kv_heads, self.model_cfg.head_dim, self.dtype)
+        # each device of a replica holds its share of the KV heads
+        kv_heads = self.model_cfg.num_kv_heads // c.tp_size
+        per_token = kv_bytes_per_token(self.model_cfg.num_layers, kv_heads, self.model_cfg.head_dim, self.dtype)
         budget = c.kv_cache_bytes
         if budget is None:
             budget = int(free_bytes * c.mem_fraction) if free_bytes is not None else DEFAULT_KV_BYTES_CPU
@@ -201,22 +258,32 @@ class Engine:
         self._ensure_started()
 
     def _ensure_started(self) -> None:
-        if self._task is None:
-            self._wake = asyncio.Event()
+        if not self._started:
+            self._started = True
             self._stopping = False
-            self._task = asyncio.get_running_loop().create_task(self._loop(), name="radixd-batching-loop")
+            loop = asyncio.get_running_loop()
+            for rep in self.replicas:
+                rep.wake = asyncio.Event()
+                name = "radixd-batching-loop" + (f"-{rep.index}" if len(self.replicas) > 1 else "")
+                rep.task = loop.create_task(self._loop(rep), name=name)
 
     async def stop(self) -> None:
-        """Abort everything in flight and end the batching loop."""
+        """Abort everything in flight and end the batching loops."""
         self._stopping = True
         for reqs in list(self._by_rid.values()):
             for r in reqs:
-                self.scheduler.abort(r)
-        if self._task is not None:
-            self._wake.set()
-            await self._task
-            self._task = None
-        self._executor.shutdown(wait=True)
+                r.aborted = True
+        for rep in self.replicas:
+            if rep.task is not None:
+                rep.wake.set()
+                await rep.task
+                rep.task = None
+        self._started = False
+        for rep in self.replicas:
+            rep.executor.shutdown(wait=True)
+            close = getattr(rep.worker, "close", None)
+            if close is not None:
+                close()
 
     async def __aenter__(self) -> Engine:
         await self.start()
@@ -269,7 +336,7 @@ class Engine:
                 f"model's context of {self.context_len} tokens",
             )
         need = len(ids) + params.n * params.max_new_tokens
-        if need > self.allocator.total:
+        if need > self.allocator.total:  # every replica's pool has this size
             field_name = "n" if params.n > 1 else "max_new_tokens"
             raise InvalidRequest(
                 field_name,
@@ -309,7 +376,8 @@ class Engine:
             return Submission(self, rid, [], queue, params.n, len(ids))
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
-        reqs = self._make_requests(rid, ids, params)
+        rep = self.replicas[0] if self.router is None else self.replicas[self.router.pick(ids)]
+        reqs = self._make_requests(rep, rid, ids, params)
         for r in reqs:
             r.priority = priority
             detok = None
@@ -317,10 +385,12 @@ class Engine:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
                                                stop=params.stop)
             self._streams[r] = _Stream(queue, detok)
-            self.scheduler.add(r)
+            rep.scheduler.add(r)
         self._by_rid[rid] = reqs
-        self._wake.set()
-        return Submission(self, rid, reqs, queue, len(reqs), len(ids))
+        rep.wake.set()
+        sub = Submission(self, rid, reqs, queue, len(reqs), len(ids))
+        sub.replica = rep.index
+        return sub
 
     async def generate(
         self,
@@ -340,8 +410,8 @@ class Engine:
         finally:
             sub.close()
 
-    def _make_requests(self, rid: str, ids: list[int], params: SamplingParams) -> list[Request]:
-        ns = self.cache.default_namespace()
+    def _make_requests(self, rep: Replica, rid: str, ids: list[int], params: SamplingParams) -> list[Request]:
+        ns = rep.cache.default_namespace()
         group = Group(size=params.n, namespace=ns, pending=params.n - 1) if params.n > 1 else None
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         reqs = []
@@ -353,7 +423,7 @@ class Engine:
                     prompt_ids=ids,
                     params=params,
                     seed=seed,
-                    arrival=self.scheduler.next_arrival(),
+                    arrival=rep.scheduler.next_arrival(),
                     namespace=ns,
                     index=i,
                     group=group,
@@ -371,9 +441,10 @@ class Engine:
             return False
         for r in reqs:
             if r.finish_reason is None:
-                self.scheduler.abort(r)
-        if self._wake is not None:
-            self._wake.set()
+                r.aborted = True  # Scheduler.abort: it leaves at its replica's next step
+        for rep in self.replicas:
+            if rep.wake is not None:
+                rep.wake.set()
         return True
 
     def abort_all(self) -> int:
@@ -387,71 +458,95 @@ class Engine:
     def num_inflight(self) -> int:
         return len(self._by_rid)
 
+    @property
+    def loop_running(self) -> bool:
+        """True while every replica's batching loop is alive (started and not ended)."""
+        return self._started and all(rep.task is not None and not rep.task.done() for rep in self.replicas)
+
+    @property
+    def loop_stopped(self) -> bool:
+        """True if a started batching loop has ended (the engine cannot serve)."""
+        return any(rep.task is not None and rep.task.done() for rep in self.replicas)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for admission, over all replicas."""
+        return sum(len(rep.scheduler.waiting) for rep in self.replicas)
+
+    @property
+    def num_running(self) -> int:
+        return sum(len(rep.scheduler.running) for rep in self.replicas)
+
+    def kv_usage(self) -> float:
+        """Share of KV slots not free, over all replicas."""
+        total = sum(rep.allocator.total for rep in self.replicas)
+        return 1.0 - sum(rep.allocator.available for rep in self.replicas) / total
+
     # ------------------------------------------------------------------ the loop
 
-    async def _loop(self) -> None:
-        """The batching loop. A failure of one step fails the requests in flight, never the
-        loop itself (a dead loop would leave every caller waiting forever)."""
+    async def _loop(self, rep: Replica) -> None:
+        """A replica's batching loop. A failure of one step fails the requests in flight,
+        never the loop itself (a dead loop would leave every caller waiting forever)."""
         loop = asyncio.get_running_loop()
         while True:
             try:
-                if not await self._step(loop):
+                if not await self._step(loop, rep):
                     return
             except Exception as exc:
                 log.exception("batching step failed; failing the requests in flight")
-                self._fail_all(exc)
+                self._fail_all(rep, exc)
 
-    async def _step(self, loop: asyncio.AbstractEventLoop) -> bool:
+    async def _step(self, loop: asyncio.AbstractEventLoop, rep: Replica) -> bool:
         """Schedule and launch one batch, then finish the one launched before it (overlap:
         the device runs step N+1 while the loop reads step N's picks and streams them).
         False when the engine has stopped."""
-        prev = self._inflight
+        prev = rep.inflight
         inflight = frozenset(prev[0].reqs) if prev else frozenset()
-        step = self.scheduler.schedule(inflight)
-        self._report_dropped()
+        step = rep.scheduler.schedule(inflight)
+        self._report_dropped(rep)
         if step is NEED_SYNC or (step is None and prev is not None):
-            self._inflight = None
-            await self._finish(loop, prev, frozenset())
+            rep.inflight = None
+            await self._finish(loop, rep, prev, frozenset())
             return True
         if step is None:
             if self._stopping:
                 return False
-            self._wake.clear()
-            await self._wake.wait()
+            rep.wake.clear()
+            await rep.wake.wait()
             return True
         t0 = time.perf_counter()
         if step.placeholder_reqs:
             src = {r: i for i, r in enumerate(prev[0].sampled)}
             step.batch.placeholder_src = [src[r] for r in step.placeholder_reqs]
         try:
-            picks = await loop.run_in_executor(self._executor, self.worker.launch, step.batch,
+            picks = await loop.run_in_executor(rep.executor, rep.worker.launch, step.batch,
                                                prev[1] if prev else None)
         except Exception as exc:  # a failed forward fails its requests, not the engine
             log.exception("forward pass failed; failing %d requests", len(step.reqs))
-            self.scheduler.rollback(step)
-            self._fail(step, exc)
+            rep.scheduler.rollback(step)
+            self._fail(rep, step, exc)
             return True
-        self._inflight = (step, picks, t0)
+        rep.inflight = (step, picks, t0)
         if prev is not None:
-            await self._finish(loop, prev, frozenset(step.reqs))
+            await self._finish(loop, rep, prev, frozenset(step.reqs))
         if not self.config.overlap_schedule:
-            self._inflight = None
-            await self._finish(loop, (step, picks, t0), frozenset())
+            rep.inflight = None
+            await self._finish(loop, rep, (step, picks, t0), frozenset())
         return True
 
-    async def _finish(self, loop, launched, inflight: frozenset) -> None:
+    async def _finish(self, loop, rep: Replica, launched, inflight: frozenset) -> None:
         """Read a launched step's picks, stream them, release what finished."""
         step, picks, t0 = launched
         try:
-            out = await loop.run_in_executor(self._executor, self.worker.resolve, picks)
+            out = await loop.run_in_executor(rep.executor, rep.worker.resolve, picks)
         except Exception as exc:
             log.exception("forward pass failed; failing %d requests", len(step.reqs))
-            self.scheduler.rollback(step)
-            self._fail(step, exc)
+            rep.scheduler.rollback(step)
+            self._fail(rep, step, exc)
             return
-        accepted = self.scheduler.process(step, out)
+        accepted = rep.scheduler.process(step, out)
         self._emit(step, out, accepted)
-        for r in self.scheduler.release_finished(inflight):
+        for r in rep.scheduler.release_finished(inflight):
             self._streams.pop(r, None)
         step.step_ms = (time.perf_counter() - t0) * 1000
         if self.step_hook is not None:
@@ -495,29 +590,32 @@ class Engine:
                 )
             )
 
-    def _report_dropped(self) -> None:
+    def _report_dropped(self, rep: Replica) -> None:
         """Tell consumers of requests the scheduler dropped (aborts) that they ended."""
-        for r in self.scheduler.finished:
+        for r in rep.scheduler.finished:
             stream = self._streams.pop(r, None)
             if stream is not None:
                 stream.queue.put_nowait(
                     GenerateOutput(r.index, [], "", True, r.finish_reason, prompt_tokens=len(r.prompt_ids),
                                    completion_tokens=r.num_output, cached_tokens=r.cached_tokens or 0)
                 )
-        self.scheduler.finished.clear()
+        rep.scheduler.finished.clear()
 
-    def _fail_all(self, exc: Exception) -> None:
-        if self._inflight is not None:
-            self.scheduler.rollback(self._inflight[0])
-            self._inflight = None
+    def _fail_all(self, rep: Replica, exc: Exception) -> None:
+        """A replica's step failed outside the forward pass: fail what that replica holds."""
+        if rep.inflight is not None:
+            rep.scheduler.rollback(rep.inflight[0])
+            rep.inflight = None
+        mine = set(rep.scheduler.waiting) | set(rep.scheduler.running)
         for r, stream in list(self._streams.items()):
-            self.scheduler.abort(r)
-            stream.queue.put_nowait(RuntimeError(f"engine step failed: {exc!r}"))
-        self._streams.clear()
+            if r in mine:
+                rep.scheduler.abort(r)
+                stream.queue.put_nowait(RuntimeError(f"engine step failed: {exc!r}"))
+                del self._streams[r]
 
-    def _fail(self, step: ScheduledStep, exc: Exception) -> None:
+    def _fail(self, rep: Replica, step: ScheduledStep, exc: Exception) -> None:
         for r in step.reqs:
-            self.scheduler.abort(r)
+            rep.scheduler.abort(r)
             stream = self._streams.pop(r, None)
             if stream is not None:
                 stream.queue.put_nowait(RuntimeError(f"forward pass failed: {exc}"))
@@ -525,26 +623,76 @@ class Engine:
     # ------------------------------------------------------------------ inspection
 
     def stats(self) -> dict:
-        acc = self.scheduler.accounting()
-        return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "kv": acc,
-            "kv_usage": 1.0 - acc["free"] / acc["total"],
-            "cache_queried_tokens": self.cache.queried_tokens,
-            "cache_hit_tokens": self.cache.hit_tokens,
-            "cache_hit_rate": self.cache.hit_tokens / self.cache.queried_tokens if self.cache.queried_tokens else 0.0,
-            "preemptions": self.scheduler.stats.preemptions,
-            "steps": self.scheduler.stats.steps,
-            "prefill_tokens": self.scheduler.stats.prefill_tokens,
-            "decode_tokens": self.scheduler.stats.decode_tokens,
-        }
+        """Counters summed over the replicas; with dp_size > 1 also each replica's own
+        (``replicas``) and the router's (``routing``)."""
+        per = [_replica_stats(rep) for rep in self.replicas]
+        if len(per) == 1:
+            return per[0]
+        out = {key: sum(p[key] for p in per) for key in per[0] if key not in ("kv", "kv_usage", "cache_hit_rate")}
+        out["kv"] = {key: sum(p["kv"][key] for p in per) for key in per[0]["kv"]}
+        out["kv_usage"] = 1.0 - out["kv"]["free"] / out["kv"]["total"]
+        q = out["cache_queried_tokens"]
+        out["cache_hit_rate"] = out["cache_hit_tokens"] / q if q else 0.0
+        out["replicas"] = per
+        out["routing"] = self.router.stats()
+        return out
 
     def check_accounting(self) -> None:
-        self.scheduler.check_accounting()
+        for rep in self.replicas:
+            rep.scheduler.check_accounting()
 
     def flush_cache(self) -> bool:
-        return self.cache.reset()
+        """Empty every replica's radix cache (False if one is in use: nothing is flushed
+        there, the others are)."""
+        flushed = [rep.cache.reset() for rep in self.replicas]
+        if self.router is not None and all(flushed):
+            self.router.clear()
+        return all(flushed)
+
+
+def _replica_stats(rep: Replica) -> dict:
+    acc = rep.scheduler.accounting()
+    cache, st = rep.cache, rep.scheduler.stats
+    return {
+        "running": len(rep.scheduler.running),
+        "waiting": len(rep.scheduler.waiting),
+        "kv": acc,
+        "kv_usage": 1.0 - acc["free"] / acc["total"],
+        "cache_queried_tokens": cache.queried_tokens,
+        "cache_hit_tokens": cache.hit_tokens,
+        "cache_hit_rate": cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0,
+        "preemptions": st.preemptions,
+        "steps": st.steps,
+        "prefill_tokens": st.prefill_tokens,
+        "decode_tokens": st.decode_tokens,
+    }
+
+
+def _check_parallel(config: EngineConfig, cfg, device: torch.device) -> None:
+    """dp_size/tp_size against the model's shape and the visible devices."""
+    from radixd.core.errors import ConfigError
+
+    tp = config.tp_size
+    for what, n in (("KV heads", cfg.num_kv_heads), ("attention heads", cfg.num_heads),
+                    ("MLP width", cfg.intermediate_size)):
+        if n % tp:
+            raise ConfigError("tp_size", tp, f"a divisor of the model's {what} ({n}); the model has "
+                              f"{cfg.num_heads} heads, {cfg.num_kv_heads} KV heads")
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        if config.dp_size * tp > visible:
+            raise ConfigError("dp_size", config.dp_size,
+                              f"dp_size * tp_size <= {visible} (the visible CUDA devices); tp_size is {tp}")
+
+
+def _replica_devices(device: torch.device, d: int, dp: int, tp: int) -> list[torch.device]:
+    """Devices of replica ``d``: cuda:d*tp .. cuda:d*tp+tp-1 (the default device when one
+    replica uses one GPU); on CPU, tp CPU workers."""
+    if device.type != "cuda":
+        return [device] * tp
+    if dp * tp == 1:
+        return [device]
+    return [torch.device("cuda", d * tp + t) for t in range(tp)]
 
 
 def _pick_device(name: str) -> torch.device:

@@ -6,6 +6,7 @@ Its ``step`` runs in the worker's own thread (one per device); the event loop ha
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +25,7 @@ class ModelWorker:
     def __init__(
         self,
         *,
-        model_path: Path,
+        model_path: Path | None,
         model_cfg: ModelConfig,
         device: torch.device,
         dtype: torch.dtype,
@@ -34,10 +35,16 @@ class ModelWorker:
         max_rows: int,
         max_context_len: int,
         cuda_graphs: bool = False,
+        model: torch.nn.Module | None = None,
     ):
+        """``model``: already built on ``device`` (a tensor-parallel shard; ``model_cfg`` is
+        then the shard's shape); otherwise loaded from ``model_path``."""
         self.device = device
         self.model_cfg = model_cfg
-        self.model = load_model(model_path, model_cfg, dtype, device, random_weights=load_format == "dummy")
+        prebuilt = model is not None
+        if model is None:
+            model = load_model(model_path, model_cfg, dtype, device, random_weights=load_format == "dummy")
+        self.model = model
         free = None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -62,10 +69,18 @@ class ModelWorker:
         )
         self.stager = Stager(device)
         self.graphs = None
-        if cuda_graphs and device.type == "cuda" and attention_backend == "triton":
-            from radixd.core.cuda_graph import DecodeGraphs
+        self.max_rows = max_rows
+        self.graphs_wanted = cuda_graphs and device.type == "cuda" and attention_backend == "triton"
+        if self.graphs_wanted and not prebuilt:  # shards capture together, see TPWorker
+            self.capture_graphs()
 
-            self.graphs = DecodeGraphs(self.model, self.attn, self.pool, max_batch=max_rows)
+    def capture_graphs(self, capture_error_mode: str = "global") -> None:
+        """Capture the decode graphs (tensor-parallel shards capture together, each in its
+        own thread: ``capture_error_mode="thread_local"``)."""
+        from radixd.core.cuda_graph import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.attn, self.pool, max_batch=self.max_rows,
+                                   capture_error_mode=capture_error_mode)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> torch.Tensor:
@@ -118,3 +133,18 @@ def _to_device(sb, stage):
 
     moved = {f.name: stage(getattr(sb, f.name)) for f in fields(sb) if isinstance(getattr(sb, f.name), torch.Tensor)}
     return replace(sb, **moved)
+
+
+def bind_device(device: torch.device) -> None:
+    """Make ``device`` the current CUDA device of the calling (worker) thread: Triton kernels
+    and CUDA graphs launch on the current device."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
+def on_device(device: torch.device):
+    """A context with ``device`` current (model loading and graph capture outside a worker
+    thread)."""
+    if device.type == "cuda" and device.index is not None:
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()

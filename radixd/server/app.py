@@ -192,7 +192,7 @@ def submit(st: ServerState, request: Request, *, params: SamplingParams, prompt:
     """Admission control + ``Engine.submit`` with engine errors mapped to HTTP errors."""
     if st.draining:
         raise ApiError(503, "the server is shutting down", code="shutting_down")
-    queued = len(st.engine.scheduler.waiting)
+    queued = st.engine.num_waiting
     if queued + params.n > st.settings.limits.max_queued_requests:
         raise ApiError(503, f"the server is overloaded ({queued} requests queued); retry later", code="queue_full")
     try:
@@ -602,8 +602,7 @@ async def health(request: Request) -> Response:
     st = state_of(request)
     if st.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
-    task = st.engine._task
-    if task is not None and task.done():
+    if st.engine.loop_stopped:
         return JSONResponse({"status": "batching loop stopped"}, status_code=503)
     t0 = time.perf_counter()
     try:

@@ -105,8 +105,8 @@ class Daemon:
         b = step.batch
         prefill = sum(n for n in b.extend_lens if n > 1)
         stats = {"batch_size": b.batch_size, "prefill_tokens": prefill, "decode_tokens": b.num_tokens - prefill,
-                 "running": len(st.engine.scheduler.running), "waiting": len(st.engine.scheduler.waiting),
-                 "kv_usage": 1.0 - st.engine.allocator.available / st.engine.allocator.total,
+                 "running": st.engine.num_running, "waiting": st.engine.num_waiting,
+                 "kv_usage": st.engine.kv_usage(),
                  "step_ms": step.step_ms}
         st.plugins.hook.radixd_step_stats(stats=stats)
 
@@ -176,8 +176,7 @@ class Daemon:
     async def _watchdog(self, interval: float) -> None:
         """Ping systemd while the batching loop is alive."""
         while not self.shutdown.is_set():
-            task = self.state.engine._task
-            if task is not None and not task.done():
+            if self.state.engine.loop_running:
                 notify("WATCHDOG=1")
             await asyncio.sleep(interval)
 

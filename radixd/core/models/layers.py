@@ -118,6 +118,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer, qkv_bias=qkv_bias, qk_norm=qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        # Tensor parallel: sums the shards' partial o_proj / down_proj outputs (in place).
+        self.all_reduce = None
 
     def forward(self, x, residual, positions, rotary, attn):
         """Pre-norm block with the residual carried separately (so each norm fuses the add):
@@ -127,5 +129,10 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.forward_add(x, residual)
         h = self.self_attn(h, positions, rotary, attn)
+        if self.all_reduce is not None:
+            h = self.all_reduce(h)
         h, residual = self.post_attention_layernorm.forward_add(h, residual)
-        return self.mlp(h), residual
+        h = self.mlp(h)
+        if self.all_reduce is not None:
+            h = self.all_reduce(h)
+        return h, residual

@@ -1,0 +1,242 @@
+"""Tensor parallelism in one process: one replica's model split over ``tp`` devices.
+
+A shard is radixd's own model built for a narrower shape (``num_heads / tp`` heads,
+``num_kv_heads / tp`` KV heads, ``intermediate_size / tp`` MLP columns): its fused q/k/v and
+gate/up projections hold the rows of its heads and columns (column parallel), its o_proj and
+down_proj the matching input columns (row parallel), so their outputs are partial sums that
+an all-reduce completes (``DecoderLayer.all_reduce``). Embedding, norms and lm_head are
+replicated: every shard computes the same logits and the first shard's are sampled.
+
+Each shard has its own worker thread, KV pool (its KV heads) and attention backend; the
+scheduler's slots index every shard's pool alike. The all-reduce:
+
+* CUDA: one NCCL communicator per shard (``torch.cuda.nccl.init_rank``), each used by its
+  shard's thread only, so threads queue their kernels independently and the GPUs meet in
+  the NCCL kernels; decode steps replay per-shard CUDA graphs that contain them.
+* CPU: the shards' threads meet at a barrier whose last arrival sums the partials (in a fixed
+  order, so every shard gets the same bits) and writes the sum back into each.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from dataclasses import replace
+
+import torch
+
+from radixd.core.forward_batch import ForwardBatch, StepOutput
+from radixd.core.model_loader import load_model
+from radixd.core.models.config import ModelConfig
+from radixd.core.models.layers import Rotary
+from radixd.core.sampler import SampledTokens
+from radixd.core.worker import ModelWorker, bind_device, on_device
+
+log = logging.getLogger("radixd.tp")
+
+
+def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    return replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
+                   intermediate_size=cfg.intermediate_size // tp)
+
+
+def shard_tensor(name: str, w: torch.Tensor, cfg: ModelConfig, rank: int, tp: int) -> torch.Tensor:
+    """Shard ``rank``'s part of the full model's parameter ``name``."""
+    d = cfg.head_dim
+    if ".qkv_proj." in name:  # rows: [q heads | k heads | v heads], each split by head
+        q, k, v = w.split((cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d), dim=0)
+        return torch.cat([part.chunk(tp, dim=0)[rank] for part in (q, k, v)], dim=0)
+    if ".gate_up_proj." in name:  # rows: [gate | up], each split by column
+        gate, up = w.split(cfg.intermediate_size, dim=0)
+        return torch.cat((gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]), dim=0)
+    if name.endswith(".o_proj.weight") or name.endswith(".down_proj.weight"):  # input columns
+        return w.chunk(tp, dim=1)[rank]
+    return w  # embedding, norms, q/k norms, lm_head: every shard has them whole
+
+
+def shard_model(full: torch.nn.Module, cfg: ModelConfig, rank: int, tp: int, device: torch.device,
+                dtype: torch.dtype) -> torch.nn.Module:
+    """Shard ``rank`` of ``full`` (built for ``cfg``) as a model of its own on ``device``."""
+    part_cfg = shard_config(cfg, tp)
+    with torch.device("meta"):
+        model = type(full)(part_cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    whole = dict(full.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(shard_tensor(name, whole[name], cfg, rank, tp))
+    model.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(device)
+    return model.eval()
+
+
+class ThreadSum:
+    """All-reduce of CPU tensors among ``n`` threads of this process (a barrier)."""
+
+    def __init__(self, n: int, timeout: float | None = None):
+        self._parts: list[torch.Tensor | None] = [None] * n
+        self._barrier = threading.Barrier(n, action=self._sum, timeout=timeout)
+
+    def _sum(self) -> None:
+        total = self._parts[0].clone()
+        for p in self._parts[1:]:
+            total += p
+        for p in self._parts:
+            p.copy_(total)
+
+    def reduce(self, rank: int, t: torch.Tensor) -> torch.Tensor:
+        self._parts[rank] = t
+        self._barrier.wait()
+        return t
+
+    def abort(self) -> None:
+        """Release the other threads (they raise ``BrokenBarrierError``)."""
+        self._barrier.abort()
+
+    def reset(self) -> None:
+        self._barrier.reset()
+
+
+class _RankReduce:
+    """``DecoderLayer.all_reduce`` of one shard."""
+
+    def __init__(self, rank: int, group: ThreadSum | None, comm=None):
+        self.rank, self.group, self.comm = rank, group, comm
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if self.comm is not None:
+            torch.cuda.nccl.all_reduce([t], comms=[self.comm])  # in place, current stream
+            return t
+        return self.group.reduce(self.rank, t)
+
+
+class TPWorker:
+    """The ``ModelWorker`` interface over ``len(devices)`` shards of one model."""
+
+    def __init__(self, *, devices: list[torch.device], model_path, model_cfg: ModelConfig, dtype: torch.dtype,
+                 attention_backend: str, load_format: str, kv_slots, max_rows: int, max_context_len: int,
+                 cuda_graphs: bool = False):
+        tp = len(devices)
+        self.devices = devices
+        self.device = devices[0]
+        self.tp = tp
+        self.cuda = devices[0].type == "cuda"
+        self.model_cfg = model_cfg
+        self.executors = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"radixd-tp{r}-{dev}",
+                                                                initializer=bind_device, initargs=(dev,))
+                          for r, dev in enumerate(devices)]
+        # The whole model once (the same weights as tp_size = 1 would load), then its shards.
+        staging = devices[0] if (self.cuda and load_format == "dummy") else torch.device("cpu")
+        full = load_model(model_path, model_cfg, dtype, staging, random_weights=load_format == "dummy")
+        models = [shard_model(full, model_cfg, r, tp, dev, dtype) for r, dev in enumerate(devices)]
+        del full
+        free = None
+        if self.cuda:
+            torch.cuda.empty_cache()
+            frees = []
+            for dev in devices:
+                torch.cuda.synchronize(dev)
+                frees.append(torch.cuda.mem_get_info(dev)[0])
+            free = min(frees)
+        num_slots = kv_slots(free)
+        part_cfg = shard_config(model_cfg, tp)
+        self.shards = []
+        for dev, model in zip(devices, models, strict=True):
+            with on_device(dev):
+                self.shards.append(ModelWorker(model_path=None, model=model, model_cfg=part_cfg, device=dev,
+                                               dtype=dtype, attention_backend=attention_backend,
+                                               kv_slots=lambda _free: num_slots, max_rows=max_rows,
+                                               max_context_len=max_context_len, cuda_graphs=cuda_graphs))
+        self.pool = self.shards[0].pool
+        self.model = self.shards[0].model
+        self.group = None if self.cuda else ThreadSum(tp)
+        comms = self._init_nccl() if self.cuda else [None] * tp
+        for r, shard in enumerate(self.shards):
+            reduce = _RankReduce(r, self.group, comms[r])
+            for layer in shard.model.layers:
+                layer.all_reduce = reduce
+        self.graphs = False
+        if self.shards[0].graphs_wanted:
+            self._capture_graphs()
+
+    # ------------------------------------------------------------------ set-up
+
+    def _on_all(self, fn) -> list:
+        """``fn(rank)`` on every shard's thread at once; their results in rank order."""
+        futures = [ex.submit(fn, r) for r, ex in enumerate(self.executors)]
+        return [f.result() for f in futures]
+
+    def _init_nccl(self) -> list:
+        uid = torch.cuda.nccl.unique_id()
+        return self._on_all(lambda r: torch.cuda.nccl.init_rank(self.tp, uid, r))
+
+    def _capture_graphs(self) -> None:
+        """Each shard captures its decode graphs in its own thread, all at once (the NCCL
+        kernels of the warm-up runs need every shard). A failure leaves all shards eager."""
+        try:
+            self._on_all(lambda r: self.shards[r].capture_graphs(capture_error_mode="thread_local"))
+            self.graphs = True
+        except Exception:
+            log.exception("tensor parallel: capturing CUDA graphs failed; decoding without them")
+            for shard in self.shards:
+                shard.graphs = None
+
+    def close(self) -> None:
+        for ex in self.executors:
+            ex.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ steps
+
+    def _shard_forward(self, rank: int, batch: ForwardBatch, prev: SampledTokens | None) -> None:
+        shard = self.shards[rank]
+        mine = None
+        if prev is not None and batch.placeholder_pos:
+            mine = SampledTokens(tokens=prev.tokens.to(shard.device, non_blocking=True))
+        shard.forward(batch, mine)
+
+    def _run(self, batch: ForwardBatch, prev: SampledTokens | None, first) -> object:
+        """Shards 1.. on their threads, ``first()`` (shard 0's work) on this one."""
+        futures = [self.executors[r].submit(self._guarded, self._shard_forward, r, batch, prev)
+                   for r in range(1, self.tp)]
+        errors = []
+        try:
+            out = self._guarded(first)
+        except Exception as exc:
+            errors.append(exc)
+            out = None
+        for f in futures:
+            try:
+                f.result()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            if self.group is not None:
+                self.group.reset()
+            real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+            raise (real or errors)[0]
+        return out
+
+    def _guarded(self, fn, *args):
+        try:
+            return fn(*args)
+        except BaseException:
+            if self.group is not None:
+                self.group.abort()  # the other shards wait at the barrier: let them go
+            raise
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> torch.Tensor:
+        return self._run(batch, prev, lambda: self.shards[0].forward(batch, prev))
+
+    @torch.inference_mode()
+    def launch(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> SampledTokens | None:
+        return self._run(batch, prev, lambda: self.shards[0].launch(batch, prev))
+
+    @staticmethod
+    def resolve(picks: SampledTokens | None) -> StepOutput:
+        return ModelWorker.resolve(picks)
+
+    def step(self, batch: ForwardBatch) -> StepOutput:
+        return self.resolve(self.launch(batch))

@@ -1,0 +1,307 @@
+"""Several workers in one process, on CPU: data-parallel replicas behind the cache-aware (or
+round-robin) router, and tensor parallel shards whose greedy tokens equal one worker's."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from radixd import Engine, SamplingParams
+from radixd.core.config import EngineConfig
+from radixd.core.engine import _check_parallel
+from radixd.core.errors import ConfigError
+from radixd.core.model_loader import read_config
+from radixd.core.router import BLOCK, PrefixIndex, Router, prefix_hashes
+from radixd.core.tensor_parallel import shard_config, shard_tensor
+from radixd.settings import settings_from_dict
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def make_engine(path, **kw) -> Engine:
+    kw.setdefault("kv_cache_tokens", 2048)
+    kw.setdefault("device", "cpu")
+    kw.setdefault("dtype", "float32")
+    eng = Engine(model=str(path), **kw)
+    eng.step_hook = lambda step: eng.check_accounting()
+    return eng
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 256) for _ in range(n)]
+
+
+async def run(eng: Engine, prompt: list[int], max_new: int = 4, **params) -> tuple[int, list[int]]:
+    """(replica that served it, generated tokens)."""
+    sub = eng.submit(input_ids=prompt, params=SamplingParams(max_new_tokens=max_new, **{**GREEDY, **params}))
+    toks: list[int] = []
+    async for out in sub:
+        toks += out.token_ids
+    return sub.replica, toks
+
+
+def assert_idle(eng: Engine) -> None:
+    eng.check_accounting()
+    for rep in eng.replicas:
+        acc = rep.scheduler.accounting()
+        assert acc["private"] == 0 and acc["locked"] == 0
+        assert acc["free"] + acc["evictable"] == acc["total"]
+
+
+# ------------------------------------------------------------------------ routing
+
+
+async def test_cache_aware_routing_keeps_a_prefix_on_one_replica(tiny_models):
+    eng = make_engine(tiny_models["llama"], dp_size=2)
+    try:
+        sys_a, sys_b = tokens(64, 1), tokens(64, 2)
+        # a burst (the followers are routed before the first request's KV exists), in an
+        # order that round robin would split: a a a a a a b b b b b b
+        jobs = [run(eng, sys + tokens(8, 100 + i)) for sys in (sys_a, sys_b) for i in range(6)]
+        served = await asyncio.gather(*jobs)
+        on_a = {rep for rep, _ in served[:6]}
+        on_b = {rep for rep, _ in served[6:]}
+        assert len(on_a) == 1 and len(on_b) == 1, served
+        assert on_a != on_b, "two unrelated prefixes should land on different replicas"
+        st = eng.stats()
+        assert st["routing"]["routed"] == [6, 6]
+        # each prefix was computed once, on its replica; the other replica never saw it
+        ra, rb = eng.replicas[on_a.pop()], eng.replicas[on_b.pop()]
+        assert ra.cache.peek_prefix_len(sys_a) == 64 and rb.cache.peek_prefix_len(sys_a) == 0
+        assert rb.cache.peek_prefix_len(sys_b) == 64 and ra.cache.peek_prefix_len(sys_b) == 0
+        assert st["cache_hit_tokens"] >= 2 * 5 * 64 - 2 * BLOCK  # the followers' prefixes were hits
+        assert_idle(eng)
+    finally:
+        await eng.stop()
+
+
+async def test_cache_aware_routing_spreads_unrelated_requests(tiny_models):
+    eng = make_engine(tiny_models["llama"], dp_size=2)
+    try:
+        served = await asyncio.gather(*(run(eng, tokens(40, 10 + i)) for i in range(8)))
+        assert sorted(rep for rep, _ in served) == [0] * 4 + [1] * 4
+        st = eng.stats()
+        assert st["routing"]["by_load"] == 8 and st["routing"]["by_prefix"] == 0
+        for per in st["replicas"]:
+            assert per["cache_queried_tokens"] == 4 * 40
+        assert_idle(eng)
+    finally:
+        await eng.stop()
+
+
+async def test_balance_threshold_overrides_the_prefix(tiny_models):
+    """Threshold 0: a replica already busier than the other gets no more requests, prefix
+    or not; a large threshold keeps them all with the prefix."""
+    shared = tokens(48, 5)
+    for threshold, expect_both in ((0, True), (100, False)):
+        eng = make_engine(tiny_models["llama"], dp_size=2, routing_balance_threshold=threshold)
+        try:
+            served = await asyncio.gather(*(run(eng, shared + tokens(8, 50 + i)) for i in range(6)))
+            used = {rep for rep, _ in served}
+            assert (used == {0, 1}) if expect_both else (len(used) == 1), (threshold, served)
+            assert_idle(eng)
+        finally:
+            await eng.stop()
+
+
+async def test_round_robin_alternates(tiny_models):
+    eng = make_engine(tiny_models["llama"], dp_size=2, routing="round_robin")
+    try:
+        shared = tokens(48, 7)
+        order = []
+        for i in range(5):  # one at a time: the same prefix still alternates
+            rep, _ = await run(eng, shared + tokens(4, i))
+            order.append(rep)
+        assert order == [0, 1, 0, 1, 0]
+        assert eng.stats()["routing"] == {"policy": "round_robin", "routed": [3, 2], "by_prefix": 0, "by_load": 0}
+    finally:
+        await eng.stop()
+
+
+async def test_n_samples_stay_on_one_replica(tiny_models):
+    eng = make_engine(tiny_models["llama"], dp_size=2)
+    try:
+        sub = eng.submit(input_ids=tokens(40, 3), params=SamplingParams(max_new_tokens=5, n=3, temperature=0.8, seed=1))
+        outs = [o async for o in sub]
+        assert sorted(o.index for o in outs if o.finished) == [0, 1, 2]
+        per = eng.stats()["replicas"]
+        other = per[1 - sub.replica]
+        assert other["cache_queried_tokens"] == 0 and other["steps"] == 0
+        assert per[sub.replica]["decode_tokens"] > 0
+        assert_idle(eng)
+    finally:
+        await eng.stop()
+
+
+async def test_dp_matches_one_replica_and_accounting_holds_under_pressure(tiny_models):
+    """Greedy tokens do not depend on the replica; small pools force preemption on each."""
+    path = tiny_models["qwen2"]
+    prompts = [tokens(30 + 3 * i, 20 + i) for i in range(10)]
+    single = make_engine(path, kv_cache_tokens=200)
+    try:
+        want = await asyncio.gather(*(run(single, p, 24) for p in prompts))
+    finally:
+        await single.stop()
+    eng = make_engine(path, dp_size=2, kv_cache_tokens=200)
+    try:
+        got = await asyncio.gather(*(run(eng, p, 24) for p in prompts))
+        assert [t for _, t in got] == [t for _, t in want]
+        st = eng.stats()
+        assert {rep for rep, _ in got} == {0, 1}
+        assert st["preemptions"] == sum(p["preemptions"] for p in st["replicas"]) > 0
+        assert st["kv"]["total"] == 2 * single.allocator.total
+        assert st["decode_tokens"] == sum(p["decode_tokens"] for p in st["replicas"])
+        assert_idle(eng)
+    finally:
+        await eng.stop()
+
+
+async def test_abort_and_flush_reach_every_replica(tiny_models):
+    eng = make_engine(tiny_models["llama"], dp_size=2)
+    try:
+        subs = [eng.submit(input_ids=tokens(40, 60 + i), params=SamplingParams(max_new_tokens=400, **GREEDY))
+                for i in range(4)]
+        assert {s.replica for s in subs} == {0, 1}
+        firsts = [await s.__anext__() for s in subs]  # every request is running
+        assert all(not f.finished for f in firsts)
+        assert eng.abort_all() == 4
+        for s in subs:
+            last = [o async for o in s][-1]
+            assert last.finished and last.finish_reason == "abort"
+        assert_idle(eng)
+        assert all(rep.cache.total_size > 0 for rep in eng.replicas)
+        assert eng.flush_cache()
+        assert all(rep.cache.total_size == 0 for rep in eng.replicas)
+        assert all(len(index) == 0 for index in eng.router.indexes)
+    finally:
+        await eng.stop()
+
+
+def test_prefix_index_matches_whole_blocks_and_forgets_the_oldest():
+    a, b = tokens(40, 1), tokens(40, 2)
+    index = PrefixIndex(capacity_blocks=3)
+    index.insert(prefix_hashes(a))             # 2 blocks
+    assert index.match(prefix_hashes(a + [1, 2])) == 2
+    assert index.match(prefix_hashes(a[:20] + b)) == 1
+    index.insert(prefix_hashes(b))             # 2 more: a's deeper block goes first
+    assert len(index) == 3
+    assert index.match(prefix_hashes(a)) == 1 and index.match(prefix_hashes(b)) == 2
+
+
+def test_router_prefers_the_prefix_unless_too_busy():
+    loads = [0, 0]
+    router = Router(2, policy="cache_aware", balance_threshold=2, capacity_tokens=4096, loads=lambda: loads)
+    p = tokens(64, 9)
+    first = router.pick(p)
+    loads[first] += 1
+    for _ in range(2):
+        assert router.pick(p + [7]) == first
+        loads[first] += 1
+    assert loads[first] - loads[1 - first] == 3
+    assert router.pick(p + [8]) == 1 - first  # over the threshold: the least-loaded one
+
+
+# ------------------------------------------------------------------------ tensor parallel
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2", "qwen3"])
+async def test_tp2_gives_the_tp1_tokens(tiny_models, arch):
+    path = tiny_models[arch]
+    prompts = [tokens(20 + 7 * i, 30 + i) for i in range(4)]
+
+    async def greedy(**kw):
+        eng = make_engine(path, **kw)
+        try:
+            outs = await asyncio.gather(*(collect_logprobs(eng, p) for p in prompts))
+            assert_idle(eng)
+            return outs
+        finally:
+            await eng.stop()
+
+    one = await greedy()
+    two = await greedy(tp_size=2)
+    for (t1, lp1), (t2, lp2) in zip(one, two, strict=True):
+        assert t1 == t2
+        assert torch.allclose(torch.tensor(lp1), torch.tensor(lp2), atol=1e-4)
+
+
+async def collect_logprobs(eng: Engine, prompt: list[int]) -> tuple[list[int], list[float]]:
+    toks, lps = [], []
+    async for out in eng.generate(input_ids=prompt, params=SamplingParams(max_new_tokens=16, logprobs=True, **GREEDY)):
+        toks += out.token_ids
+        lps += [lp.logprob for lp in out.logprobs or []]
+    return toks, lps
+
+
+async def test_tp_shards_hold_their_heads_and_dp_tp_combine(tiny_models):
+    path = tiny_models["llama"]  # 4 heads, 2 KV heads (GQA)
+    eng = make_engine(path, dp_size=2, tp_size=2)
+    try:
+        assert [len(rep.worker.shards) for rep in eng.replicas] == [2, 2]
+        shard = eng.replicas[0].worker.shards[1]
+        assert shard.pool.k_buffers[0].shape[1] == 1  # one of the two KV heads
+        assert shard.model.layers[0].self_attn.num_heads == 2
+        prompts = [tokens(24, 70 + i) for i in range(4)]
+        got = await asyncio.gather(*(run(eng, p, 10) for p in prompts))
+        assert {rep for rep, _ in got} == {0, 1}
+        assert_idle(eng)
+    finally:
+        await eng.stop()
+    single = make_engine(path)
+    try:
+        want = await asyncio.gather(*(run(single, p, 10) for p in prompts))
+    finally:
+        await single.stop()
+    assert [t for _, t in got] == [t for _, t in want]
+
+
+def test_shards_sum_to_the_whole_layer(tiny_models):
+    """Column-parallel q/k/v and gate/up, row-parallel o/down: the shards' partial outputs
+    of a projection sum to the unsplit one."""
+    cfg = read_config(tiny_models["qwen2"])
+    w_qkv = torch.randn(cfg.num_heads * cfg.head_dim + 2 * cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
+    w_o = torch.randn(cfg.hidden_size, cfg.num_heads * cfg.head_dim)
+    x = torch.randn(3, cfg.hidden_size)
+    parts = [shard_tensor("layers.0.self_attn.qkv_proj.weight", w_qkv, cfg, r, 2) for r in range(2)]
+    part_cfg = shard_config(cfg, 2)
+    assert parts[0].shape[0] == part_cfg.num_heads * cfg.head_dim + 2 * part_cfg.num_kv_heads * cfg.head_dim
+    q_full = (x @ w_qkv.T)[:, : cfg.num_heads * cfg.head_dim]
+    q_parts = torch.cat([(x @ p.T)[:, : part_cfg.num_heads * cfg.head_dim] for p in parts], dim=1)
+    assert torch.allclose(q_full, q_parts, atol=1e-5)
+    o_parts = [shard_tensor("layers.0.self_attn.o_proj.weight", w_o, cfg, r, 2) for r in range(2)]
+    h = torch.randn(3, cfg.num_heads * cfg.head_dim)
+    halves = h.chunk(2, dim=1)
+    assert torch.allclose(h @ w_o.T, sum(hh @ o.T for hh, o in zip(halves, o_parts, strict=True)), atol=1e-4)
+
+
+# ------------------------------------------------------------------------ configuration
+
+
+def test_parallel_settings_are_checked(tiny_models):
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(dp_size=0)
+    assert e.value.key == "dp_size"
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(routing="random")
+    assert e.value.key == "routing" and "round_robin" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        settings_from_dict({"parallel": {"tp_size": 0}})
+    assert e.value.key == "parallel.tp_size"
+    s = settings_from_dict({"parallel": {"dp_size": 2, "routing": "round_robin"}})
+    assert s.engine_config().dp_size == 2 and s.engine_config().routing == "round_robin"
+    with pytest.raises(ConfigError) as e:  # 3 does not divide 2 KV heads
+        make_engine(tiny_models["llama"], tp_size=3)
+    assert e.value.key == "tp_size" and "KV heads (2)" in str(e.value)
+
+
+def test_more_gpus_than_visible_is_refused(tiny_models, monkeypatch):
+    cfg = read_config(tiny_models["llama"])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    _check_parallel(EngineConfig(dp_size=2), cfg, torch.device("cuda"))
+    with pytest.raises(ConfigError) as e:
+        _check_parallel(EngineConfig(dp_size=2, tp_size=2), cfg, torch.device("cuda"))
+    assert e.value.key == "dp_size" and "<= 2" in str(e.value)
