@@ -57,7 +57,8 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.pool.device)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.batch_size <= self.buckets[-1] and all(e == 1 for e in batch.extend_lens)
+        return (batch.batch_size <= self.buckets[-1] and all(e == 1 for e in batch.extend_lens)
+                and not batch.prompt_lp_pos)
 
     def run(self, batch: ForwardBatch, input_ids: torch.Tensor, stage) -> torch.Tensor:
         """Replay the bucket's graph; ``stage`` copies host tensors without blocking."""

@@ -61,6 +61,9 @@ class GenerateOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # With ``prompt_logprobs_from``: the prompt tokens' logprobs from that position on (in
+    # the sample's first update only).
+    prompt_logprobs: list[float] | None = None
 
 
 class Submission:
@@ -107,6 +110,7 @@ class Submission:
 class _Stream:
     queue: asyncio.Queue
     detok: IncrementalDetokenizer | None
+    prompt_lp_sent: bool = False
 
 
 class Replica:
@@ -576,6 +580,10 @@ class Engine:
             if r.params.logprobs and out.logprobs is not None:
                 top = out.top_logprobs[i][: r.params.top_logprobs] if out.top_logprobs else []
                 lp = [TokenLogprob(tok, out.logprobs[i], top)]
+            plp = None
+            if r.params.prompt_logprobs_from is not None and not stream.prompt_lp_sent:
+                plp = list(r.prompt_logprobs)
+                stream.prompt_lp_sent = True
             stream.queue.put_nowait(
                 GenerateOutput(
                     index=r.index,
@@ -587,6 +595,7 @@ class Engine:
                     prompt_tokens=len(r.prompt_ids),
                     completion_tokens=r.num_output,
                     cached_tokens=r.cached_tokens or 0,
+                    prompt_logprobs=plp,
                 )
             )
 

@@ -55,6 +55,10 @@ class ForwardBatch:
     # Which requests pick a token this step (index into the B requests), and how.
     sample_indices: list[int] = field(default_factory=list)
     sampling: SamplingBatch | None = None
+    # Prompt tokens whose log-probability was asked for: the flat index of the token before
+    # each (whose logits predict it) and its id. Their logits follow the sampled rows'.
+    prompt_lp_pos: list[int] = field(default_factory=list)
+    prompt_lp_target: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -69,9 +73,13 @@ class ForwardBatch:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
 
     def logits_indices(self) -> torch.Tensor:
-        """Index in the flat token axis of the last token of each sampled request."""
+        """Index in the flat token axis of the last token of each sampled request, then of
+        each token before a prompt token whose logprob is wanted."""
         ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
-        return ends[torch.tensor(self.sample_indices, dtype=torch.int64)]
+        idx = ends[torch.tensor(self.sample_indices, dtype=torch.int64)]
+        if self.prompt_lp_pos:
+            idx = torch.cat((idx, torch.tensor(self.prompt_lp_pos, dtype=torch.int64)))
+        return idx
 
 
 @dataclass
@@ -81,3 +89,4 @@ class StepOutput:
     next_tokens: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float] | None = None  # in ``ForwardBatch.prompt_lp_pos`` order

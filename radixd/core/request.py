@@ -61,6 +61,7 @@ class Request:
     aborted: bool = False
     cached_tokens: int | None = None      # prompt tokens served from the cache (first admission)
     preemptions: int = 0
+    prompt_logprobs: list[float] = field(default_factory=list)  # from prompt_lp_start on
 
     @property
     def seq(self) -> list[int]:
@@ -69,6 +70,20 @@ class Request:
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prompt_lp_start(self) -> int | None:
+        """First prompt position whose logprob is wanted (None: none are)."""
+        start = self.params.prompt_logprobs_from
+        return None if start is None else max(start, 1)
+
+    @property
+    def prompt_lp_missing(self) -> int | None:
+        """First prompt position whose logprob is wanted and not yet computed (None: none)."""
+        start = self.prompt_lp_start
+        if start is None or start + len(self.prompt_logprobs) >= len(self.prompt_ids):
+            return None
+        return start + len(self.prompt_logprobs)
 
     @property
     def is_follower(self) -> bool:

@@ -55,6 +55,7 @@ class SampledTokens:
     logprobs: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_vals: torch.Tensor | None = None
+    prompt_logprobs: torch.Tensor | None = None
     _host: tuple | None = None
     _done: torch.cuda.Event | None = None
 
@@ -63,18 +64,21 @@ class SampledTokens:
         that reading waits on the event (which lets go of the GIL) rather than on a copy."""
         if not self.tokens.is_cuda:
             return
-        parts = (self.tokens, self.logprobs, self.top_ids, self.top_vals)
+        parts = (self.tokens, self.logprobs, self.top_ids, self.top_vals, self.prompt_logprobs)
         self._host = tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                            for t in parts)
         self._done = torch.cuda.Event()
         self._done.record()
 
     def to_output(self) -> StepOutput:
-        tokens, logprobs, top_ids, top_vals = self.tokens, self.logprobs, self.top_ids, self.top_vals
+        tokens, logprobs, top_ids, top_vals, prompt_lp = (self.tokens, self.logprobs, self.top_ids, self.top_vals,
+                                                          self.prompt_logprobs)
         if self._done is not None:
             self._done.synchronize()
-            tokens, logprobs, top_ids, top_vals = self._host
+            tokens, logprobs, top_ids, top_vals, prompt_lp = self._host
         out = StepOutput(next_tokens=tokens.tolist())
+        if prompt_lp is not None:
+            out.prompt_logprobs = prompt_lp.tolist()
         if logprobs is not None:
             out.logprobs = logprobs.tolist()
             if top_ids is not None:

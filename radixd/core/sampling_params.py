@@ -35,6 +35,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    # Return the log-probability of each prompt token from this position on (position 0 has
+    # none); None = off. Cached KV before that position is reused, the rest is recomputed.
+    prompt_logprobs_from: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +76,10 @@ class SamplingParams:
             raise InvalidRequest("ignore_eos", "must be true or false")
         if not isinstance(self.logprobs, bool):
             raise InvalidRequest("logprobs", "must be true or false")
+        if self.prompt_logprobs_from is not None:
+            _int_range("prompt_logprobs_from", self.prompt_logprobs_from, 0, None)
+            if self.max_new_tokens == 0:
+                raise InvalidRequest("max_new_tokens", "must be >= 1 when prompt_logprobs_from is set")
 
     @property
     def greedy(self) -> bool:

@@ -33,6 +33,7 @@ class ScheduledStep:
     sampled: list[Request]       # requests that pick a token this step (batch.sample_indices)
     pick_index: list[int] = field(default_factory=list)  # where each pick goes in output_ids
     placeholder_reqs: list[Request] = field(default_factory=list)  # inputs pending on the device
+    prompt_lp_reqs: list[tuple[Request, int]] = field(default_factory=list)  # prompt logprobs each gets
     step_ms: float = 0.0         # wall time of the step, set by the engine once it ran
 
 
@@ -163,7 +164,11 @@ class Scheduler:
         if self.rows.available == 0:
             return None
         seq = r.seq
-        match = self.cache.match_prefix(seq[: len(seq) - 1], r.namespace)
+        limit = len(seq) - 1
+        missing = r.prompt_lp_missing
+        if missing is not None:  # the logits before each wanted prompt token must be computed
+            limit = min(limit, missing - 1)
+        match = self.cache.match_prefix(seq[:limit], r.namespace)
         hit = match.slots.numel()
         n = min(len(seq) - hit, budget, self.config.chunked_prefill_size)
         self.cache.lock(match.node)
@@ -220,8 +225,18 @@ class Scheduler:
         off = 0
         ph_pos: list[int] = []
         ph_req: list[Request] = []
+        lp_pos: list[int] = []
+        lp_target: list[int] = []
+        lp_reqs: list[tuple[Request, int]] = []
         for i, (r, n) in enumerate(plan):
             seq = r.seq
+            missing = r.prompt_lp_missing
+            if missing is not None:  # positions q of this chunk whose logits predict prompt[q + 1]
+                qs = range(max(r.kv_len, missing - 1), min(r.kv_len + n, len(r.prompt_ids) - 1))
+                lp_pos.extend(len(ids) + q - r.kv_len for q in qs)
+                lp_target.extend(r.prompt_ids[q + 1] for q in qs)
+                if qs:
+                    lp_reqs.append((r, len(qs)))
             if r.pending and r.kv_len + n == r.seq_len:  # its last token is a pending pick
                 ph_pos.append(len(ids) + n - 1)
                 ph_req.append(r)
@@ -271,10 +286,13 @@ class Scheduler:
             table_writes=writes,
             sample_indices=sampled_idx,
             sampling=sampling,
+            prompt_lp_pos=lp_pos,
+            prompt_lp_target=lp_target,
         )
         self.stats.steps += 1
         step = ScheduledStep(batch, reqs, sampled, pick_index=slots_of)
         step.placeholder_reqs = ph_req
+        step.prompt_lp_reqs = lp_reqs
         batch.placeholder_pos = ph_pos
         return step
 
@@ -327,6 +345,10 @@ class Scheduler:
 
         A request that finished while this step was in flight gets no token from it: its
         placeholder is dropped (the KV the step computed is for tokens it already has)."""
+        off = 0
+        for r, k in step.prompt_lp_reqs:
+            r.prompt_logprobs.extend(out.prompt_logprobs[off : off + k])
+            off += k
         accepted = []
         for i, (r, idx, tok) in enumerate(zip(step.sampled, step.pick_index, out.next_tokens, strict=True)):
             r.pending -= 1

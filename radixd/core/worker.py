@@ -112,10 +112,20 @@ class ModelWorker:
     def launch(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> SampledTokens | None:
         """Queue the forward pass and sampling on the device; returns without waiting."""
         logits = self.forward(batch, prev)
-        if not batch.sample_indices:
+        s = len(batch.sample_indices)
+        prompt_lp = None
+        if batch.prompt_lp_pos:
+            target = self.stager.to_device(torch.tensor(batch.prompt_lp_target, dtype=torch.int64))
+            prompt_lp = torch.log_softmax(logits[s:].float(), dim=-1).gather(1, target[:, None])[:, 0]
+            logits = logits[:s]
+        if s:
+            assert batch.sampling is not None
+            picks = sample_on_device(logits, _to_device(batch.sampling, self.stager.to_device))
+        elif prompt_lp is not None:
+            picks = SampledTokens(tokens=torch.empty(0, dtype=torch.int64, device=logits.device))
+        else:
             return None
-        assert batch.sampling is not None
-        picks = sample_on_device(logits, _to_device(batch.sampling, self.stager.to_device))
+        picks.prompt_logprobs = prompt_lp
         picks.start_copy()
         return picks
 

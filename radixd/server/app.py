@@ -552,11 +552,14 @@ async def native_generate(request: Request) -> Response:
     sub = submit(st, request, params=params, prompt=text, input_ids=ids, priority=priority)
     tracker = Tracker(st, request, [sub])
 
-    def item(i: int, text: str, ids: list[int], last: GenerateOutput | None) -> dict:
-        return {"index": i, "text": text, "output_ids": ids, "meta_info": {
-            "id": sub.rid, "finish_reason": last.finish_reason if last and last.finished else None,
-            "prompt_tokens": sub.prompt_tokens, "completion_tokens": len(ids),
-            "cached_tokens": last.cached_tokens if last else 0}}
+    def item(i: int, text: str, ids: list[int], last: GenerateOutput | None,
+             prompt_lp: list[float] | None = None) -> dict:
+        meta = {"id": sub.rid, "finish_reason": last.finish_reason if last and last.finished else None,
+                "prompt_tokens": sub.prompt_tokens, "completion_tokens": len(ids),
+                "cached_tokens": last.cached_tokens if last else 0}
+        if prompt_lp is not None:
+            meta["prompt_logprobs"] = prompt_lp
+        return {"index": i, "text": text, "output_ids": ids, "meta_info": meta}
 
     if not stream:
         try:
@@ -566,7 +569,8 @@ async def native_generate(request: Request) -> Response:
         items = []
         for i in range(params.n):
             mine = [o for o in outs if o.index == i]
-            items.append(item(i, "".join(o.text for o in mine), [t for o in mine for t in o.token_ids], mine[-1]))
+            plp = next((o.prompt_logprobs for o in mine if o.prompt_logprobs is not None), None)
+            items.append(item(i, "".join(o.text for o in mine), [t for o in mine for t in o.token_ids], mine[-1], plp))
         return JSONResponse(items[0] if params.n == 1 else items)
 
     async def events():
@@ -576,7 +580,7 @@ async def native_generate(request: Request) -> Response:
             tracker.see(out)
             texts[out.index] = texts.get(out.index, "") + out.text
             toks.setdefault(out.index, []).extend(out.token_ids)
-            yield sse(item(out.index, texts[out.index], toks[out.index], out))
+            yield sse(item(out.index, texts[out.index], toks[out.index], out, out.prompt_logprobs))
 
     return sse_response(events(), [sub], tracker)
 

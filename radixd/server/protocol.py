@@ -145,7 +145,7 @@ def make_params(kw: dict[str, Any], aliases: dict[str, str] | None = None) -> Sa
 NATIVE_PARAMS = {
     "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
-    "logprobs", "top_logprobs", "skip_special_tokens",
+    "logprobs", "top_logprobs", "skip_special_tokens", "prompt_logprobs_from",
 }
 
 
