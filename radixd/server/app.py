@@ -531,28 +531,56 @@ async def completions(request: Request) -> Response:
 
 
 async def native_generate(request: Request) -> Response:
-    """SGLang-style ``/generate``: ``text`` or ``input_ids`` plus ``sampling_params``."""
+    """SGLang-style ``/generate``: ``text`` or ``input_ids`` plus ``sampling_params``. A list
+    of texts (or of token-id lists) is a batch, submitted together (so its prompts share a
+    step), with one ``sampling_params`` for all or a list of one per prompt; a batch does not
+    stream and its answer is a list, one entry per prompt."""
     st = state_of(request)
     body = await read_json(request)
     protocol.check_fields(body, {"text", "input_ids", "sampling_params", "stream", "priority"})
-    params = protocol.sampling_from_native(body.get("sampling_params"))
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise ApiError(400, "give exactly one of 'text' or 'input_ids'", param="text")
-    if text is not None and not isinstance(text, str):
-        raise ApiError(400, "'text' must be a string", param="text")
-    if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
-        raise ApiError(400, "'input_ids' must be a list of integers", param="input_ids")
+    batch = isinstance(text, list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
+    if text is not None:
+        texts = text if batch else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise ApiError(400, "'text' must be a string or a non-empty list of strings", param="text")
+        prompts: list = texts
+    else:
+        lists = ids if batch else [ids]
+        if not lists or not all(isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+                                for x in lists):
+            raise ApiError(400, "'input_ids' must be a list of integers or a non-empty list of such lists",
+                           param="input_ids")
+        prompts = lists
+    sp = body.get("sampling_params")
+    if isinstance(sp, list):
+        if not batch or len(sp) != len(prompts):
+            raise ApiError(400, "a list of 'sampling_params' needs a batch of as many prompts", param="sampling_params")
+        params = [protocol.sampling_from_native(x) for x in sp]
+    else:
+        params = [protocol.sampling_from_native(sp)] * len(prompts)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", param="stream")
+    if stream and batch:
+        raise ApiError(400, "a batch of prompts cannot stream", param="stream")
     priority = body.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ApiError(400, "'priority' must be an integer", param="priority")
-    sub = submit(st, request, params=params, prompt=text, input_ids=ids, priority=priority)
-    tracker = Tracker(st, request, [sub])
+    subs: list[Submission] = []
+    try:
+        for p, ps in zip(prompts, params, strict=True):
+            kw = {"prompt": p} if isinstance(p, str) else {"input_ids": p}
+            subs.append(submit(st, request, params=ps, priority=priority, **kw))
+    except ApiError:
+        for s in subs:
+            s.close()
+        raise
+    tracker = Tracker(st, request, subs)
 
-    def item(i: int, text: str, ids: list[int], last: GenerateOutput | None,
+    def item(sub: Submission, i: int, text: str, ids: list[int], last: GenerateOutput | None,
              prompt_lp: list[float] | None = None) -> dict:
         meta = {"id": sub.rid, "finish_reason": last.finish_reason if last and last.finished else None,
                 "prompt_tokens": sub.prompt_tokens, "completion_tokens": len(ids),
@@ -563,15 +591,21 @@ async def native_generate(request: Request) -> Response:
 
     if not stream:
         try:
-            outs = (await collect([sub], request, tracker))[0]
+            results = await collect(subs, request, tracker)
         finally:
             tracker.done()
-        items = []
-        for i in range(params.n):
-            mine = [o for o in outs if o.index == i]
-            plp = next((o.prompt_logprobs for o in mine if o.prompt_logprobs is not None), None)
-            items.append(item(i, "".join(o.text for o in mine), [t for o in mine for t in o.token_ids], mine[-1], plp))
-        return JSONResponse(items[0] if params.n == 1 else items)
+        answers = []
+        for sub, ps, outs in zip(subs, params, results, strict=True):
+            items = []
+            for i in range(ps.n):
+                mine = [o for o in outs if o.index == i]
+                plp = next((o.prompt_logprobs for o in mine if o.prompt_logprobs is not None), None)
+                items.append(item(sub, i, "".join(o.text for o in mine), [t for o in mine for t in o.token_ids],
+                                  mine[-1] if mine else None, plp))
+            answers.append(items[0] if ps.n == 1 else items)
+        return JSONResponse(answers if batch else answers[0])
+
+    sub = subs[0]
 
     async def events():
         texts: dict[int, str] = {}
@@ -580,7 +614,7 @@ async def native_generate(request: Request) -> Response:
             tracker.see(out)
             texts[out.index] = texts.get(out.index, "") + out.text
             toks.setdefault(out.index, []).extend(out.token_ids)
-            yield sse(item(out.index, texts[out.index], toks[out.index], out, out.prompt_logprobs))
+            yield sse(item(sub, out.index, texts[out.index], toks[out.index], out, out.prompt_logprobs))
 
     return sse_response(events(), [sub], tracker)
 
@@ -678,6 +712,26 @@ async def detokenize(request: Request) -> Response:
     return JSONResponse({"prompt": st.engine.tokenizer.decode(toks)})
 
 
+async def apply_chat_template(request: Request) -> Response:
+    """Render chat messages with the model's template, as text (clients building prompts
+    turn by turn, such as ``radixd.lang``, use it to find each role's wrapping)."""
+    st = state_of(request)
+    body = await read_json(request)
+    protocol.check_fields(body, {"messages", "add_generation_prompt", "model"})
+    check_model(st, body.get("model"))
+    gen = body.get("add_generation_prompt", True)
+    if not isinstance(gen, bool):
+        raise ApiError(400, "'add_generation_prompt' must be a boolean", param="add_generation_prompt")
+    if st.engine.tokenizer is None:
+        raise ApiError(400, "this server runs without a tokenizer", param="messages")
+    try:
+        text = st.engine.tokenizer.apply_chat_template(protocol.chat_messages(body), tokenize=False,
+                                                       add_generation_prompt=gen)
+    except Exception as exc:  # the template itself refused (a jinja raise_exception)
+        raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
+    return JSONResponse({"text": text})
+
+
 # ---------------------------------------------------------------------------------- app
 
 
@@ -705,6 +759,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model_by_id, methods=["GET"]),
         Route("/generate", native_generate, methods=["POST"]),
+        Route("/apply_chat_template", apply_chat_template, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),
