@@ -16,7 +16,14 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from radixd.core.config import ATTENTION_BACKENDS, DEVICES, DTYPES, ROUTING_POLICIES, EngineConfig
+from radixd.core.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    ROUTING_POLICIES,
+    WRITE_POLICIES,
+    EngineConfig,
+)
 from radixd.core.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -65,6 +72,22 @@ class MemorySection:
 @dataclass(frozen=True)
 class CacheSection:
     radix: bool = _f(True)
+    tiers: list[str] = _f([])
+    page_tokens: int = _f(16, min=1)
+    write_policy: str = _f("write_back", choices=WRITE_POLICIES)
+    write_hits: int = _f(2, min=1)
+    prefetch: bool = _f(True)
+
+
+@dataclass(frozen=True)
+class HostTierSection:
+    max_bytes: int = _f(4 << 30, min=1)
+
+
+@dataclass(frozen=True)
+class DiskTierSection:
+    path: str = _f("")
+    max_bytes: int = _f(16 << 30, min=1)
 
 
 @dataclass(frozen=True)
@@ -120,6 +143,8 @@ SECTIONS: dict[str, type] = {
     "server": ServerSection,
     "memory": MemorySection,
     "cache": CacheSection,
+    "cache.host": HostTierSection,
+    "cache.disk": DiskTierSection,
     "scheduler": SchedulerSection,
     "parallel": ParallelSection,
     "limits": LimitsSection,
@@ -135,6 +160,10 @@ class Settings:
     server: ServerSection = field(default_factory=ServerSection)
     memory: MemorySection = field(default_factory=MemorySection)
     cache: CacheSection = field(default_factory=CacheSection)
+    cache_host: HostTierSection = field(default_factory=HostTierSection)
+    cache_disk: DiskTierSection = field(default_factory=DiskTierSection)
+    # [cache.NAME] tables of tiers that plugins provide, checked by the tier itself
+    plugin_tiers: dict = field(default_factory=dict)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     limits: LimitsSection = field(default_factory=LimitsSection)
@@ -158,6 +187,12 @@ class Settings:
             kv_cache_tokens=mem.kv_cache_tokens or None,
             max_context_len=m.max_context_len or None,
             radix_cache=self.cache.radix,
+            cache_tiers=tuple(self.cache.tiers),
+            cache_page_tokens=self.cache.page_tokens,
+            cache_write_policy=self.cache.write_policy,
+            cache_write_hits=self.cache.write_hits,
+            cache_prefetch=self.cache.prefetch,
+            cache_tier_options=self.tier_options(),
             policy=s.policy,
             max_running_requests=s.max_running_requests,
             max_prefill_tokens=s.max_prefill_tokens,
@@ -175,6 +210,15 @@ class Settings:
             plugins_allow=tuple(self.plugins.allow) or None,
             plugins_block=tuple(self.plugins.block),
         )
+
+    def tier_options(self) -> dict[str, dict]:
+        """Options of each tier in ``cache.tiers``: built-in sections, plugins' tables."""
+        builtin = {"host": self.cache_host, "disk": self.cache_disk}
+        out = {name: dict(opts) for name, opts in self.plugin_tiers.items()}
+        for name in self.cache.tiers:
+            if name in builtin:
+                out[name] = {f.name: getattr(builtin[name], f.name) for f in fields(builtin[name])}
+        return out
 
     def api_keys(self) -> list[str]:
         """Keys from ``auth.api_keys`` plus one per line of ``auth.api_keys_file``."""
@@ -214,7 +258,21 @@ def load_settings(path: str | Path | None) -> Settings:
 
 
 def settings_from_dict(data: dict[str, Any], *, source: str | None = None) -> Settings:
-    sections = {}
+    sections: dict[str, Any] = {}
+    data = dict(data)
+    cache = data.get("cache")
+    if isinstance(cache, dict):  # [cache.NAME] tables: a built-in tier's section or a plugin's
+        data["cache"] = {k: v for k, v in cache.items() if not isinstance(v, dict)}
+        plugin_tiers = {}
+        for sub, table in cache.items():
+            if not isinstance(table, dict):
+                continue
+            if f"cache.{sub}" in SECTIONS:
+                data[f"cache.{sub}"] = table
+            else:
+                plugin_tiers[sub] = table
+        if plugin_tiers:
+            sections["plugin_tiers"] = plugin_tiers
     for name, table in data.items():
         cls = SECTIONS.get(name)
         if cls is None:
@@ -222,7 +280,7 @@ def settings_from_dict(data: dict[str, Any], *, source: str | None = None) -> Se
                               "sections " + ", ".join(f"[{s}]" for s in SECTIONS))
         if not isinstance(table, dict):
             raise ConfigError(name, table, f"a [{name}] table")
-        sections[name] = _section(name, cls, table)
+        sections[name.replace(".", "_")] = _section(name, cls, table)
     settings = Settings(**sections, source=source)
     engine_check(settings)
     return settings
@@ -230,13 +288,22 @@ def settings_from_dict(data: dict[str, Any], *, source: str | None = None) -> Se
 
 def engine_check(settings: Settings) -> None:
     """Cross-key checks the engine itself makes, reported with the file's key names."""
+    if "disk" in settings.cache.tiers and not settings.cache_disk.path:
+        raise ConfigError("cache.disk.path", "", "a directory for the disk tier's page files (cache.tiers lists \"disk\")")
     try:
         settings.engine_config()
     except ConfigError as exc:
         raise ConfigError(_file_key(exc.key), exc.value, exc.allowed) from exc
 
 
+ENGINE_TO_FILE = {"radix_cache": "cache.radix", "cache_tiers": "cache.tiers", "cache_page_tokens": "cache.page_tokens",
+                  "cache_write_policy": "cache.write_policy", "cache_write_hits": "cache.write_hits",
+                  "cache_prefetch": "cache.prefetch"}
+
+
 def _file_key(engine_key: str) -> str:
+    if engine_key in ENGINE_TO_FILE:
+        return ENGINE_TO_FILE[engine_key]
     for sec, cls in SECTIONS.items():
         for f in fields(cls):
             if f.name == engine_key:
@@ -294,6 +361,11 @@ def _allowed(hint, lo, hi, choices) -> str:
     if lo is not None:
         return f"{kind} >= {lo}"
     return kind
+
+
+def section_of(settings: Settings, section: str):
+    """The dataclass of ``section`` (``"cache.host"`` -> ``settings.cache_host``)."""
+    return getattr(settings, section.replace(".", "_"))
 
 
 def default_of(section: str, key: str) -> Any:

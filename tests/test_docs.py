@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 
 from radixd.cli import build_parser
-from radixd.settings import SECTIONS, Settings, all_keys, default_of, live_keys, load_settings
+from radixd.settings import (
+    SECTIONS,
+    Settings,
+    all_keys,
+    default_of,
+    live_keys,
+    load_settings,
+    section_of,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 MAN1 = ROOT / "man" / "radixd.1"
@@ -40,7 +48,7 @@ def unroff(text: str) -> str:
 
 
 def _field(key: str):
-    sec, name = key.split(".")
+    sec, name = key.rsplit(".", 1)
     return next(f for f in fields(SECTIONS[sec]) if f.name == name)
 
 
@@ -84,7 +92,7 @@ def man5_entries() -> dict[str, Entry]:
     section = None
     for i, line in enumerate(lines):
         if line.startswith((".SH", ".SS")):
-            m = re.fullmatch(r"\.SS \[(\w+)\]", line)
+            m = re.fullmatch(r"\.SS \[([\w.]+)\]", line)
             section = m[1] if m else None
         if line != ".TP" or section is None:
             continue
@@ -111,10 +119,10 @@ def test_man5_documents_every_key_and_no_other():
 @pytest.mark.parametrize("key", all_keys())
 def test_man5_type_and_default(key: str):
     entry = man5_entries()[key]
-    hint = typing.get_type_hints(SECTIONS[key.split(".")[0]])[key.split(".")[1]]
+    hint = typing.get_type_hints(SECTIONS[key.rsplit(".", 1)[0]])[key.rsplit(".", 1)[1]]
     assert entry.type == TYPE_NAMES[hint]
     shown = tomllib.loads(f"v = {unroff(entry.default)}")["v"]  # the default as TOML reads it
-    default = default_of(*key.split("."))
+    default = default_of(*key.rsplit(".", 1))
     assert shown == default and type(shown) is type(default), f"{key}: man page says {shown!r}, code {default!r}"
 
 
@@ -150,7 +158,7 @@ def config_comments() -> dict[str, str]:
             block = []
         elif line.startswith("#"):
             block.append(line)
-        elif m := re.fullmatch(r"\[(\w+)\]", line):
+        elif m := re.fullmatch(r"\[([\w.]+)\]", line):
             section, block = m[1], []
         else:
             key = line.split("=", 1)[0].strip()
@@ -162,12 +170,18 @@ def config_comments() -> dict[str, str]:
 def test_config_file_has_every_key_with_its_default():
     with open(CONFIG, "rb") as fh:
         data = tomllib.load(fh)
-    present = {f"{sec}.{key}" for sec, table in data.items() for key in table}
-    assert present == set(all_keys())
+    def flat(table: dict, prefix: str) -> dict:  # [cache.host] is table "host" inside [cache]
+        out = {}
+        for k, v in table.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    present = flat(data, "")
+    assert set(present) == set(all_keys())
     defaults = Settings()
     for key in all_keys():
-        sec, name = key.split(".")
-        value, default = data[sec][name], getattr(getattr(defaults, sec), name)
+        sec, name = key.rsplit(".", 1)
+        value, default = present[key], getattr(section_of(defaults, sec), name)
         assert value == default and type(value) is type(default), f"radixd.toml: {key} = {value!r}, default {default!r}"
     assert load_settings(CONFIG) == Settings(source=str(CONFIG))
 

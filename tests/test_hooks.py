@@ -29,6 +29,7 @@ from radixd.core.config import EngineConfig
 from radixd.core.engine import Engine
 from radixd.core.policy import PolicyContext
 from radixd.core.sampling_params import SamplingParams
+from radixd.core.tiers import CacheTier, Page
 from radixd.plugins import hookimpl, hookspecs, make_plugin_manager
 from radixd.plugins.policies import FCFS
 from radixd.server.app import ServerState, build_app
@@ -336,6 +337,66 @@ async def test_hook_radixd_schedule_policies(tiny_models):
     pm = make_plugin_manager(load_entry_points=False, extra=[PolicyProbe(), Clash()])
     with pytest.raises(ValueError, match="hookprobe-fcfs"):
         Engine(model=str(tiny_models["llama"]), kv_cache_tokens=512, plugin_manager=pm)
+
+
+class MemoTier(CacheTier):
+    """A plugin tier: a dict, recording what the engine asked of it."""
+
+    made: list = []
+
+    def __init__(self, options, ctx):
+        super().__init__(options, ctx)
+        self.options, self.pages, self.calls = options, {}, []
+        type(self).made.append(self)
+
+    def store(self, key, page):
+        self.calls.append("store")
+        self.pages[key] = Page(page.host().clone())
+        return True
+
+    def contains(self, key):
+        return key in self.pages
+
+    def load(self, key):
+        self.calls.append("load")
+        return self.pages.get(key)
+
+    def evict(self, key):
+        self.pages.pop(key, None)
+
+
+class TierProbe:
+    calls = 0
+
+    @hookimpl
+    def radixd_cache_tiers(self):
+        type(self).calls += 1
+        return {"memo": MemoTier}
+
+
+async def test_hook_radixd_cache_tiers(tiny_models):
+    MemoTier.made = []
+    TierProbe.calls = 0
+    pm = make_plugin_manager(load_entry_points=False, extra=[TierProbe()])
+    path = str(tiny_models["llama"])
+    prompt = list(range(2, 70))
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    engine = Engine(model=path, kv_cache_tokens=256, plugin_manager=pm, cache_tiers=("memo",),
+                    cache_write_policy="write_through", cache_page_tokens=8, cache_tier_options={"memo": {"x": 1}})
+    try:
+        assert TierProbe.calls == 1 and len(MemoTier.made) == 1
+        tier = MemoTier.made[0]
+        assert tier.options == {"x": 1} and tier.ctx.page_shape == (2, 2, 8, 2, 16)
+        first = [t async for o in engine.generate(input_ids=prompt, params=params) for t in o.token_ids]
+        engine.tiers.flush()  # a tier that is not `fast` is written by the write-behind thread
+        assert "store" in tier.calls and len(tier.pages) == 8  # 70 tokens of KV: 8 whole pages
+        assert engine.flush_cache()
+        again = [t async for o in engine.generate(input_ids=prompt, params=params) for t in o.token_ids]
+        assert "load" in tier.calls and again == first
+        assert engine.stats()["cache_tiers"]["memo"]["tokens_loaded"] == 64
+    finally:
+        await engine.stop()
+
 
 
 # ------------------------------------------------------------------------ the daemon's hooks

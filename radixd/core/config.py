@@ -10,6 +10,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
+WRITE_POLICIES = ("write_back", "write_through", "write_through_hits")
 ROUTING_POLICIES = ("cache_aware", "round_robin")
 
 
@@ -42,6 +43,19 @@ class EngineConfig:
 
     # Radix cache.
     radix_cache: bool = True
+    # Lower cache tiers, fastest first (names from the radixd_cache_tiers hook: "host",
+    # "disk", plugins' tiers); empty: the pool only.
+    cache_tiers: tuple[str, ...] = ()
+    # Tokens per page stored in the tiers (only whole pages are stored).
+    cache_page_tokens: int = 16
+    # When pages go down: "write_back" (on eviction from the pool), "write_through" (when a
+    # request leaves), "write_through_hits" (when it leaves, for prefixes hit cache_write_hits times).
+    cache_write_policy: str = "write_back"
+    cache_write_hits: int = 2
+    # Prefetch pages of arriving requests from slow tiers into the first (memory) tier.
+    cache_prefetch: bool = True
+    # Each tier's options, by tier name (the [cache.NAME] tables of radixd.toml).
+    cache_tier_options: dict = field(default_factory=dict)
 
     # Several devices: ``dp_size`` replicas (each a model copy, KV pool, radix tree and
     # scheduler), each split over ``tp_size`` devices (heads and MLP columns per device).
@@ -111,10 +125,34 @@ class EngineConfig:
             raise ConfigError("cuda_graphs", self.cuda_graphs, "true or false")
         if not isinstance(self.radix_cache, bool):
             raise ConfigError("radix_cache", self.radix_cache, "true or false")
+        self._check_tiers()
         if not isinstance(self.policy, str) or not self.policy:
             raise ConfigError("policy", self.policy, "the name of a loaded scheduling policy")
         if not isinstance(self.seed, int):
             raise ConfigError("seed", self.seed, "an integer")
+
+    def _check_tiers(self) -> None:
+        tiers = self.cache_tiers
+        if isinstance(tiers, str) or not isinstance(tiers, tuple | list) or not all(isinstance(t, str) and t for t in tiers):
+            raise ConfigError("cache_tiers", tiers, "a list of tier names, e.g. ['host', 'disk']")
+        if len(set(tiers)) != len(tiers):
+            raise ConfigError("cache_tiers", list(tiers), "each tier at most once")
+        if tiers and not self.radix_cache:
+            raise ConfigError("cache_tiers", list(tiers), "an empty list while radix_cache is false (tiers extend the radix cache)")
+        if tiers and self.tp_size != 1:
+            raise ConfigError("cache_tiers", list(tiers), "an empty list while tp_size > 1 (tiers hold whole pages of one device)")
+        _int_at_least("cache_page_tokens", self.cache_page_tokens, 1)
+        _one_of("cache_write_policy", self.cache_write_policy, WRITE_POLICIES)
+        _int_at_least("cache_write_hits", self.cache_write_hits, 1)
+        if not isinstance(self.cache_prefetch, bool):
+            raise ConfigError("cache_prefetch", self.cache_prefetch, "true or false")
+        opts = self.cache_tier_options
+        if not isinstance(opts, dict) or not all(isinstance(v, dict) for v in opts.values()):
+            raise ConfigError("cache_tier_options", opts, "a table of tables, one per tier name")
+        for name in opts:
+            if name not in tiers:
+                raise ConfigError(f"cache.{name}", "[...]", "options only for tiers listed in cache.tiers "
+                                  f"({', '.join(tiers) or 'none'})")
 
     @classmethod
     def field_names(cls) -> list[str]:

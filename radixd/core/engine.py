@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import itertools
 import logging
 import random
@@ -117,15 +118,18 @@ class Replica:
     """One model copy: its worker (thread), KV slots, radix tree and scheduler, and the
     state of its batching loop."""
 
-    def __init__(self, index: int, worker, config: EngineConfig, policy, *, eos_token_ids, context_len: int):
+    def __init__(self, index: int, worker, config: EngineConfig, policy, *, eos_token_ids, context_len: int,
+                 tiers=None):
         self.index = index
         self.worker = worker
         self.allocator = SlotAllocator(worker.pool.num_slots)
         self.rows = RowAllocator(config.max_running_requests)
         self.cache = RadixCache(self.allocator, enabled=config.radix_cache)
         self.policy = policy
+        self.tiers = tiers  # KVHierarchy over this replica's pool, or None
         self.scheduler = Scheduler(config, allocator=self.allocator, rows=self.rows, cache=self.cache,
-                                   policy=policy, eos_token_ids=eos_token_ids, context_len=context_len)
+                                   policy=policy, eos_token_ids=eos_token_ids, context_len=context_len,
+                                   tiers=tiers)
         device = worker.device
         self.executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix=f"radixd-worker-{device}", initializer=bind_device, initargs=(device,))
@@ -172,11 +176,13 @@ class Engine:
             plugin_manager = make_plugin_manager(allow=config.plugins_allow, block=config.plugins_block)
         self.plugins = plugin_manager
         self.replicas: list[Replica] = []
+        self.cache_tiers = []  # the tier objects, shared by the replicas (content keys name any)
         for d in range(config.dp_size):
             devices = _replica_devices(self.device, d, config.dp_size, config.tp_size)
             worker = self._make_worker(devices, backend)
             self.replicas.append(Replica(d, worker, config, self._make_policy(config.policy),
-                                         eos_token_ids=self.eos_token_ids, context_len=self.context_len))
+                                         eos_token_ids=self.eos_token_ids, context_len=self.context_len,
+                                         tiers=self._make_hierarchy(worker)))
         self.device = self.replicas[0].worker.device
         self.router = None
         if config.dp_size > 1:
@@ -229,6 +235,11 @@ class Engine:
     def policy(self):
         return self.replicas[0].policy
 
+    @property
+    def tiers(self):
+        """The first replica's ``KVHierarchy`` (None without ``cache_tiers``)."""
+        return self.replicas[0].tiers
+
     # ------------------------------------------------------------------ set-up
 
     def _kv_slots(self, free_bytes: int | None) -> int:
@@ -257,6 +268,67 @@ class Engine:
 
             raise ConfigError("policy", name, "one of " + ", ".join(sorted(table)))
         return table[name](self.config)
+
+    def _make_hierarchy(self, worker):
+        """A ``KVHierarchy`` over ``worker``'s pool and the tiers named in ``cache_tiers``
+        (made on first use, from the ``radixd_cache_tiers`` hook: built-ins and plugins alike)."""
+        c = self.config
+        if not c.cache_tiers:
+            return None
+        from radixd.core.tiers.hierarchy import KVHierarchy
+
+        if not self.cache_tiers:
+            self.cache_tiers = self._make_tiers()
+        return KVHierarchy(self.cache_tiers, pool=worker.pool, page_tokens=c.cache_page_tokens,
+                           identity=self.cache_tiers[0].ctx.identity, write_policy=c.cache_write_policy,
+                           write_hits=c.cache_write_hits, prefetch=c.cache_prefetch)
+
+    def _make_tiers(self) -> list:
+        from radixd.core.errors import ConfigError
+        from radixd.core.tiers import TierContext
+
+        c = self.config
+        table: dict[str, type] = {}
+        for provided in self.plugins.hook.radixd_cache_tiers():
+            for key, cls in (provided or {}).items():
+                if key in table and table[key] is not cls:
+                    raise ValueError(f"two plugins provide a cache tier named {key!r}")
+                table[key] = cls
+        m = self.model_cfg
+        ctx = TierContext(identity=self._kv_identity(),
+                          page_shape=(2, m.num_layers, c.cache_page_tokens, m.num_kv_heads, m.head_dim),
+                          dtype=self.dtype, device=self.device)
+        tiers = []
+        try:
+            for name in c.cache_tiers:
+                if name not in table:
+                    raise ConfigError("cache.tiers", name, "tiers provided by loaded plugins: " + ", ".join(sorted(table)))
+                tier = table[name](dict(c.cache_tier_options.get(name, {})), ctx)
+                tier.name = name
+                tiers.append(tier)
+        except BaseException:
+            for t in tiers:
+                t.close()
+            raise
+        log.info("cache tiers: %s (pages of %d tokens, %d bytes; %s)", ", ".join(c.cache_tiers), c.cache_page_tokens,
+                 ctx.page_bytes, c.cache_write_policy)
+        return tiers
+
+    def _kv_identity(self) -> str:
+        """What makes stored KV valid for this engine: the model's config and weights files,
+        dtype, device kind, attention backend and page size (pages of another identity are misses)."""
+        h = hashlib.sha256(b"radixd-kv-pages-1")
+        path = self.model_path
+        files = sorted(path.iterdir()) if path.is_dir() else [path]
+        for f in files:
+            if f.name == "config.json":
+                h.update(f.read_bytes())
+            elif f.suffix in (".safetensors", ".gguf", ".bin") and self.config.load_format != "dummy":
+                st = f.stat()
+                h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        c = self.config
+        h.update(f"{c.load_format}|{self.dtype}|{self.device.type}|{c.attention_backend}|{c.cache_page_tokens}".encode())
+        return h.hexdigest()
 
     async def start(self) -> None:
         self._ensure_started()
@@ -288,6 +360,11 @@ class Engine:
             close = getattr(rep.worker, "close", None)
             if close is not None:
                 close()
+        for rep in self.replicas:  # queued writes reach the tiers, then the tiers close
+            if rep.tiers is not None:
+                rep.tiers.close(close_tiers=False)
+        for tier in self.cache_tiers:
+            tier.close()
 
     async def __aenter__(self) -> Engine:
         await self.start()
@@ -636,7 +713,7 @@ class Engine:
         (``replicas``) and the router's (``routing``)."""
         per = [_replica_stats(rep) for rep in self.replicas]
         if len(per) == 1:
-            return per[0]
+            return {**per[0], "cache_tiers": self._tier_stats()}
         out = {key: sum(p[key] for p in per) for key in per[0] if key not in ("kv", "kv_usage", "cache_hit_rate")}
         out["kv"] = {key: sum(p["kv"][key] for p in per) for key in per[0]["kv"]}
         out["kv_usage"] = 1.0 - out["kv"]["free"] / out["kv"]["total"]
@@ -644,6 +721,16 @@ class Engine:
         out["cache_hit_rate"] = out["cache_hit_tokens"] / q if q else 0.0
         out["replicas"] = per
         out["routing"] = self.router.stats()
+        out["cache_tiers"] = self._tier_stats()
+        return out
+
+    def _tier_stats(self) -> dict[str, dict]:
+        """Per tier: ``TierStats`` plus the mean load time of a page (tiers are shared)."""
+        out = {}
+        for t in self.cache_tiers:
+            s = t.stats.as_dict()
+            s["load_seconds_mean"] = s["load_seconds"] / s["hits"] if s["hits"] else 0.0
+            out[t.name] = s
         return out
 
     def check_accounting(self) -> None:
@@ -674,6 +761,7 @@ def _replica_stats(rep: Replica) -> dict:
         "steps": st.steps,
         "prefill_tokens": st.prefill_tokens,
         "decode_tokens": st.decode_tokens,
+        "tier_loaded_tokens": st.tier_loaded_tokens,
     }
 
 

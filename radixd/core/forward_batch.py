@@ -59,6 +59,8 @@ class ForwardBatch:
     # each (whose logits predict it) and its id. Their logits follow the sampled rows'.
     prompt_lp_pos: list[int] = field(default_factory=list)
     prompt_lp_target: list[int] = field(default_factory=list)
+    # CUDA events of KV loaded from lower cache tiers into this batch's slots (side stream).
+    wait_events: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

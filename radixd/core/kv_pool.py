@@ -88,7 +88,57 @@ class KVPool:
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.req_to_token = torch.zeros((max_rows, max_context_len), dtype=torch.int64, device=device)
+        self._load_stream = None  # CUDA: the side stream of write_pages
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffers[layer][loc] = k.to(self.dtype)
         self.v_buffers[layer][loc] = v.to(self.dtype)
+
+    # ------------------------------------------------------------------ pages (lower cache tiers)
+    # Called on the scheduler's thread. On CUDA both directions are queued without waiting:
+    # reads on the current stream (ahead of any later step that reuses the slots), writes on
+    # a side stream whose event the next step waits for (they overlap the step in flight;
+    # the slots written are fresh, so no kernel in flight touches them).
+
+    def read_pages(self, slots: torch.Tensor, page_tokens: int) -> list:
+        """Copy the KV of ``slots`` (a multiple of ``page_tokens``) to host pages."""
+        from radixd.core.tiers.base import Page
+
+        n = slots.numel() // page_tokens
+        idx = slots.to(self.device, non_blocking=True)
+        kv = torch.stack([torch.stack([b[idx] for b in self.k_buffers]), torch.stack([b[idx] for b in self.v_buffers])])
+        kv = kv.view(2, len(self.k_buffers), n, page_tokens, *kv.shape[3:]).transpose(0, 2).transpose(1, 2)
+        if self.device.type != "cuda":
+            return [Page(kv[i].contiguous()) for i in range(n)]
+        kv = kv.contiguous()
+        hosts = [torch.empty(kv.shape[1:], dtype=kv.dtype, pin_memory=True) for _ in range(n)]
+        for i in range(n):
+            hosts[i].copy_(kv[i], non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return [Page(h, ready) for h in hosts]
+
+    def write_pages(self, slots: torch.Tensor, pages: list, skip: int):
+        """Write ``pages`` (host) into ``slots``, dropping the first ``skip`` tokens of the
+        first page. Returns None on CPU, else the CUDA event that ends the copy."""
+        if self.device.type != "cuda":
+            kv = torch.cat([p.data for p in pages], dim=2)[:, :, skip:]
+            for layer in range(len(self.k_buffers)):
+                self.k_buffers[layer][slots] = kv[0, layer]
+                self.v_buffers[layer][slots] = kv[1, layer]
+            return None
+        if self._load_stream is None:
+            self._load_stream = torch.cuda.Stream(self.device)
+        stream = self._load_stream
+        with torch.cuda.stream(stream):
+            for p in pages:
+                if p.ready is not None:
+                    stream.wait_event(p.ready)
+            kv = torch.cat([p.data.to(self.device, non_blocking=True) for p in pages], dim=2)[:, :, skip:]
+            idx = slots.to(self.device, non_blocking=True)
+            for layer in range(len(self.k_buffers)):
+                self.k_buffers[layer][idx] = kv[0, layer]
+                self.v_buffers[layer][idx] = kv[1, layer]
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done

@@ -10,6 +10,10 @@ Contract
   recently used first, and only when ``evict`` is asked for room.
 * ``match_prefix`` *may split a node* so that the match ends on a node boundary; it changes
   no slot ownership. ``peek_prefix_len`` is the read-only variant used for ranking.
+* Lower tiers (``radixd.core.tiers``): ``backed`` records that the pages ending in a node are
+  held by the tiers too; ``hits`` counts admissions that matched through it (for the
+  write-through-after-N-hits policy). ``on_evict(leaf)``, if set, runs before a leaf's
+  slots go back to the allocator (write-back); it must not change the tree.
 * ``namespace`` keeps separate trees: namespace 0 is the shared cache; with the cache disabled
   each request group gets a private namespace (so the ``n`` samples of one request share their
   prompt) and nodes are freed as soon as their last lock goes.
@@ -31,7 +35,7 @@ from radixd.core.kv_pool import SlotAllocator
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "namespace")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "namespace", "hits", "backed")
 
     def __init__(self, parent: TreeNode | None, key: tuple[int, ...], value: torch.Tensor, namespace: int):
         self.children: dict[int, TreeNode] = {}
@@ -41,6 +45,8 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = 0
         self.namespace = namespace
+        self.hits = 0          # admissions whose cached prefix ran through this node
+        self.backed = False    # its pages are in the lower tiers too
 
     @property
     def is_root(self) -> bool:
@@ -65,6 +71,7 @@ class RadixCache:
         self.evictable_size = 0
         self.protected_size = 0
         self._leaves: set[TreeNode] = set()  # non-root nodes without children
+        self.on_evict = None  # callable(leaf) before a leaf's slots are freed (tier write-back)
         # Counters: prompt tokens looked up vs served from the cache.
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -165,6 +172,8 @@ class RadixCache:
         upper = TreeNode(parent, child.key[:m], child.value[:m], child.namespace)
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
+        upper.hits = child.hits
+        upper.backed = child.backed
         upper.children[child.key[m]] = child
         parent.children[child.key[0]] = upper
         child.parent = upper
@@ -207,11 +216,13 @@ class RadixCache:
 
     # ------------------------------------------------------------------ eviction
 
-    def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` slots from unlocked leaves, LRU first, if possible.
+    def evict(self, num_tokens: int, *, write_back: bool = True) -> int:
+        """Free at least ``num_tokens`` slots from unlocked leaves, LRU first, if possible
+        (each through ``on_evict`` first unless ``write_back`` is False).
         Returns the number of slots freed."""
         if num_tokens <= 0 or self.evictable_size == 0:
             return 0
+        on_evict = self.on_evict if write_back else None
         heap = [n for n in self._leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
@@ -219,6 +230,8 @@ class RadixCache:
             leaf = heapq.heappop(heap)
             parent = leaf.parent
             freed += len(leaf.key)
+            if on_evict is not None and not leaf.backed and leaf.namespace == 0:
+                on_evict(leaf)
             self._delete_leaf(leaf)
             if parent is not None and not parent.is_root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
@@ -238,9 +251,27 @@ class RadixCache:
         """Drop every unlocked node (``/flush_cache``). Returns False if something is locked."""
         if self.protected_size:
             return False
-        self.evict(self.evictable_size)
+        self.evict(self.evictable_size, write_back=False)
         self._roots = {ns: r for ns, r in self._roots.items() if r.children or ns == 0}
         return True
+
+    # ------------------------------------------------------------------ paths
+
+    @staticmethod
+    def path(node: TreeNode) -> list[TreeNode]:
+        """The nodes from below the root down to ``node``."""
+        out = []
+        while not node.is_root:
+            out.append(node)
+            node = node.parent  # type: ignore[assignment]
+        out.reverse()
+        return out
+
+    @staticmethod
+    def count_hit(node: TreeNode) -> None:
+        while not node.is_root:
+            node.hits += 1
+            node = node.parent  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ inspection
 

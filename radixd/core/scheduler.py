@@ -6,6 +6,10 @@ requests are admitted (in the policy's order) while the step's token budget, the
 limit and KV memory allow. When decode needs KV that neither the free list nor cache eviction
 can give, the most recently arrived running request is preempted: its KV goes back (into the
 radix cache when enabled) and it waits to resume with its generated tokens kept.
+
+With lower cache tiers (``KVHierarchy``), a prefix match that continues past the pool loads
+those pages back into fresh slots at admission; pages are stored on eviction (write-back) or
+when a request leaves (write-through, or once its prefix was hit N times), per the config.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from radixd.core.kv_pool import RowAllocator, SlotAllocator
 from radixd.core.policy import PolicyContext, SchedulePolicy
 from radixd.core.radix_cache import RadixCache
 from radixd.core.request import Request, State
+from radixd.core.tiers.hierarchy import KVHierarchy
 
 PLACEHOLDER = -1  # a generated token whose value is still on the device
 
@@ -45,6 +50,7 @@ class SchedulerStats:
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    tier_loaded_tokens: int = 0   # prompt tokens loaded from lower tiers instead of computed
 
 
 class Scheduler:
@@ -58,6 +64,7 @@ class Scheduler:
         policy: SchedulePolicy,
         eos_token_ids: tuple[int, ...],
         context_len: int,
+        tiers: KVHierarchy | None = None,
     ):
         self.config = config
         self.allocator = allocator
@@ -72,6 +79,10 @@ class Scheduler:
         self.finished: list[Request] = []  # finished this step, for the engine to report
         self.stats = SchedulerStats()
         self._arrivals = itertools.count()
+        self.tiers = tiers
+        self._load_events: list = []  # CUDA events of tier loads the next step must wait for
+        if tiers is not None and tiers.write_policy == "write_back":
+            cache.on_evict = self._store_path
 
     # ------------------------------------------------------------------ queue
 
@@ -81,6 +92,8 @@ class Scheduler:
     def add(self, req: Request) -> None:
         req.state = State.WAITING
         self.waiting.append(req)
+        if self.tiers is not None and req.namespace == 0 and req.preemptions == 0:
+            self.tiers.prefetch(req.seq, self.cache.peek_prefix_len(req.seq, 0))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -169,9 +182,11 @@ class Scheduler:
         if missing is not None:  # the logits before each wanted prompt token must be computed
             limit = min(limit, missing - 1)
         match = self.cache.match_prefix(seq[:limit], r.namespace)
+        self.cache.lock(match.node)
+        if self.tiers is not None and r.namespace == 0:
+            match = self._load_from_tiers(seq, match, planned, limit)
         hit = match.slots.numel()
         n = min(len(seq) - hit, budget, self.config.chunked_prefill_size)
-        self.cache.lock(match.node)
         reserve = self._reserve() + math.ceil(r.remaining_new_tokens * self.reserve_ratio)
         if not self._make_room(planned + n, keep=reserve + (len(seq) - hit - n)):
             self.cache.unlock(match.node)
@@ -184,6 +199,7 @@ class Scheduler:
         if r.cached_tokens is None:
             r.cached_tokens = min(hit, len(r.prompt_ids))
             self.cache.record_query(len(r.prompt_ids), r.cached_tokens)
+            self.cache.count_hit(match.node)
         if r.is_follower and r.group is not None:
             r.group.pending -= 1
             if r.group.pending == 0 and r.group.prompt_node is not None:
@@ -289,6 +305,7 @@ class Scheduler:
             prompt_lp_pos=lp_pos,
             prompt_lp_target=lp_target,
         )
+        batch.wait_events, self._load_events = self._load_events, []
         self.stats.steps += 1
         step = ScheduledStep(batch, reqs, sampled, pick_index=slots_of)
         step.placeholder_reqs = ph_req
@@ -419,6 +436,8 @@ class Scheduler:
             self.allocator.free(r.slots[r.kv_len :])
             r.slots = r.slots[: r.kv_len]
         self._cache_progress(r)
+        if self.tiers is not None and r.namespace == 0:
+            self._write_through(r.last_node)
         self.cache.unlock(r.last_node)
         self.rows.free(r.row)
         r.row = None
@@ -458,6 +477,76 @@ class Scheduler:
             g.pending -= 1
             if g.pending == 0 and g.prompt_node is not None:
                 self.cache.unlock(g.prompt_node)
+
+    # ------------------------------------------------------------------ lower tiers
+
+    def _load_from_tiers(self, seq: list[int], match, planned: int, limit: int):
+        """Extend a locked pool ``match`` of ``seq`` with pages loaded from the lower tiers
+        (up to ``limit`` tokens; into fresh slots, inserted into the tree, locked instead of
+        ``match``)."""
+        hit = match.slots.numel()
+        first, plan = self.tiers.plan_load(seq, hit, limit)
+        if not plan:
+            return match
+        p = self.tiers.page_tokens
+        skip = hit - first * p
+        want = len(plan) * p - skip
+        if not self._make_room(planned + want):
+            fit = self.allocator.available - planned
+            plan = plan[: max(0, (fit + skip) // p)]
+            want = len(plan) * p - skip
+            if want <= 0:
+                return match
+        slots = self.allocator.alloc(want)
+        assert slots is not None, "scheduler: room was made for the tier load"
+        n, event = self.tiers.load(plan, slots, skip)
+        if n < want:
+            self.allocator.free(slots[n:])
+        if n <= 0:
+            return match
+        if event is not None:
+            self._load_events.append(event)
+        key = seq[: hit + n]
+        existing = self.cache.insert(key, torch.cat((match.slots, slots[:n])), 0)
+        if existing > hit:  # cannot happen while match.node is locked; stay correct anyway
+            self.allocator.free(slots[: existing - hit])
+        loaded = self.cache.match_prefix(key, 0)
+        self.cache.lock(loaded.node)
+        self.cache.unlock(match.node)
+        node = loaded.node
+        while node is not match.node and not node.is_root:
+            node.backed = True  # its pages came from the tiers
+            node = node.parent
+        self.stats.tier_loaded_tokens += n
+        return loaded
+
+    def _write_through(self, node) -> None:
+        """A request left with ``node`` the end of its KV: store per the write policy."""
+        policy = self.tiers.write_policy
+        if policy == "write_through":
+            self._store_path(node)
+        elif policy == "write_through_hits":
+            while not node.is_root and node.hits < self.tiers.write_hits:
+                node = node.parent
+            if not node.is_root:
+                self._store_path(node)
+
+    def _store_path(self, node) -> None:
+        """Store the pages of the path to ``node`` from its first node not yet backed. Every
+        node in the tree that no running request still computes has its KV (the callers:
+        release and eviction of unlocked leaves)."""
+        path = self.cache.path(node)
+        i = start = 0
+        while i < len(path) and path[i].backed:
+            start += len(path[i].key)
+            i += 1
+        if i == len(path):
+            return
+        tokens = [t for n in path for t in n.key]
+        slots = torch.cat([n.value for n in path])
+        self.tiers.store(tokens, slots, start, len(tokens))
+        for n in path[i:]:
+            n.backed = True
 
     # ------------------------------------------------------------------ accounting
 

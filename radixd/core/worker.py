@@ -91,6 +91,8 @@ class ModelWorker:
         before, still on the device) are filled in from ``prev`` here, on the device."""
         stage = self.stager.to_device
         self.stager.next_step()
+        for ev in batch.wait_events:  # pages loaded from lower tiers on the side stream
+            torch.cuda.current_stream(self.device).wait_event(ev)
         if batch.table_writes:  # one scatter for all rows' new slots
             rows, cols, vals = [], [], []
             for row, start, slots in batch.table_writes:

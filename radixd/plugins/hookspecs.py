@@ -12,6 +12,7 @@ from radixd.plugins import hookspec
 
 if TYPE_CHECKING:
     from radixd.core.policy import SchedulePolicy
+    from radixd.core.tiers import CacheTier
 
 
 # ---------------------------------------------------------------------------------------------
@@ -26,6 +27,19 @@ def radixd_schedule_policies() -> dict[str, type[SchedulePolicy]]:
     A policy class is instantiated once per engine with the engine's ``EngineConfig`` and
     must implement :class:`radixd.core.policy.SchedulePolicy`. Names must be unique across
     plugins; the engine refuses a duplicate name at start-up.
+    """
+
+
+@hookspec
+def radixd_cache_tiers() -> dict[str, type[CacheTier]]:
+    """Return the KV cache tiers this plugin provides, by name.
+
+    A tier class implements :class:`radixd.core.tiers.CacheTier` (store, contains, load,
+    evict, close, stats) and is instantiated once per engine, for each name listed in
+    ``cache.tiers``, as ``cls(options, ctx)``: ``options`` is its ``[cache.NAME]`` table
+    (refuse unknown keys with ``ConfigError``), ``ctx`` a ``TierContext`` (model identity,
+    page shape, dtype, device). Failures of the store are misses, never exceptions. Names
+    must be unique across plugins.
     """
 
 

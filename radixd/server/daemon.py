@@ -25,7 +25,7 @@ from radixd.logs import configure_logging
 from radixd.plugins import make_plugin_manager
 from radixd.server.app import ServerState, build_app
 from radixd.server.notify import notify, watchdog_interval
-from radixd.settings import SECTIONS, Settings, load_settings
+from radixd.settings import SECTIONS, Settings, load_settings, section_of
 
 log = structlog.get_logger("radixd.daemon")
 
@@ -157,7 +157,7 @@ class Daemon:
         merged = {}
         pending = []
         for sec in SECTIONS:
-            o, n = getattr(old, sec), getattr(new, sec)
+            o, n = section_of(old, sec), section_of(new, sec)
             changes = {}
             for f in fields(o):
                 if getattr(o, f.name) != getattr(n, f.name):
@@ -165,7 +165,7 @@ class Daemon:
                         changes[f.name] = getattr(n, f.name)
                     else:
                         pending.append(f"{sec}.{f.name}")
-            merged[sec] = replace(o, **changes) if changes else o
+            merged[sec.replace(".", "_")] = replace(o, **changes) if changes else o
         self.settings = replace(old, **merged)
         self.state.settings = self.settings
         lg = self.settings.logging

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -27,6 +27,44 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
             yield g
+        yield from _tier_metrics(st.get("cache_tiers") or {})
+
+
+TIER_COUNTERS = (
+    ("hits", "radixd_cache_tier_hits", "Pages loaded back into the KV pool from the tier."),
+    ("tokens_loaded", "radixd_cache_tier_tokens_loaded", "Prompt tokens loaded from the tier instead of computed."),
+    ("bytes_loaded", "radixd_cache_tier_loaded_bytes", "Bytes of KV loaded from the tier."),
+    ("stores", "radixd_cache_tier_stores", "Pages written to the tier."),
+    ("bytes_stored", "radixd_cache_tier_stored_bytes", "Bytes of KV written to the tier."),
+    ("evictions", "radixd_cache_tier_evictions", "Pages the tier dropped for room."),
+    ("misses", "radixd_cache_tier_misses", "Pages looked for in the tier and not found."),
+    ("errors", "radixd_cache_tier_errors", "Failed tier operations (unreachable, write failed, full): misses."),
+    ("corrupt", "radixd_cache_tier_corrupt_pages", "Pages that failed their checksum or identity check: misses."),
+)
+TIER_GAUGES = (
+    ("used_bytes", "radixd_cache_tier_used_bytes", "Bytes held by the tier."),
+    ("capacity_bytes", "radixd_cache_tier_capacity_bytes", "The tier's size limit in bytes (0: none known)."),
+)
+
+
+def _tier_metrics(tiers: dict):
+    """Per-tier counters, gauges and the load latency (a summary: count and sum)."""
+    if not tiers:
+        return
+    for key, name, doc in TIER_COUNTERS:
+        c = CounterMetricFamily(name, doc, labels=["tier"])
+        for tier, st in tiers.items():
+            c.add_metric([tier], float(st[key]))
+        yield c
+    for key, name, doc in TIER_GAUGES:
+        g = GaugeMetricFamily(name, doc, labels=["tier"])
+        for tier, st in tiers.items():
+            g.add_metric([tier], float(st[key]))
+        yield g
+    s = SummaryMetricFamily("radixd_cache_tier_load_seconds", "Time to load a page from the tier.", labels=["tier"])
+    for tier, st in tiers.items():
+        s.add_metric([tier], count_value=float(st["hits"]), sum_value=float(st["load_seconds"]))
+    yield s
 
 
 class Metrics:
