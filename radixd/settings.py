@@ -9,6 +9,8 @@ and ``man/radixd.toml.5`` in step.
 
 from __future__ import annotations
 
+import os
+import stat
 import tomllib
 import types
 import typing
@@ -28,6 +30,8 @@ from radixd.core.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
+CHAT_SPECIAL_TOKENS = ("refuse", "as_text", "allow")
+PLUGIN_ON_ERROR = ("fail", "disable")
 
 
 def _f(default: Any, *, min: float | None = None, max: float | None = None, choices: tuple | None = None,
@@ -60,6 +64,10 @@ class ServerSection:
     drain_timeout_s: float = _f(30.0, min=0.0)
     health_timeout_s: float = _f(10.0, min=0.1, live=True)
     watchdog: bool = _f(True)
+    stall_timeout_s: float = _f(60.0, min=0.0, live=True)
+    send_timeout_s: float = _f(30.0, min=0.1, live=True)
+    stream_buffer: int = _f(256, min=1, live=True)
+    cors_origins: list[str] = _f([])
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,7 @@ class LimitsSection:
     max_top_logprobs: int = _f(20, min=0, max=20)
     default_max_tokens: int = _f(256, min=1, live=True)
     max_stop_sequences: int = _f(16, min=0, live=True)
+    chat_special_tokens: str = _f("refuse", choices=CHAT_SPECIAL_TOKENS, live=True)
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,7 @@ class LoggingSection:
     level: str = _f("info", choices=LOG_LEVELS, live=True)
     format: str = _f("auto", choices=LOG_FORMATS)
     access_log: bool = _f(True, live=True)
+    log_prompts: bool = _f(False, live=True)
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,8 @@ class PluginsSection:
     allow: list[str] = _f([])
     block: list[str] = _f([])
     entry_points: bool = _f(True)
+    on_error: str = _f("fail", choices=PLUGIN_ON_ERROR)
+    hook_timeout_s: float = _f(5.0, min=0.0)
 
 
 @dataclass(frozen=True)
@@ -224,13 +236,28 @@ class Settings:
         """Keys from ``auth.api_keys`` plus one per line of ``auth.api_keys_file``."""
         keys = list(self.auth.api_keys)
         if self.auth.api_keys_file:
-            path = Path(self.auth.api_keys_file)
-            try:
-                text = path.read_text()
-            except OSError as exc:
-                raise ConfigError("auth.api_keys_file", str(path), f"a readable file ({exc.strerror})") from exc
-            keys += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+            keys += read_keys_file(Path(self.auth.api_keys_file))
         return keys
+
+
+def read_keys_file(path: Path) -> list[str]:
+    """The keys of ``auth.api_keys_file``: a file only its owner may read (no group or other
+    permission bits), holding at least one key. Refused otherwise: a key file others can read
+    leaks the keys; an empty one would silently turn authentication off."""
+    key = "auth.api_keys_file"
+    try:
+        with open(path) as fh:
+            mode = os.fstat(fh.fileno()).st_mode
+            text = fh.read()
+    except OSError as exc:
+        raise ConfigError(key, str(path), f"a readable file ({exc.strerror})") from exc
+    if mode & 0o077:
+        raise ConfigError(key, str(path), f"a file readable only by its owner (chmod 600); it is mode "
+                                          f"{stat.S_IMODE(mode):04o}, open to its group or others")
+    keys = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise ConfigError(key, str(path), "a file with at least one key (one per line)")
+    return keys
 
 
 def all_keys() -> list[str]:

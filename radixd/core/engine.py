@@ -112,6 +112,8 @@ class _Stream:
     queue: asyncio.Queue
     detok: IncrementalDetokenizer | None
     prompt_lp_sent: bool = False
+    rid: str = ""
+    limit: int = 0  # outputs left unread before the call is aborted; 0: unbounded
 
 
 class Replica:
@@ -134,6 +136,9 @@ class Replica:
         self.executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix=f"radixd-worker-{device}", initializer=bind_device, initargs=(device,))
         self.inflight = None  # (step, picks on the device, launch time) not yet read back
+        # monotonic time the step now running began (None between steps): read by the
+        # stall watchdog (another thread) and /health
+        self.step_started: float | None = None
         self.wake: asyncio.Event | None = None
         self.task: asyncio.Task | None = None
 
@@ -197,6 +202,7 @@ class Engine:
         self._started = False
         self._stopping = False
         self.step_hook = None  # optional callable(ScheduledStep), for tests and statistics
+        self.slow_consumer_aborts = 0  # calls aborted because their outputs were not read
 
     def _make_worker(self, devices: list[torch.device], backend: str):
         kw = dict(model_path=self.model_path, model_cfg=self.model_cfg, dtype=self.dtype,
@@ -434,11 +440,14 @@ class Engine:
         params: SamplingParams | dict | None = None,
         rid: str | None = None,
         priority: int = 0,
+        max_unread: int = 0,
     ) -> Submission:
         """Validate and queue one call now; iterate the returned ``Submission`` for outputs.
 
         Raises ``InvalidRequest`` (naming the field) or ``EngineStopped`` at once, before any
         output, so front ends can answer with an error status. Must be called on the loop.
+        ``max_unread`` > 0: once more than that many outputs wait unread (a consumer that
+        stopped reading), the call is aborted and its KV freed.
         """
         if isinstance(params, dict):
             params = SamplingParams(**params)
@@ -465,7 +474,7 @@ class Engine:
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
                                                stop=params.stop)
-            self._streams[r] = _Stream(queue, detok)
+            self._streams[r] = _Stream(queue, detok, rid=rid, limit=max_unread * len(reqs))
             rep.scheduler.add(r)
         self._by_rid[rid] = reqs
         rep.wake.set()
@@ -587,7 +596,11 @@ class Engine:
         self._report_dropped(rep)
         if step is NEED_SYNC or (step is None and prev is not None):
             rep.inflight = None
-            await self._finish(loop, rep, prev, frozenset())
+            rep.step_started = time.monotonic()
+            try:
+                await self._finish(loop, rep, prev, frozenset())
+            finally:
+                rep.step_started = None
             return True
         if step is None:
             if self._stopping:
@@ -596,6 +609,14 @@ class Engine:
             await rep.wake.wait()
             return True
         t0 = time.perf_counter()
+        rep.step_started = time.monotonic()
+        try:
+            return await self._run(loop, rep, step, prev, t0)
+        finally:
+            rep.step_started = None
+
+    async def _run(self, loop: asyncio.AbstractEventLoop, rep: Replica, step: ScheduledStep, prev,
+                   t0: float) -> bool:
         if step.placeholder_reqs:
             src = {r: i for i, r in enumerate(prev[0].sampled)}
             step.batch.placeholder_src = [src[r] for r in step.placeholder_reqs]
@@ -675,6 +696,11 @@ class Engine:
                     prompt_logprobs=plp,
                 )
             )
+            if stream.limit and stream.queue.qsize() > stream.limit and not finished and not r.aborted:
+                log.warning("outputs of %s are not being read (%d waiting): aborting it", stream.rid,
+                            stream.queue.qsize())
+                self.slow_consumer_aborts += 1
+                self._abort(stream.rid)
 
     def _report_dropped(self, rep: Replica) -> None:
         """Tell consumers of requests the scheduler dropped (aborts) that they ended."""
@@ -712,9 +738,11 @@ class Engine:
         """Counters summed over the replicas; with dp_size > 1 also each replica's own
         (``replicas``) and the router's (``routing``)."""
         per = [_replica_stats(rep) for rep in self.replicas]
+        engine_wide = {"inflight": self.num_inflight, "slow_consumer_aborts": self.slow_consumer_aborts}
         if len(per) == 1:
-            return {**per[0], "cache_tiers": self._tier_stats()}
-        out = {key: sum(p[key] for p in per) for key in per[0] if key not in ("kv", "kv_usage", "cache_hit_rate")}
+            return {**per[0], **engine_wide, "cache_tiers": self._tier_stats()}
+        out = {**engine_wide}
+        out |= {key: sum(p[key] for p in per) for key in per[0] if key not in ("kv", "kv_usage", "cache_hit_rate")}
         out["kv"] = {key: sum(p["kv"][key] for p in per) for key in per[0]["kv"]}
         out["kv_usage"] = 1.0 - out["kv"]["free"] / out["kv"]["total"]
         q = out["cache_queried_tokens"]
@@ -732,6 +760,13 @@ class Engine:
             s["load_seconds_mean"] = s["load_seconds"] / s["hits"] if s["hits"] else 0.0
             out[t.name] = s
         return out
+
+    def step_age(self) -> float:
+        """Seconds the longest-running step now running (on any replica) has taken so far;
+        0 between steps."""
+        now = time.monotonic()
+        return max((now - started for rep in self.replicas if (started := rep.step_started) is not None),
+                   default=0.0)
 
     def check_accounting(self) -> None:
         for rep in self.replicas:

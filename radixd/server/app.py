@@ -28,6 +28,7 @@ from radixd import __version__
 from radixd.core.engine import Engine, GenerateOutput, Submission
 from radixd.core.errors import ContextLengthExceeded, EngineStopped, InvalidRequest
 from radixd.core.sampling_params import SamplingParams
+from radixd.plugins.guard import HookGuard, PluginFault
 from radixd.server import protocol
 from radixd.server.errors import ApiError
 from radixd.server.metrics import Metrics
@@ -44,6 +45,7 @@ class ServerState:
     api_keys: list[str]
     plugins: Any
     metrics: Metrics = field(init=False)
+    hooks: HookGuard = field(init=False)
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     log: Any = field(default_factory=lambda: structlog.get_logger("radixd.server"))
@@ -52,7 +54,22 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.engine)
+        p = self.settings.plugins
+        self.hooks = HookGuard(self.plugins, on_error=p.on_error, timeout_s=p.hook_timeout_s,
+                               on_fault=lambda plugin, hook, kind: self.metrics.plugin_faults.labels(
+                                   plugin=plugin, hook=hook, kind=kind).inc())
         self.idle.set()
+
+    def stalled(self) -> str | None:
+        """Why the batching loop counts as stalled (a step running longer than
+        ``server.stall_timeout_s``, or the loop ended), else None."""
+        if self.engine.loop_stopped:
+            return "batching loop stopped"
+        limit = self.settings.server.stall_timeout_s
+        age = self.engine.step_age()
+        if limit and age > limit:
+            return f"batching step running for {age:.1f} s (server.stall_timeout_s = {limit})"
+        return None
 
     @property
     def limits(self) -> protocol.Limits:
@@ -84,7 +101,12 @@ class Gate:
                 info["status"] = message["status"]
                 message.setdefault("headers", [])
                 message["headers"] = [*message["headers"], (b"x-request-id", rid.encode("latin-1"))]
-            await send(message)
+            limit = st.settings.server.send_timeout_s
+            try:
+                async with asyncio.timeout(limit):
+                    await send(message)
+            except TimeoutError:
+                raise ClientTooSlow(f"a write to the client blocked for {limit} s") from None
 
         st.inflight += 1
         st.idle.clear()
@@ -110,6 +132,12 @@ class Gate:
                 return message
 
             await self.app(scope, receive_limited, send_wrapped)
+        except ClientTooSlow as exc:
+            # the client stopped reading: end the response (the connection closes; the
+            # request was aborted with its stream), never wait on it
+            info["status"] = info["status"] or 499
+            st.metrics.slow_clients.inc()
+            st.log.warning("client too slow; response ended", id=rid, path=scope["path"], reason=str(exc))
         finally:
             st.inflight -= 1
             if st.inflight == 0:
@@ -146,6 +174,10 @@ class Gate:
             )
 
 
+class ClientTooSlow(Exception):
+    """A write to the client blocked longer than ``server.send_timeout_s``."""
+
+
 async def _discard_body(receive, cap: int) -> None:
     """Read and drop the rest of a refused body (up to ``cap`` bytes), so a client that sends
     its whole body before reading gets the error response instead of a reset connection."""
@@ -172,9 +204,32 @@ async def read_json(request: Request) -> dict:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    except RecursionError as exc:
+        raise ApiError(400, "the body is nested too deeply", code="invalid_json") from exc
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    _check_strings(data)
     return data
+
+
+def _check_strings(value: Any, depth: int = 0) -> None:
+    """Refuse strings that are not Unicode text (a lone surrogate, ``"\\ud800"``, is valid
+    JSON but cannot be encoded, so the tokenizer would fail on it) and deep nesting."""
+    if depth > 64:
+        raise ApiError(400, "the body is nested too deeply (more than 64 levels)", code="invalid_json")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ApiError(400, f"the body holds a string that is not valid Unicode ({exc.reason} at "
+                                f"position {exc.start})", code="invalid_json") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k, depth + 1)
+            _check_strings(v, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _check_strings(v, depth + 1)
 
 
 def state_of(request: Request) -> ServerState:
@@ -188,15 +243,19 @@ def check_model(st: ServerState, model: str | None) -> None:
 
 
 def submit(st: ServerState, request: Request, *, params: SamplingParams, prompt: str | None = None,
-           input_ids: list[int] | None = None, priority: int = 0) -> Submission:
-    """Admission control + ``Engine.submit`` with engine errors mapped to HTTP errors."""
+           input_ids: list[int] | None = None, priority: int = 0, shown: Any = None) -> Submission:
+    """Admission control + ``Engine.submit`` with engine errors mapped to HTTP errors.
+    ``shown``: what to log as the prompt (``logging.log_prompts``; default the prompt)."""
     if st.draining:
         raise ApiError(503, "the server is shutting down", code="shutting_down")
+    if params.n > st.settings.limits.max_n:  # invalid whatever the load: 400 before any 503
+        raise ApiError(400, f"'n' must be <= {st.settings.limits.max_n}, got {params.n}", param="n")
     queued = st.engine.num_waiting
     if queued + params.n > st.settings.limits.max_queued_requests:
         raise ApiError(503, f"the server is overloaded ({queued} requests queued); retry later", code="queue_full")
     try:
-        sub = st.engine.submit(prompt, input_ids=input_ids, params=params, priority=priority)
+        sub = st.engine.submit(prompt, input_ids=input_ids, params=params, priority=priority,
+                               max_unread=st.settings.server.stream_buffer)
     except ContextLengthExceeded as exc:
         raise ApiError(400, f"{exc.message} (prompt {exc.prompt_tokens} tokens, context {exc.limit} tokens)",
                        param=_api_param(exc.field), code="context_length_exceeded") from exc
@@ -206,13 +265,70 @@ def submit(st: ServerState, request: Request, *, params: SamplingParams, prompt:
         raise ApiError(503, str(exc), code="shutting_down") from exc
     info = request.scope["state"]["radixd"]
     info["prompt_tokens"] = info.get("prompt_tokens", 0) + sub.prompt_tokens
+    if st.settings.logging.log_prompts:  # at debug level: shown only with logging.level = "debug"
+        st.log.debug("prompt", id=info["id"], rid=sub.rid, prompt=shown if shown is not None else
+                     (prompt if prompt is not None else input_ids))
     try:
-        st.plugins.hook.radixd_request_received(rid=sub.rid, route=request.url.path,
-                                                prompt_tokens=sub.prompt_tokens, params=params)
-    except BaseException:
+        st.hooks.call("radixd_request_received", rid=sub.rid, route=request.url.path,
+                      prompt_tokens=sub.prompt_tokens, params=params)
+    except PluginFault as exc:
         sub.close()  # a failing plugin must not leave the request queued
+        raise ApiError(500, f"a server plugin failed: {exc}", code="plugin_error") from exc
+    except BaseException:
+        sub.close()
         raise
     return sub
+
+
+def chat_prompt_ids(st: ServerState, messages: list[dict]) -> list[int]:
+    """The chat template applied to ``messages``, with text in their contents that spells a
+    special token (``<|im_start|>``, ``<eos>``, ...) handled per ``limits.chat_special_tokens``:
+    such text would otherwise become the control token itself, letting a message open a new
+    turn under another role. "refuse": 400; "as_text": tokenized as plain text; "allow": as is."""
+    how = st.settings.limits.chat_special_tokens
+    tok = st.engine.tokenizer
+    found = None if how == "allow" else _special_text(tok, messages)
+    try:
+        if found is None:
+            return st.engine.apply_chat_template(messages)
+        if how == "refuse":
+            i, text = found
+            raise ApiError(400, f"'messages[{i}].content' contains the special token text {text!r}; this server "
+                                "refuses it (limits.chat_special_tokens = \"refuse\")", param="messages",
+                           code="special_token_in_content")
+        return _template_contents_as_text(tok, messages)
+    except ApiError:
+        raise
+    except Exception as exc:  # templates raise on e.g. a bad role order
+        raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+
+
+def _special_text(tok, messages: list[dict]) -> tuple[int, str] | None:
+    specials = [t for t in tok.all_special_tokens if t]
+    specials += [a.content for a in tok.added_tokens_decoder.values() if a.special and a.content not in specials]
+    for i, m in enumerate(messages):
+        for text in specials:
+            if text in m["content"]:
+                return i, text
+    return None
+
+
+def _template_contents_as_text(tok, messages: list[dict]) -> list[int]:
+    """Render the template around placeholders, then tokenize the template's own text with
+    its special tokens and each message content with special-token text split into plain
+    tokens: no content can produce a control token."""
+    nonce = uuid.uuid4().hex
+    marks = [f"\u241f{nonce}{i}\u241f" for i in range(len(messages))]
+    rendered = tok.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)],
+                                       add_generation_prompt=True, tokenize=False)
+    ids: list[int] = []
+    for i, mark in enumerate(marks):
+        head, sep, rendered = rendered.partition(mark)
+        if not sep:
+            raise ValueError(f"the template does not show messages[{i}].content as given")
+        ids += tok(head, add_special_tokens=False).input_ids
+        ids += tok(messages[i]["content"], add_special_tokens=False, split_special_tokens=True).input_ids
+    return ids + tok(rendered, add_special_tokens=False).input_ids
 
 
 def _api_param(field_name: str) -> str:
@@ -271,8 +387,8 @@ class Tracker:
         m.e2e.observe(time.perf_counter() - self.t0)
         for i, sub in enumerate(self.subs):
             m.prompt_tokens.inc(sub.prompt_tokens)
-            self.st.plugins.hook.radixd_request_finished(
-                rid=sub.rid, prompt_tokens=sub.prompt_tokens, completion_tokens=self.tokens[i],
+            self.st.hooks.call(
+                "radixd_request_finished", fail=False, rid=sub.rid, prompt_tokens=sub.prompt_tokens, completion_tokens=self.tokens[i],
                 cached_tokens=self.cached_of[i], finish_reasons=[self.reasons[i].get(j) for j in range(sub.n)],
             )
 
@@ -311,18 +427,20 @@ async def collect(subs: list[Submission], request: Request, tracker: Tracker) ->
     return work.result()
 
 
-async def merged(subs: list[Submission]) -> AsyncIterator[tuple[int, GenerateOutput]]:
-    """Interleave several submissions' outputs as they come: (submission index, output)."""
-    queue: asyncio.Queue = asyncio.Queue()
+async def merged(subs: list[Submission], maxsize: int = 0) -> AsyncIterator[tuple[int, GenerateOutput]]:
+    """Interleave several submissions' outputs as they come: (submission index, output).
+    ``maxsize`` bounds what waits here, so outputs a slow client does not take pile up in
+    the engine, which aborts the call past ``server.stream_buffer``."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize)
 
     async def pump(i: int, sub: Submission):
         try:
             async for out in sub:
                 await queue.put((i, out))
+            end = None
         except Exception as exc:  # surfaced to the consumer below
-            await queue.put((i, exc))
-        finally:
-            await queue.put((i, None))
+            end = exc
+        await queue.put((i, end))  # not in a finally: a cancelled pump must not wait on a full queue
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(subs)]
     left = len(subs)
@@ -408,11 +526,8 @@ async def chat_completions(request: Request) -> Response:
     parsed = protocol.sampling_from_openai(body, st.limits, chat=True)
     check_model(st, parsed.model)
     messages = protocol.chat_messages(body)
-    try:
-        ids = st.engine.apply_chat_template(messages)
-    except Exception as exc:  # templates raise on e.g. a bad role order
-        raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
-    sub = submit(st, request, params=parsed.params, input_ids=ids, priority=parsed.priority)
+    ids = chat_prompt_ids(st, messages)
+    sub = submit(st, request, params=parsed.params, input_ids=ids, priority=parsed.priority, shown=messages)
     tracker = Tracker(st, request, [sub])
     cid = f"chatcmpl-{sub.rid}"
     created = int(time.time())
@@ -444,7 +559,7 @@ async def chat_completions(request: Request) -> Response:
         for i in range(parsed.params.n):
             yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]})
-        async for _, out in merged([sub]):
+        async for _, out in merged([sub], st.settings.server.stream_buffer):
             tracker.see(out)
             lp = chat_logprobs(tok, [out]) if parsed.params.logprobs and out.token_ids else None
             if out.text or lp or out.finished:
@@ -514,7 +629,7 @@ async def completions(request: Request) -> Response:
                 for i in range(n):
                     yield sse({**base, "choices": [{"index": pi * n + i, "text": echoes[pi], "logprobs": None,
                                                     "finish_reason": None}]})
-        async for pi, out in merged(subs):
+        async for pi, out in merged(subs, st.settings.server.stream_buffer):
             tracker.see(out, pi)
             idx = pi * n + out.index
             lp = None
@@ -610,7 +725,7 @@ async def native_generate(request: Request) -> Response:
     async def events():
         texts: dict[int, str] = {}
         toks: dict[int, list[int]] = {}
-        async for _, out in merged([sub]):
+        async for _, out in merged([sub], st.settings.server.stream_buffer):
             tracker.see(out)
             texts[out.index] = texts.get(out.index, "") + out.text
             toks.setdefault(out.index, []).extend(out.token_ids)
@@ -640,8 +755,9 @@ async def health(request: Request) -> Response:
     st = state_of(request)
     if st.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
-    if st.engine.loop_stopped:
-        return JSONResponse({"status": "batching loop stopped"}, status_code=503)
+    stalled = st.stalled()
+    if stalled:
+        return JSONResponse({"status": "stalled", "reason": stalled}, status_code=503)
     t0 = time.perf_counter()
     try:
         sub = st.engine.submit(input_ids=[st.engine.eos_token_ids[0] if st.engine.eos_token_ids else 0],
@@ -689,7 +805,7 @@ async def tokenize(request: Request) -> Response:
     protocol.check_fields(body, {"prompt", "messages", "model", "add_special_tokens"})
     check_model(st, body.get("model"))
     if "messages" in body:
-        ids = st.engine.apply_chat_template(protocol.chat_messages(body))
+        ids = chat_prompt_ids(st, protocol.chat_messages(body))
     elif isinstance(body.get("prompt"), str):
         add = body.get("add_special_tokens", True)
         if not isinstance(add, bool):
@@ -775,6 +891,13 @@ def build_app(state: ServerState) -> Starlette:
     )
     app.state.radixd = state
     app.add_middleware(_GateFactory, state=state)
+    origins = list(state.settings.server.cors_origins)
+    if origins:  # outside the gate: a browser's preflight carries no API key
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id"], max_age=600)
     return app
 
 

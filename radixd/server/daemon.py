@@ -13,6 +13,7 @@ import inspect
 import logging
 import signal
 import socket
+import threading
 import time
 from dataclasses import fields, replace
 from pathlib import Path
@@ -36,10 +37,15 @@ async def _maybe_await(results) -> None:
             await r
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, user_timeout_s: float = 0.0) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if user_timeout_s and hasattr(socket, "TCP_USER_TIMEOUT"):
+        # inherited by accepted connections: the kernel drops one whose peer leaves sent
+        # data unacknowledged (or its window shut) this long, so a client that never reads
+        # cannot pin a connection after its response was ended
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(user_timeout_s * 1000))
     sock.bind((host, port))
     sock.listen(1024)
     sock.set_inheritable(True)
@@ -63,10 +69,11 @@ class Daemon:
         s = self.settings
         pm = make_plugin_manager(load_entry_points=s.plugins.entry_points, allow=s.plugins.allow or None,
                                  block=s.plugins.block)
+        api_keys = s.api_keys()  # a bad key file is refused before the model loads
         t0 = time.perf_counter()
         engine = await asyncio.to_thread(Engine, s.engine_config(), plugin_manager=pm)
         name = s.model.served_name or _default_name(engine)
-        self.state = st = ServerState(engine=engine, settings=s, model_name=name, api_keys=s.api_keys(), plugins=pm)
+        self.state = st = ServerState(engine=engine, settings=s, model_name=name, api_keys=api_keys, plugins=pm)
         engine.step_hook = self._on_step
         app = build_app(st)
         await engine.start()
@@ -75,7 +82,7 @@ class Daemon:
         from hypercorn.asyncio import serve
         from hypercorn.config import Config as HyperConfig
 
-        sock = bind_socket(s.server.host, s.server.port)
+        sock = bind_socket(s.server.host, s.server.port, user_timeout_s=2 * s.server.send_timeout_s + 5)
         port = sock.getsockname()[1]
         hc = HyperConfig()
         hc.bind = [f"fd://{sock.detach()}"]  # hypercorn owns (and closes) the socket from here
@@ -91,10 +98,12 @@ class Daemon:
         log.info("listening", host=s.server.host, port=port, model=name, device=str(engine.device),
                  kv_slots=engine.allocator.total, load_s=round(time.perf_counter() - t0, 2))
         notify(f"READY=1\nSTATUS=serving {name} on {s.server.host}:{port}\nMAINPID={_pid()}")
-        interval = watchdog_interval()
-        if interval and s.server.watchdog:
-            self._spawn(self._watchdog(interval))
-        await server
+        watch = StallWatch(st, loop, ping_every=watchdog_interval() if s.server.watchdog else None)
+        watch.start()
+        try:
+            await server
+        finally:
+            watch.stop()
         await _maybe_await(pm.hook.radixd_shutdown(state=st))
         await engine.stop()
         log.info("stopped")
@@ -108,7 +117,7 @@ class Daemon:
                  "running": st.engine.num_running, "waiting": st.engine.num_waiting,
                  "kv_usage": st.engine.kv_usage(),
                  "step_ms": step.step_ms}
-        st.plugins.hook.radixd_step_stats(stats=stats)
+        st.hooks.call("radixd_step_stats", fail=False, stats=stats)
 
     # ------------------------------------------------------------------ signals
 
@@ -173,12 +182,71 @@ class Daemon:
         log.info("reloaded", needs_restart=pending or None)
         notify("STATUS=reloaded")
 
-    async def _watchdog(self, interval: float) -> None:
-        """Ping systemd while the batching loop is alive."""
-        while not self.shutdown.is_set():
-            if self.state.engine.loop_running:
+
+
+class StallWatch:
+    """A thread that watches the batching loop and, while it is healthy, pings systemd's
+    watchdog (``WATCHDOG=1``) every ``ping_every`` seconds.
+
+    Stalled means: a batching step running longer than ``server.stall_timeout_s`` (a hung
+    forward pass or hook; ``/health`` then answers 503), the event loop itself blocked that
+    long (its heartbeat stops; nothing on the loop can answer then), or the batching loop
+    ended. The pings stop while it is stalled, so systemd restarts the service once
+    ``WatchdogSec`` passes. It runs in its own thread because the loop may be the thing stuck.
+    """
+
+    def __init__(self, state: ServerState, loop: asyncio.AbstractEventLoop, ping_every: float | None):
+        self.state = state
+        self.loop = loop
+        self.ping_every = ping_every
+        self.beat = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="radixd-stall-watch", daemon=True)
+        self._handle: asyncio.TimerHandle | None = None
+        self.stalled_reason: str | None = None
+
+    def start(self) -> None:
+        self._heartbeat()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._handle is not None:
+            self._handle.cancel()
+        self._thread.join()
+
+    def _tick(self) -> float:
+        limit = self.state.settings.server.stall_timeout_s or 5.0
+        return min(self.ping_every or limit, limit) / 4
+
+    def _heartbeat(self) -> None:
+        self.beat = time.monotonic()
+        self._handle = self.loop.call_later(self._tick(), self._heartbeat)
+
+    def check(self) -> str | None:
+        st = self.state
+        limit = st.settings.server.stall_timeout_s
+        blocked = time.monotonic() - self.beat
+        if limit and blocked > limit:
+            running = st.hooks.running
+            where = f" in plugin {running[0]!r} hook {running[1]}" if running else ""
+            return f"event loop blocked for {blocked:.1f} s{where} (server.stall_timeout_s = {limit})"
+        return st.stalled()
+
+    def _run(self) -> None:
+        last_ping = 0.0
+        while not self._stop.wait(self._tick()):
+            reason = self.check()
+            if reason != self.stalled_reason:
+                if reason:
+                    log.error("batching loop stalled; watchdog pings stop", reason=reason)
+                else:
+                    log.warning("batching loop running again; watchdog pings resume")
+                self.stalled_reason = reason
+            now = time.monotonic()
+            if reason is None and self.ping_every and now - last_ping >= self.ping_every:
                 notify("WATCHDOG=1")
-            await asyncio.sleep(interval)
+                last_ping = now
 
 
 def _pid() -> int:

@@ -23,6 +23,8 @@ class _EngineCollector:
             ("radixd_kv_slots_total", "KV slots in the pool.", st["kv"]["total"]),
             ("radixd_kv_slots_cached", "KV slots held by the radix cache.", st["kv"]["evictable"] + st["kv"]["locked"]),
             ("radixd_cache_hit_rate", "Prompt tokens served from the radix cache / prompt tokens.", st["cache_hit_rate"]),
+            ("radixd_slow_consumer_aborts", "Calls aborted because their outputs were left unread past "
+             "server.stream_buffer.", st["slow_consumer_aborts"]),
         ):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
@@ -82,5 +84,9 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("radixd_e2e_request_latency_seconds", "Request latency, end to end.",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.plugin_faults = Counter("radixd_plugin_faults", "Plugin hook calls that raised or overran "
+                                     "plugins.hook_timeout_s.", ["plugin", "hook", "kind"], registry=r)
+        self.slow_clients = Counter("radixd_slow_clients", "Responses ended because a write to the client "
+                                    "blocked past server.send_timeout_s.", registry=r)
         self.preemptions = Counter("radixd_preemptions", "Requests preempted for KV memory.", registry=r)
         r.register(_EngineCollector(engine))
