@@ -305,3 +305,33 @@ def test_more_gpus_than_visible_is_refused(tiny_models, monkeypatch):
     with pytest.raises(ConfigError) as e:
         _check_parallel(EngineConfig(dp_size=2, tp_size=2), cfg, torch.device("cuda"))
     assert e.value.key == "dp_size" and "<= 2" in str(e.value)
+
+
+# ------------------------------------------------------------------------ the GPU script's logic
+
+
+def test_multi_gpu_bench_runs_on_cpu(tmp_path):
+    """bench/multi_gpu_bench.py end to end with tiny shapes on CPU workers (what the 2-GPU
+    run does, small): every figure is there and tp=2 reproduces tp=1's greedy tokens."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "multi_gpu_bench.py"
+    r = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--device", "cpu"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "multi_gpu.json").read_text())
+    assert (tmp_path / "log.txt").read_text().count("== ") >= 3
+    dp, tp = res["sections"]["dp"], res["sections"]["tp"]
+    for name in ("shared_prefix", "prefix_pressure"):
+        c = dp[name]
+        for run in ("one_gpu", "dp2_cache_aware", "dp2_round_robin"):
+            assert c[run]["out_tok_s"] > 0 and 0.0 <= c[run]["hit_rate"] <= 1.0
+        assert sum(c["dp2_cache_aware"]["routed"]) == c["dp2_cache_aware"]["requests"]
+        assert c["dp2_over_one_gpu"] > 0 and "cache_aware_over_round_robin" in c
+    # cache-aware keeps each prefix on one replica: never fewer hits than round robin
+    assert dp["shared_prefix"]["dp2_cache_aware"]["hit_rate"] >= dp["shared_prefix"]["dp2_round_robin"]["hit_rate"]
+    assert tp["tp1"]["decode_tok_s"] > 0 and tp["tp2"]["decode_tok_s"] > 0
+    assert all(c["equal_prefix"] == c["steps"] for c in tp["greedy_tp2_vs_tp1"])

@@ -189,16 +189,16 @@ class TPWorker:
 
     # ------------------------------------------------------------------ steps
 
-    def _shard_forward(self, rank: int, batch: ForwardBatch, prev: SampledTokens | None) -> None:
-        shard = self.shards[rank]
-        mine = None
-        if prev is not None and batch.placeholder_pos:
-            mine = SampledTokens(tokens=prev.tokens.to(shard.device, non_blocking=True))
-        shard.forward(batch, mine)
-
     def _run(self, batch: ForwardBatch, prev: SampledTokens | None, first) -> object:
-        """Shards 1.. on their threads, ``first()`` (shard 0's work) on this one."""
-        futures = [self.executors[r].submit(self._guarded, self._shard_forward, r, batch, prev)
+        """Shards 1.. on their threads, ``first()`` (shard 0's work) on this one.
+
+        The previous step's picks (on shard 0's device) are copied to the other shards here,
+        before shard 0 queues this step: queued later, the copy would sit behind shard 0's
+        all-reduce kernels, which wait for the other shards, which wait for the copy."""
+        picks = [None] * self.tp
+        if prev is not None and batch.placeholder_pos:
+            picks = [SampledTokens(tokens=prev.tokens.to(shard.device)) for shard in self.shards]
+        futures = [self.executors[r].submit(self._guarded, self.shards[r].forward, batch, picks[r])
                    for r in range(1, self.tp)]
         errors = []
         try:

@@ -1,0 +1,343 @@
+"""radixd on two GPUs in one process: data-parallel replicas and tensor parallel, timed in one run.
+
+    python3 bench/multi_gpu_bench.py --out DIR [--sections dp,tp] [--device cuda|cpu] [--quick]
+
+Random weights in Llama-3-8B's shape (built from a config, no model hub), bf16, CUDA graphs.
+Writes DIR/multi_gpu.json (updated after every measurement) and DIR/log.txt.
+
+Sections:
+  dp   the same engine settings on one GPU (dp_size=1) and on two (dp_size=2), in process:
+       * shared_prefix: 16 system prompts x 32 questions (1024 + 64 tokens, 128 new), all
+         submitted at once; the KV pool holds every prefix. One GPU vs dp=2 cache_aware vs
+         dp=2 round_robin: output tokens/s and cache hit rate (engine.stats() deltas).
+       * prefix_pressure: 48 system prompts of 3072 tokens, in 5 rounds (each round one
+         question per system prompt, shuffled); all prefixes (147k tokens) do not fit one
+         replica's pool (80k tokens), half of them do: cache_aware vs round_robin (and one GPU).
+       The round-robin runs reuse the dp=2 engine with its router switched to round_robin
+       (caches flushed between runs); every run starts from empty caches.
+  tp   decode at batch 1 (512-token prompt, 256 new tokens, greedy): tp_size=1 vs tp_size=2,
+       both with CUDA graphs (whether the tp=2 graphs were captured is reported); greedy
+       tokens and logprobs of tp=2 against tp=1 on the same weights.
+
+--device cpu runs the same logic with tiny shapes on CPU workers (a smoke test of the script).
+"""
+
+from __future__ import annotations
+
+import os
+
+# NVLink multicast stays off (it can take a shared host's GPUs out of service).
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from radixd import Engine, SamplingParams  # noqa: E402
+from radixd.plugins import make_plugin_manager  # noqa: E402
+
+SHAPES = {
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
+                      rope_theta=500000.0, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=256, vocab_size=512, max_position_embeddings=8192,
+                 rope_theta=10000.0, tie_word_embeddings=False),
+}
+
+# workload sizes: (full run on GPUs, --quick / cpu)
+SHARED = {"full": dict(groups=16, per_group=32, system=1024, question=64, new=128),
+          "quick": dict(groups=4, per_group=4, system=64, question=8, new=8)}
+PRESSURE = {"full": dict(groups=48, system=3072, question=32, new=32, rounds=5, kv_tokens=80_000),
+            "quick": dict(groups=6, system=96, question=8, new=4, rounds=3, kv_tokens=400)}
+DECODE = {"full": dict(prompt=512, new=256, reps=3, check_prompts=3, check_new=32),
+          "quick": dict(prompt=32, new=16, reps=2, check_prompts=2, check_new=8)}
+
+
+class Run:
+    """Settings, the log and the results file of this run."""
+
+    def __init__(self, args):
+        self.args = args
+        self.cpu = args.device == "cpu"
+        self.size = args.size or ("quick" if (args.quick or self.cpu) else "full")
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.logf = open(self.out / "log.txt", "a")
+        self.results: dict = {"args": vars(args), "env": env_info(), "sections": {}}
+        model = "tiny" if self.cpu else args.model
+        self.path = checkpoint_dir(model)
+        self.results["model"] = model
+        self.vocab_hi = min(40000, SHAPES[model]["vocab_size"] - 1)
+
+    def log(self, *parts) -> None:
+        line = " ".join(str(p) for p in parts)
+        print(line, flush=True)
+        self.logf.write(line + "\n")
+        self.logf.flush()
+
+    def save(self) -> None:
+        (self.out / "multi_gpu.json").write_text(json.dumps(self.results, indent=1))
+
+    def engine(self, **kw) -> Engine:
+        if self.cpu:
+            kw.update(attention_backend="torch", cuda_graphs=False, dtype="float32", device="cpu")
+            kw.setdefault("max_running_requests", 32)
+        else:
+            kw.setdefault("dtype", "bfloat16")
+            kw.setdefault("device", "cuda")
+            kw.setdefault("max_running_requests", 256)
+            kw.setdefault("max_prefill_tokens", 16384)
+            kw.setdefault("chunked_prefill_size", 8192)
+        kw.setdefault("kv_cache_tokens", PRESSURE[self.size]["kv_tokens"])
+        t = time.perf_counter()
+        # built-in plugins only: the figures are radixd's own, whatever else is installed
+        pm = make_plugin_manager(load_entry_points=False)
+        eng = Engine(model=self.path, tokenizer="none", load_format="dummy", plugin_manager=pm, **kw)
+        self.log(f"-- engine {kw} built in {time.perf_counter() - t:.1f}s")
+        return eng
+
+
+def env_info() -> dict:
+    info = {"torch": torch.__version__, "cuda": torch.cuda.is_available(),
+            "nccl_env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                        "NVSHMEM_DISABLE_NVLS")}}
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        try:
+            info["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except Exception as exc:  # reported, not fatal: the dp section needs no NCCL
+            info["nccl"] = repr(exc)
+    return info
+
+
+def checkpoint_dir(model: str) -> str:
+    d = tempfile.mkdtemp(prefix=f"radixd-{model}-")
+    cfg = dict(SHAPES[model], architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, eos_token_id=0)
+    Path(d, "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+async def run_batch(eng: Engine, prompts: list[list[int]], new: int, logprobs: bool = False) -> dict:
+    """All prompts at once; wall time, each request's first-token time, tokens (+logprobs)."""
+    t0 = time.perf_counter()
+    firsts, ends = [0.0] * len(prompts), [0.0] * len(prompts)
+    toks: list[list[int]] = [[] for _ in prompts]
+    lps: list[list[float]] = [[] for _ in prompts]
+
+    async def one(i, p):
+        params = SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True, logprobs=logprobs)
+        async for out in eng.generate(input_ids=p, params=params):
+            if not firsts[i] and out.token_ids:
+                firsts[i] = time.perf_counter()
+            toks[i] += out.token_ids
+            lps[i] += [lp.logprob for lp in out.logprobs or []]
+        ends[i] = time.perf_counter()
+
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    return {"t0": t0, "end": max(ends), "firsts": firsts, "ends": ends, "tokens": toks, "logprobs": lps}
+
+
+def cache_counts(eng: Engine) -> tuple[int, int]:
+    st = eng.stats()
+    return st["cache_queried_tokens"], st["cache_hit_tokens"]
+
+
+def measure(loop, eng: Engine, rounds: list[list[list[int]]], new: int) -> dict:
+    """Run the rounds one after the other from empty caches: output tokens/s and hit rate."""
+    if not eng.flush_cache():
+        raise RuntimeError("cache still in use before a run")
+    if eng.router is not None:
+        eng.router.clear()
+    q0, h0 = cache_counts(eng)
+    routed0 = list(eng.router.routed) if eng.router is not None else None
+    t = time.perf_counter()
+    n = 0
+    for prompts in rounds:
+        loop.run_until_complete(run_batch(eng, prompts, new))
+        n += len(prompts)
+    secs = time.perf_counter() - t
+    q1, h1 = cache_counts(eng)
+    eng.check_accounting()
+    res = {"seconds": round(secs, 3), "requests": n, "out_tok_s": round(n * new / secs, 1),
+           "hit_rate": round((h1 - h0) / (q1 - q0), 4) if q1 > q0 else 0.0}
+    if routed0 is not None:
+        res["routed"] = [a - b for a, b in zip(eng.router.routed, routed0, strict=True)]
+    return res
+
+
+def best_of(loop, eng, rounds, new, reps: int) -> dict:
+    runs = [measure(loop, eng, rounds, new) for _ in range(reps)]
+    best = max(runs, key=lambda r: r["out_tok_s"])
+    return {**best, "runs_out_tok_s": [r["out_tok_s"] for r in runs]}
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def workloads(run: Run) -> dict:
+    rng = random.Random(3)
+    w = SHARED[run.size]
+    systems = [[rng.randrange(100, run.vocab_hi) for _ in range(w["system"])] for _ in range(w["groups"])]
+    shared = [s + [rng.randrange(100, run.vocab_hi) for _ in range(w["question"])]
+              for s in systems for _ in range(w["per_group"])]
+    rng.shuffle(shared)
+    p = PRESSURE[run.size]
+    psys = [[rng.randrange(100, run.vocab_hi) for _ in range(p["system"])] for _ in range(p["groups"])]
+    pressure = []
+    for _ in range(p["rounds"]):
+        rnd = [s + [rng.randrange(100, run.vocab_hi) for _ in range(p["question"])] for s in psys]
+        rng.shuffle(rnd)
+        pressure.append(rnd)
+    return {"shared_prefix": ([shared], w["new"], w), "prefix_pressure": (pressure, p["new"], p)}
+
+
+def dp_section(run: Run, res: dict) -> None:
+    loads = workloads(run)
+    reps = 1 if run.size == "quick" else 2
+    res["workloads"] = {name: spec for name, (_, _, spec) in loads.items()}
+    loop = asyncio.new_event_loop()
+    warm = [[5, 6, 7, 8, 9] * 4] * 2
+    try:
+        eng = run.engine()
+        try:
+            loop.run_until_complete(run_batch(eng, warm, 4))
+            for name, (rounds, new, _) in loads.items():
+                r = best_of(loop, eng, rounds, new, reps)
+                res.setdefault(name, {})["one_gpu"] = r
+                run.log(f"dp {name} one_gpu: {json.dumps(r)}")
+                run.save()
+        finally:
+            loop.run_until_complete(eng.stop())
+            eng = None
+            free()
+        eng = run.engine(dp_size=2, routing="cache_aware")
+        try:
+            loop.run_until_complete(run_batch(eng, warm * 2, 4))
+            for name, (rounds, new, _) in loads.items():
+                for policy in ("cache_aware", "round_robin"):
+                    eng.router.policy = policy
+                    r = best_of(loop, eng, rounds, new, reps)
+                    res[name][f"dp2_{policy}"] = r
+                    run.log(f"dp {name} dp2 {policy}: {json.dumps(r)}")
+                    run.save()
+        finally:
+            loop.run_until_complete(eng.stop())
+            eng = None
+            free()
+    finally:
+        loop.close()
+    for name in loads:
+        c = res[name]
+        one, ca, rr = c["one_gpu"], c["dp2_cache_aware"], c["dp2_round_robin"]
+        c["dp2_over_one_gpu"] = round(ca["out_tok_s"] / one["out_tok_s"], 3)
+        c["cache_aware_over_round_robin"] = round(ca["out_tok_s"] / rr["out_tok_s"], 3)
+        c["hit_rate_points_vs_one_gpu"] = round(100 * (ca["hit_rate"] - one["hit_rate"]), 2)
+        run.log(f"dp {name}: dp2/one {c['dp2_over_one_gpu']}x, cache_aware/round_robin "
+                f"{c['cache_aware_over_round_robin']}x, hit rate {ca['hit_rate']} vs one GPU {one['hit_rate']}")
+
+
+def decode_batch1(loop, eng: Engine, run: Run) -> dict:
+    d = DECODE[run.size]
+    rng = random.Random(11)
+    prompt = [rng.randrange(100, run.vocab_hi) for _ in range(d["prompt"])]
+    rates = []
+    for _ in range(d["reps"]):
+        r = loop.run_until_complete(run_batch(eng, [prompt], d["new"]))
+        rates.append((d["new"] - 1) / (r["ends"][0] - r["firsts"][0]))
+    checks = [[rng.randrange(100, run.vocab_hi) for _ in range(64 + 37 * i)] for i in range(d["check_prompts"])]
+    ref = loop.run_until_complete(run_batch(eng, checks, d["check_new"], logprobs=True))
+    return {"decode_tok_s": round(statistics.median(rates), 1), "reps_tok_s": [round(x, 1) for x in rates],
+            "tokens": ref["tokens"], "logprobs": ref["logprobs"]}
+
+
+def tp_section(run: Run, res: dict) -> None:
+    loop = asyncio.new_event_loop()
+    kw = {} if run.cpu else dict(max_running_requests=16)
+    out = {}
+    try:
+        for tp in (1, 2):
+            eng = run.engine(tp_size=tp, **kw)
+            try:
+                loop.run_until_complete(run_batch(eng, [[5, 6, 7, 8, 9] * 4], 4))
+                r = decode_batch1(loop, eng, run)
+                r["cuda_graphs"] = bool(eng.worker.graphs)
+                out[tp] = r
+                res[f"tp{tp}"] = {k: v for k, v in r.items() if k not in ("tokens", "logprobs")}
+                run.log(f"tp{tp}: {json.dumps(res[f'tp{tp}'])}")
+                run.save()
+            finally:
+                loop.run_until_complete(eng.stop())
+                eng = None
+                free()
+    finally:
+        loop.close()
+    res["tp2_over_tp1"] = round(out[2]["decode_tok_s"] / out[1]["decode_tok_s"], 3)
+    cases = []
+    for t1, t2, l1, l2 in zip(out[1]["tokens"], out[2]["tokens"], out[1]["logprobs"], out[2]["logprobs"], strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(t1, t2, strict=True)) if a != b), len(t1))
+        diffs = [abs(a - b) for a, b in zip(l1[:same], l2[:same], strict=True)]
+        cases.append({"steps": len(t1), "equal_prefix": same, "max_logprob_diff": round(max(diffs, default=0.0), 4)})
+    res["greedy_tp2_vs_tp1"] = cases
+    run.log(f"tp: tp2/tp1 {res['tp2_over_tp1']}x; greedy tp2 vs tp1 {json.dumps(cases)}")
+
+
+SECTIONS = {"dp": dp_section, "tp": tp_section}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="llama3-8b", choices=["llama3-8b"])
+    ap.add_argument("--sections", default="dp,tp")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run with tiny shapes")
+    ap.add_argument("--quick", action="store_true", help="small workloads (a smoke run on GPUs)")
+    ap.add_argument("--size", choices=["full", "quick"], default=None,
+                    help="workload sizes (default: full on cuda, quick on cpu or with --quick)")
+    args = ap.parse_args()
+    run = Run(args)
+    run.log(f"== multi_gpu_bench {time.strftime('%Y-%m-%d %H:%M:%S')} {json.dumps(run.results['env'])}")
+    if not run.cpu and torch.cuda.device_count() < 2:
+        run.results["error"] = f"needs 2 CUDA devices, sees {torch.cuda.device_count()}"
+        run.log(run.results["error"])
+        run.save()
+        return 2
+    status = 0
+    for name in args.sections.split(","):
+        t = time.perf_counter()
+        res = run.results["sections"].setdefault(name, {})
+        try:
+            SECTIONS[name](run, res)
+        except Exception as exc:
+            run.log(traceback.format_exc())
+            res["error"] = repr(exc)
+            status = 1
+        res["section_s"] = round(time.perf_counter() - t, 1)
+        run.log(f"== {name} done in {res['section_s']}s")
+        run.save()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
