@@ -335,3 +335,22 @@ def test_multi_gpu_bench_runs_on_cpu(tmp_path):
     assert dp["shared_prefix"]["dp2_cache_aware"]["hit_rate"] >= dp["shared_prefix"]["dp2_round_robin"]["hit_rate"]
     assert tp["tp1"]["decode_tok_s"] > 0 and tp["tp2"]["decode_tok_s"] > 0
     assert all(c["equal_prefix"] == c["steps"] for c in tp["greedy_tp2_vs_tp1"])
+
+
+async def test_metrics_report_each_replica(tiny_models):
+    from prometheus_client import generate_latest
+
+    from radixd.server.metrics import Metrics
+
+    eng = make_engine(tiny_models["llama"], dp_size=2)
+    try:
+        shared = tokens(48, 8)
+        await asyncio.gather(*(run(eng, shared + tokens(8, 80 + i)) for i in range(3)))
+        text = generate_latest(Metrics(eng).registry).decode()
+        st = eng.stats()
+        busy = next(i for i, per in enumerate(st["replicas"]) if per["cache_queried_tokens"])
+        assert f'radixd_replica_cache_hit_rate{{replica="{busy}"}} {st["replicas"][busy]["cache_hit_rate"]}' in text
+        assert f'radixd_replica_cache_hit_rate{{replica="{1 - busy}"}} 0.0' in text
+        assert f'radixd_cache_hit_rate {st["cache_hit_rate"]}' in text
+    finally:
+        await eng.stop()

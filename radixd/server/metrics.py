@@ -29,6 +29,19 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
             yield g
+        replicas = st.get("replicas")
+        if replicas:  # dp_size > 1: the same gauges per replica
+            for name, doc, key in (
+                ("radixd_replica_running_requests", "Requests in a replica's running batch.", "running"),
+                ("radixd_replica_queued_requests", "Requests waiting for admission on a replica.", "waiting"),
+                ("radixd_replica_kv_usage_ratio", "Fraction of a replica's KV slots not free.", "kv_usage"),
+                ("radixd_replica_cache_hit_rate", "A replica's prompt tokens served from its cache / prompt tokens.",
+                 "cache_hit_rate"),
+            ):
+                g = GaugeMetricFamily(name, doc, labels=["replica"])
+                for i, per in enumerate(replicas):
+                    g.add_metric([str(i)], float(per[key]))
+                yield g
         yield from _tier_metrics(st.get("cache_tiers") or {})
 
 
