@@ -60,12 +60,16 @@ SHAPES = {
                  rope_theta=10000.0, tie_word_embeddings=False),
 }
 
-# workload sizes: (full run on GPUs, --quick / cpu)
+# workload sizes: full (the GPU run), medium (the routing logic at scale on CPU workers),
+# quick (--quick, and the CPU default: a smoke run)
 SHARED = {"full": dict(groups=16, per_group=32, system=1024, question=64, new=128),
+          "medium": dict(groups=8, per_group=8, system=256, question=16, new=8),
           "quick": dict(groups=4, per_group=4, system=64, question=8, new=8)}
 PRESSURE = {"full": dict(groups=48, system=3072, question=32, new=32, rounds=5, kv_tokens=80_000),
+            "medium": dict(groups=24, system=512, question=16, new=4, rounds=4, kv_tokens=8000),
             "quick": dict(groups=6, system=96, question=8, new=4, rounds=3, kv_tokens=400)}
 DECODE = {"full": dict(prompt=512, new=256, reps=3, check_prompts=3, check_new=32),
+          "medium": dict(prompt=128, new=32, reps=3, check_prompts=3, check_new=16),
           "quick": dict(prompt=32, new=16, reps=2, check_prompts=2, check_new=8)}
 
 
@@ -215,7 +219,7 @@ def workloads(run: Run) -> dict:
 
 def dp_section(run: Run, res: dict) -> None:
     loads = workloads(run)
-    reps = 1 if run.size == "quick" else 2
+    reps = 2 if run.size == "full" else 1
     res["workloads"] = {name: spec for name, (_, _, spec) in loads.items()}
     loop = asyncio.new_event_loop()
     warm = [[5, 6, 7, 8, 9] * 4] * 2
@@ -313,7 +317,7 @@ def main() -> int:
     ap.add_argument("--sections", default="dp,tp")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run with tiny shapes")
     ap.add_argument("--quick", action="store_true", help="small workloads (a smoke run on GPUs)")
-    ap.add_argument("--size", choices=["full", "quick"], default=None,
+    ap.add_argument("--size", choices=["full", "medium", "quick"], default=None,
                     help="workload sizes (default: full on cuda, quick on cpu or with --quick)")
     args = ap.parse_args()
     run = Run(args)
