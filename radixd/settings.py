@@ -115,6 +115,13 @@ class ParallelSection:
     tp_size: int = _f(1, min=1)
     routing: str = _f("cache_aware", choices=ROUTING_POLICIES)
     routing_balance_threshold: int = _f(16, min=0)
+class GrammarSection:
+    backend: str = _f("radixd")
+    compile_timeout: float = _f(10.0, min=0.001)
+    compile_workers: int = _f(2, min=1)
+    cache_size: int = _f(256, min=1)
+    max_whitespace: int = _f(2, min=0)
+    mask_cache_size: int = _f(4096, min=16)
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,7 @@ SECTIONS: dict[str, type] = {
     "cache.disk": DiskTierSection,
     "scheduler": SchedulerSection,
     "parallel": ParallelSection,
+    "grammar": GrammarSection,
     "limits": LimitsSection,
     "logging": LoggingSection,
     "plugins": PluginsSection,
@@ -178,6 +186,7 @@ class Settings:
     plugin_tiers: dict = field(default_factory=dict)
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    grammar: GrammarSection = field(default_factory=GrammarSection)
     limits: LimitsSection = field(default_factory=LimitsSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     plugins: PluginsSection = field(default_factory=PluginsSection)
@@ -219,6 +228,12 @@ class Settings:
             max_queued_requests=lim.max_queued_requests,
             max_n=lim.max_n,
             max_top_logprobs=lim.max_top_logprobs,
+            grammar_backend=self.grammar.backend,
+            grammar_compile_timeout=float(self.grammar.compile_timeout),
+            grammar_compile_workers=self.grammar.compile_workers,
+            grammar_cache_size=self.grammar.cache_size,
+            grammar_max_whitespace=self.grammar.max_whitespace,
+            grammar_mask_cache_size=self.grammar.mask_cache_size,
             plugins_allow=tuple(self.plugins.allow) or None,
             plugins_block=tuple(self.plugins.block),
         )

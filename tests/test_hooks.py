@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from radixd.core.config import EngineConfig
 from radixd.core.engine import Engine
+from radixd.core.errors import ConfigError
 from radixd.core.policy import PolicyContext
 from radixd.core.sampling_params import SamplingParams
 from radixd.core.tiers import CacheTier, Page
@@ -519,3 +520,67 @@ def test_step_stats_step_ms(daemon_run):
     assert steps and all(set(s) == STEP_KEYS for s in steps)
     assert all(0.0 < s["step_ms"] < 60_000 for s in steps)
 
+
+
+# ------------------------------------------------------------------------ grammar backends
+
+
+class _EvenTokens:
+    """A toy backend: only even token ids (and EOS) allowed; records its calls."""
+
+    name = "hookprobe-even"
+    made: list = []
+
+    def __init__(self, config, *, tokenizer, vocab_size, eos_ids):
+        type(self).made.append((config, vocab_size, tuple(eos_ids)))
+        self.vocab_size, self.eos = vocab_size, tuple(eos_ids)
+        self.compiled: list = []
+
+    def compile(self, kind, spec):
+        self.compiled.append((kind, spec))
+        return self
+
+    def matcher(self):
+        return _EvenMatcher(self)
+
+
+class _EvenMatcher:
+    def __init__(self, b):
+        self.b, self.seen = b, []
+
+    def fill_mask(self, row):
+        row[:] = False
+        row[::2] = True
+        row[list(self.b.eos)] = True
+
+    def accept_token(self, token):
+        self.seen.append(token)
+        return token % 2 == 0 or token in self.b.eos
+
+    def is_terminated(self):
+        return len(self.seen) >= 3
+
+
+class GrammarProbe:
+    @hookimpl
+    def radixd_grammar_backends(self):
+        return {"hookprobe-even": _EvenTokens}
+
+
+async def test_hook_radixd_grammar_backends(tiny_models):
+    _EvenTokens.made = []
+    pm = make_plugin_manager(load_entry_points=False, extra=[GrammarProbe()])
+    engine = Engine(model=str(tiny_models["llama"]), kv_cache_tokens=512, plugin_manager=pm,
+                    grammar_backend="hookprobe-even")
+    try:
+        assert len(_EvenTokens.made) == 1 and _EvenTokens.made[0][1] == engine.model_cfg.vocab_size
+        params = SamplingParams(max_new_tokens=8, regex="anything", temperature=1.0, seed=3)
+        outs = [o async for o in engine.generate("hello", params=params)]
+        toks = [t for o in outs for t in o.token_ids]
+        assert engine.grammars.backend.compiled == [("regex", "anything")]
+        assert all(t % 2 == 0 or t in engine.eos_token_ids for t in toks), toks
+        assert outs[-1].finished and len(toks) <= 3  # is_terminated() ended it
+    finally:
+        await engine.stop()
+    with pytest.raises(ConfigError, match="grammar_backend"):
+        Engine(model=str(tiny_models["llama"]), kv_cache_tokens=512, plugin_manager=pm, grammar_backend="nope")

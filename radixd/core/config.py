@@ -84,6 +84,14 @@ class EngineConfig:
     max_top_logprobs: int = 20
     seed: int = 0
 
+    # Structured generation (radixd.grammars).
+    grammar_backend: str = "radixd"          # a backend from the radixd_grammar_backends hook
+    grammar_compile_timeout: float = 10.0    # seconds; a slower compile fails its request (400)
+    grammar_compile_workers: int = 2         # threads compiling grammars off the event loop
+    grammar_cache_size: int = 256            # compiled grammars kept (LRU, per engine/tokenizer)
+    grammar_max_whitespace: int = 2          # longest whitespace run between JSON tokens
+    grammar_mask_cache_size: int = 4096      # token masks kept per compiled grammar
+
     plugins_allow: tuple[str, ...] | None = None
     plugins_block: tuple[str, ...] = field(default_factory=tuple)
 
@@ -128,6 +136,15 @@ class EngineConfig:
         self._check_tiers()
         if not isinstance(self.policy, str) or not self.policy:
             raise ConfigError("policy", self.policy, "the name of a loaded scheduling policy")
+        if not isinstance(self.grammar_backend, str) or not self.grammar_backend:
+            raise ConfigError("grammar_backend", self.grammar_backend, "the name of a loaded grammar backend")
+        if (isinstance(self.grammar_compile_timeout, bool) or not isinstance(self.grammar_compile_timeout, int | float)
+                or not self.grammar_compile_timeout > 0):
+            raise ConfigError("grammar_compile_timeout", self.grammar_compile_timeout, "a number of seconds > 0")
+        _int_at_least("grammar_compile_workers", self.grammar_compile_workers, 1)
+        _int_at_least("grammar_cache_size", self.grammar_cache_size, 1)
+        _int_at_least("grammar_max_whitespace", self.grammar_max_whitespace, 0)
+        _int_at_least("grammar_mask_cache_size", self.grammar_mask_cache_size, 16)
         if not isinstance(self.seed, int):
             raise ConfigError("seed", self.seed, "an integer")
 

@@ -121,7 +121,7 @@ class Replica:
     state of its batching loop."""
 
     def __init__(self, index: int, worker, config: EngineConfig, policy, *, eos_token_ids, context_len: int,
-                 tiers=None):
+                 tiers=None, vocab_size: int | None = None):
         self.index = index
         self.worker = worker
         self.allocator = SlotAllocator(worker.pool.num_slots)
@@ -131,7 +131,7 @@ class Replica:
         self.tiers = tiers  # KVHierarchy over this replica's pool, or None
         self.scheduler = Scheduler(config, allocator=self.allocator, rows=self.rows, cache=self.cache,
                                    policy=policy, eos_token_ids=eos_token_ids, context_len=context_len,
-                                   tiers=tiers)
+                                   tiers=tiers, vocab_size=vocab_size)
         device = worker.device
         self.executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix=f"radixd-worker-{device}", initializer=bind_device, initargs=(device,))
@@ -187,7 +187,8 @@ class Engine:
             worker = self._make_worker(devices, backend)
             self.replicas.append(Replica(d, worker, config, self._make_policy(config.policy),
                                          eos_token_ids=self.eos_token_ids, context_len=self.context_len,
-                                         tiers=self._make_hierarchy(worker)))
+                                         tiers=self._make_hierarchy(worker),
+                                         vocab_size=self.model_cfg.vocab_size))
         self.device = self.replicas[0].worker.device
         self.router = None
         if config.dp_size > 1:
@@ -195,6 +196,7 @@ class Engine:
                                  balance_threshold=config.routing_balance_threshold,
                                  capacity_tokens=self.replicas[0].allocator.total,
                                  loads=lambda: [rep.load for rep in self.replicas])
+        self.grammars = self._make_grammar_service()
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._streams: dict[Request, _Stream] = {}
@@ -336,6 +338,44 @@ class Engine:
         h.update(f"{c.load_format}|{self.dtype}|{self.device.type}|{c.attention_backend}|{c.cache_page_tokens}".encode())
         return h.hexdigest()
 
+    def _make_grammar_service(self):
+        """The configured grammar backend (from the ``radixd_grammar_backends`` hook) behind a
+        compile service; None without a tokenizer (constrained requests are then refused)."""
+        from radixd.core.errors import ConfigError
+        from radixd.grammars.service import GrammarService
+
+        table: dict[str, type] = {}
+        for provided in self.plugins.hook.radixd_grammar_backends():
+            for key, cls in (provided or {}).items():
+                if key in table and table[key] is not cls:
+                    raise ValueError(f"two plugins provide a grammar backend named {key!r}")
+                table[key] = cls
+        name = self.config.grammar_backend
+        if name not in table:
+            raise ConfigError("grammar_backend", name, "one of " + ", ".join(sorted(table)))
+        if self.tokenizer is None:
+            return None
+        backend = table[name](self.config, tokenizer=self.tokenizer, vocab_size=self.model_cfg.vocab_size,
+                              eos_ids=self.eos_token_ids)
+        c = self.config
+        return GrammarService(backend, workers=c.grammar_compile_workers, timeout_s=c.grammar_compile_timeout,
+                              cache_size=c.grammar_cache_size)
+
+    async def compile_grammar(self, params: SamplingParams):
+        """Compile (or fetch from the cache) the request's constraint off the event loop;
+        None if it has none. Raises ``InvalidRequest`` naming the field (HTTP 400)."""
+        from radixd.grammars import GrammarError
+
+        c = params.constraint
+        if c is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequest(c[0], "grammar constraints need a tokenizer; this engine runs without one")
+        try:
+            return await self.grammars.get(*c)
+        except GrammarError as exc:
+            raise InvalidRequest(exc.field, exc.message) from None
+
     async def start(self) -> None:
         self._ensure_started()
 
@@ -371,6 +411,8 @@ class Engine:
                 rep.tiers.close(close_tiers=False)
         for tier in self.cache_tiers:
             tier.close()
+        if self.grammars is not None:
+            self.grammars.shutdown()
 
     async def __aenter__(self) -> Engine:
         await self.start()
@@ -441,6 +483,7 @@ class Engine:
         rid: str | None = None,
         priority: int = 0,
         max_unread: int = 0,
+        grammar=None,
     ) -> Submission:
         """Validate and queue one call now; iterate the returned ``Submission`` for outputs.
 
@@ -448,6 +491,8 @@ class Engine:
         output, so front ends can answer with an error status. Must be called on the loop.
         ``max_unread`` > 0: once more than that many outputs wait unread (a consumer that
         stopped reading), the call is aborted and its KV freed.
+        A constrained request needs its grammar compiled first: pass ``grammar`` from
+        ``await compile_grammar(params)`` (``generate`` does this itself).
         """
         if isinstance(params, dict):
             params = SamplingParams(**params)
@@ -468,6 +513,15 @@ class Engine:
             raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
         rep = self.replicas[0] if self.router is None else self.replicas[self.router.pick(ids)]
         reqs = self._make_requests(rep, rid, ids, params)
+        c = params.constraint
+        if c is not None:
+            if grammar is None and self.grammars is not None:
+                grammar = self.grammars.cached(*c)
+            if grammar is None:
+                raise InvalidRequest(c[0], "the constraint is not compiled: await Engine.compile_grammar(params) "
+                                           "and pass it as grammar=")
+            for r in reqs:
+                r.matcher = grammar.matcher()
         for r in reqs:
             r.priority = priority
             detok = None
@@ -493,7 +547,10 @@ class Engine:
     ) -> AsyncIterator[GenerateOutput]:
         """Stream outputs of one call (``params.n`` samples, told apart by ``index``);
         leaving the loop early aborts the call."""
-        sub = self.submit(prompt, input_ids=input_ids, params=params, rid=rid, priority=priority)
+        if isinstance(params, dict):
+            params = SamplingParams(**params)
+        grammar = await self.compile_grammar(params) if params is not None else None
+        sub = self.submit(prompt, input_ids=input_ids, params=params, rid=rid, priority=priority, grammar=grammar)
         try:
             async for out in sub:
                 yield out
@@ -665,7 +722,8 @@ class Engine:
                 continue
             tok = out.next_tokens[i]
             detok = stream.detok
-            if r.finish_reason == "stop" or detok is None:  # a stop token id or EOS: no text
+            stop_tok = tok in r.params.stop_token_ids or (not r.params.ignore_eos and tok in self.eos_token_ids)
+            if detok is None or (r.finish_reason == "stop" and stop_tok):  # a stop token id or EOS: no text
                 text = ""
             else:
                 text = detok.add(tok)

@@ -33,6 +33,8 @@ class SamplingBatch:
     # Tokens banned this step (min_new_tokens not reached: EOS and stop ids).
     banned_rows: torch.Tensor | None = None
     banned_tokens: torch.Tensor | None = None
+    # Grammar masks: [S, V] bool, True = allowed (None when no row is constrained).
+    allowed: torch.Tensor | None = None
     top_logprobs: int = 0            # max top-k alternatives any row asked for
     want_logprobs: bool = False
     all_greedy: bool = False

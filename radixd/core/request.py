@@ -62,6 +62,7 @@ class Request:
     cached_tokens: int | None = None      # prompt tokens served from the cache (first admission)
     preemptions: int = 0
     prompt_logprobs: list[float] = field(default_factory=list)  # from prompt_lp_start on
+    matcher: object | None = None         # grammar matcher (radixd.grammars) if constrained
 
     @property
     def seq(self) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -38,6 +39,10 @@ class SamplingParams:
     # Return the log-probability of each prompt token from this position on (position 0 has
     # none); None = off. Cached KV before that position is reused, the rest is recomputed.
     prompt_logprobs_from: int | None = None
+    # Structured generation: at most one of these (see radixd.grammars).
+    regex: str | None = None
+    json_schema: str | dict | bool | None = None  # a JSON Schema (object, or its JSON text)
+    ebnf: str | None = None                       # a Lark grammar (LALR), start rule ``start``
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,10 +85,31 @@ class SamplingParams:
             _int_range("prompt_logprobs_from", self.prompt_logprobs_from, 0, None)
             if self.max_new_tokens == 0:
                 raise InvalidRequest("max_new_tokens", "must be >= 1 when prompt_logprobs_from is set")
+        given = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise InvalidRequest(given[1], f"give at most one constraint (regex, json_schema, ebnf); got {', '.join(given)}")
+        for k in ("regex", "ebnf"):
+            if getattr(self, k) is not None and not isinstance(getattr(self, k), str):
+                raise InvalidRequest(k, "must be a string")
+        if self.json_schema is not None and not isinstance(self.json_schema, str | dict | bool):
+            raise InvalidRequest("json_schema", "must be a JSON Schema (an object) or its JSON text")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, spec text) of the grammar constraint, if any; a schema object as JSON text
+        (keys in their given order: properties are generated in that order)."""
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.ebnf is not None:
+            return ("ebnf", self.ebnf)
+        if self.json_schema is not None:
+            s = self.json_schema
+            return ("json_schema", s if isinstance(s, str) else json.dumps(s))
+        return None
 
     @property
     def needs_penalties(self) -> bool:

@@ -18,6 +18,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from radixd.core.config import EngineConfig
@@ -65,6 +66,7 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         context_len: int,
         tiers: KVHierarchy | None = None,
+        vocab_size: int | None = None,
     ):
         self.config = config
         self.allocator = allocator
@@ -73,6 +75,7 @@ class Scheduler:
         self.policy = policy
         self.eos = tuple(eos_token_ids)
         self.context_len = context_len
+        self.vocab_size = vocab_size  # the logits' width (grammar masks)
         self.reserve_ratio = config.schedule_conservativeness
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -115,8 +118,8 @@ class Scheduler:
 
         # 1. Decode for every running request past its prompt; preempt if KV runs out.
         decoding = [r for r in self.running if r.kv_len == r.seq_len - 1 and self._may_continue(r)]
-        if inflight and any(r.pending and r.params.needs_penalties for r in decoding):
-            return NEED_SYNC
+        if inflight and any(r.pending and (r.params.needs_penalties or r.matcher is not None) for r in decoding):
+            return NEED_SYNC  # penalties and grammar masks need the pending token on the host
         while decoding and not self._make_room(len(decoding)):
             if inflight:
                 return NEED_SYNC
@@ -353,6 +356,12 @@ class Scheduler:
         if banned_rows:
             sb.banned_rows = torch.tensor(banned_rows, dtype=torch.int64)
             sb.banned_tokens = torch.tensor(banned_toks, dtype=torch.int64)
+        if any(r.matcher is not None for r in reqs):
+            allowed = np.ones((len(reqs), self.vocab_size), dtype=bool)
+            for i, r in enumerate(reqs):
+                if r.matcher is not None:
+                    r.matcher.fill_mask(allowed[i])
+            sb.allowed = torch.from_numpy(allowed)
         return sb
 
     # ------------------------------------------------------------------ results
@@ -375,6 +384,11 @@ class Scheduler:
                 continue
             r.output_ids[idx] = tok
             r.finish_reason = self._token_finish(r, tok, idx + 1)
+            if r.matcher is not None:
+                if not r.matcher.accept_token(tok):  # the mask allowed it: a backend bug
+                    r.finish_reason = r.finish_reason or "abort"
+                elif r.finish_reason is None and r.matcher.is_terminated():
+                    r.finish_reason = "stop"  # the grammar is complete: nothing else may follow
             accepted.append(i)
         return accepted  # indices into step.sampled of the picks that count
 

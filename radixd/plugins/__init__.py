@@ -1,6 +1,7 @@
 """radixd's plugin system: one project name, one pair of markers, one entry-point group.
 
-Built-in features (the ``fcfs`` and ``lpm`` policies, the ``host`` and ``disk`` cache tiers) are plugins registered exactly like
+Built-in features (the ``fcfs`` and ``lpm`` policies, the ``host`` and ``disk`` cache tiers, the ``radixd``
+grammar backend) are plugins registered exactly like
 third-party ones; third-party packages register through the ``radixd`` entry-point group.
 Factory hooks hand back plain objects that the engine then calls directly, so no pluggy
 call sits on a per-token path.
@@ -17,7 +18,7 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 # Modules registered on every plugin manager before entry points are loaded.
-DEFAULT_PLUGINS = ("radixd.plugins.policies", "radixd.plugins.tiers")
+DEFAULT_PLUGINS = ("radixd.plugins.policies", "radixd.plugins.tiers", "radixd.grammars.backend")
 
 
 def make_plugin_manager(

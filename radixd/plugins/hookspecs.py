@@ -44,6 +44,25 @@ def radixd_cache_tiers() -> dict[str, type[CacheTier]]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Structured generation
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def radixd_grammar_backends() -> dict[str, type]:
+    """Return the grammar backends this plugin provides, by name.
+
+    A backend class is instantiated once per engine as ``cls(config, tokenizer=...,
+    vocab_size=..., eos_ids=...)`` (``config``: the ``EngineConfig``; ``tokenizer``: the Hugging
+    Face tokenizer; ``vocab_size``: the logits' width; ``eos_ids``: the model's EOS ids) and
+    must follow the contract in :mod:`radixd.grammars`: ``compile(kind, spec)`` for kind
+    ``regex``/``json_schema``/``ebnf`` returns a compiled grammar whose ``matcher()`` has
+    ``accept_token``, ``fill_mask`` and ``is_terminated``; unsupported input raises
+    ``radixd.grammars.GrammarError``. ``grammar.backend`` in radixd.toml picks one by name.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
 # Daemon lifecycle (called once; may return an awaitable, which the daemon awaits)
 # ---------------------------------------------------------------------------------------------
 

@@ -242,8 +242,17 @@ def check_model(st: ServerState, model: str | None) -> None:
                        param="model", code="model_not_found")
 
 
+async def compile_grammar(st: ServerState, params: SamplingParams, param_prefix: str = ""):
+    """The request's grammar constraint, compiled off the loop (400 naming the field on error)."""
+    try:
+        return await st.engine.compile_grammar(params)
+    except InvalidRequest as exc:
+        raise ApiError(400, exc.message, param=param_prefix + exc.field) from exc
+
+
 def submit(st: ServerState, request: Request, *, params: SamplingParams, prompt: str | None = None,
-           input_ids: list[int] | None = None, priority: int = 0, shown: Any = None) -> Submission:
+           input_ids: list[int] | None = None, priority: int = 0, shown: Any = None,
+           grammar=None) -> Submission:
     """Admission control + ``Engine.submit`` with engine errors mapped to HTTP errors.
     ``shown``: what to log as the prompt (``logging.log_prompts``; default the prompt)."""
     if st.draining:
@@ -255,7 +264,7 @@ def submit(st: ServerState, request: Request, *, params: SamplingParams, prompt:
         raise ApiError(503, f"the server is overloaded ({queued} requests queued); retry later", code="queue_full")
     try:
         sub = st.engine.submit(prompt, input_ids=input_ids, params=params, priority=priority,
-                               max_unread=st.settings.server.stream_buffer)
+                               max_unread=st.settings.server.stream_buffer, grammar=grammar)
     except ContextLengthExceeded as exc:
         raise ApiError(400, f"{exc.message} (prompt {exc.prompt_tokens} tokens, context {exc.limit} tokens)",
                        param=_api_param(exc.field), code="context_length_exceeded") from exc
@@ -527,7 +536,9 @@ async def chat_completions(request: Request) -> Response:
     check_model(st, parsed.model)
     messages = protocol.chat_messages(body)
     ids = chat_prompt_ids(st, messages)
-    sub = submit(st, request, params=parsed.params, input_ids=ids, priority=parsed.priority, shown=messages)
+    grammar = await compile_grammar(st, parsed.params)
+    sub = submit(st, request, params=parsed.params, input_ids=ids, priority=parsed.priority, shown=messages,
+                 grammar=grammar)
     tracker = Tracker(st, request, [sub])
     cid = f"chatcmpl-{sub.rid}"
     created = int(time.time())
@@ -586,12 +597,15 @@ async def completions(request: Request) -> Response:
         raise ApiError(400, "'echo' together with 'logprobs' (prompt logprobs) is not supported", param="echo",
                        code="unsupported_parameter")
     subs: list[Submission] = []
+    grammar = await compile_grammar(st, parsed.params)
     try:
         for p in prompts:
             if isinstance(p, str):
-                subs.append(submit(st, request, params=parsed.params, prompt=p, priority=parsed.priority))
+                subs.append(submit(st, request, params=parsed.params, prompt=p, priority=parsed.priority,
+                                   grammar=grammar))
             else:
-                subs.append(submit(st, request, params=parsed.params, input_ids=p, priority=parsed.priority))
+                subs.append(submit(st, request, params=parsed.params, input_ids=p, priority=parsed.priority,
+                                   grammar=grammar))
     except ApiError:
         for s in subs:
             s.close()
@@ -684,11 +698,12 @@ async def native_generate(request: Request) -> Response:
     priority = body.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ApiError(400, "'priority' must be an integer", param="priority")
+    grammars = [await compile_grammar(st, ps, "sampling_params.") for ps in params]
     subs: list[Submission] = []
     try:
-        for p, ps in zip(prompts, params, strict=True):
+        for p, ps, g in zip(prompts, params, grammars, strict=True):
             kw = {"prompt": p} if isinstance(p, str) else {"input_ids": p}
-            subs.append(submit(st, request, params=ps, priority=priority, **kw))
+            subs.append(submit(st, request, params=ps, priority=priority, grammar=g, **kw))
     except ApiError:
         for s in subs:
             s.close()

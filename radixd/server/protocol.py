@@ -2,7 +2,8 @@
 
 Unknown fields are refused (400 naming them) rather than ignored; radixd's extensions in the
 style of vLLM/SGLang (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``) are accepted on both routes.
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``) are accepted on both routes, and so are the grammar constraints ``regex``, ``json_schema`` and
+``ebnf`` (Lark) besides OpenAI's ``response_format``.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ EXTENSIONS = {
     "stop_token_ids": "stop_token_ids",
     "skip_special_tokens": "skip_special_tokens",
 }
+CONSTRAINTS = ("regex", "json_schema", "ebnf")  # SGLang-style extras, also on the OpenAI routes
 COMMON = {"model", "stream", "stream_options", "n", "stop", "max_tokens", "temperature", "top_p", "seed",
-          "frequency_penalty", "presence_penalty", "user", "priority"} | set(EXTENSIONS)
+          "frequency_penalty", "presence_penalty", "user", "priority", "response_format"} | set(EXTENSIONS) \
+    | set(CONSTRAINTS)
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "logprobs"}
-NOT_SUPPORTED = {"tools", "tool_choice", "functions", "function_call", "logit_bias", "response_format",
+NOT_SUPPORTED = {"tools", "tool_choice", "functions", "function_call", "logit_bias",
                  "suffix", "best_of", "parallel_tool_calls", "audio", "modalities", "prediction",
                  "reasoning_effort", "store", "metadata", "service_tier"}
 
@@ -121,11 +124,40 @@ def sampling_from_openai(body: dict, limits: Limits, *, chat: bool) -> ParsedReq
                 raise ApiError(400, f"'logprobs' must be in [0, 5], got {lp}", param="logprobs")
             kw["logprobs"] = True
             kw["top_logprobs"] = lp
+    kw.update(_constraint(body))
     _type(body, "user", (str,), "a string")
     model = _type(body, "model", (str,), "a string")
     priority = _type(body, "priority", (int,), "an integer") or 0
     return ParsedRequest(params=make_params(kw), stream=stream, include_usage=include_usage, model=model,
                          priority=priority)
+
+
+def _constraint(body: dict) -> dict[str, Any]:
+    """``response_format`` and the native ``regex``/``json_schema``/``ebnf`` fields (at most one)."""
+    out: dict[str, Any] = {k: body[k] for k in CONSTRAINTS if body.get(k) is not None}
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise ApiError(400, "'response_format.type' must be 'text', 'json_object' or 'json_schema'",
+                           param="response_format")
+        if rf["type"] == "json_object":
+            out["json_schema"] = {"type": "object"}
+        elif rf["type"] == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or "schema" not in js:
+                raise ApiError(400, "'response_format.json_schema' must be an object with a 'schema'",
+                               param="response_format")
+            unknown = set(js) - {"name", "schema", "strict", "description"}
+            if unknown:
+                raise ApiError(400, f"unrecognized field 'response_format.json_schema.{sorted(unknown)[0]}'",
+                               param="response_format")
+            out["json_schema"] = js["schema"]
+        if rf["type"] != "text" and len(out) > 1:
+            raise ApiError(400, "give at most one of response_format, regex, json_schema, ebnf", param="response_format")
+    if len(out) > 1:
+        raise ApiError(400, f"give at most one of regex, json_schema, ebnf (got {', '.join(sorted(out))})",
+                       param=sorted(out)[1])
+    return out
 
 
 def make_params(kw: dict[str, Any], aliases: dict[str, str] | None = None) -> SamplingParams:
@@ -145,7 +177,7 @@ def make_params(kw: dict[str, Any], aliases: dict[str, str] | None = None) -> Sa
 NATIVE_PARAMS = {
     "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
-    "logprobs", "top_logprobs", "skip_special_tokens", "prompt_logprobs_from",
+    "logprobs", "top_logprobs", "skip_special_tokens", "prompt_logprobs_from", "regex", "json_schema", "ebnf",
 }
 
 

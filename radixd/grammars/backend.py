@@ -1,0 +1,78 @@
+"""radixd's own grammar backend, registered through ``radixd_grammar_backends`` like any plugin."""
+
+from __future__ import annotations
+
+import threading
+
+from radixd.grammars import GrammarError
+from radixd.grammars.automaton import Matcher, SingleTerminalParser, Terminal, TokenGrammar
+from radixd.grammars.json_schema import SchemaError, schema_to_lark
+from radixd.grammars.lark_grammar import GrammarSyntaxError, compile_lark
+from radixd.grammars.regex_dfa import RegexError, parse
+from radixd.grammars.vocab import TokenizerInfo
+from radixd.plugins import hookimpl
+
+
+class RadixdCompiled:
+    def __init__(self, grammar: TokenGrammar):
+        self.grammar = grammar
+
+    def matcher(self) -> Matcher:
+        return Matcher(self.grammar)
+
+
+class RadixdBackend:
+    """Regex, JSON Schema and Lark (LALR) constraints: byte-level DFAs per lexer state,
+    masks computed vectorized over the vocabulary the first time a configuration is reached."""
+
+    name = "radixd"
+
+    def __init__(self, config, *, tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
+        self.config = config
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = tuple(eos_ids)
+        self._vocab: TokenizerInfo | None = None
+        self._lock = threading.Lock()
+        self.max_ws = getattr(config, "grammar_max_whitespace", 2)
+        self.mask_cache_size = getattr(config, "grammar_mask_cache_size", 4096)
+
+    @property
+    def vocab(self) -> TokenizerInfo:
+        with self._lock:  # built once, in a compile worker (off the event loop)
+            if self._vocab is None:
+                self._vocab = TokenizerInfo.from_tokenizer(self._tokenizer, self._vocab_size, self._eos)
+            return self._vocab
+
+    @property
+    def tokenizer_key(self) -> str:
+        return self.vocab.key
+
+    def compile(self, kind: str, spec: str) -> RadixdCompiled:
+        vocab = self.vocab
+        try:
+            if kind == "regex":
+                parse(spec)
+                g = TokenGrammar([Terminal("REGEX", spec)], SingleTerminalParser(), vocab,
+                                 mask_cache_size=self.mask_cache_size)
+                g.warm()
+            elif kind == "json_schema":
+                g = compile_lark(schema_to_lark(spec, self.max_ws), vocab, mask_cache_size=self.mask_cache_size)
+            elif kind == "ebnf":
+                g = compile_lark(spec, vocab, mask_cache_size=self.mask_cache_size)
+            else:
+                raise GrammarError(kind, f"unknown grammar kind {kind!r}")
+        except SchemaError as exc:
+            raise GrammarError("json_schema", f"unsupported JSON Schema keyword '{exc.keyword}': {exc}") from None
+        except RegexError as exc:
+            raise GrammarError(kind, str(exc)) from None
+        except GrammarSyntaxError as exc:
+            if kind == "json_schema":  # e.g. anyOf branches LALR(1) cannot tell apart
+                raise GrammarError(kind, f"the schema's grammar is not LALR(1): {exc}") from None
+            raise GrammarError(kind, str(exc)) from None
+        return RadixdCompiled(g)
+
+
+@hookimpl
+def radixd_grammar_backends():
+    return {"radixd": RadixdBackend}

@@ -1,0 +1,77 @@
+"""Compiling grammars for the engine: a worker pool, a time limit and an LRU cache."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections import OrderedDict
+
+from radixd.grammars import GrammarError
+
+
+class GrammarService:
+    """Compiles (kind, spec) with one backend for one tokenizer.
+
+    Compilation runs in ``workers`` threads so the event loop keeps serving; a compile that
+    takes longer than ``timeout_s`` fails its request with ``GrammarError`` (its thread
+    finishes in the background and its result is still cached). Compiled grammars are kept
+    in an LRU of ``cache_size`` entries; concurrent requests for one grammar share a compile.
+    """
+
+    def __init__(self, backend, *, workers: int, timeout_s: float, cache_size: int):
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._pending: dict[tuple[str, str], asyncio.Future] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="radixd-grammar")
+        self.compiles = 0
+        self.hits = 0
+
+    def cached(self, kind: str, spec: str):
+        got = self._cache.get((kind, spec))
+        if got is not None:
+            self._cache.move_to_end((kind, spec))
+        return got
+
+    def _store(self, key: tuple[str, str], compiled) -> None:
+        self._cache[key] = compiled
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+
+    async def get(self, kind: str, spec: str):
+        key = (kind, spec)
+        got = self.cached(kind, spec)
+        if got is not None:
+            self.hits += 1
+            return got
+        fut = self._pending.get(key)
+        if fut is None:
+            loop = asyncio.get_running_loop()
+            fut = asyncio.wrap_future(self._pool.submit(self.backend.compile, kind, spec), loop=loop)
+            self._pending[key] = fut
+            self.compiles += 1
+
+            def done(f: asyncio.Future) -> None:
+                self._pending.pop(key, None)
+                if not f.cancelled() and f.exception() is None:
+                    self._store(key, f.result())
+
+            fut.add_done_callback(done)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+        except TimeoutError:
+            raise GrammarError(kind, f"compiling the {kind} constraint took longer than {self.timeout_s:g} s "
+                                     "(grammar.compile_timeout)") from None
+
+    def compile_now(self, kind: str, spec: str):
+        """Synchronous compile + cache (for tools and tests off the event loop)."""
+        got = self.cached(kind, spec)
+        if got is None:
+            got = self.backend.compile(kind, spec)
+            self._store((kind, spec), got)
+        return got
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
