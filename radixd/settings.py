@@ -115,6 +115,9 @@ class ParallelSection:
     tp_size: int = _f(1, min=1)
     routing: str = _f("cache_aware", choices=ROUTING_POLICIES)
     routing_balance_threshold: int = _f(16, min=0)
+
+
+@dataclass(frozen=True)
 class GrammarSection:
     backend: str = _f("radixd")
     compile_timeout: float = _f(10.0, min=0.001)

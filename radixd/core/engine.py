@@ -511,8 +511,6 @@ class Engine:
             return Submission(self, rid, [], queue, params.n, len(ids))
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
-        rep = self.replicas[0] if self.router is None else self.replicas[self.router.pick(ids)]
-        reqs = self._make_requests(rep, rid, ids, params)
         c = params.constraint
         if c is not None:
             if grammar is None and self.grammars is not None:
@@ -520,8 +518,11 @@ class Engine:
             if grammar is None:
                 raise InvalidRequest(c[0], "the constraint is not compiled: await Engine.compile_grammar(params) "
                                            "and pass it as grammar=")
+        rep = self.replicas[0] if self.router is None else self.replicas[self.router.pick(ids)]
+        reqs = self._make_requests(rep, rid, ids, params)
+        if grammar is not None:
             for r in reqs:
-                r.matcher = grammar.matcher()
+                r.matcher = grammar.matcher()  # one per sample
         for r in reqs:
             r.priority = priority
             detok = None
