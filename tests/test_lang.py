@@ -193,3 +193,49 @@ def test_daemon_program_select_fork_and_errors(tiny_models, tmp_path):
     finally:
         rt.close()
         d.stop()
+
+
+@pytest.mark.slow
+def test_lang_default_model(tmp_path):
+    """The default model behind a real daemon: a chat program answers, ``select`` picks the
+    argmax of independently computed log-likelihoods, forks read their prefix from the cache."""
+    from radixd.core.model_loader import resolve_model
+
+    path = resolve_model("default", progress=False)
+    d = Daemon(tmp_path, toml("default"))
+    rt = RuntimeEndpoint(d.url)
+    try:
+        @function
+        def capital(s):
+            s += user("What is the capital of France?")
+            s += assistant(gen("answer", max_tokens=12, temperature=0))
+            s += user("Which of these cities is it?")
+            s += assistant(select("city", choices=["London", "Paris", "Berlin", "Madrid"]))
+
+        s = capital.run(backend=rt)
+        assert "Paris" in s["answer"]
+        prefix = s.text()[: s.text().rindex(s["city"])]
+        choices = ["London", "Paris", "Berlin", "Madrid"]
+        want = hf_choice_scores(path, prefix, choices)
+        got = s.get_meta_info("city")["normalized_logprobs"]
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-3
+        assert s["city"] == choices[max(range(4), key=lambda i: want[i])] == "Paris"
+        before = cached_total(d.url)
+
+        @function
+        def two_views(s):
+            s += system("You are a travel guide. Keep answers to one sentence.")
+            s += user("Describe Paris.")
+            forks = s.fork(2)
+            forks[0] += assistant(gen("a", max_tokens=16, temperature=0))
+            forks[1] += assistant("In short: " + gen("b", max_tokens=16, temperature=0))
+            s += forks[0]["a"] + forks[1]["b"]
+
+        timed = Timed(rt)
+        two_views.run(backend=timed)
+        (s0, e0, m0), (s1, e1, m1) = sorted(timed.spans)
+        assert s1 < e0  # concurrent
+        assert cached_total(d.url) > before and max(m0["cached_tokens"], m1["cached_tokens"]) > 0
+    finally:
+        rt.close()
+        d.stop()
