@@ -3,11 +3,13 @@ default model in ``test_lang_default_model``)."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
 
 import httpx
+import jsonschema
 import pytest
 import torch
 from conftest import Daemon, _hf_model
@@ -236,6 +238,23 @@ def test_lang_default_model(tmp_path):
         (s0, e0, m0), (s1, e1, m1) = sorted(timed.spans)
         assert s1 < e0  # concurrent
         assert cached_total(d.url) > before and max(m0["cached_tokens"], m1["cached_tokens"]) > 0
+
+        schema = {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 30}, "price": {"type": "number", "minimum": 0},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}},
+            "required": ["name", "price", "tags"], "additionalProperties": False}
+
+        @function
+        def extract(s, text):
+            s += user("Extract the product as JSON: " + text)
+            s += assistant(gen("json", max_tokens=96, temperature=0, json_schema=schema))
+            s += user("When was it released? Answer as YYYY-MM-DD.")
+            s += assistant(gen("date", max_tokens=16, temperature=0, regex=r"(19|20)[0-9]{2}-[01][0-9]-[0-3][0-9]"))
+
+        for st in extract.run_batch([{"text": "The Lumo desk lamp costs $35, dimmable, USB-C."},
+                                     {"text": "Trailblazer boots, 120 euros, waterproof and light."}], backend=rt):
+            jsonschema.validate(json.loads(st["json"]), schema)
+            assert re.fullmatch(r"(19|20)[0-9]{2}-[01][0-9]-[0-3][0-9]", st["date"])
     finally:
         rt.close()
         d.stop()
