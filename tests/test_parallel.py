@@ -354,3 +354,38 @@ async def test_metrics_report_each_replica(tiny_models):
         assert f'radixd_cache_hit_rate {st["cache_hit_rate"]}' in text
     finally:
         await eng.stop()
+
+
+async def test_a_failing_shard_fails_its_step_not_the_engine(tiny_models):
+    """One shard raising mid-forward releases the others (no thread left at the barrier):
+    that step's requests fail, the next requests are served with tp=1's tokens.
+    (KV accounting after a failed step is the engine's rollback, the same for any worker.)"""
+    path = tiny_models["llama"]
+    eng = make_engine(path, tp_size=2)
+    eng.step_hook = None
+    shard = eng.worker.shards[1]
+    real = shard.forward
+    calls = {"n": 0}
+
+    def flaky(batch, prev=None):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("shard 1 broke")
+        return real(batch, prev)
+
+    shard.forward = flaky
+    try:
+        with pytest.raises(RuntimeError, match="shard 1 broke"):
+            await asyncio.wait_for(run(eng, tokens(20, 1), 4), timeout=60)
+        prompt = tokens(20, 2)
+        _, got = await asyncio.wait_for(run(eng, prompt, 6), timeout=60)
+        assert calls["n"] > 1
+        assert not eng.scheduler.running and not eng.scheduler.waiting
+    finally:
+        await eng.stop()
+    single = make_engine(path)
+    try:
+        _, want = await run(single, prompt, 6)
+    finally:
+        await single.stop()
+    assert got == want

@@ -73,9 +73,12 @@ def shard_model(full: torch.nn.Module, cfg: ModelConfig, rank: int, tp: int, dev
 
 
 class ThreadSum:
-    """All-reduce of CPU tensors among ``n`` threads of this process (a barrier)."""
+    """All-reduce of CPU tensors among ``n`` threads of this process (a barrier).
 
-    def __init__(self, n: int, timeout: float | None = None):
+    A shard that fails releases the others (``abort``); ``timeout`` bounds the wait should a
+    shard thread vanish without doing so (no half of a layer takes minutes)."""
+
+    def __init__(self, n: int, timeout: float | None = 300.0):
         self._parts: list[torch.Tensor | None] = [None] * n
         self._barrier = threading.Barrier(n, action=self._sum, timeout=timeout)
 
