@@ -33,6 +33,7 @@ os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import faulthandler  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
@@ -319,9 +320,15 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small workloads (a smoke run on GPUs)")
     ap.add_argument("--size", choices=["full", "medium", "quick"], default=None,
                     help="workload sizes (default: full on cuda, quick on cpu or with --quick)")
+    ap.add_argument("--max-seconds", type=int, default=540,
+                    help="dump every thread's stack to OUT/stacks.txt and exit after this long (a hang, "
+                         "e.g. in NCCL, still leaves the results so far)")
     args = ap.parse_args()
     run = Run(args)
+    stacks = open(run.out / "stacks.txt", "w")
+    faulthandler.dump_traceback_later(args.max_seconds, exit=True, file=stacks)
     run.log(f"== multi_gpu_bench {time.strftime('%Y-%m-%d %H:%M:%S')} {json.dumps(run.results['env'])}")
+    run.save()
     if not run.cpu and torch.cuda.device_count() < 2:
         run.results["error"] = f"needs 2 CUDA devices, sees {torch.cuda.device_count()}"
         run.log(run.results["error"])
@@ -340,6 +347,7 @@ def main() -> int:
         res["section_s"] = round(time.perf_counter() - t, 1)
         run.log(f"== {name} done in {res['section_s']}s")
         run.save()
+    faulthandler.cancel_dump_traceback_later()
     return status
 
 
