@@ -356,31 +356,34 @@ async def test_metrics_report_each_replica(tiny_models):
         await eng.stop()
 
 
-async def test_a_failing_shard_fails_its_step_not_the_engine(tiny_models):
-    """One shard raising mid-forward releases the others (no thread left at the barrier):
-    that step's requests fail, the next requests are served with tp=1's tokens.
-    (KV accounting after a failed step is the engine's rollback, the same for any worker.)"""
+@pytest.mark.parametrize("tp", [1, 2])
+async def test_a_failed_step_fails_its_requests_not_the_engine(tiny_models, tp):
+    """A forward pass raising (tp=2: on one shard, which releases the others from the
+    barrier) fails that step's requests; the KV it never computed is not left in the radix
+    cache, so the same prompt again gets the tokens of an engine that never failed."""
     path = tiny_models["llama"]
-    eng = make_engine(path, tp_size=2)
-    eng.step_hook = None
-    shard = eng.worker.shards[1]
-    real = shard.forward
+    eng = make_engine(path, tp_size=tp)
+    target = eng.worker.shards[1] if tp == 2 else eng.worker
+    name = "forward" if tp == 2 else "launch"
+    real = getattr(target, name)
     calls = {"n": 0}
 
     def flaky(batch, prev=None):
         calls["n"] += 1
         if calls["n"] == 1:
-            raise RuntimeError("shard 1 broke")
+            raise RuntimeError("device broke")
         return real(batch, prev)
 
-    shard.forward = flaky
+    setattr(target, name, flaky)
+    prompt = tokens(40, 2)
     try:
-        with pytest.raises(RuntimeError, match="shard 1 broke"):
-            await asyncio.wait_for(run(eng, tokens(20, 1), 4), timeout=60)
-        prompt = tokens(20, 2)
+        with pytest.raises(RuntimeError, match="device broke"):
+            await asyncio.wait_for(run(eng, prompt, 6), timeout=60)
+        assert_idle(eng)
+        assert eng.cache.peek_prefix_len(prompt) == 0
         _, got = await asyncio.wait_for(run(eng, prompt, 6), timeout=60)
         assert calls["n"] > 1
-        assert not eng.scheduler.running and not eng.scheduler.waiting
+        assert_idle(eng)
     finally:
         await eng.stop()
     single = make_engine(path)

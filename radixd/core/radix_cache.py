@@ -214,6 +214,14 @@ class RadixCache:
         if root is not None and not root.children and node.namespace != 0:
             del self._roots[node.namespace]
 
+    def drop_unlocked_path(self, node: TreeNode, stop: TreeNode) -> None:
+        """Delete ``node`` and its ancestors below ``stop`` while unlocked and childless
+        (KV that a failed step never computed)."""
+        while node is not stop and not node.is_root and node.lock_ref == 0 and not node.children:
+            parent = node.parent
+            self._delete_leaf(node)
+            node = parent  # type: ignore[assignment]
+
     # ------------------------------------------------------------------ eviction
 
     def evict(self, num_tokens: int, *, write_back: bool = True) -> int:

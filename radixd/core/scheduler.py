@@ -393,10 +393,29 @@ class Scheduler:
         return accepted  # indices into step.sampled of the picks that count
 
     def rollback(self, step: ScheduledStep) -> None:
-        """A launched step failed: forget what it would have computed (its KV is not valid)."""
+        """A launched step failed: forget what it would have computed (its KV is not valid).
+
+        Prefill chunks went into the radix cache when the step was built: each such request
+        moves its lock back to where its valid KV ends, and the tree drops the nodes past
+        it that nobody else holds (their slots go back to the free list)."""
+        uncached = []
         for r, n in zip(step.reqs, step.batch.extend_lens, strict=True):
             r.kv_len -= n
             r.cached_len = min(r.cached_len, r.kv_len)
+            if n > 1 and r.last_node is not None:
+                uncached.append((r, r.last_node))
+                g = r.group
+                if g is not None and g.prompt_node is r.last_node:  # set by this step: not valid
+                    self.cache.unlock(g.prompt_node)
+                    g.prompt_node = None
+                    g.leader_gone = True  # the followers compute the prompt themselves
+                match = self.cache.match_prefix(r.seq[: r.kv_len], r.namespace)
+                self.cache.lock(match.node)
+                self.cache.unlock(r.last_node)
+                r.slots, r.last_node = match.slots, match.node
+                r.pending_writes = [(0, match.slots)]  # the table row is rewritten on resume
+        for r, invalid in uncached:
+            self.cache.drop_unlocked_path(invalid, stop=r.last_node)
         for r, idx in zip(step.sampled, step.pick_index, strict=True):
             r.pending -= 1
             del r.output_ids[idx]
