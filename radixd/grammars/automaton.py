@@ -115,18 +115,46 @@ class Terminal:
     literal: bool = False   # string terminals win ties against regex ones (as in Lark)
 
 
+class SharedLexers:
+    """Lexer DFAs and their vocabulary scans, shared by every grammar compiled for one
+    vocabulary: keyed by the terminals' regexes, so the string, number and punctuation lexers
+    of many JSON Schemas are built and scanned once. Bounded; cleared when full."""
+
+    def __init__(self, limit: int = 65536):
+        self.limit = limit
+        self.dfas: dict[tuple[str, ...], tuple[int, DFA, list, np.ndarray, np.ndarray]] = {}
+        self.scans: dict[tuple, tuple] = {}
+        self.tries: dict[tuple, tuple] = {}
+
+    def dfa(self, regexes: tuple[str, ...]):
+        got = self.dfas.get(regexes)
+        if got is None:
+            dfa = compile_dfa(list(regexes))
+            accepting = np.array([bool(a) for a in dfa.accepts], dtype=bool)
+            got = (len(self.dfas), dfa, dfa.table.tolist(), dfa.table.astype(np.int64).ravel(), accepting)
+            if len(self.dfas) >= self.limit:
+                self.dfas.clear()
+                self.scans.clear()
+                self.tries.clear()
+                got = (id(got),) + got[1:]  # uids stay unique after a clear
+            self.dfas[regexes] = got
+        return got
+
+    def remember(self, cache: dict, key, value) -> None:
+        if len(cache) >= self.limit:
+            cache.clear()
+        cache[key] = value
+
+
 class _Lexer:
     """The DFA recognizing one set of terminals; ``choice[state]``: the terminal a lexeme
     ending in ``state`` is taken as (preferred first)."""
 
-    def __init__(self, dfa: DFA, terms: tuple[int, ...], terminals: list[Terminal], uid: int):
-        self.uid = uid
-        self.dfa = dfa
-        self.table = dfa.table
-        self.rows = dfa.table.tolist()  # Python lists: faster than numpy for scalar steps
+    def __init__(self, shared: SharedLexers, terms: tuple[int, ...], terminals: list[Terminal]):
+        self.uid, self.dfa, self.rows, self.flat, self.accepting = shared.dfa(tuple(terminals[t].regex for t in terms))
+        self.table = self.dfa.table
         order = {t: (-terminals[t].priority, not terminals[t].literal, t) for t in terms}
-        self.choice = [tuple(sorted((terms[i] for i in acc), key=order.__getitem__)) for acc in dfa.accepts]
-        self.accepting = np.array([bool(c) for c in self.choice], dtype=bool)
+        self.choice = [tuple(sorted((terms[i] for i in acc), key=order.__getitem__)) for acc in self.dfa.accepts]
 
 
 class TokenGrammar:
@@ -134,7 +162,7 @@ class TokenGrammar:
     the engine uses it from one thread."""
 
     def __init__(self, terminals: list[Terminal], parser, vocab: TokenizerInfo, ignore: frozenset[int] = frozenset(),
-                 mask_cache_size: int = 4096):
+                 mask_cache_size: int = 4096, shared: SharedLexers | None = None):
         self.terminals = terminals
         self.parser = parser
         self.vocab = vocab
@@ -147,7 +175,9 @@ class TokenGrammar:
         self._masks: OrderedDict[Config, tuple[np.ndarray, bool]] = OrderedDict()
         self._mask_cache_size = mask_cache_size
         self._steps: dict[tuple, Config | None] = {}
-        self._scans: dict[tuple, tuple] = {}
+        self.shared = shared if shared is not None else SharedLexers()
+        self._scans = self.shared.scans
+        self._tries = self.shared.tries
         self.eos = np.array(vocab.eos_ids, dtype=np.int64)
         self._eos_set = frozenset(vocab.eos_ids)
 
@@ -169,9 +199,7 @@ class TokenGrammar:
             terms = self.acceptable(stack) | (self.ignore if ignore_ok else frozenset())
             lx = self._lexers.get(terms)
             if lx is None:
-                order = tuple(sorted(terms))
-                dfa = compile_dfa([self.terminals[t].regex for t in order])
-                lx = self._lexers[terms] = _Lexer(dfa, order, self.terminals, len(self._lexers))
+                lx = self._lexers[terms] = _Lexer(self.shared, tuple(sorted(terms)), self.terminals)
             if len(self._lexer_of) > 65536:
                 self._lexer_of.clear()
             self._lexer_of[key] = lx
@@ -268,10 +296,9 @@ class TokenGrammar:
         allowed = np.zeros(v.vocab_size, dtype=bool)
         terminated = self.finished(config)
         if not terminated:  # (when it is, trailing ignored terminals are not offered)
-            rows = np.arange(v.ids.size, dtype=np.int64)
-            ok = self._walk(stack, ign, lex, rows, np.zeros_like(rows), ())
-            allowed[v.ids[ok]] = True
-            terminated = not ok.any()
+            rows = np.arange(v.vocab_size, dtype=np.int64)
+            allowed = self._walk(stack, ign, lex, rows, np.zeros_like(rows), ())  # rows are token ids
+            terminated = not allowed.any()
         if self.eos.size and (terminated or self.end_ok(config)):
             allowed[self.eos] = True  # a dead end (never expected) finishes rather than rambles
         got = (allowed, terminated)
@@ -302,6 +329,67 @@ class TokenGrammar:
         got = self._scans.get(ck)
         if got is not None:
             return got
+        if not offs.any():
+            cpos, cprev, ck_, ok = self._trie_scan(lx, start, fresh, rows)
+        else:
+            cpos, cprev, ck_, ok = self._row_scan(lx, start, fresh, rows, offs)
+        groups = []
+        if cpos.size:
+            for s in np.unique(cprev):
+                sel = cprev == s
+                p = cpos[sel]
+                groups.append((int(s), p, offs[p] + ck_[sel]))
+        got = (ok, groups)
+        self.shared.remember(self._scans, ck, got)
+        return got
+
+    def _trie_scan(self, lx: _Lexer, start: int, fresh: bool, rows: np.ndarray):
+        """The whole vocabulary from ``start`` through the token trie, then ``rows`` of it:
+        (candidate positions, their states before leaving, bytes consumed, ok)."""
+        key = (lx.uid, start, fresh)
+        got = self._tries.get(key)
+        if got is None:
+            v = self.vocab
+            tr = v.trie
+            flat, accepting = lx.flat, lx.accepting
+            state = np.zeros(tr.size, dtype=np.int64)
+            state[0] = start
+            lv = tr.levels
+            dead_at: list[np.ndarray] = []  # nodes where a walk leaves an accepting state
+            for d in range(1, len(lv) - 1):
+                a, b = lv[d], lv[d + 1]
+                ps = state[tr.parent[a:b]]
+                ns = flat[ps * 256 + tr.byte[a:b]]
+                state[a:b] = ns
+                if d > 1 or not fresh:  # (a lexeme is never empty)
+                    leave = (ns == 0) & accepting[ps]
+                    if leave.any():
+                        dead_at.append(np.flatnonzero(leave) + a)
+                if not ns.any():
+                    break  # every deeper node is dead (state 0 already)
+            ok_all = (state[tr.end] != 0) & v.has_bytes
+            cand = np.zeros(v.vocab_size, dtype=bool)
+            prev_all = np.zeros(v.vocab_size, dtype=np.int64)
+            k_all = np.zeros(v.vocab_size, dtype=np.int64)
+            if dead_at:
+                nodes = np.concatenate(dead_at)
+                toks = [tr.order[tr.lo[n]:tr.hi[n]] for n in nodes.tolist()]
+                counts = np.array([t.size for t in toks], dtype=np.int64)
+                toks = np.concatenate(toks)
+                cand[toks] = True
+                prev_all[toks] = np.repeat(state[tr.parent[nodes]], counts)
+                k_all[toks] = np.repeat(tr.depth[nodes] - 1, counts)
+                cand &= v.has_bytes
+            got = (ok_all, cand, prev_all, k_all)
+            self.shared.remember(self._tries, key, got)
+        ok_all, cand, prev_all, k_all = got
+        ok = ok_all[rows]
+        cpos = np.flatnonzero(cand[rows])
+        sel = rows[cpos]
+        return cpos, prev_all[sel], k_all[sel], ok
+
+    def _row_scan(self, lx: _Lexer, start: int, fresh: bool, rows: np.ndarray, offs: np.ndarray):
+        """As ``_trie_scan`` for token suffixes (from ``offs``), walked row by row."""
         v = self.vocab
         table = lx.table
         rem = v.lengths[rows] - offs
@@ -331,20 +419,10 @@ class TokenGrammar:
                 nxt = nxt[live]
             states[pos] = nxt
             k += 1
-        groups = []
-        if cand_pos:
-            cpos = np.concatenate(cand_pos)
-            cprev = np.concatenate(cand_prev)
-            ck_ = np.concatenate(cand_k)
-            for s in np.unique(cprev):
-                sel = cprev == s
-                p = cpos[sel]
-                groups.append((int(s), p, offs[p] + ck_[sel]))
-        got = (ok, groups)
-        if len(self._scans) > 4 * self._mask_cache_size:
-            self._scans.clear()
-        self._scans[ck] = got
-        return got
+        if not cand_pos:
+            e = np.zeros(0, dtype=np.int64)
+            return e, e, e, ok
+        return np.concatenate(cand_pos), np.concatenate(cand_prev), np.concatenate(cand_k), ok
 
 
 class Matcher:

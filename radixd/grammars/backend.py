@@ -5,7 +5,13 @@ from __future__ import annotations
 import threading
 
 from radixd.grammars import GrammarError
-from radixd.grammars.automaton import Matcher, SingleTerminalParser, Terminal, TokenGrammar
+from radixd.grammars.automaton import (
+    Matcher,
+    SharedLexers,
+    SingleTerminalParser,
+    Terminal,
+    TokenGrammar,
+)
 from radixd.grammars.json_schema import SchemaError, schema_to_lark
 from radixd.grammars.lark_grammar import GrammarSyntaxError, compile_lark
 from radixd.grammars.regex_dfa import RegexError, parse
@@ -36,6 +42,7 @@ class RadixdBackend:
         self._lock = threading.Lock()
         self.max_ws = getattr(config, "grammar_max_whitespace", 2)
         self.mask_cache_size = getattr(config, "grammar_mask_cache_size", 4096)
+        self.shared = SharedLexers()  # lexers and vocabulary scans common to all grammars
 
     @property
     def vocab(self) -> TokenizerInfo:
@@ -54,12 +61,13 @@ class RadixdBackend:
             if kind == "regex":
                 parse(spec)
                 g = TokenGrammar([Terminal("REGEX", spec)], SingleTerminalParser(), vocab,
-                                 mask_cache_size=self.mask_cache_size)
+                                 mask_cache_size=self.mask_cache_size, shared=self.shared)
                 g.warm()
             elif kind == "json_schema":
-                g = compile_lark(schema_to_lark(spec, self.max_ws), vocab, mask_cache_size=self.mask_cache_size)
+                g = compile_lark(schema_to_lark(spec, self.max_ws), vocab, mask_cache_size=self.mask_cache_size,
+                                 shared=self.shared)
             elif kind == "ebnf":
-                g = compile_lark(spec, vocab, mask_cache_size=self.mask_cache_size)
+                g = compile_lark(spec, vocab, mask_cache_size=self.mask_cache_size, shared=self.shared)
             else:
                 raise GrammarError(kind, f"unknown grammar kind {kind!r}")
         except SchemaError as exc:

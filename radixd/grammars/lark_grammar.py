@@ -35,7 +35,8 @@ def _terminal_regex(term) -> str:
     return rx
 
 
-def compile_lark(text: str, vocab: TokenizerInfo, *, start: str = "start", mask_cache_size: int = 4096) -> TokenGrammar:
+def compile_lark(text: str, vocab: TokenizerInfo, *, start: str = "start", mask_cache_size: int = 4096,
+                 shared=None) -> TokenGrammar:
     from lark import Lark
     from lark.exceptions import LarkError
 
@@ -55,6 +56,6 @@ def compile_lark(text: str, vocab: TokenizerInfo, *, start: str = "start", mask_
     parse_table = lk.parser.parser.parser.parse_table
     parser = LalrParser(parse_table, ids, end_id=len(terminals), start=start)
     ignore = frozenset(ids[n] for n in lk.ignore_tokens if n in ids)
-    g = TokenGrammar(terminals, parser, vocab, ignore, mask_cache_size=mask_cache_size)
+    g = TokenGrammar(terminals, parser, vocab, ignore, mask_cache_size=mask_cache_size, shared=shared)
     g.warm()
     return g

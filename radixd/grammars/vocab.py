@@ -37,19 +37,17 @@ class TokenizerInfo:
         for b in self.token_bytes:
             h.update(b"\xff\xfe" if b is None else b + b"\xff")
         self.key = h.hexdigest()
-        # Tokens with bytes, longest last; a padded byte matrix in that order.
-        ids = [i for i, b in enumerate(self.token_bytes) if b]
-        ids.sort(key=lambda i: len(self.token_bytes[i]))
-        self.ids = np.array(ids, dtype=np.int64)
-        self.lengths = np.array([len(self.token_bytes[i]) for i in ids], dtype=np.int64)
-        width = int(self.lengths.max()) if ids else 0
-        mat = np.zeros((len(ids), max(width, 1)), dtype=np.int64)
-        for row, i in enumerate(ids):
-            b = self.token_bytes[i]
-            mat[row, : len(b)] = np.frombuffer(b, dtype=np.uint8)
+        # Rows are token ids (the whole vocabulary): a padded byte matrix, lengths (0 for
+        # tokens without bytes) and the token trie.
+        self.lengths = np.array([len(b) if b else 0 for b in self.token_bytes], dtype=np.int64)
+        self.has_bytes = self.lengths > 0
+        width = int(self.lengths.max()) if vocab_size else 0
+        mat = np.zeros((vocab_size, max(width, 1)), dtype=np.int64)
+        for i, b in enumerate(self.token_bytes):
+            if b:
+                mat[i, : len(b)] = np.frombuffer(b, dtype=np.uint8)
         self.bytes_matrix = mat
-        # first row index whose token is longer than j, for each j
-        self.longer_than = np.searchsorted(self.lengths, np.arange(width + 1), side="right")
+        self.trie = _Trie([b or b"" for b in self.token_bytes])
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int | None = None, eos_ids: tuple[int, ...] = ()) -> TokenizerInfo:
@@ -75,3 +73,70 @@ class TokenizerInfo:
                 out.append(p.replace("▁", " ").encode())
         eos = tuple(eos_ids) or tuple(t for t in [getattr(tokenizer, "eos_token_id", None)] if t is not None)
         return cls(out, vocab_size or n, eos)
+
+
+class _Trie:
+    """The tokens' byte strings as a trie numbered level by level (breadth first), so a DFA
+    walk of the whole vocabulary is one gather per level over that level's nodes, and shared
+    prefixes are walked once. ``end[row]``: the node where token ``row`` ends."""
+
+    def __init__(self, tokens: list[bytes]):
+        root: dict = {}
+        for b in tokens:
+            node = root
+            for c in b:
+                nxt = node.get(c)
+                if nxt is None:
+                    nxt = node[c] = {}
+                node = nxt
+        parent, byte, levels = [0], [0], [0, 1]
+        ids = {id(root): 0}
+        frontier = [root]
+        while frontier:
+            nxt_frontier = []
+            for node in frontier:
+                pid = ids[id(node)]
+                for c, child in node.items():
+                    ids[id(child)] = len(parent)
+                    parent.append(pid)
+                    byte.append(c)
+                    nxt_frontier.append(child)
+            frontier = nxt_frontier
+            if frontier:
+                levels.append(len(parent))
+        self.parent = np.array(parent, dtype=np.int64)
+        self.byte = np.array(byte, dtype=np.int64)
+        self.levels = levels  # nodes of depth d: [levels[d], levels[d + 1])
+        self.depth = np.zeros(len(parent), dtype=np.int64)
+        for d in range(1, len(levels) - 1):
+            self.depth[levels[d]:levels[d + 1]] = d
+        end = []
+        for b in tokens:
+            node = root
+            for c in b:
+                node = node[c]
+            end.append(ids[id(node)])
+        self.end = np.array(end, dtype=np.int64)
+        self.size = len(parent)
+        # Tokens under each node: ``order[lo[n]:hi[n]]`` (tokens sorted by their end node's
+        # depth-first position; a subtree is a contiguous range of those positions).
+        pre = np.zeros(self.size, dtype=np.int64)
+        span = np.ones(self.size, dtype=np.int64)
+        children: list[list[int]] = [[] for _ in range(self.size)]
+        for n in range(1, self.size):
+            children[parent[n]].append(n)
+        stack, counter, post = [0], 0, []
+        while stack:
+            n = stack.pop()
+            pre[n] = counter
+            counter += 1
+            post.append(n)
+            stack.extend(reversed(children[n]))
+        for n in reversed(post):  # children before parents
+            if n:
+                span[parent[n]] += span[n]
+        tok_pre = pre[self.end]
+        self.order = np.argsort(tok_pre, kind="stable")
+        sorted_pre = tok_pre[self.order]
+        self.lo = np.searchsorted(sorted_pre, pre, side="left")
+        self.hi = np.searchsorted(sorted_pre, pre + span, side="left")

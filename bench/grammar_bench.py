@@ -1,0 +1,331 @@
+#!/usr/bin/env python
+"""Structured-generation benchmark (CPU): radixd's grammar backend against xgrammar and
+llguidance in the same run, on SmolLM2's tokenizer (the cached default model).
+
+1. Compile time (p50, p99) of every JSON Schema of bench/grammar_suite.py (52 schemas), plus
+   its regexes and Lark grammars (radixd only: xgrammar reads no Lark, llguidance's Lark
+   dialect differs).
+2. Time per mask (p50, p99) along valid documents: for each schema, ``--docs`` seeded valid
+   documents are tokenized and, at every token, the backend's mask for the next token is
+   filled (radixd: ``Matcher.fill_mask`` into a bool row, as the engine does; xgrammar:
+   ``fill_next_token_bitmask``; llguidance: ``fill_next_token_bitmask``), then the token is
+   accepted. The first document of a schema meets every state cold; later ones reuse masks.
+3. End to end (``--e2e``): an in-process ``Engine`` on the default model, 16 concurrent
+   chat requests (one per suite schema, all 52, greedy, ``--max-tokens``), unconstrained
+   versus constrained by the schema (radixd's backend, and xgrammar's through
+   plugins-contrib/radixd-xgrammar); output tokens per second, and how many constrained
+   outputs parse and validate (``jsonschema``).
+
+    python bench/grammar_bench.py --e2e                  # everything (several minutes on CPU)
+    python bench/grammar_bench.py --docs 1               # masks and compile only, quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+DEFAULT_OUT = HERE / "results" / "grammar_cpu.json"
+
+_spec = importlib.util.spec_from_file_location("grammar_suite", HERE / "grammar_suite.py")
+gs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gs)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+def summary(xs: list[float], scale: float) -> dict:
+    return {"n": len(xs), "p50": pct(xs, 50) * scale, "p90": pct(xs, 90) * scale, "p99": pct(xs, 99) * scale,
+            "max": max(xs) * scale if xs else float("nan")}
+
+
+def documents(n_docs: int) -> dict[str, list[str]]:
+    out = {}
+    for name, schema in gs.SCHEMAS.items():
+        rng = random.Random(hash(name) & 0xFFFF)
+        docs = []
+        for i in range(n_docs):
+            seps = (",", ":") if i % 2 else (", ", ": ")
+            docs.append(json.dumps(gs.example(schema, rng), ensure_ascii=False, separators=seps))
+        out[name] = docs
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends behind one small interface: compile(kind, spec) -> factory of per-document runs
+# ---------------------------------------------------------------------------------------------
+
+
+class RadixdRun:
+    name = "radixd"
+
+    def __init__(self, tok, vocab_size, eos):
+        from radixd.grammars.backend import RadixdBackend
+
+        self.backend = RadixdBackend(None, tokenizer=tok, vocab_size=vocab_size, eos_ids=(eos,))
+        _ = self.backend.vocab
+        self.row = np.zeros(vocab_size, dtype=bool)
+
+    def compile(self, kind, spec):
+        return self.backend.compile(kind, spec)
+
+    def walk(self, compiled, ids, times) -> bool:
+        m = compiled.matcher()
+        row = self.row
+        for t in ids:
+            t0 = time.perf_counter()
+            m.fill_mask(row)
+            times.append(time.perf_counter() - t0)
+            if not row[t] or not m.accept_token(t):
+                return False
+        return True
+
+
+class XGrammarRun:
+    name = "xgrammar"
+
+    def __init__(self, tok, vocab_size, eos):
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=[eos])
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.bits = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def compile(self, kind, spec):
+        if kind == "regex":
+            return self.compiler.compile_regex(spec)
+        return self.compiler.compile_json_schema(spec, any_whitespace=True, max_whitespace_cnt=2)
+
+    def walk(self, compiled, ids, times) -> bool:
+        m = self.xgr.GrammarMatcher(compiled)
+        for t in ids:
+            t0 = time.perf_counter()
+            m.fill_next_token_bitmask(self.bits, 0)
+            times.append(time.perf_counter() - t0)
+            if not m.accept_token(t):
+                return False
+        return True
+
+
+class LLGuidanceRun:
+    name = "llguidance"
+
+    def __init__(self, tok, vocab_size, eos):
+        import llguidance
+        import llguidance.hf
+        import llguidance.numpy
+
+        self.ll = llguidance
+        self.lln = llguidance.numpy
+        self.tok = llguidance.hf.from_tokenizer(tok, n_vocab=vocab_size, eos_token=eos)
+        self.bits = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
+
+    def compile(self, kind, spec):
+        # llguidance compiles when a matcher is made; that is what is timed here
+        if kind == "regex":
+            g = self.ll.LLMatcher.grammar_from_regex(spec)
+        else:
+            g = self.ll.LLMatcher.grammar_from_json_schema(spec, defaults={"whitespace_flexible": True})
+        m = self.ll.LLMatcher(self.tok, g)
+        if m.is_error():
+            raise RuntimeError(m.get_error())
+        return g
+
+    def walk(self, grammar, ids, times) -> bool:
+        m = self.ll.LLMatcher(self.tok, grammar)
+        for t in ids:
+            t0 = time.perf_counter()
+            self.lln.fill_next_token_bitmask(m, self.bits, 0)
+            times.append(time.perf_counter() - t0)
+            if not m.consume_token(t):
+                return False
+        return True
+
+
+def bench_backend(run, tok, docs: dict[str, list[str]]) -> dict:
+    compile_s: list[float] = []
+    mask_s: list[float] = []
+    mask_cold: list[float] = []
+    failures: list[str] = []
+    for name, schema in gs.SCHEMAS.items():
+        spec = json.dumps(schema)
+        t0 = time.perf_counter()
+        try:
+            compiled = run.compile("json_schema", spec)
+        except Exception as exc:  # noqa: BLE001 - a backend refusing a schema is a result
+            failures.append(f"{name}: compile: {str(exc)[:120]}")
+            continue
+        compile_s.append(time.perf_counter() - t0)
+        for i, text in enumerate(docs[name]):
+            times: list[float] = []
+            if not run.walk(compiled, tok(text).input_ids, times):
+                failures.append(f"{name}: refused {text[:60]!r}")
+            mask_s += times
+            if i == 0:
+                mask_cold += times
+    regex_s = []
+    for name, (pattern, valid) in gs.REGEXES.items():
+        t0 = time.perf_counter()
+        try:
+            compiled = run.compile("regex", pattern)
+        except Exception as exc:  # noqa: BLE001
+            failures.append(f"regex {name}: {exc}")
+            continue
+        regex_s.append(time.perf_counter() - t0)
+        for text in valid:
+            times = []
+            if not run.walk(compiled, tok(text).input_ids, times):
+                failures.append(f"regex {name}: refused {text!r}")
+            mask_s += times
+    out = {"compile_ms": summary(compile_s, 1e3), "mask_us": summary(mask_s, 1e6),
+           "mask_first_document_us": summary(mask_cold, 1e6), "regex_compile_ms": summary(regex_s, 1e3),
+           "schemas_compiled": len(compile_s), "failures": failures}
+    if run.name == "radixd":
+        lark_s = []
+        for name, (grammar, valid) in gs.LARK.items():
+            t0 = time.perf_counter()
+            compiled = run.compile("ebnf", grammar)
+            lark_s.append(time.perf_counter() - t0)
+            for text in valid:
+                if not run.walk(compiled, tok(text).input_ids, []):
+                    failures.append(f"lark {name}: refused {text!r}")
+        out["lark_compile_ms"] = summary(lark_s, 1e3)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end
+# ---------------------------------------------------------------------------------------------
+
+
+async def e2e(backend: str | None, max_tokens: int, concurrency: int) -> dict:
+    import jsonschema
+
+    from radixd.core.engine import Engine
+    from radixd.core.sampling_params import SamplingParams
+    from radixd.plugins import make_plugin_manager
+
+    extra = []
+    if backend == "xgrammar":
+        sys.path.insert(0, str(ROOT / "plugins-contrib" / "radixd-xgrammar"))
+        import radixd_xgrammar
+
+        extra = [radixd_xgrammar]
+    pm = make_plugin_manager(load_entry_points=False, extra=extra)
+    engine = Engine(model="default", kv_cache_tokens=60000, max_running_requests=concurrency, plugin_manager=pm,
+                    grammar_backend=backend or "radixd")
+    sem = asyncio.Semaphore(concurrency)
+    names = list(gs.SCHEMAS)
+    try:
+        # warm-up: one short request (and compile every schema, timed apart)
+        _ = [o async for o in engine.generate("Hi", params=SamplingParams(max_new_tokens=4, temperature=0.0))]
+        t0 = time.perf_counter()
+        grammars = {}
+        if backend is not None:
+            for n in names:
+                grammars[n] = await engine.compile_grammar(SamplingParams(json_schema=gs.SCHEMAS[n]))
+        compile_all_s = time.perf_counter() - t0
+
+        async def one(name: str):
+            schema = gs.SCHEMAS[name]
+            msg = [{"role": "user", "content": f"Reply with one JSON document valid under this JSON Schema: "
+                                               f"{json.dumps(schema)}"}]
+            ids = engine.apply_chat_template(msg)
+            params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0,
+                                    json_schema=schema if backend is not None else None)
+            async with sem:
+                sub = engine.submit(input_ids=ids, params=params, grammar=grammars.get(name))
+                outs = [o async for o in sub]
+            return "".join(o.text for o in outs), outs[-1].finish_reason, outs[-1].completion_tokens
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*[one(n) for n in names])
+        wall = time.perf_counter() - t0
+    finally:
+        await engine.stop()
+    tokens = sum(r[2] for r in results)
+    valid, finished, bad = 0, 0, []
+    for name, (text, reason, _) in zip(names, results, strict=True):
+        if backend is None:
+            continue
+        if reason == "stop":
+            finished += 1
+        try:
+            jsonschema.validate(json.loads(text), gs.SCHEMAS[name])
+            valid += 1
+        except Exception as exc:  # noqa: BLE001
+            bad.append(f"{name} ({reason}): {type(exc).__name__} on {text[:80]!r}")
+    return {"backend": backend or "unconstrained", "requests": len(names), "concurrency": concurrency,
+            "max_tokens": max_tokens, "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
+            "finished_by_grammar_or_eos": finished, "valid": valid, "invalid": bad,
+            "compile_all_schemas_s": compile_all_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--docs", type=int, default=3, help="valid documents per schema for the mask timings")
+    ap.add_argument("--backends", default="radixd,xgrammar,llguidance")
+    ap.add_argument("--e2e", action="store_true", help="also the end-to-end engine run (default model, CPU)")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from radixd.core.model_loader import resolve_model
+
+    path = resolve_model("default")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
+    eos = tok.eos_token_id
+    docs = documents(args.docs)
+    report = {"machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
+                          "cores": os.cpu_count()},
+              "tokenizer": "SmolLM2-135M-Instruct", "vocab_size": vocab_size, "schemas": len(gs.SCHEMAS),
+              "docs_per_schema": args.docs, "backends": {}}
+    runs = {"radixd": RadixdRun, "xgrammar": XGrammarRun, "llguidance": LLGuidanceRun}
+    for name in args.backends.split(","):
+        try:
+            run = runs[name](tok, vocab_size, eos)
+        except ImportError as exc:
+            report["backends"][name] = {"skipped": str(exc)}
+            continue
+        r = bench_backend(run, tok, docs)
+        report["backends"][name] = r
+        print(f"{name:11s} compile p50 {r['compile_ms']['p50']:7.2f} ms p99 {r['compile_ms']['p99']:8.2f} ms | "
+              f"mask p50 {r['mask_us']['p50']:7.2f} us p99 {r['mask_us']['p99']:9.2f} us | "
+              f"failures {len(r['failures'])}", flush=True)
+    if args.e2e:
+        report["e2e"] = []
+        for backend in (None, "radixd", "xgrammar"):
+            r = asyncio.run(e2e(backend, args.max_tokens, args.concurrency))
+            report["e2e"].append(r)
+            print(f"e2e {r['backend']:13s} {r['tokens_per_s']:7.1f} tok/s ({r['output_tokens']} tokens, "
+                  f"{r['wall_s']:.1f} s) valid {r['valid']}/{r['requests']}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
