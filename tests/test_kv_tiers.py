@@ -321,3 +321,25 @@ def test_settings_sections_per_tier(tmp_path):
         settings_from_dict({"cache": {"write_policy": "never"}})
     with pytest.raises(ConfigError, match="cache.tiers"):
         settings_from_dict({"cache": {"tiers": ["host"], "radix": False}})
+
+
+def test_radixd_bench_engine_target_with_tiers(tiny_models, tmp_path, capsys):
+    """``radixd bench --engine-arg`` takes the tier list and the options table (JSON)."""
+    import json
+
+    from radixd.cli import main as radixd_main
+
+    out = tmp_path / "tiers.json"
+    common = ["bench", "--target", "engine", "--model", str(tiny_models["llama"]), "--workload", "multi-turn",
+              "--conversations", "4", "--turns", "3", "--turn-len", "40", "--output-len", "4", "--no-progress",
+              "--engine-arg", "kv_cache_tokens=160", "--engine-arg", "cache_tiers=host",
+              "--engine-arg", "cache_page_tokens=4"]
+    opts = '--engine-arg=cache_tier_options={"host": {"max_bytes": 1048576}}'
+    assert radixd_main([*common, opts, "--output", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["target"]["overrides"]["cache_tiers"] == ["host"]
+    assert doc["target"]["overrides"]["cache_tier_options"] == {"host": {"max_bytes": 1048576}}
+    assert all(r["ok"] for run in doc["runs"] for r in run["records"])
+    capsys.readouterr()
+    assert radixd_main([*common, "--engine-arg=cache_tier_options={not json"]) == 2
+    assert capsys.readouterr().err.strip().startswith("radixd bench: --engine-arg")

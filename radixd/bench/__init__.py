@@ -220,6 +220,12 @@ def engine_overrides(items: list[str]) -> dict:
                 value = float(text)
             elif "tuple" in kind:
                 value = tuple(x for x in text.split(",") if x)
+            elif "dict" in kind:  # e.g. cache_tier_options={"host": {"max_bytes": 1073741824}}
+                import json
+
+                value = json.loads(text)
+                if not isinstance(value, dict):
+                    raise ValueError(text)
             else:
                 value = text
         except ValueError:

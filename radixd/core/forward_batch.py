@@ -61,7 +61,8 @@ class ForwardBatch:
     # each (whose logits predict it) and its id. Their logits follow the sampled rows'.
     prompt_lp_pos: list[int] = field(default_factory=list)
     prompt_lp_target: list[int] = field(default_factory=list)
-    # CUDA events of KV loaded from lower cache tiers into this batch's slots (side stream).
+    # KV loaded from lower cache tiers into this batch's slots on a side stream: per load,
+    # one CUDA event per layer (layer l's attention waits for that layer's events only).
     wait_events: list = field(default_factory=list)
 
     @property

@@ -96,31 +96,39 @@ class KVPool:
 
     # ------------------------------------------------------------------ pages (lower cache tiers)
     # Called on the scheduler's thread. On CUDA both directions are queued without waiting:
-    # reads on the current stream (ahead of any later step that reuses the slots), writes on
-    # a side stream whose event the next step waits for (they overlap the step in flight;
-    # the slots written are fresh, so no kernel in flight touches them).
+    # reads on the compute stream (ahead of any later step that reuses the slots) into
+    # page-locked memory; writes on a side stream that first waits for the compute stream
+    # (a page read out of slots just evicted must be read before they are written again) and
+    # records an event per layer, which the next step's attention of that layer waits for:
+    # the copy of later layers overlaps the compute of earlier ones.
 
     def read_pages(self, slots: torch.Tensor, page_tokens: int) -> list:
         """Copy the KV of ``slots`` (a multiple of ``page_tokens``) to host pages."""
         from radixd.core.tiers.base import Page
 
         n = slots.numel() // page_tokens
-        idx = slots.to(self.device, non_blocking=True)
-        kv = torch.stack([torch.stack([b[idx] for b in self.k_buffers]), torch.stack([b[idx] for b in self.v_buffers])])
-        kv = kv.view(2, len(self.k_buffers), n, page_tokens, *kv.shape[3:]).transpose(0, 2).transpose(1, 2)
         if self.device.type != "cuda":
+            kv = self._gather(slots, n, page_tokens)
             return [Page(kv[i].contiguous()) for i in range(n)]
-        kv = kv.contiguous()
-        hosts = [torch.empty(kv.shape[1:], dtype=kv.dtype, pin_memory=True) for _ in range(n)]
-        for i in range(n):
-            hosts[i].copy_(kv[i], non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return [Page(h, ready) for h in hosts]
+        with torch.cuda.device(self.device):
+            kv = self._gather(slots.to(self.device, non_blocking=True), n, page_tokens).contiguous()
+            # one page-locked block per call (allocating page-locked memory is slow): the
+            # pages are views of it, freed once the last of them is dropped
+            host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+            host.copy_(kv, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        return [Page(host[i], ready) for i in range(n)]
+
+    def _gather(self, idx: torch.Tensor, n: int, page_tokens: int) -> torch.Tensor:
+        """[n, 2, layers, page_tokens, kv_heads, head_dim] (a view) of the KV of ``idx``."""
+        kv = torch.stack([torch.stack([b[idx] for b in self.k_buffers]), torch.stack([b[idx] for b in self.v_buffers])])
+        return kv.view(2, len(self.k_buffers), n, page_tokens, *kv.shape[3:]).transpose(0, 2).transpose(1, 2)
 
     def write_pages(self, slots: torch.Tensor, pages: list, skip: int):
         """Write ``pages`` (host) into ``slots``, dropping the first ``skip`` tokens of the
-        first page. Returns None on CPU, else the CUDA event that ends the copy."""
+        first page. Returns None on CPU, else one CUDA event per layer (that layer's K and V
+        are in place)."""
         if self.device.type != "cuda":
             kv = torch.cat([p.data for p in pages], dim=2)[:, :, skip:]
             for layer in range(len(self.k_buffers)):
@@ -130,6 +138,8 @@ class KVPool:
         if self._load_stream is None:
             self._load_stream = torch.cuda.Stream(self.device)
         stream = self._load_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        done = []
         with torch.cuda.stream(stream):
             for p in pages:
                 if p.ready is not None:
@@ -139,6 +149,6 @@ class KVPool:
             for layer in range(len(self.k_buffers)):
                 self.k_buffers[layer][idx] = kv[0, layer]
                 self.v_buffers[layer][idx] = kv[1, layer]
-            done = torch.cuda.Event()
-            done.record(stream)
+                done.append(torch.cuda.Event())
+                done[-1].record(stream)
         return done

@@ -91,8 +91,6 @@ class ModelWorker:
         before, still on the device) are filled in from ``prev`` here, on the device."""
         stage = self.stager.to_device
         self.stager.next_step()
-        for ev in batch.wait_events:  # pages loaded from lower tiers on the side stream
-            torch.cuda.current_stream(self.device).wait_event(ev)
         if batch.table_writes:  # one scatter for all rows' new slots
             rows, cols, vals = [], [], []
             for row, start, slots in batch.table_writes:
@@ -105,10 +103,17 @@ class ModelWorker:
         if batch.placeholder_pos:
             assert prev is not None, "a batch with placeholders needs the previous step's picks"
             input_ids[stage(batch.placeholder_pos)] = prev.tokens[stage(batch.placeholder_src)]
+        attn = self.attn
+        if batch.wait_events:  # pages loaded from lower tiers, still arriving on a side stream
+            if self.graphs is not None and self.graphs.can_run(batch):
+                for ev in (e for events in batch.wait_events for e in events):
+                    torch.cuda.current_stream(self.device).wait_event(ev)
+            else:
+                attn = LayerWait(attn, batch.wait_events)
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch, input_ids, stage)
-        self.attn.begin(batch, stage)
-        return self.model(input_ids, stage(batch.positions), self.attn, stage(batch.logits_indices()))
+        attn.begin(batch, stage)
+        return self.model(input_ids, stage(batch.positions), attn, stage(batch.logits_indices()))
 
     @torch.inference_mode()
     def launch(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> SampledTokens | None:
@@ -138,6 +143,28 @@ class ModelWorker:
 
     def step(self, batch: ForwardBatch) -> StepOutput:
         return self.resolve(self.launch(batch))
+
+
+class LayerWait:
+    """An attention backend that, before layer l attends, makes the compute stream wait for
+    layer l's part of the KV loaded from lower tiers: the copy of later layers overlaps the
+    compute of earlier ones."""
+
+    def __init__(self, attn, loads: list[list]):
+        self.attn = attn
+        self.loads = loads
+
+    def begin(self, batch, stage=None) -> None:
+        self.attn.begin(batch, stage)
+
+    def forward(self, q, k, v, layer: int, positions, rotary):
+        stream = torch.cuda.current_stream(q.device)
+        for events in self.loads:
+            stream.wait_event(events[layer])
+        return self.attn.forward(q, k, v, layer, positions, rotary)
+
+    def __getattr__(self, name):
+        return getattr(self.attn, name)
 
 
 def _to_device(sb, stage):
