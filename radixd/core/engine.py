@@ -440,6 +440,9 @@ class Engine:
             if self.tokenizer is None:
                 raise InvalidRequest("prompt", "this engine runs without a tokenizer: send input_ids")
             ids = self.tokenize(prompt)
+            if ids and max(ids) >= self.model_cfg.vocab_size:  # a tokenizer larger than the embedding
+                raise InvalidRequest("prompt", f"the text tokenizes to token id {max(ids)}, outside the "
+                                               f"model's vocabulary of {self.model_cfg.vocab_size}")
         else:
             ids = list(input_ids)
             vocab = self.model_cfg.vocab_size

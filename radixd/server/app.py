@@ -34,7 +34,7 @@ from radixd.server.errors import ApiError
 from radixd.server.metrics import Metrics
 from radixd.settings import Settings
 
-OPEN_PATHS = {"/health", "/metrics"}  # reachable without an API key (probes, scrapers)
+OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}  # reachable without an API key (probes, scrapers)
 
 
 @dataclass
@@ -201,7 +201,7 @@ def _ms(seconds: float | None) -> float | None:
 async def read_json(request: Request) -> dict:
     body = await request.body()
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_float=_number)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
     except RecursionError as exc:
@@ -210,6 +210,13 @@ async def read_json(request: Request) -> dict:
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
     _check_strings(data)
     return data
+
+
+def _number(text: str) -> float | int:
+    """A JSON number with a fraction or exponent: an integer when it is whole (``2.0``,
+    ``1e3``), as JSON Schema counts it, so integer fields accept it."""
+    value = float(text)
+    return int(value) if value.is_integer() else value
 
 
 def _check_strings(value: Any, depth: int = 0) -> None:
@@ -590,7 +597,7 @@ async def completions(request: Request) -> Response:
     parsed = protocol.sampling_from_openai(body, st.limits, chat=False)
     check_model(st, parsed.model)
     prompts = protocol.completion_prompts(body)
-    echo = body.get("echo", False)
+    echo = body.get("echo") or False
     if not isinstance(echo, bool):
         raise ApiError(400, "'echo' must be a boolean", param="echo")
     if echo and parsed.params.logprobs:
@@ -666,7 +673,7 @@ async def native_generate(request: Request) -> Response:
     stream and its answer is a list, one entry per prompt."""
     st = state_of(request)
     body = await read_json(request)
-    protocol.check_fields(body, {"text", "input_ids", "sampling_params", "stream", "priority"})
+    protocol.check_fields(body, protocol.NATIVE_FIELDS)
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise ApiError(400, "give exactly one of 'text' or 'input_ids'", param="text")
@@ -817,7 +824,7 @@ async def server_info(request: Request) -> Response:
 async def tokenize(request: Request) -> Response:
     st = state_of(request)
     body = await read_json(request)
-    protocol.check_fields(body, {"prompt", "messages", "model", "add_special_tokens"})
+    protocol.check_fields(body, set(protocol.TOKENIZE_SCHEMAS))
     check_model(st, body.get("model"))
     if "messages" in body:
         ids = chat_prompt_ids(st, protocol.chat_messages(body))
@@ -834,7 +841,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     st = state_of(request)
     body = await read_json(request)
-    protocol.check_fields(body, {"tokens", "model"})
+    protocol.check_fields(body, set(protocol.DETOKENIZE_SCHEMAS))
     check_model(st, body.get("model"))
     toks = body.get("tokens")
     vocab = st.engine.model_cfg.vocab_size
@@ -848,7 +855,7 @@ async def apply_chat_template(request: Request) -> Response:
     turn by turn, such as ``radixd.lang``, use it to find each role's wrapping)."""
     st = state_of(request)
     body = await read_json(request)
-    protocol.check_fields(body, {"messages", "add_generation_prompt", "model"})
+    protocol.check_fields(body, set(protocol.TEMPLATE_SCHEMAS))
     check_model(st, body.get("model"))
     gen = body.get("add_generation_prompt", True)
     if not isinstance(gen, bool):
@@ -861,6 +868,12 @@ async def apply_chat_template(request: Request) -> Response:
     except Exception as exc:  # the template itself refused (a jinja raise_exception)
         raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
     return JSONResponse({"text": text})
+
+
+async def openapi(request: Request) -> Response:
+    from radixd.server.openapi import openapi_document
+
+    return JSONResponse(openapi_document(state_of(request)))
 
 
 # ---------------------------------------------------------------------------------- app
@@ -891,6 +904,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/models/{model:path}", model_by_id, methods=["GET"]),
         Route("/generate", native_generate, methods=["POST"]),
         Route("/apply_chat_template", apply_chat_template, methods=["POST"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),

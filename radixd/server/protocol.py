@@ -24,12 +24,117 @@ EXTENSIONS = {
     "stop_token_ids": "stop_token_ids",
     "skip_special_tokens": "skip_special_tokens",
 }
+
+# The request fields of each route as JSON Schema: the one description of what radixd
+# accepts. The field sets the parsers below allow (``check_fields``) are these tables' keys,
+# and ``radixd.server.openapi`` publishes them at ``/openapi.json``. Ranges are the ones
+# ``SamplingParams`` and the parsers enforce (a test sends the schema's edges).
+
+
+def _opt(schema: dict) -> dict:
+    """A field that may also be null (the parsers treat null as absent)."""
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+# "x-radixd" marks what depends on the server (its model name, vocabulary, limits): the
+# OpenAPI document fills those bounds in per server
+_INT = {"type": "integer"}
+_STR = {"type": "string"}
+_TEXT = {"type": "string", "minLength": 1}
+_BOOL = {"type": "boolean"}
+_MODEL = {"type": "string", "x-radixd": "model"}
+_TOKEN = {"type": "integer", "minimum": 0, "x-radixd": "token"}
+_IDS = {"type": "array", "items": _TOKEN}
+_STOP_STR = {"type": "string", "minLength": 1}
+_STOP = {"anyOf": [_STOP_STR, {"type": "array", "items": _STOP_STR, "x-radixd": "stop"}]}
 CONSTRAINTS = ("regex", "json_schema", "ebnf")  # SGLang-style extras, also on the OpenAI routes
-COMMON = {"model", "stream", "stream_options", "n", "stop", "max_tokens", "temperature", "top_p", "seed",
-          "frequency_penalty", "presence_penalty", "user", "priority", "response_format"} | set(EXTENSIONS) \
-    | set(CONSTRAINTS)
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
-COMPLETION_FIELDS = COMMON | {"prompt", "echo", "logprobs"}
+CONSTRAINT_SCHEMAS = {"regex": _opt(_STR), "json_schema": _opt({"type": ["object", "string", "boolean"]}),
+                      "ebnf": _opt(_STR)}
+SAMPLING_SCHEMAS: dict[str, dict] = {   # shared by /v1/chat/completions and /v1/completions
+    "model": _opt(_MODEL),
+    "stream": _opt(_BOOL),
+    "stream_options": _opt({"type": "object", "additionalProperties": False,
+                            "properties": {"include_usage": _BOOL, "continuous_usage_stats": _BOOL}}),
+    "n": _opt({"type": "integer", "minimum": 1, "x-radixd": "n"}),
+    "stop": _opt(_STOP),
+    "max_tokens": _opt({"type": "integer", "minimum": 0}),
+    "temperature": _opt({"type": "number", "minimum": 0, "maximum": 2}),
+    "top_p": _opt({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+    "seed": _opt({"type": "integer", "minimum": 0, "maximum": 2**63 - 1}),
+    "frequency_penalty": _opt({"type": "number", "minimum": -2, "maximum": 2}),
+    "presence_penalty": _opt({"type": "number", "minimum": -2, "maximum": 2}),
+    "user": _opt(_STR),
+    "priority": _opt(_INT),
+    "top_k": _opt({"type": "integer", "minimum": -1}),
+    "min_p": _opt({"type": "number", "minimum": 0, "maximum": 1}),
+    "repetition_penalty": _opt({"type": "number", "exclusiveMinimum": 0, "maximum": 10}),
+    "min_tokens": _opt({"type": "integer", "minimum": 0}),
+    "ignore_eos": _opt(_BOOL),
+    "stop_token_ids": _opt(_IDS),
+    "skip_special_tokens": _opt(_BOOL),
+    **CONSTRAINT_SCHEMAS,
+    "response_format": _opt({
+        "type": "object", "required": ["type"], "additionalProperties": False,
+        "properties": {"type": {"enum": ["text", "json_object", "json_schema"]},
+                       "json_schema": {"type": "object", "required": ["schema"], "additionalProperties": False,
+                                       "properties": {"name": _STR, "schema": {"type": "object"}, "strict": _BOOL,
+                                                      "description": _STR}}}}),
+}
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": _STR}}
+MESSAGE_SCHEMA = {  # (an assistant message's content may also be null)
+    "type": "object", "required": ["role", "content"],
+    "properties": {"role": {"enum": ["system", "user", "assistant", "developer", "tool"]},
+                   "content": {"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}]}},
+}
+MESSAGES = {"type": "array", "minItems": 1, "items": MESSAGE_SCHEMA}
+CHAT_SCHEMAS = {**SAMPLING_SCHEMAS, "messages": MESSAGES,
+                "max_completion_tokens": _opt({"type": "integer", "minimum": 0}),
+                "logprobs": _opt(_BOOL), "top_logprobs": _opt({"type": "integer", "minimum": 0, "maximum": 20})}
+PROMPT = {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _TEXT},
+                    {"type": "array", "minItems": 1, "items": _TOKEN},
+                    {"type": "array", "minItems": 1, "items": {**_IDS, "minItems": 1}}]}
+COMPLETION_SCHEMAS = {**SAMPLING_SCHEMAS, "prompt": PROMPT, "echo": _opt(_BOOL),
+                      "logprobs": _opt({"type": "integer", "minimum": 0, "maximum": 5})}
+NATIVE_PARAM_SCHEMAS = {
+    "max_new_tokens": {"type": "integer", "minimum": 0},
+    "min_new_tokens": {"type": "integer", "minimum": 0},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 100},
+    "top_p": SAMPLING_SCHEMAS["top_p"]["anyOf"][0],
+    "top_k": SAMPLING_SCHEMAS["top_k"]["anyOf"][0],
+    "min_p": SAMPLING_SCHEMAS["min_p"]["anyOf"][0],
+    "repetition_penalty": SAMPLING_SCHEMAS["repetition_penalty"]["anyOf"][0],
+    "frequency_penalty": SAMPLING_SCHEMAS["frequency_penalty"]["anyOf"][0],
+    "presence_penalty": SAMPLING_SCHEMAS["presence_penalty"]["anyOf"][0],
+    "seed": _opt(SAMPLING_SCHEMAS["seed"]["anyOf"][0]),
+    "stop": _opt(_STOP),
+    "stop_token_ids": _opt(_IDS),
+    "ignore_eos": _BOOL,
+    "n": {"type": "integer", "minimum": 1, "x-radixd": "n"},
+    "logprobs": _BOOL,
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "skip_special_tokens": _BOOL,
+    "prompt_logprobs_from": _opt({"type": "integer", "minimum": 0}),
+    **CONSTRAINT_SCHEMAS,
+}
+NATIVE_SAMPLING = _opt({"type": "object", "additionalProperties": False, "properties": NATIVE_PARAM_SCHEMAS})
+NATIVE_SCHEMAS = {
+    "text": {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _TEXT}]},
+    "input_ids": {"anyOf": [{**_IDS, "minItems": 1}, {"type": "array", "minItems": 1, "items": {**_IDS, "minItems": 1}}]},
+    "sampling_params": {"anyOf": [NATIVE_SAMPLING, {"type": "array", "items": NATIVE_SAMPLING}]},
+    "stream": _BOOL,
+    "priority": _INT,
+}
+NATIVE_ONE_OF = [{"required": ["text"]}, {"required": ["input_ids"]}]  # exactly one of them
+TOKENIZE_SCHEMAS = {"prompt": _STR, "messages": MESSAGES, "model": _opt(_MODEL), "add_special_tokens": _BOOL}
+TOKENIZE_ONE_OF = [{"required": ["prompt"]}, {"required": ["messages"]}]
+DETOKENIZE_SCHEMAS = {"tokens": _IDS, "model": _opt(_MODEL)}
+TEMPLATE_SCHEMAS = {"messages": MESSAGES, "add_generation_prompt": _BOOL, "model": _opt(_MODEL)}
+
+COMMON = set(SAMPLING_SCHEMAS)
+CHAT_FIELDS = set(CHAT_SCHEMAS)
+COMPLETION_FIELDS = set(COMPLETION_SCHEMAS)
+NATIVE_FIELDS = set(NATIVE_SCHEMAS)
 NOT_SUPPORTED = {"tools", "tool_choice", "functions", "function_call", "logit_bias",
                  "suffix", "best_of", "parallel_tool_calls", "audio", "modalities", "prediction",
                  "reasoning_effort", "store", "metadata", "service_tier"}
@@ -174,11 +279,7 @@ def make_params(kw: dict[str, Any], aliases: dict[str, str] | None = None) -> Sa
         raise ApiError(400, str(exc)) from exc
 
 
-NATIVE_PARAMS = {
-    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
-    "logprobs", "top_logprobs", "skip_special_tokens", "prompt_logprobs_from", "regex", "json_schema", "ebnf",
-}
+NATIVE_PARAMS = set(NATIVE_PARAM_SCHEMAS)
 
 
 def sampling_from_native(sp: Any) -> SamplingParams:
