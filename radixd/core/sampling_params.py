@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from radixd.core.errors import InvalidRequest
 
+INT32_MAX = 2**31 - 1
 
 @dataclass
 class SamplingParams:
@@ -60,7 +61,7 @@ class SamplingParams:
             )
         _float_range("temperature", self.temperature, 0.0, 100.0)
         _float_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _int_range("top_k", self.top_k, -1, None)
+        _int_range("top_k", self.top_k, -1, INT32_MAX)  # batched into an int tensor
         _float_range("min_p", self.min_p, 0.0, 1.0)
         _float_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
         _float_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
@@ -72,9 +73,9 @@ class SamplingParams:
         if any(s == "" for s in self.stop):
             raise InvalidRequest("stop", "stop strings must not be empty")
         if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in self.stop_token_ids
         ):
-            raise InvalidRequest("stop_token_ids", "must be a list of non-negative integers")
+            raise InvalidRequest("stop_token_ids", f"must be a list of integers in [0, {INT32_MAX}]")
         _int_range("n", self.n, 1, None)
         _int_range("top_logprobs", self.top_logprobs, 0, None)
         if not isinstance(self.ignore_eos, bool):

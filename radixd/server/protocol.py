@@ -45,6 +45,7 @@ _BOOL = {"type": "boolean"}
 _MODEL = {"type": "string", "x-radixd": "model"}
 _TOKEN = {"type": "integer", "minimum": 0, "x-radixd": "token"}
 _IDS = {"type": "array", "items": _TOKEN}
+_STOP_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}}
 _STOP_STR = {"type": "string", "minLength": 1}
 _STOP = {"anyOf": [_STOP_STR, {"type": "array", "items": _STOP_STR, "x-radixd": "stop"}]}
 CONSTRAINTS = ("regex", "json_schema", "ebnf")  # SGLang-style extras, also on the OpenAI routes
@@ -65,12 +66,12 @@ SAMPLING_SCHEMAS: dict[str, dict] = {   # shared by /v1/chat/completions and /v1
     "presence_penalty": _opt({"type": "number", "minimum": -2, "maximum": 2}),
     "user": _opt(_STR),
     "priority": _opt(_INT),
-    "top_k": _opt({"type": "integer", "minimum": -1}),
+    "top_k": _opt({"type": "integer", "minimum": -1, "maximum": 2**31 - 1}),
     "min_p": _opt({"type": "number", "minimum": 0, "maximum": 1}),
     "repetition_penalty": _opt({"type": "number", "exclusiveMinimum": 0, "maximum": 10}),
     "min_tokens": _opt({"type": "integer", "minimum": 0}),
     "ignore_eos": _opt(_BOOL),
-    "stop_token_ids": _opt(_IDS),
+    "stop_token_ids": _opt(_STOP_IDS),
     "skip_special_tokens": _opt(_BOOL),
     **CONSTRAINT_SCHEMAS,
     "response_format": _opt({
@@ -108,7 +109,7 @@ NATIVE_PARAM_SCHEMAS = {
     "presence_penalty": SAMPLING_SCHEMAS["presence_penalty"]["anyOf"][0],
     "seed": _opt(SAMPLING_SCHEMAS["seed"]["anyOf"][0]),
     "stop": _opt(_STOP),
-    "stop_token_ids": _opt(_IDS),
+    "stop_token_ids": _opt(_STOP_IDS),
     "ignore_eos": _BOOL,
     "n": {"type": "integer", "minimum": 1, "x-radixd": "n"},
     "logprobs": _BOOL,
