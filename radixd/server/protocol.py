@@ -246,6 +246,11 @@ def _constraint(body: dict) -> dict[str, Any]:
         if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
             raise ApiError(400, "'response_format.type' must be 'text', 'json_object' or 'json_schema'",
                            param="response_format")
+        extra = set(rf) - {"type", "json_schema"}
+        if extra or ("json_schema" in rf and rf["type"] != "json_schema"):
+            what = sorted(extra)[0] if extra else "json_schema"
+            raise ApiError(400, f"unrecognized field 'response_format.{what}' (for type {rf['type']!r})",
+                           param="response_format")
         if rf["type"] == "json_object":
             out["json_schema"] = {"type": "object"}
         elif rf["type"] == "json_schema":
@@ -257,6 +262,10 @@ def _constraint(body: dict) -> dict[str, Any]:
             if unknown:
                 raise ApiError(400, f"unrecognized field 'response_format.json_schema.{sorted(unknown)[0]}'",
                                param="response_format")
+            for key, kind, what in (("name", str, "a string"), ("description", str, "a string"),
+                                    ("strict", bool, "a boolean"), ("schema", dict, "an object")):
+                if key in js and not isinstance(js[key], kind):
+                    raise ApiError(400, f"'response_format.json_schema.{key}' must be {what}", param="response_format")
             out["json_schema"] = js["schema"]
         if rf["type"] != "text" and len(out) > 1:
             raise ApiError(400, "give at most one of response_format, regex, json_schema, ebnf", param="response_format")
