@@ -10,8 +10,8 @@ replicated: every shard computes the same logits and the first shard's are sampl
 Each shard has its own worker thread, KV pool (its KV heads) and attention backend; the
 scheduler's slots index every shard's pool alike. The all-reduce:
 
-* CUDA: one NCCL communicator per shard (``torch.cuda.nccl.init_rank``), each used by its
-  shard's thread only, so threads queue their kernels independently and the GPUs meet in
+* CUDA: one NCCL communicator per shard (``radixd.core.nccl``, NCCL called through ctypes),
+  each used by its shard's thread only, so threads queue their kernels independently and the GPUs meet in
   the NCCL kernels; decode steps replay per-shard CUDA graphs that contain them.
 * CPU: the shards' threads meet at a barrier whose last arrival sums the partials (in a fixed
   order, so every shard gets the same bits) and writes the sum back into each.
@@ -110,8 +110,7 @@ class _RankReduce:
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if self.comm is not None:
-            torch.cuda.nccl.all_reduce([t], comms=[self.comm])  # in place, current stream
-            return t
+            return self.comm.all_reduce(t)  # in place, on this shard's current stream
         return self.group.reduce(self.rank, t)
 
 
@@ -172,8 +171,11 @@ class TPWorker:
         return [f.result() for f in futures]
 
     def _init_nccl(self) -> list:
-        uid = torch.cuda.nccl.unique_id()
-        return self._on_all(lambda r: torch.cuda.nccl.init_rank(self.tp, uid, r))
+        from radixd.core.nccl import Nccl
+
+        nccl = Nccl()
+        uid = nccl.unique_id()
+        return self._on_all(lambda r: nccl.init_rank(self.tp, uid, r))
 
     def _capture_graphs(self) -> None:
         """Each shard captures its decode graphs in its own thread, all at once (the NCCL
