@@ -392,3 +392,41 @@ async def test_a_failed_step_fails_its_requests_not_the_engine(tiny_models, tp):
     finally:
         await single.stop()
     assert got == want
+
+
+# ------------------------------------------------------------------------ the daemon
+
+
+def test_daemon_serves_with_two_replicas(tiny_models, tmp_path):
+    """``[parallel] dp_size = 2`` through radixd.toml: requests are served, /health passes,
+    /server_info and /metrics show both replicas, and the pools are idle afterwards."""
+    import httpx
+    from conftest import Daemon
+
+    toml = f"""
+[server]
+port = 0
+[model]
+path = "{tiny_models['llama']}"
+device = "cpu"
+[memory]
+kv_cache_tokens = 2048
+[parallel]
+dp_size = 2
+"""
+    d = Daemon(tmp_path, toml)
+    try:
+        with httpx.Client(base_url=d.url, timeout=60) as http:
+            prompt = tokens(40, 90)
+            for i in range(4):
+                r = http.post("/generate", json={"input_ids": prompt + [2 + i], "sampling_params": {
+                    "max_new_tokens": 4, "temperature": 0}})
+                assert r.status_code == 200, r.text
+            assert http.get("/health").status_code == 200
+            stats = http.get("/server_info").json()["stats"]
+            assert len(stats["replicas"]) == 2 and sum(stats["routing"]["routed"]) == 5  # + /health's
+            assert stats["kv"]["locked"] == 0 and stats["kv"]["private"] == 0
+            metrics = http.get("/metrics").text
+            assert 'radixd_replica_running_requests{replica="1"}' in metrics
+    finally:
+        assert d.stop() == 0
