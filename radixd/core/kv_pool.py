@@ -17,30 +17,45 @@ import torch
 
 
 class SlotAllocator:
-    """Free list of KV slots. Slot 0 is never handed out (padding writes land there)."""
+    """Free list of KV slots. Slot 0 is never handed out (padding writes land there).
+
+    Freed slots wait in a list of chunks and join the free tensor when an allocation needs
+    them (one concatenation then, not one copy of the whole free list per release)."""
 
     def __init__(self, num_slots: int):
         if num_slots < 2:
             raise ValueError("a KV pool needs at least 2 slots")
         self.total = num_slots - 1
         self._free = torch.arange(1, num_slots, dtype=torch.int64)
+        self._freed: list[torch.Tensor] = []
+        self._num_freed = 0
 
     @property
     def available(self) -> int:
-        return int(self._free.numel())
+        return int(self._free.numel()) + self._num_freed
+
+    def _gather(self) -> None:
+        if self._freed:
+            self._free = torch.cat([self._free, *self._freed])
+            self._freed.clear()
+            self._num_freed = 0
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """Take ``n`` free slots, or return None (and take nothing) if fewer are free."""
         if n > self._free.numel():
-            return None
+            if n > self.available:
+                return None
+            self._gather()
         out, self._free = self._free[:n], self._free[n:]
         return out
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            self._free = torch.cat((self._free, slots.to(torch.int64)))
+            self._freed.append(slots.to(torch.int64))
+            self._num_freed += int(slots.numel())
 
     def free_slots(self) -> torch.Tensor:
+        self._gather()
         return self._free
 
 
