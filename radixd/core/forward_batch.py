@@ -50,6 +50,9 @@ class ForwardBatch:
     extend_lens: list[int]           # [B]
     # Rows of the table to (re)write before running: (row, start position, slots).
     table_writes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    # True: also write each new token's slot (out_cache_loc) at (its request's row, its
+    # position); the scheduler sets this rather than list every request's new slots above.
+    write_new_slots: bool = False
     # Tokens not known when the batch was built: flat positions, and where each comes from
     # (index into the previous step's picks). Filled in on the device by the worker.
     placeholder_pos: list[int] = field(default_factory=list)

@@ -7,6 +7,10 @@ KV ownership of a running request (``kv_len`` tokens have KV in the pool)::
 
     slots[0:cached_len]        owned by the radix tree, pinned by the lock on last_node
     slots[cached_len:kv_len]   private to this request (freed or inserted on release)
+
+Decode steps append one slot each: ``append_slot`` keeps those as Python ints and ``slots``
+folds them into the tensor only when read (release, cache insertion, accounting checks), so
+a decode step costs no tensor operation per request.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     pending: int = 0                      # trailing output ids still on the device (placeholders)
     row: int | None = None
-    slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    _slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64), repr=False)
+    _slot_tail: list[int] = field(default_factory=list, repr=False)  # appended, not yet in _slots
     kv_len: int = 0
     cached_len: int = 0
     last_node: TreeNode | None = None
@@ -63,10 +68,37 @@ class Request:
     preemptions: int = 0
     prompt_logprobs: list[float] = field(default_factory=list)  # from prompt_lp_start on
     matcher: object | None = None         # grammar matcher (radixd.grammars) if constrained
+    sampling_row: tuple | None = None     # constant sampling inputs, filled by the scheduler
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """int64 KV slots of the request's tokens, in order (see the module docstring)."""
+        if self._slot_tail:
+            self._slots = torch.cat((self._slots, torch.tensor(self._slot_tail, dtype=torch.int64)))
+            self._slot_tail = []
+        return self._slots
+
+    @slots.setter
+    def slots(self, value: torch.Tensor) -> None:
+        self._slots = value
+        self._slot_tail = []
+
+    def append_slot(self, slot: int) -> None:
+        """One more slot at the end of ``slots`` (a decode step's)."""
+        self._slot_tail.append(slot)
 
     @property
     def seq(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """``seq[start:end]`` without building ``seq``."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
 
     @property
     def seq_len(self) -> int:

@@ -117,8 +117,23 @@ class Scheduler:
         budget = self.config.max_prefill_tokens
 
         # 1. Decode for every running request past its prompt; preempt if KV runs out.
-        decoding = [r for r in self.running if r.kv_len == r.seq_len - 1 and self._may_continue(r)]
-        if inflight and any(r.pending and (r.params.needs_penalties or r.matcher is not None) for r in decoding):
+        decoding: list[Request] = []
+        mid_prefill = False  # a running request has prompt chunks left
+        host_picks = False   # a decoding request needs its pending pick on the host
+        ctx_len = self.context_len
+        for r in self.running:
+            out_len = len(r.output_ids)
+            last = len(r.prompt_ids) + out_len - 1
+            if r.kv_len == last:
+                # _may_continue, inlined (this runs for every request every step)
+                if (r.finish_reason is None and not r.aborted and out_len < r.params.max_new_tokens
+                        and last + 1 < ctx_len):
+                    decoding.append(r)
+                    if r.pending and (r.matcher is not None or r.params.needs_penalties):
+                        host_picks = True
+            elif r.kv_len < last:
+                mid_prefill = True
+        if inflight and host_picks:
             return NEED_SYNC  # penalties and grammar masks need the pending token on the host
         while decoding and not self._make_room(len(decoding)):
             if inflight:
@@ -126,21 +141,23 @@ class Scheduler:
             victim = max(self.running, key=lambda r: r.arrival)
             self._preempt(victim)
             decoding = [r for r in decoding if r is not victim]
-        for r in decoding:
-            plan.append((r, 1))
+        plan.extend((r, 1) for r in decoding)
+        planned = len(decoding)  # tokens in the plan so far
 
         # 2. Continue chunked prefills (a smaller chunk if memory is short).
-        for r in self.running:
-            if r.kv_len < r.seq_len - 1 and budget > 0 and not r.aborted:
-                want = min(r.seq_len - r.kv_len, budget, self.config.chunked_prefill_size)
-                n = self._room_for(want, planned=sum(k for _, k in plan))
-                if n == 0:
-                    break
-                plan.append((r, n))
-                budget -= n
+        if mid_prefill:
+            for r in self.running:
+                if r.kv_len < r.seq_len - 1 and budget > 0 and not r.aborted:
+                    want = min(r.seq_len - r.kv_len, budget, self.config.chunked_prefill_size)
+                    n = self._room_for(want, planned=planned)
+                    if n == 0:
+                        break
+                    plan.append((r, n))
+                    budget -= n
+                    planned += n
 
         # 3. Admit waiting requests in the policy's order.
-        ready = [r for r in self.waiting if not self._blocked(r)]
+        ready = [r for r in self.waiting if not self._blocked(r)] if self.waiting else []
         if ready and budget > 0:
             # requests computing prompt tokens this step (their final chunk included): later
             # requests sharing those tokens should wait a step and read them from the cache
@@ -149,11 +166,12 @@ class Scheduler:
             for r in self.policy.order(ready, ctx):
                 if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                     break
-                n = self._admit(r, budget, planned=sum(k for _, k in plan))
+                n = self._admit(r, budget, planned=planned)
                 if n is None:
                     break
                 plan.append((r, n))
                 budget -= n
+                planned += n
 
         if not plan:
             if inflight:
@@ -234,6 +252,9 @@ class Scheduler:
         return self.allocator.available >= want
 
     def _build(self, plan: list[tuple[Request, int]]) -> ScheduledStep:
+        # Flat Python lists, one torch.tensor call each at the end: this loop runs for every
+        # request every step, so it does no tensor work per request (a decode step's slot is
+        # kept as an int, see Request.append_slot).
         ids: list[int] = []
         pos: list[int] = []
         rows, prefix_lens, extend_lens, writes = [], [], [], []
@@ -241,42 +262,55 @@ class Scheduler:
         total = sum(n for _, n in plan)
         new_slots = self.allocator.alloc(total)
         assert new_slots is not None, "scheduler: room was checked before building"
+        flat_slots = new_slots.tolist()
         off = 0
+        prefill_tokens = 0
         ph_pos: list[int] = []
         ph_req: list[Request] = []
         lp_pos: list[int] = []
         lp_target: list[int] = []
         lp_reqs: list[tuple[Request, int]] = []
         for i, (r, n) in enumerate(plan):
-            seq = r.seq
-            missing = r.prompt_lp_missing
-            if missing is not None:  # positions q of this chunk whose logits predict prompt[q + 1]
-                qs = range(max(r.kv_len, missing - 1), min(r.kv_len + n, len(r.prompt_ids) - 1))
-                lp_pos.extend(len(ids) + q - r.kv_len for q in qs)
-                lp_target.extend(r.prompt_ids[q + 1] for q in qs)
+            kv = r.kv_len
+            prompt = r.prompt_ids
+            plen = len(prompt)
+            seq_len = plen + len(r.output_ids)
+            end = kv + n
+            if r.params.prompt_logprobs_from is not None and (missing := r.prompt_lp_missing) is not None:
+                # positions q of this chunk whose logits predict prompt[q + 1]
+                qs = range(max(kv, missing - 1), min(end, plen - 1))
+                lp_pos.extend(len(ids) + q - kv for q in qs)
+                lp_target.extend(prompt[q + 1] for q in qs)
                 if qs:
                     lp_reqs.append((r, len(qs)))
-            if r.pending and r.kv_len + n == r.seq_len:  # its last token is a pending pick
+            if r.pending and end == seq_len:  # its last token is a pending pick
                 ph_pos.append(len(ids) + n - 1)
                 ph_req.append(r)
-            ids.extend(seq[r.kv_len : r.kv_len + n])
-            pos.extend(range(r.kv_len, r.kv_len + n))
-            for start, slots in r.pending_writes:
-                writes.append((r.row, start, slots))
-            r.pending_writes.clear()
-            mine = new_slots[off : off + n]
-            writes.append((r.row, r.kv_len, mine))
-            r.slots = torch.cat((r.slots, mine))
+            if n == 1:
+                tok = r.output_ids[kv - plen] if kv >= plen else prompt[kv]
+                ids.append(0 if tok == PLACEHOLDER else tok)
+                pos.append(kv)
+            else:
+                ids.extend(0 if t == PLACEHOLDER else t for t in r.tokens(kv, end))
+                pos.extend(range(kv, end))
+            if r.pending_writes:
+                for start, slots in r.pending_writes:
+                    writes.append((r.row, start, slots))
+                r.pending_writes.clear()
+            if n == 1:
+                r.append_slot(flat_slots[off])
+            else:
+                r.slots = torch.cat((r.slots, new_slots[off : off + n]))
             off += n
             rows.append(r.row)
-            prefix_lens.append(r.kv_len)
+            prefix_lens.append(kv)
             extend_lens.append(n)
-            if r.kv_len + n == r.seq_len:
+            if end == seq_len:
                 sampled_idx.append(i)
-            if r.kv_len + n < r.seq_len - 1 or n > 1:
-                self.stats.prefill_tokens += n
-            else:
-                self.stats.decode_tokens += n
+            if end < seq_len - 1 or n > 1:
+                prefill_tokens += n
+        self.stats.prefill_tokens += prefill_tokens
+        self.stats.decode_tokens += total - prefill_tokens
         reqs = [r for r, _ in plan]
         sampled = [reqs[i] for i in sampled_idx]
         sampling = self._sampling_batch(sampled) if sampled else None
@@ -296,13 +330,14 @@ class Scheduler:
             r.pending += 1
             slots_of.append(len(r.output_ids) - 1)
         batch = ForwardBatch(
-            input_ids=torch.tensor([0 if t == PLACEHOLDER else t for t in ids], dtype=torch.int64),
+            input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(pos, dtype=torch.int64),
             out_cache_loc=new_slots,
             rows=rows,
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
             table_writes=writes,
+            write_new_slots=True,
             sample_indices=sampled_idx,
             sampling=sampling,
             prompt_lp_pos=lp_pos,
@@ -317,20 +352,50 @@ class Scheduler:
         return step
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
-        ps = [r.params for r in reqs]
+        # One pass over the requests into flat lists (each request's constant part is
+        # computed once, see Request.sampling_row), then one tensor per dtype.
         f32 = torch.float32
+        cap = self.config.max_top_logprobs
+        floats: tuple[list[float], list[float], list[float]] = ([], [], [])  # temperature, top_p, min_p
+        ints: tuple[list[int], list[int], list[int]] = ([], [], [])  # top_k, seed, step
+        temps, top_ps, min_ps = floats
+        top_ks, seeds, steps = ints
+        top_logprobs = 0
+        want_logprobs = penalties = constrained = banned = False
+        all_greedy = True
+        for r in reqs:
+            row = r.sampling_row
+            if row is None:
+                row = r.sampling_row = _sampling_row(r.params, cap)
+            temp, top_p, min_p, top_k, greedy, lp, top_lp, pen = row
+            temps.append(temp)
+            top_ps.append(top_p)
+            min_ps.append(min_p)
+            top_ks.append(top_k)
+            seeds.append(r.seed)
+            steps.append(len(r.output_ids))
+            all_greedy = all_greedy and greedy
+            want_logprobs = want_logprobs or lp
+            if top_lp > top_logprobs:
+                top_logprobs = top_lp
+            penalties = penalties or pen
+            constrained = constrained or r.matcher is not None
+            banned = banned or len(r.output_ids) < r.params.min_new_tokens
+        fl = torch.tensor(floats, dtype=f32)
+        it = torch.tensor(ints, dtype=torch.int64)
         sb = SamplingBatch(
-            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in ps], dtype=f32),
-            top_p=torch.tensor([p.top_p for p in ps], dtype=f32),
-            top_k=torch.tensor([max(p.top_k, 0) for p in ps], dtype=torch.int64),
-            min_p=torch.tensor([p.min_p for p in ps], dtype=f32),
-            seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64),
-            steps=torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64),
-            top_logprobs=max(min(p.top_logprobs, self.config.max_top_logprobs) for p in ps),
-            want_logprobs=any(p.logprobs for p in ps),
-            all_greedy=all(p.greedy for p in ps),
+            temperature=fl[0],
+            top_p=fl[1],
+            top_k=it[0],
+            min_p=fl[2],
+            seeds=it[1],
+            steps=it[2],
+            top_logprobs=top_logprobs,
+            want_logprobs=want_logprobs,
+            all_greedy=all_greedy,
         )
-        if any(p.needs_penalties for p in ps):
+        if penalties:
+            ps = [r.params for r in reqs]
             sb.repetition_penalty = torch.tensor([p.repetition_penalty for p in ps], dtype=f32)
             sb.frequency_penalty = torch.tensor([p.frequency_penalty for p in ps], dtype=f32)
             sb.presence_penalty = torch.tensor([p.presence_penalty for p in ps], dtype=f32)
@@ -347,16 +412,17 @@ class Scheduler:
             if rep_rows:
                 sb.rep_rows = torch.tensor(rep_rows, dtype=torch.int64)
                 sb.rep_tokens = torch.tensor(rep_toks, dtype=torch.int64)
-        banned_rows, banned_toks = [], []
-        for i, r in enumerate(reqs):
-            if len(r.output_ids) < r.params.min_new_tokens:
-                stops = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(self.eos))
-                banned_rows += [i] * len(stops)
-                banned_toks += sorted(stops)
-        if banned_rows:
-            sb.banned_rows = torch.tensor(banned_rows, dtype=torch.int64)
-            sb.banned_tokens = torch.tensor(banned_toks, dtype=torch.int64)
-        if any(r.matcher is not None for r in reqs):
+        if banned:
+            banned_rows, banned_toks = [], []
+            for i, r in enumerate(reqs):
+                if len(r.output_ids) < r.params.min_new_tokens:
+                    stops = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(self.eos))
+                    banned_rows += [i] * len(stops)
+                    banned_toks += sorted(stops)
+            if banned_rows:
+                sb.banned_rows = torch.tensor(banned_rows, dtype=torch.int64)
+                sb.banned_tokens = torch.tensor(banned_toks, dtype=torch.int64)
+        if constrained:
             allowed = np.ones((len(reqs), self.vocab_size), dtype=bool)
             for i, r in enumerate(reqs):
                 if r.matcher is not None:
@@ -437,10 +503,13 @@ class Scheduler:
     def release_finished(self, inflight: frozenset[Request] = frozenset()) -> list[Request]:
         """Release the KV of finished requests (not those a launched step still writes for)."""
         done = [r for r in self.running if r.finish_reason is not None and r not in inflight]
+        if not done:
+            return done
         for r in done:
             self._release(r)
-            self.running.remove(r)
             r.state = State.FINISHED
+        gone = set(done)
+        self.running[:] = [r for r in self.running if r not in gone]  # one pass, not a remove each
         return done
 
     # ------------------------------------------------------------------ KV hand-over
@@ -605,3 +674,10 @@ class Scheduler:
         )
         if every.numel() != a["total"] or torch.unique(every).numel() != a["total"]:
             raise AssertionError("KV slots are lost or owned twice")
+
+
+def _sampling_row(p, max_top_logprobs: int) -> tuple:
+    """A request's constant sampling inputs: (temperature (0 = greedy), top_p, min_p, top_k
+    (0 = off), greedy, logprobs, top logprobs (capped), penalties)."""
+    return (0.0 if p.greedy else p.temperature, p.top_p, p.min_p, max(p.top_k, 0), p.greedy, p.logprobs,
+            min(p.top_logprobs, max_top_logprobs), p.needs_penalties)

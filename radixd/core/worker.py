@@ -91,14 +91,23 @@ class ModelWorker:
         before, still on the device) are filled in from ``prev`` here, on the device."""
         stage = self.stager.to_device
         self.stager.next_step()
-        if batch.table_writes:  # one scatter for all rows' new slots
+        if batch.table_writes or batch.write_new_slots:  # one scatter for all rows' new slots
             rows, cols, vals = [], [], []
+            if batch.write_new_slots and batch.rows:
+                r = torch.tensor(batch.rows, dtype=torch.int64)
+                if len(batch.extend_lens) != batch.num_tokens:  # not one token per request
+                    r = r.repeat_interleave(torch.tensor(batch.extend_lens, dtype=torch.int64))
+                rows.append(r)
+                cols.append(batch.positions)
+                vals.append(batch.out_cache_loc)
             for row, start, slots in batch.table_writes:
                 n = slots.numel()
                 rows.append(torch.full((n,), row, dtype=torch.int64))
                 cols.append(torch.arange(start, start + n, dtype=torch.int64))
                 vals.append(slots)
-            self.pool.req_to_token[stage(torch.cat(rows)), stage(torch.cat(cols))] = stage(torch.cat(vals))
+            if rows:
+                cat = torch.cat if len(rows) > 1 else (lambda parts: parts[0])
+                self.pool.req_to_token[stage(cat(rows)), stage(cat(cols))] = stage(cat(vals))
         input_ids = stage(batch.input_ids)
         if batch.placeholder_pos:
             assert prev is not None, "a batch with placeholders needs the previous step's picks"
