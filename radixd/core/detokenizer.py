@@ -9,6 +9,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], *, skip_special_tokens: bool, stop: list[str]):
         self.tok = tokenizer
         self.skip = skip_special_tokens
+        self._backend = _backend_decoder(tokenizer)
         self.stop = stop
         self.max_stop = max((len(s) for s in stop), default=0)
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
@@ -19,6 +20,8 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend(ids, skip_special_tokens=self.skip)
         return self.tok.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
 
     def add(self, token: int) -> str:
@@ -75,3 +78,20 @@ class IncrementalDetokenizer:
             if any(s.startswith(suffix) for s in self.stop):
                 return n
         return 0
+
+
+def _backend_decoder(tokenizer):
+    """The ``tokenizers`` decoder behind a fast tokenizer whose ``decode`` (without clean-up)
+    is just that call, else None. It skips transformers' per-call argument handling, which
+    costs more than the decoding itself; two decodes run per generated token."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    base = getattr(PreTrainedTokenizerFast, "_decode", None)
+    if backend is None or base is None or getattr(type(tokenizer), "_decode", None) is not base:
+        return None
+    if type(tokenizer).decode is not PreTrainedTokenizerFast.decode:
+        return None
+    return backend.decode
