@@ -181,7 +181,7 @@ class Scheduler:
                 self._preempt(max(self.running, key=lambda r: r.arrival))
                 return self.schedule()
             return None
-        return self._build(plan)
+        return self._build(plan, decoding=len(decoding))
 
     def _may_continue(self, r: Request) -> bool:
         """False once ``r`` has (or will have, counting its pending pick) all its tokens."""
@@ -251,7 +251,9 @@ class Scheduler:
             self.cache.evict(want - self.allocator.available)
         return self.allocator.available >= want
 
-    def _build(self, plan: list[tuple[Request, int]]) -> ScheduledStep:
+    def _build(self, plan: list[tuple[Request, int]], decoding: int = 0) -> ScheduledStep:
+        """The step's batch. ``plan[:decoding]`` are decodes: requests whose last token is
+        all they run (the common case, built on a shorter path)."""
         # Flat Python lists, one torch.tensor call each at the end: this loop runs for every
         # request every step, so it does no tensor work per request (a decode step's slot is
         # kept as an int, see Request.append_slot).
@@ -270,7 +272,26 @@ class Scheduler:
         lp_pos: list[int] = []
         lp_target: list[int] = []
         lp_reqs: list[tuple[Request, int]] = []
-        for i, (r, n) in enumerate(plan):
+        if decoding:  # the plan starts with them: one token each, the last of their sequence
+            dec = [r for r, _ in plan[:decoding]]
+            ids = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in dec]
+            ids = [0 if t == PLACEHOLDER else t for t in ids]
+            pos = [r.kv_len for r in dec]
+            rows = [r.row for r in dec]
+            prefix_lens = pos.copy()
+            extend_lens = [1] * decoding
+            sampled_idx = list(range(decoding))
+            for i, r in enumerate(dec):
+                if r.pending:
+                    ph_pos.append(i)
+                    ph_req.append(r)
+                if r.pending_writes:
+                    for start, slots in r.pending_writes:
+                        writes.append((r.row, start, slots))
+                    r.pending_writes.clear()
+                r.append_slot(flat_slots[i])
+            off = decoding
+        for i, (r, n) in enumerate(plan[decoding:], start=decoding):
             kv = r.kv_len
             prompt = r.prompt_ids
             plen = len(prompt)
