@@ -84,6 +84,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self.tiers = tiers
         self._load_events: list = []  # CUDA events of tier loads the next step must wait for
+        self._sampling_cache: _SamplingRows | None = None  # the last step's batched sampling rows
         if tiers is not None and tiers.write_policy == "write_back":
             cache.on_evict = self._store_path
 
@@ -373,48 +374,28 @@ class Scheduler:
         return step
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
-        # One pass over the requests into flat lists (each request's constant part is
-        # computed once, see Request.sampling_row), then one tensor per dtype.
+        # The requests' constant inputs (each computed once per request, see
+        # Request.sampling_row) are batched once and reused while the same requests sample in
+        # the same order, as they do step after step while decoding; only the token index of
+        # each row is new every step. The worker reads these tensors, never writes them.
         f32 = torch.float32
-        cap = self.config.max_top_logprobs
-        floats: tuple[list[float], list[float], list[float]] = ([], [], [])  # temperature, top_p, min_p
-        ints: tuple[list[int], list[int], list[int]] = ([], [], [])  # top_k, seed, step
-        temps, top_ps, min_ps = floats
-        top_ks, seeds, steps = ints
-        top_logprobs = 0
-        want_logprobs = penalties = constrained = banned = False
-        all_greedy = True
-        for r in reqs:
-            row = r.sampling_row
-            if row is None:
-                row = r.sampling_row = _sampling_row(r.params, cap)
-            temp, top_p, min_p, top_k, greedy, lp, top_lp, pen = row
-            temps.append(temp)
-            top_ps.append(top_p)
-            min_ps.append(min_p)
-            top_ks.append(top_k)
-            seeds.append(r.seed)
-            steps.append(len(r.output_ids))
-            all_greedy = all_greedy and greedy
-            want_logprobs = want_logprobs or lp
-            if top_lp > top_logprobs:
-                top_logprobs = top_lp
-            penalties = penalties or pen
-            constrained = constrained or r.matcher is not None
-            banned = banned or len(r.output_ids) < r.params.min_new_tokens
-        fl = torch.tensor(floats, dtype=f32)
-        it = torch.tensor(ints, dtype=torch.int64)
+        cached = self._sampling_cache
+        if cached is None or cached.reqs != reqs:
+            cached = self._sampling_cache = _SamplingRows(reqs, self.config.max_top_logprobs)
+        steps = [len(r.output_ids) for r in reqs]
         sb = SamplingBatch(
-            temperature=fl[0],
-            top_p=fl[1],
-            top_k=it[0],
-            min_p=fl[2],
-            seeds=it[1],
-            steps=it[2],
-            top_logprobs=top_logprobs,
-            want_logprobs=want_logprobs,
-            all_greedy=all_greedy,
+            temperature=cached.temperature,
+            top_p=cached.top_p,
+            top_k=cached.top_k,
+            min_p=cached.min_p,
+            seeds=cached.seeds,
+            steps=torch.tensor(steps, dtype=torch.int64),
+            top_logprobs=cached.top_logprobs,
+            want_logprobs=cached.want_logprobs,
+            all_greedy=cached.all_greedy,
         )
+        penalties, constrained = cached.penalties, cached.constrained
+        banned = any(steps[i] < reqs[i].params.min_new_tokens for i in cached.min_new_rows)
         if penalties:
             ps = [r.params for r in reqs]
             sb.repetition_penalty = torch.tensor([p.repetition_penalty for p in ps], dtype=f32)
@@ -695,6 +676,39 @@ class Scheduler:
         )
         if every.numel() != a["total"] or torch.unique(every).numel() != a["total"]:
             raise AssertionError("KV slots are lost or owned twice")
+
+
+class _SamplingRows:
+    """The constant sampling inputs of a list of requests, batched (one tensor per dtype)."""
+
+    def __init__(self, reqs: list[Request], max_top_logprobs: int):
+        self.reqs = list(reqs)
+        temps, top_ps, min_ps, top_ks, seeds = [], [], [], [], []
+        self.top_logprobs = 0
+        self.want_logprobs = self.penalties = self.constrained = False
+        self.all_greedy = True
+        self.min_new_rows = []  # rows whose stop tokens may be banned (min_new_tokens)
+        for i, r in enumerate(reqs):
+            row = r.sampling_row
+            if row is None:
+                row = r.sampling_row = _sampling_row(r.params, max_top_logprobs)
+            temp, top_p, min_p, top_k, greedy, lp, top_lp, pen = row
+            temps.append(temp)
+            top_ps.append(top_p)
+            min_ps.append(min_p)
+            top_ks.append(top_k)
+            seeds.append(r.seed)
+            self.all_greedy = self.all_greedy and greedy
+            self.want_logprobs = self.want_logprobs or lp
+            self.top_logprobs = max(self.top_logprobs, top_lp)
+            self.penalties = self.penalties or pen
+            self.constrained = self.constrained or r.matcher is not None
+            if r.params.min_new_tokens > 0:
+                self.min_new_rows.append(i)
+        fl = torch.tensor([temps, top_ps, min_ps], dtype=torch.float32)
+        it = torch.tensor([top_ks, seeds], dtype=torch.int64)
+        self.temperature, self.top_p, self.min_p = fl[0], fl[1], fl[2]
+        self.top_k, self.seeds = it[0], it[1]
 
 
 def _sampling_row(p, max_top_logprobs: int) -> tuple:
