@@ -83,6 +83,9 @@ class ForwardBatch:
     def logits_indices(self) -> torch.Tensor:
         """Index in the flat token axis of the last token of each sampled request, then of
         each token before a prompt token whose logprob is wanted."""
+        n = len(self.sample_indices)
+        if not self.prompt_lp_pos and n == len(self.extend_lens) == self.input_ids.numel():
+            return torch.arange(n, dtype=torch.int64)  # one token per request, every one sampled
         ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
         idx = ends[torch.tensor(self.sample_indices, dtype=torch.int64)]
         if self.prompt_lp_pos:

@@ -444,6 +444,7 @@ class Scheduler:
             r.prompt_logprobs.extend(out.prompt_logprobs[off : off + k])
             off += k
         accepted = []
+        eos, ctx_len = self.eos, self.context_len
         for i, (r, idx, tok) in enumerate(zip(step.sampled, step.pick_index, out.next_tokens, strict=True)):
             r.pending -= 1
             if r.finish_reason is not None:
@@ -451,7 +452,12 @@ class Scheduler:
                 r.output_ids.pop()
                 continue
             r.output_ids[idx] = tok
-            r.finish_reason = self._token_finish(r, tok, idx + 1)
+            # the finish reason after the count-th generated token, if any
+            p, count = r.params, idx + 1
+            if count >= p.min_new_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in eos)):
+                r.finish_reason = "stop"
+            elif count >= p.max_new_tokens or len(r.prompt_ids) + count >= ctx_len:
+                r.finish_reason = "length"
             if r.matcher is not None:
                 if not r.matcher.accept_token(tok):  # the mask allowed it: a backend bug
                     r.finish_reason = r.finish_reason or "abort"
@@ -487,16 +493,6 @@ class Scheduler:
         for r, idx in zip(step.sampled, step.pick_index, strict=True):
             r.pending -= 1
             del r.output_ids[idx]
-
-    def _token_finish(self, r: Request, tok: int, count: int) -> str | None:
-        """Finish reason after ``tok``, the ``count``-th generated token, if any."""
-        p = r.params
-        if count >= p.min_new_tokens:
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
-                return "stop"
-        if count >= p.max_new_tokens or len(r.prompt_ids) + count >= self.context_len:
-            return "length"
-        return None
 
     def finish(self, r: Request, reason: str) -> None:
         if r.finish_reason is None:
