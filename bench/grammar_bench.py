@@ -11,10 +11,12 @@ llguidance in the same run, on SmolLM2's tokenizer (the cached default model).
    ``fill_next_token_bitmask``; llguidance: ``fill_next_token_bitmask``), then the token is
    accepted. The first document of a schema meets every state cold; later ones reuse masks.
 3. End to end (``--e2e``): an in-process ``Engine`` on the default model, 16 concurrent
-   chat requests (one per suite schema, all 52, greedy, ``--max-tokens``), unconstrained
-   versus constrained by the schema (radixd's backend, and xgrammar's through
-   plugins-contrib/radixd-xgrammar); output tokens per second, and how many constrained
-   outputs parse and validate (``jsonschema``).
+   chat requests (one per suite schema, all 52, greedy, ``--max-tokens``; a short prompt
+   naming the fields), unconstrained versus constrained by the schema (radixd's backend, and
+   xgrammar's through plugins-contrib/radixd-xgrammar): output tokens per second over the
+   run, the steady-state decode throughput (decode-only steps with all 16 slots busy, timed
+   from one step's completion to the next), and how many constrained outputs parse and
+   validate (``jsonschema``).
 
     python bench/grammar_bench.py --e2e                  # everything (several minutes on CPU)
     python bench/grammar_bench.py --docs 1               # masks and compile only, quicker
@@ -244,10 +246,17 @@ async def e2e(backend: str | None, max_tokens: int, concurrency: int) -> dict:
                 grammars[n] = await engine.compile_grammar(SamplingParams(json_schema=gs.SCHEMAS[n]))
         compile_all_s = time.perf_counter() - t0
 
+        steps: list[tuple[float, int, bool]] = []  # (completion time, picks, had a prefill chunk)
+
+        def hook(step):
+            steps.append((time.perf_counter(), len(step.sampled), any(n > 1 for n in step.batch.extend_lens)))
+
+        engine.step_hook = hook
+
         async def one(name: str):
             schema = gs.SCHEMAS[name]
-            msg = [{"role": "user", "content": f"Reply with one JSON document valid under this JSON Schema: "
-                                               f"{json.dumps(schema)}"}]
+            fields = ", ".join(schema.get("properties", {})) or "any"
+            msg = [{"role": "user", "content": f"Reply with one JSON document (fields: {fields})."}]
             ids = engine.apply_chat_template(msg)
             params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0,
                                     json_schema=schema if backend is not None else None)
@@ -261,6 +270,10 @@ async def e2e(backend: str | None, max_tokens: int, concurrency: int) -> dict:
         wall = time.perf_counter() - t0
     finally:
         await engine.stop()
+    # steady state: decode-only steps with every slot busy, timed completion to completion
+    full = [(t1 - t0_, n) for (t0_, _, _), (t1, n, pre) in zip(steps, steps[1:], strict=False)
+            if n == concurrency and not pre]
+    steady = sum(n for _, n in full) / sum(dt for dt, _ in full) if full else float("nan")
     tokens = sum(r[2] for r in results)
     valid, finished, bad = 0, 0, []
     for name, (text, reason, _) in zip(names, results, strict=True):
@@ -275,6 +288,7 @@ async def e2e(backend: str | None, max_tokens: int, concurrency: int) -> dict:
             bad.append(f"{name} ({reason}): {type(exc).__name__} on {text[:80]!r}")
     return {"backend": backend or "unconstrained", "requests": len(names), "concurrency": concurrency,
             "max_tokens": max_tokens, "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
+            "steady_decode_tokens_per_s": steady, "steady_steps": len(full),
             "finished_by_grammar_or_eos": finished, "valid": valid, "invalid": bad,
             "compile_all_schemas_s": compile_all_s}
 
@@ -284,6 +298,7 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=3, help="valid documents per schema for the mask timings")
     ap.add_argument("--backends", default="radixd,xgrammar,llguidance")
     ap.add_argument("--e2e", action="store_true", help="also the end-to-end engine run (default model, CPU)")
+    ap.add_argument("--e2e-only", action="store_true", help="only the end-to-end run")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -303,7 +318,7 @@ def main() -> None:
               "tokenizer": "SmolLM2-135M-Instruct", "vocab_size": vocab_size, "schemas": len(gs.SCHEMAS),
               "docs_per_schema": args.docs, "backends": {}}
     runs = {"radixd": RadixdRun, "xgrammar": XGrammarRun, "llguidance": LLGuidanceRun}
-    for name in args.backends.split(","):
+    for name in ([] if args.e2e_only else args.backends.split(",")):
         try:
             run = runs[name](tok, vocab_size, eos)
         except ImportError as exc:
@@ -314,13 +329,15 @@ def main() -> None:
         print(f"{name:11s} compile p50 {r['compile_ms']['p50']:7.2f} ms p99 {r['compile_ms']['p99']:8.2f} ms | "
               f"mask p50 {r['mask_us']['p50']:7.2f} us p99 {r['mask_us']['p99']:9.2f} us | "
               f"failures {len(r['failures'])}", flush=True)
-    if args.e2e:
+    if args.e2e or args.e2e_only:
         report["e2e"] = []
         for backend in (None, "radixd", "xgrammar"):
             r = asyncio.run(e2e(backend, args.max_tokens, args.concurrency))
             report["e2e"].append(r)
             print(f"e2e {r['backend']:13s} {r['tokens_per_s']:7.1f} tok/s ({r['output_tokens']} tokens, "
-                  f"{r['wall_s']:.1f} s) valid {r['valid']}/{r['requests']}", flush=True)
+                  f"{r['wall_s']:.1f} s); steady state at {args.concurrency} running: "
+                  f"{r['steady_decode_tokens_per_s']:.1f} tok/s over {r['steady_steps']} steps; "
+                  f"valid {r['valid']}/{r['requests']}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")

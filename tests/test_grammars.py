@@ -316,7 +316,7 @@ async def test_engine_default_model_schemas_validate():
         pytest.skip("the default model is not cached")
     engine = Engine(model="default", kv_cache_tokens=30000)
     names = ["flat_person", "opt_some", "enum_status", "format_date", "array_bounded", "nested_address",
-             "enum_color", "recursive_tree"]
+             "enum_color", "ref_defs"]
     try:
         async def one(name):
             schema = gs.SCHEMAS[name]

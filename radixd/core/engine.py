@@ -252,6 +252,8 @@ class Engine:
                                  capacity_tokens=self.replicas[0].allocator.total,
                                  loads=lambda: [rep.load for rep in self.replicas])
         self.grammars = self._make_grammar_service()
+        # reads a step's picks while the worker thread runs the next one (deferred grammar masks)
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixd-reader")
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._streams: dict[Request, _Stream] = {}
@@ -466,6 +468,7 @@ class Engine:
                 rep.tiers.close(close_tiers=False)
         for tier in self.cache_tiers:
             tier.close()
+        self._reader.shutdown(wait=True)
         if self.grammars is not None:
             self.grammars.shutdown()
 
@@ -736,6 +739,9 @@ class Engine:
         if step.placeholder_reqs:
             src = {r: i for i, r in enumerate(prev[0].sampled)}
             step.batch.placeholder_src = [src[r] for r in step.placeholder_reqs]
+        sb = step.batch.sampling
+        if sb is not None and sb.allowed_future is not None:
+            return await self._run_deferred(loop, rep, step, prev, t0)
         try:
             picks = await loop.run_in_executor(rep.executor, rep.worker.launch, step.batch,
                                                prev[1] if prev else None)
@@ -752,11 +758,34 @@ class Engine:
             await self._finish(loop, rep, (step, picks, t0), frozenset())
         return True
 
-    async def _finish(self, loop, rep: Replica, launched, inflight: frozenset) -> None:
+    async def _run_deferred(self, loop: asyncio.AbstractEventLoop, rep: Replica, step: ScheduledStep, prev,
+                            t0: float) -> bool:
+        """Overlap with grammar masks: launch step N+1, read step N (its tokens reach the
+        matchers), fill N+1's masks while its forward runs, then let it sample."""
+        sb = step.batch.sampling
+        launched = loop.run_in_executor(rep.executor, rep.worker.launch, step.batch, prev[1])
+        try:
+            await self._finish(loop, rep, prev, frozenset(step.reqs), reader=self._reader)
+            sb.allowed_future.set_result(torch.from_numpy(
+                rep.scheduler.fill_masks(len(step.sampled), sb.deferred_masks)))
+        finally:
+            if not sb.allowed_future.done():  # never leave the worker waiting
+                sb.allowed_future.set_exception(RuntimeError("grammar masks were not computed"))
+        try:
+            picks = await launched
+        except Exception as exc:
+            log.exception("forward pass failed; failing %d requests", len(step.reqs))
+            rep.scheduler.rollback(step)
+            self._fail(rep, step, exc)
+            return True
+        rep.inflight = (step, picks, t0)
+        return True
+
+    async def _finish(self, loop, rep: Replica, launched, inflight: frozenset, reader=None) -> None:
         """Read a launched step's picks, stream them, release what finished."""
         step, picks, t0 = launched
         try:
-            out = await loop.run_in_executor(rep.executor, rep.worker.resolve, picks)
+            out = await loop.run_in_executor(reader or rep.executor, rep.worker.resolve, picks)
         except Exception as exc:
             log.exception("forward pass failed; failing %d requests", len(step.reqs))
             rep.scheduler.rollback(step)

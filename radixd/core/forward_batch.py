@@ -35,6 +35,10 @@ class SamplingBatch:
     banned_tokens: torch.Tensor | None = None
     # Grammar masks: [S, V] bool, True = allowed (None when no row is constrained).
     allowed: torch.Tensor | None = None
+    # ... or, under overlap scheduling, filled by the engine while the forward runs: the
+    # sampler waits on ``allowed_future`` (rows and matchers in ``deferred_masks``).
+    allowed_future: object | None = None
+    deferred_masks: list | None = None
     top_logprobs: int = 0            # max top-k alternatives any row asked for
     want_logprobs: bool = False
     all_greedy: bool = False

@@ -98,8 +98,11 @@ def sample_on_device(logits: torch.Tensor, sb: SamplingBatch) -> SampledTokens:
     apply_penalties(logits, sb)
     if sb.banned_rows is not None and sb.banned_rows.numel():
         logits[sb.banned_rows, sb.banned_tokens] = float("-inf")
-    if sb.allowed is not None:  # grammar constraints, in place
-        logits.masked_fill_(~sb.allowed, float("-inf"))
+    allowed = sb.allowed
+    if allowed is None and sb.allowed_future is not None:  # filled while the forward ran
+        allowed = sb.allowed_future.result().to(logits.device, non_blocking=True)
+    if allowed is not None:  # grammar constraints, in place
+        logits.masked_fill_(~allowed, float("-inf"))
     greedy_tokens = logits.argmax(dim=-1)
     if sb.all_greedy:
         tokens = greedy_tokens

@@ -14,6 +14,7 @@ when a request leaves (write-through, or once its prefix was hit N times), per t
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -120,7 +121,7 @@ class Scheduler:
         # 1. Decode for every running request past its prompt; preempt if KV runs out.
         decoding: list[Request] = []
         mid_prefill = False  # a running request has prompt chunks left
-        host_picks = False   # a decoding request needs its pending pick on the host
+        host_picks = False   # a decoding request needs its pending pick on the host (penalties)
         ctx_len = self.context_len
         for r in self.running:
             out_len = len(r.output_ids)
@@ -130,12 +131,13 @@ class Scheduler:
                 if (r.finish_reason is None and not r.aborted and out_len < r.params.max_new_tokens
                         and last + 1 < ctx_len):
                     decoding.append(r)
-                    if r.pending and (r.matcher is not None or r.params.needs_penalties):
+                    if r.pending and r.params.needs_penalties:
                         host_picks = True
             elif r.kv_len < last:
                 mid_prefill = True
         if inflight and host_picks:
-            return NEED_SYNC  # penalties and grammar masks need the pending token on the host
+            return NEED_SYNC  # penalties need the pending token on the host (grammar masks
+                             # are filled while the step runs: see _sampling_batch)
         while decoding and not self._make_room(len(decoding)):
             if inflight:
                 return NEED_SYNC
@@ -425,12 +427,25 @@ class Scheduler:
                 sb.banned_rows = torch.tensor(banned_rows, dtype=torch.int64)
                 sb.banned_tokens = torch.tensor(banned_toks, dtype=torch.int64)
         if constrained:
-            allowed = np.ones((len(reqs), self.vocab_size), dtype=bool)
-            for i, r in enumerate(reqs):
-                if r.matcher is not None:
-                    r.matcher.fill_mask(allowed[i])
-            sb.allowed = torch.from_numpy(allowed)
+            rows = [(i, r) for i, r in enumerate(reqs) if r.matcher is not None]
+            if any(r.pending for _, r in rows):
+                # A matcher still waits for its last token (overlap): the engine fills the
+                # masks once that step is read, while this step's forward runs; the sampler
+                # waits for them (``allowed_future``).
+                sb.deferred_masks = rows
+                sb.allowed_future = concurrent.futures.Future()
+            else:
+                sb.allowed = torch.from_numpy(self.fill_masks(len(reqs), rows))
         return sb
+
+    def fill_masks(self, rows: int, constrained: list) -> np.ndarray:
+        """[rows, vocab] bool: each constrained row's grammar mask, the others all True (and
+        so are rows of requests that finished meanwhile: their picks are dropped)."""
+        allowed = np.ones((rows, self.vocab_size), dtype=bool)
+        for i, r in constrained:
+            if r.finish_reason is None:
+                r.matcher.fill_mask(allowed[i])
+        return allowed
 
     # ------------------------------------------------------------------ results
 

@@ -14,16 +14,21 @@ from radixd.plugins import hookimpl
 class XGrammarMatcher:
     """One sequence: xgrammar's matcher, its token bitmask unpacked into radixd's bool rows."""
 
-    __slots__ = ("m", "bits", "vocab_size")
+    __slots__ = ("m", "bits", "vocab_size", "stop_ids")
 
-    def __init__(self, compiled, vocab_size: int):
+    def __init__(self, compiled, vocab_size: int, stop_ids: list[int]):
         import xgrammar as xgr
 
         self.m = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
+        self.stop_ids = stop_ids
         self.bits = xgr.allocate_token_bitmask(1, vocab_size)
 
     def fill_mask(self, out: np.ndarray) -> None:
+        if self.m.is_terminated():  # xgrammar has no mask after its stop token
+            out[:] = False
+            out[self.stop_ids] = True
+            return
         self.m.fill_next_token_bitmask(self.bits, 0)
         packed = self.bits.numpy().view(np.uint8)[0]
         out[:] = np.unpackbits(packed, bitorder="little")[: self.vocab_size].view(bool)
@@ -36,12 +41,13 @@ class XGrammarMatcher:
 
 
 class XGrammarCompiled:
-    def __init__(self, compiled, vocab_size: int):
+    def __init__(self, compiled, vocab_size: int, stop_ids: list[int]):
         self.compiled = compiled
         self.vocab_size = vocab_size
+        self.stop_ids = stop_ids
 
     def matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self.compiled, self.vocab_size)
+        return XGrammarMatcher(self.compiled, self.vocab_size, self.stop_ids)
 
 
 class XGrammarBackend:
@@ -86,7 +92,7 @@ class XGrammarBackend:
             raise
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its message
             raise GrammarError(kind, f"xgrammar: {exc}") from None
-        return XGrammarCompiled(compiled, self.vocab_size)
+        return XGrammarCompiled(compiled, self.vocab_size, self.eos_ids)
 
 
 @hookimpl
