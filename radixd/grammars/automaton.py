@@ -356,16 +356,32 @@ class TokenGrammar:
             state[0] = start
             lv = tr.levels
             dead_at: list[np.ndarray] = []  # nodes where a walk leaves an accepting state
+            alive = np.zeros(1, dtype=np.int64)  # live nodes of the level above
             for d in range(1, len(lv) - 1):
                 a, b = lv[d], lv[d + 1]
-                ps = state[tr.parent[a:b]]
-                ns = flat[ps * 256 + tr.byte[a:b]]
-                state[a:b] = ns
+                if alive.size * 8 > b - a:  # most of the level: one gather over all of it
+                    idx = None
+                    ps = state[tr.parent[a:b]]
+                    ns = flat[ps * 256 + tr.byte[a:b]]
+                    state[a:b] = ns
+                    live = np.flatnonzero(ns)
+                    alive = live + a
+                else:  # only the children of live nodes
+                    counts = tr.child_count[alive]
+                    total = int(counts.sum())
+                    if total == 0:
+                        break
+                    idx = np.arange(total) + np.repeat(tr.child_start[alive] - np.cumsum(counts) + counts, counts)
+                    ps = state[tr.parent[idx]]
+                    ns = flat[ps * 256 + tr.byte[idx]]
+                    state[idx] = ns
+                    alive = idx[ns != 0]
                 if d > 1 or not fresh:  # (a lexeme is never empty)
                     leave = (ns == 0) & accepting[ps]
                     if leave.any():
-                        dead_at.append(np.flatnonzero(leave) + a)
-                if not ns.any():
+                        where = np.flatnonzero(leave)
+                        dead_at.append(where + a if idx is None else idx[where])
+                if not alive.size:
                     break  # every deeper node is dead (state 0 already)
             ok_all = (state[tr.end] != 0) & v.has_bytes
             cand = np.zeros(v.vocab_size, dtype=bool)
@@ -391,6 +407,8 @@ class TokenGrammar:
     def _row_scan(self, lx: _Lexer, start: int, fresh: bool, rows: np.ndarray, offs: np.ndarray):
         """As ``_trie_scan`` for token suffixes (from ``offs``), walked row by row."""
         v = self.vocab
+        if rows.size <= 512:  # few rows (the usual case): plain Python beats numpy's overhead
+            return self._row_scan_small(lx, start, fresh, rows, offs)
         table = lx.table
         rem = v.lengths[rows] - offs
         states = np.full(rows.size, start, dtype=np.int64)
@@ -423,6 +441,30 @@ class TokenGrammar:
             e = np.zeros(0, dtype=np.int64)
             return e, e, e, ok
         return np.concatenate(cand_pos), np.concatenate(cand_prev), np.concatenate(cand_k), ok
+
+
+    def _row_scan_small(self, lx: _Lexer, start: int, fresh: bool, rows: np.ndarray, offs: np.ndarray):
+        tb = self.vocab.token_bytes
+        table = lx.rows
+        accepting = lx.accepting
+        ok = np.zeros(rows.size, dtype=bool)
+        cpos, cprev, ck = [], [], []
+        for j, (row, off) in enumerate(zip(rows.tolist(), offs.tolist(), strict=True)):
+            st = start
+            data = tb[row]
+            for k in range(len(data) - off):
+                nxt = table[st][data[off + k]]
+                if not nxt:
+                    if (k > 0 or not fresh) and accepting[st]:
+                        cpos.append(j)
+                        cprev.append(st)
+                        ck.append(k)
+                    break
+                st = nxt
+            else:
+                ok[j] = True
+        mk = lambda xs: np.array(xs, dtype=np.int64)  # noqa: E731
+        return mk(cpos), mk(cprev), mk(ck), ok
 
 
 class Matcher:

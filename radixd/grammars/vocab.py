@@ -105,6 +105,11 @@ class _Trie:
             if frontier:
                 levels.append(len(parent))
         self.parent = np.array(parent, dtype=np.int64)
+        # children of a node are contiguous (breadth-first numbering)
+        self.child_count = np.bincount(self.parent[1:], minlength=len(parent)).astype(np.int64)
+        first = np.full(len(parent), len(parent), dtype=np.int64)
+        np.minimum.at(first, self.parent[1:], np.arange(1, len(parent)))
+        self.child_start = first
         self.byte = np.array(byte, dtype=np.int64)
         self.levels = levels  # nodes of depth d: [levels[d], levels[d + 1])
         self.depth = np.zeros(len(parent), dtype=np.int64)
