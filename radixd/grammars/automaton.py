@@ -206,8 +206,23 @@ class TokenGrammar:
         return lx
 
     def warm(self) -> None:
-        """Build the start configuration's lexer (part of compiling)."""
+        """Part of compiling (off the event loop): build the lexer of every parser state's
+        terminals (with and without the ignored ones) and scan the vocabulary from each
+        lexer's start, so first masks mostly find their DFAs and scans ready."""
         self.lexer(self.start[0], True)
+        actions = getattr(self.parser, "actions", None)
+        if actions is None:
+            return
+        rows = np.arange(self.vocab.vocab_size, dtype=np.int64)
+        for top in actions:
+            cands = frozenset(self.parser.candidates((top,)))
+            if not cands:
+                continue
+            for terms in (cands | self.ignore, cands):
+                lx = self._lexers.get(terms)
+                if lx is None:
+                    lx = self._lexers[terms] = _Lexer(self.shared, tuple(sorted(terms)), self.terminals)
+                    self._trie_scan(lx, 1, True, rows)
 
     # -------------------------------------------------------------- stepping
 
@@ -335,10 +350,14 @@ class TokenGrammar:
             cpos, cprev, ck_, ok = self._row_scan(lx, start, fresh, rows, offs)
         groups = []
         if cpos.size:
-            for s in np.unique(cprev):
-                sel = cprev == s
-                p = cpos[sel]
-                groups.append((int(s), p, offs[p] + ck_[sel]))
+            first = int(cprev[0])
+            if (cprev == first).all():  # usually one state where tokens leave the lexeme
+                groups.append((first, cpos, offs[cpos] + ck_))
+            else:
+                for s in np.unique(cprev):
+                    sel = cprev == s
+                    p = cpos[sel]
+                    groups.append((int(s), p, offs[p] + ck_[sel]))
         got = (ok, groups)
         self.shared.remember(self._scans, ck, got)
         return got
