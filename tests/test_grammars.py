@@ -288,6 +288,21 @@ async def test_engine_regex_lark_n_stream_stop(tiny_models):
         params = SamplingParams(ebnf=arith, max_new_tokens=24, temperature=1.0, seed=2)
         text = "".join([o.text async for o in engine.generate("calc", params=params)])
         assert re.fullmatch(r"[0-9+\-*/(). ]+", text), text
+        # a small SQL subset: every finished output parses with Lark itself
+        import lark
+
+        sql, _ = gs.LARK["sql"]
+        parser = lark.Lark(sql, parser="lalr")
+        finished = 0
+        for seed in range(6):
+            params = SamplingParams(ebnf=sql, max_new_tokens=60, temperature=1.0, seed=seed)
+            outs = [o async for o in engine.generate("query", params=params)]
+            text = "".join(o.text for o in outs)
+            assert text.lstrip().lower().startswith("select"), text
+            if outs[-1].finish_reason == "stop":
+                finished += 1
+                parser.parse(text)
+        assert finished >= 1
         with pytest.raises(InvalidRequest) as info:
             await engine.compile_grammar(SamplingParams(regex="(unclosed"))
         assert info.value.field == "regex"
