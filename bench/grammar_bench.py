@@ -166,6 +166,7 @@ def bench_backend(run, tok, docs: dict[str, list[str]]) -> dict:
     compile_s: list[float] = []
     mask_s: list[float] = []
     mask_cold: list[float] = []
+    mask_later: list[float] = []
     failures: list[str] = []
     for name, schema in gs.SCHEMAS.items():
         spec = json.dumps(schema)
@@ -183,6 +184,8 @@ def bench_backend(run, tok, docs: dict[str, list[str]]) -> dict:
             mask_s += times
             if i == 0:
                 mask_cold += times
+            else:
+                mask_later += times
     regex_s = []
     for name, (pattern, valid) in gs.REGEXES.items():
         t0 = time.perf_counter()
@@ -198,7 +201,8 @@ def bench_backend(run, tok, docs: dict[str, list[str]]) -> dict:
                 failures.append(f"regex {name}: refused {text!r}")
             mask_s += times
     out = {"compile_ms": summary(compile_s, 1e3), "mask_us": summary(mask_s, 1e6),
-           "mask_first_document_us": summary(mask_cold, 1e6), "regex_compile_ms": summary(regex_s, 1e3),
+           "mask_first_document_us": summary(mask_cold, 1e6), "mask_later_documents_us": summary(mask_later, 1e6),
+           "regex_compile_ms": summary(regex_s, 1e3),
            "schemas_compiled": len(compile_s), "failures": failures}
     if run.name == "radixd":
         lark_s = []
