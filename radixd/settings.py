@@ -122,9 +122,9 @@ class GrammarSection:
     backend: str = _f("radixd")
     compile_timeout: float = _f(10.0, min=0.001)
     compile_workers: int = _f(2, min=1)
-    cache_size: int = _f(256, min=1)
+    cache_size: int = _f(64, min=1)
     max_whitespace: int = _f(2, min=0)
-    mask_cache_size: int = _f(4096, min=16)
+    mask_cache_size: int = _f(1024, min=16)
 
 
 @dataclass(frozen=True)

@@ -88,9 +88,9 @@ class EngineConfig:
     grammar_backend: str = "radixd"          # a backend from the radixd_grammar_backends hook
     grammar_compile_timeout: float = 10.0    # seconds; a slower compile fails its request (400)
     grammar_compile_workers: int = 2         # threads compiling grammars off the event loop
-    grammar_cache_size: int = 256            # compiled grammars kept (LRU, per engine/tokenizer)
+    grammar_cache_size: int = 64            # compiled grammars kept (LRU, per engine/tokenizer)
     grammar_max_whitespace: int = 2          # longest whitespace run between JSON tokens
-    grammar_mask_cache_size: int = 4096      # token masks kept per compiled grammar
+    grammar_mask_cache_size: int = 1024      # token masks kept per compiled grammar
 
     plugins_allow: tuple[str, ...] | None = None
     plugins_block: tuple[str, ...] = field(default_factory=tuple)

@@ -120,7 +120,7 @@ class SharedLexers:
     vocabulary: keyed by the terminals' regexes, so the string, number and punctuation lexers
     of many JSON Schemas are built and scanned once. Bounded; cleared when full."""
 
-    def __init__(self, limit: int = 65536):
+    def __init__(self, limit: int = 2048):
         self.limit = limit
         self.dfas: dict[tuple[str, ...], tuple[int, DFA, list, np.ndarray, np.ndarray]] = {}
         self.scans: dict[tuple, tuple] = {}
@@ -162,7 +162,7 @@ class TokenGrammar:
     the engine uses it from one thread."""
 
     def __init__(self, terminals: list[Terminal], parser, vocab: TokenizerInfo, ignore: frozenset[int] = frozenset(),
-                 mask_cache_size: int = 4096, shared: SharedLexers | None = None):
+                 mask_cache_size: int = 1024, shared: SharedLexers | None = None):
         self.terminals = terminals
         self.parser = parser
         self.vocab = vocab
@@ -403,25 +403,30 @@ class TokenGrammar:
                 if not alive.size:
                     break  # every deeper node is dead (state 0 already)
             ok_all = (state[tr.end] != 0) & v.has_bytes
-            cand = np.zeros(v.vocab_size, dtype=bool)
-            prev_all = np.zeros(v.vocab_size, dtype=np.int64)
-            k_all = np.zeros(v.vocab_size, dtype=np.int64)
-            if dead_at:
+            if dead_at:  # candidates, kept sparse: (token ids, state left, bytes consumed)
                 nodes = np.concatenate(dead_at)
                 toks = [tr.order[tr.lo[n]:tr.hi[n]] for n in nodes.tolist()]
                 counts = np.array([t.size for t in toks], dtype=np.int64)
-                toks = np.concatenate(toks)
-                cand[toks] = True
-                prev_all[toks] = np.repeat(state[tr.parent[nodes]], counts)
-                k_all[toks] = np.repeat(tr.depth[nodes] - 1, counts)
-                cand &= v.has_bytes
-            got = (ok_all, cand, prev_all, k_all)
+                ctok = np.concatenate(toks)
+                cprev = np.repeat(state[tr.parent[nodes]], counts)
+                ck = np.repeat(tr.depth[nodes] - 1, counts)
+                keep = v.has_bytes[ctok]
+                order = np.argsort(ctok[keep], kind="stable")
+                cand = (ctok[keep][order], cprev[keep][order], ck[keep][order])
+            else:
+                e = np.zeros(0, dtype=np.int64)
+                cand = (e, e, e)
+            got = (ok_all, cand)
             self.shared.remember(self._tries, key, got)
-        ok_all, cand, prev_all, k_all = got
+        ok_all, (ctok, cprev, ck) = got
         ok = ok_all[rows]
-        cpos = np.flatnonzero(cand[rows])
-        sel = rows[cpos]
-        return cpos, prev_all[sel], k_all[sel], ok
+        if rows.size == ok_all.size:  # the whole vocabulary: rows are token ids
+            return ctok, cprev, ck, ok
+        pos_of = np.full(ok_all.size, -1, dtype=np.int64)
+        pos_of[rows] = np.arange(rows.size)
+        j = pos_of[ctok]
+        sel = j >= 0
+        return j[sel], cprev[sel], ck[sel], ok
 
     def _row_scan(self, lx: _Lexer, start: int, fresh: bool, rows: np.ndarray, offs: np.ndarray):
         """As ``_trie_scan`` for token suffixes (from ``offs``), walked row by row."""

@@ -41,7 +41,7 @@ class RadixdBackend:
         self._vocab: TokenizerInfo | None = None
         self._lock = threading.Lock()
         self.max_ws = getattr(config, "grammar_max_whitespace", 2)
-        self.mask_cache_size = getattr(config, "grammar_mask_cache_size", 4096)
+        self.mask_cache_size = getattr(config, "grammar_mask_cache_size", 1024)
         self.shared = SharedLexers()  # lexers and vocabulary scans common to all grammars
 
     @property

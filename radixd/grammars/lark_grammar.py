@@ -35,7 +35,7 @@ def _terminal_regex(term) -> str:
     return rx
 
 
-def compile_lark(text: str, vocab: TokenizerInfo, *, start: str = "start", mask_cache_size: int = 4096,
+def compile_lark(text: str, vocab: TokenizerInfo, *, start: str = "start", mask_cache_size: int = 1024,
                  shared=None) -> TokenGrammar:
     from lark import Lark
     from lark.exceptions import LarkError
