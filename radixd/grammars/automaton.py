@@ -22,6 +22,8 @@ terminal. Masks and token transitions are cached per configuration.
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -125,19 +127,23 @@ class SharedLexers:
         self.dfas: dict[tuple[str, ...], tuple[int, DFA, list, np.ndarray, np.ndarray]] = {}
         self.scans: dict[tuple, tuple] = {}
         self.tries: dict[tuple, tuple] = {}
+        self._uids = itertools.count()
+        self._lock = threading.Lock()  # compile workers and the event loop both build lexers
 
     def dfa(self, regexes: tuple[str, ...]):
         got = self.dfas.get(regexes)
-        if got is None:
-            dfa = compile_dfa(list(regexes))
-            accepting = np.array([bool(a) for a in dfa.accepts], dtype=bool)
-            got = (len(self.dfas), dfa, dfa.table.tolist(), dfa.table.astype(np.int64).ravel(), accepting)
-            if len(self.dfas) >= self.limit:
-                self.dfas.clear()
-                self.scans.clear()
-                self.tries.clear()
-                got = (id(got),) + got[1:]  # uids stay unique after a clear
-            self.dfas[regexes] = got
+        if got is not None:
+            return got
+        with self._lock:
+            got = self.dfas.get(regexes)
+            if got is None:
+                dfa = compile_dfa(list(regexes))
+                accepting = np.array([bool(a) for a in dfa.accepts], dtype=bool)
+                # a uid is never reused: scans are cached under it
+                got = (next(self._uids), dfa, dfa.table.tolist(), dfa.table.astype(np.int64).ravel(), accepting)
+                if len(self.dfas) >= self.limit:
+                    self.dfas.clear()
+                self.dfas[regexes] = got
         return got
 
     def remember(self, cache: dict, key, value) -> None:

@@ -18,6 +18,7 @@ a row, so a model cannot loop on blanks.
 from __future__ import annotations
 
 import json
+import math
 import re
 
 from radixd.grammars.regex_dfa import RegexError, parse
@@ -217,14 +218,15 @@ class SchemaGrammar:
             if not t:
                 raise SchemaError("type", f"type must not be an empty list (at {path})")
             return " | ".join(self.value({**s, "type": one}, path) for one in t)
-        if t is None:
-            typed = {"properties", "required", "additionalProperties"} & s.keys() and "object" or \
-                {"items", "minItems", "maxItems"} & s.keys() and "array" or \
-                {"minLength", "maxLength", "pattern", "format"} & s.keys() and "string" or None
-            if typed is None:
+        if t is None:  # untyped: the type its keywords imply, else any value
+            implied = [name for name, kws in (("object", {"properties", "required", "additionalProperties"}),
+                                              ("array", {"items", "minItems", "maxItems"}),
+                                              ("string", {"minLength", "maxLength", "pattern", "format"}))
+                       if kws & s.keys()]
+            if not implied:
                 self._check(s, set(), path)
                 return self.any_value()
-            t = typed
+            t = implied[0]
         builder = {"string": self._string, "integer": self._integer, "number": self._number,
                    "boolean": self._boolean, "null": self._null, "object": self._object, "array": self._array}
         if t not in builder:
@@ -280,8 +282,6 @@ class SchemaGrammar:
             v = s.get(kw)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
                 raise SchemaError(kw, f"{kw} must be a number (at {path})")
-        import math
-
         if lo is not None:
             lo = math.ceil(lo)
         if hi is not None:
