@@ -343,3 +343,22 @@ def test_radixd_bench_engine_target_with_tiers(tiny_models, tmp_path, capsys):
     capsys.readouterr()
     assert radixd_main([*common, "--engine-arg=cache_tier_options={not json"]) == 2
     assert capsys.readouterr().err.strip().startswith("radixd bench: --engine-arg")
+
+
+def test_host_tier_slab_reuses_slots_lru():
+    """The CUDA layout (one slab of page slots), exercised with host pages: slots are reused
+    least recently used first and each page reads back what was stored."""
+    ctx = TierContext("model-a", CTX.page_shape, CTX.dtype, torch.device("cuda"))
+    tier = HostTier({"max_bytes": 2 * CTX.page_bytes + 5}, ctx)
+    assert tier._slab is not None and tier._slab.shape[0] == 2
+    for i in range(3):
+        assert tier.store(bytes([i]) * 16, Page(torch.full(CTX.page_shape, float(i))))
+        assert tier.store(bytes([i]) * 16, Page(torch.zeros(CTX.page_shape)))  # already held: kept
+    assert not tier.contains(bytes([0]) * 16) and tier.stats.evictions == 1
+    assert torch.equal(tier.load(bytes([1]) * 16).data, torch.full(CTX.page_shape, 1.0))
+    assert torch.equal(tier.load(bytes([2]) * 16).data, torch.full(CTX.page_shape, 2.0))
+    assert tier.stats.used_bytes == 2 * CTX.page_bytes
+    tier.evict(bytes([1]) * 16)
+    assert tier.store(bytes([3]) * 16, Page(torch.full(CTX.page_shape, 3.0)))
+    assert torch.equal(tier.load(bytes([2]) * 16).data, torch.full(CTX.page_shape, 2.0))
+    assert torch.equal(tier.load(bytes([3]) * 16).data, torch.full(CTX.page_shape, 3.0))

@@ -111,8 +111,8 @@ class KVPool:
 
     # ------------------------------------------------------------------ pages (lower cache tiers)
     # Called on the scheduler's thread. On CUDA both directions are queued without waiting:
-    # reads on the compute stream (ahead of any later step that reuses the slots) into
-    # page-locked memory; writes on a side stream that first waits for the compute stream
+    # reads on the compute stream (ahead of any later step that reuses the slots) into a
+    # device copy (the host tier moves it into page-locked memory); writes on a side stream that first waits for the compute stream
     # (a page read out of slots just evicted must be read before they are written again) and
     # records an event per layer, which the next step's attention of that layer waits for:
     # the copy of later layers overlaps the compute of earlier ones.
@@ -126,14 +126,10 @@ class KVPool:
             kv = self._gather(slots, n, page_tokens)
             return [Page(kv[i].contiguous()) for i in range(n)]
         with torch.cuda.device(self.device):
+            # a copy on the device, queued on the compute stream: the host tier copies it
+            # into its page-locked slab without waiting, other tiers when they write it
             kv = self._gather(slots.to(self.device, non_blocking=True), n, page_tokens).contiguous()
-            # one page-locked block per call (allocating page-locked memory is slow): the
-            # pages are views of it, freed once the last of them is dropped
-            host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
-            host.copy_(kv, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-        return [Page(host[i], ready) for i in range(n)]
+        return [Page(kv[i]) for i in range(n)]
 
     def _gather(self, idx: torch.Tensor, n: int, page_tokens: int) -> torch.Tensor:
         """[n, 2, layers, page_tokens, kv_heads, head_dim] (a view) of the KV of ``idx``."""
@@ -166,4 +162,6 @@ class KVPool:
                 self.v_buffers[layer][idx] = kv[1, layer]
                 done.append(torch.cuda.Event())
                 done[-1].record(stream)
+        for p in pages:
+            p.reads = done[-1]  # the host memory they came from may be reused after this
         return done

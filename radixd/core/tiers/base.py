@@ -30,20 +30,23 @@ _HEAD = struct.Struct("<8sI")  # magic, header length
 
 
 class Page:
-    """One page of KV on the host. On CUDA ``data`` may still be filling from the device
-    (``ready`` is the CUDA event that ends the copy): call ``host()`` before reading bytes."""
+    """One page of KV. ``data`` is on the host, or (just read out of a CUDA pool) still on
+    the device; ``ready``: the CUDA event that ends the copy filling ``data``, if any;
+    ``reads``: the CUDA event that ends the last copy reading it (a slot that holds it is
+    reused only after). ``host()`` is the data on the host, waited for."""
 
-    __slots__ = ("data", "ready")
+    __slots__ = ("data", "ready", "reads")
 
     def __init__(self, data: torch.Tensor, ready: Any = None):
         self.data = data
         self.ready = ready
+        self.reads = None
 
     def host(self) -> torch.Tensor:
         if self.ready is not None:
             self.ready.synchronize()
             self.ready = None
-        return self.data
+        return self.data.cpu() if self.data.is_cuda else self.data
 
     @property
     def nbytes(self) -> int:
