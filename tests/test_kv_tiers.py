@@ -110,7 +110,7 @@ def test_disk_tier_survives_reopen_and_trims(tmp_path):
     again = DiskTier({"path": str(tmp_path)}, CTX)
     assert again.contains(b"a" * 16) and torch.equal(again.load(b"a" * 16).data, page.data)
     size = again.stats.used_bytes
-    small = DiskTier({"path": str(tmp_path), "max_bytes": size}, CTX)
+    small = DiskTier({"path": str(tmp_path), "max_bytes": size + 64}, CTX)  # one page (headers vary a little)
     assert small.store(b"b" * 16, page)  # the older page makes room
     assert not small.contains(b"a" * 16) and small.stats.evictions == 1
     with pytest.raises(ConfigError, match="cache.disk.path"):
@@ -154,7 +154,8 @@ async def test_greedy_identical_with_tiers(tiny_models, tmp_path, setup):
     for name in kw["cache_tiers"]:
         assert st["cache_tiers"][name]["stores"] > 0, (name, st["cache_tiers"])
     if setup == "host+disk-small-host":
-        assert st["cache_tiers"]["disk"]["hits"] > 0 and st["cache_tiers"]["host"]["evictions"] > 0
+        disk = st["cache_tiers"]["disk"]  # read back directly, or prefetched into host first
+        assert disk["hits"] + disk["prefetched"] > 0 and st["cache_tiers"]["host"]["evictions"] > 0
 
 
 async def test_disk_tier_serves_a_new_engine(tiny_models, tmp_path):

@@ -52,6 +52,7 @@ TIER_COUNTERS = (
     ("stores", "radixd_cache_tier_stores", "Pages written to the tier."),
     ("bytes_stored", "radixd_cache_tier_stored_bytes", "Bytes of KV written to the tier."),
     ("evictions", "radixd_cache_tier_evictions", "Pages the tier dropped for room."),
+    ("prefetched", "radixd_cache_tier_prefetched", "Pages read from the tier ahead of need into host memory."),
     ("misses", "radixd_cache_tier_misses", "Pages looked for in the tier and not found."),
     ("errors", "radixd_cache_tier_errors", "Failed tier operations (unreachable, write failed, full): misses."),
     ("corrupt", "radixd_cache_tier_corrupt_pages", "Pages that failed their checksum or identity check: misses."),

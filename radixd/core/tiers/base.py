@@ -85,6 +85,7 @@ class TierStats:
     stores: int = 0           # pages written
     bytes_stored: int = 0
     evictions: int = 0        # pages dropped for room
+    prefetched: int = 0       # pages read from it ahead of need into the first (memory) tier
     misses: int = 0           # pages looked for and not found
     errors: int = 0           # failed operations (unreachable, write failed, full): misses
     corrupt: int = 0          # pages that failed their checks: misses

@@ -196,16 +196,18 @@ class KVHierarchy:
         for key in keys[hit // p:]:
             if fast.contains(key):
                 continue
-            page = None
-            for tier in slow:
-                if tier.contains(key):
-                    page = tier.load(key)
+            page = source = None
+            for source in slow:
+                if source.contains(key):
+                    page = source.load(key)
                     if page is not None:
                         break
             if page is None:
                 return
             if fast.store(key, page):
                 self.prefetched_pages += 1
+                with source._lock:
+                    source.stats.prefetched += 1
 
     # ------------------------------------------------------------------ life cycle
 
