@@ -47,10 +47,10 @@ LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
 PRESETS = {
     # SmolLM2-135M on CPU (fp32: 45 KB of KV per token): 8 conversations x 4 turns of 192 user
     # + 8 reply tokens, 2 requests in flight -> a working set of ~6.4k tokens over a
-    # 2048-token pool; the host tier holds ~1/2 of it, so disk and Redis keep pages it lost.
+    # 2048-token pool; the host tier holds ~2/3 of it, so disk and Redis keep pages it lost.
     # Two rounds (the second in reverse order): this machine's timing noise is large.
     "cpu": dict(model="default", device="cpu", conversations=8, turns=4, turn_len=192, output_len=8, rounds=2,
-                concurrency=2, pool_tokens=2048, page_tokens=16, host_tokens=3072,
+                concurrency=2, pool_tokens=2048, page_tokens=16, host_tokens=4096,
                 configs="pool,host,host+disk,host+redis"),
     # Llama-3-8B shape on one H200 (bf16: 128 KB of KV per token): 30 conversations x 4
     # turns of 1024 + 32 -> ~127k tokens over a 24k-token pool; the host tier (a 16 GiB
