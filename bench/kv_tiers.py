@@ -53,10 +53,11 @@ PRESETS = {
                 concurrency=2, pool_tokens=2048, page_tokens=16, host_tokens=4096,
                 configs="pool,host,host+disk,host+redis"),
     # Llama-3-8B shape on one H200 (bf16: 128 KB of KV per token): 30 conversations x 4
-    # turns of 1024 + 32 -> ~127k tokens over a 24k-token pool; the host tier (a 16 GiB
-    # page-locked slab, 131072 tokens) holds it all.
+    # turns of 1024 + 32 -> ~127k tokens over a 24k-token pool (5 requests of up to 4.2k
+    # tokens in flight fit it without preemption); the host tier (a 16 GiB page-locked
+    # slab, 131072 tokens) holds it all.
     "h200": dict(model="llama3-8b", device="cuda", conversations=30, turns=4, turn_len=1024, output_len=32,
-                 concurrency=8, rounds=1, pool_tokens=24576, page_tokens=64, host_tokens=131072,
+                 concurrency=5, rounds=1, pool_tokens=24576, page_tokens=64, host_tokens=131072,
                  configs="pool,host"),
     # The h200 logic at toy size on CPU (to check the script, not to measure).
     "smoke": dict(model="tiny", device="cpu", conversations=4, turns=3, turn_len=48, output_len=4,
