@@ -174,6 +174,9 @@ def main() -> int:
     ap.add_argument("--page-tokens", type=int, default=None)
     ap.add_argument("--write-policy", default="write_back")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                    help="CUDA only: float32 to check that +host reproduces pool-only's tokens (bf16 rounding "
+                         "may legitimately differ when a prompt is split differently)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="run every configuration this many times, order reversed every other round")
     args = ap.parse_args()
@@ -188,7 +191,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="radixd-kv-tiers-"))
     model, extra = model_dir(p["model"], tmp)
     if p["device"] == "cuda":
-        extra.update(dtype="bfloat16", max_running_requests=64, max_prefill_tokens=16384, chunked_prefill_size=8192)
+        extra.update(dtype=args.dtype or "bfloat16", max_running_requests=64, max_prefill_tokens=16384, chunked_prefill_size=8192)
     else:
         extra.update(dtype="float32", attention_backend="torch", max_running_requests=max(8, p["conversations"]))
     vocab = 4096 if p["model"] == "tiny" else 40000
