@@ -7,13 +7,13 @@ each branch with ``select``, and continue from the branches it judged sound.
 
 import argparse
 
-from radixd.lang import RuntimeEndpoint, assistant, function, gen, select, user
+from radixd.lang import RuntimeEndpoint, assistant_begin, assistant_end, function, gen, select, user
 
 
 @function
 def tree_of_thought(s, question, width=3):
     s += user(question + "\nThink step by step.")
-    s += assistant("Let me consider a few approaches.\n")
+    s += assistant_begin() + "Let me consider a few approaches.\n"
     thoughts = s.fork(width)
     for i, t in enumerate(thoughts):
         t += f"Approach {i + 1}: " + gen("thought", max_tokens=48, temperature=0.8, seed=i, stop="\n")
@@ -21,7 +21,7 @@ def tree_of_thought(s, question, width=3):
     sound = [t for t in thoughts if t["verdict"] == "yes"] or thoughts
     best = sound[0]
     best += "\nSo the answer is: " + gen("answer", max_tokens=32, temperature=0, stop="\n")
-    s += "Chosen approach: " + best["thought"] + "\nAnswer: " + best["answer"]
+    s += "Chosen approach: " + best["thought"] + "\nAnswer: " + best["answer"] + assistant_end()
 
 
 def main():

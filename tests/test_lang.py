@@ -144,6 +144,21 @@ def test_stream_and_errors_name_the_call(engine_rt):
         bad.run(backend=engine_rt)
 
 
+def test_open_turn_continues_inside_it(engine_rt, tiny_models):
+    from radixd.lang import assistant_begin, assistant_end
+
+    @function
+    def partial(s):
+        s += user("hi")
+        s += assistant_begin() + "Sure: " + gen("g", max_tokens=3, temperature=0, ignore_eos=True)
+        s += assistant_end()
+
+    s = partial.run(backend=engine_rt)
+    tok = AutoTokenizer.from_pretrained(tiny_models["llama"])
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: " + s["g"]}]
+    assert s.text() == tok.apply_chat_template(msgs, tokenize=False)
+
+
 def test_run_batch_keeps_order(engine_rt):
     @function
     def echo(s, i):

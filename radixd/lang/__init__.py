@@ -13,9 +13,20 @@
 """
 
 from radixd.lang.backends import BackendError, EngineRuntime, RuntimeEndpoint
-from radixd.lang.expr import assistant, gen, select, system, user
+from radixd.lang.expr import (
+           assistant,
+           assistant_begin,
+           assistant_end,
+           gen,
+           role_begin,
+           role_end,
+           select,
+           system,
+           user,
+)
 from radixd.lang.program import Program, function
 from radixd.lang.state import ProgramError, ProgramState
 
 __all__ = ["BackendError", "EngineRuntime", "Program", "ProgramError", "ProgramState", "RuntimeEndpoint",
-           "assistant", "function", "gen", "select", "system", "user"]
+           "assistant", "assistant_begin", "assistant_end", "function", "gen", "role_begin", "role_end", "select",
+           "system", "user"]

@@ -34,6 +34,7 @@ class Role(Expr):
 
     role: str
     content: Expr | None
+    part: str = "whole"  # "begin" / "end": only the template's text before / after a turn's content
 
 
 @dataclass
@@ -64,6 +65,23 @@ def as_expr(x: object) -> Expr:
 
 def _role(role: str, content: object) -> Role:
     return Role(role, None if content is None else as_expr(content))
+
+
+def role_begin(role: str) -> Role:
+    """Open a ``role`` turn and leave it open (what follows is its content)."""
+    return Role(role, None, "begin")
+
+
+def role_end(role: str) -> Role:
+    return Role(role, None, "end")
+
+
+def assistant_begin() -> Role:
+    return role_begin("assistant")
+
+
+def assistant_end() -> Role:
+    return role_end("assistant")
 
 
 def system(content: object = None) -> Role:

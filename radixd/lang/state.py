@@ -171,12 +171,14 @@ class ProgramState:
         roles = self._roles
         if roles is None:
             raise ProgramError(f"{expr.role}(): this back end has no chat template")
-        first = self._turns == 0 and expr.role == "user"
-        self._append(roles.first_user_begin if first else roles.begin[expr.role])
-        self._turns += 1
+        if expr.part != "end":
+            first = self._turns == 0 and expr.role == "user"
+            self._append(roles.first_user_begin if first else roles.begin[expr.role])
+            self._turns += 1
         if expr.content is not None:
             self._run(expr.content)
-        self._append(roles.end[expr.role])
+        if expr.part != "begin":
+            self._append(roles.end[expr.role])
 
     def _gen(self, expr: Gen) -> None:
         start = len(self._text)
