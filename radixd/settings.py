@@ -122,6 +122,7 @@ class GrammarSection:
     backend: str = _f("radixd")
     compile_timeout: float = _f(10.0, min=0.001)
     compile_workers: int = _f(2, min=1)
+    compile_memory_mb: int = _f(1024, min=0)
     cache_size: int = _f(64, min=1)
     max_whitespace: int = _f(2, min=0)
     mask_cache_size: int = _f(1024, min=16)
@@ -234,6 +235,7 @@ class Settings:
             grammar_backend=self.grammar.backend,
             grammar_compile_timeout=float(self.grammar.compile_timeout),
             grammar_compile_workers=self.grammar.compile_workers,
+            grammar_compile_memory_mb=self.grammar.compile_memory_mb,
             grammar_cache_size=self.grammar.cache_size,
             grammar_max_whitespace=self.grammar.max_whitespace,
             grammar_mask_cache_size=self.grammar.mask_cache_size,

@@ -88,6 +88,9 @@ class EngineConfig:
     grammar_backend: str = "radixd"          # a backend from the radixd_grammar_backends hook
     grammar_compile_timeout: float = 10.0    # seconds; a slower compile fails its request (400)
     grammar_compile_workers: int = 2         # threads compiling grammars off the event loop
+    # a new grammar first compiles in a worker process under this memory limit (and the
+    # time limit), killed if it explodes; 0: no such trial (threads only)
+    grammar_compile_memory_mb: int = 1024
     grammar_cache_size: int = 64            # compiled grammars kept (LRU, per engine/tokenizer)
     grammar_max_whitespace: int = 2          # longest whitespace run between JSON tokens
     grammar_mask_cache_size: int = 1024      # token masks kept per compiled grammar
@@ -142,6 +145,7 @@ class EngineConfig:
                 or not self.grammar_compile_timeout > 0):
             raise ConfigError("grammar_compile_timeout", self.grammar_compile_timeout, "a number of seconds > 0")
         _int_at_least("grammar_compile_workers", self.grammar_compile_workers, 1)
+        _int_at_least("grammar_compile_memory_mb", self.grammar_compile_memory_mb, 0)
         _int_at_least("grammar_cache_size", self.grammar_cache_size, 1)
         _int_at_least("grammar_max_whitespace", self.grammar_max_whitespace, 0)
         _int_at_least("grammar_mask_cache_size", self.grammar_mask_cache_size, 16)

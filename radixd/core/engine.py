@@ -415,8 +415,17 @@ class Engine:
         backend = table[name](self.config, tokenizer=self.tokenizer, vocab_size=self.model_cfg.vocab_size,
                               eos_ids=self.eos_token_ids)
         c = self.config
+        limits = None
+        if c.grammar_compile_memory_mb:
+            from radixd.core.sandbox import LimitedPool
+            from radixd.grammars.service import backend_in_worker
+
+            limits = LimitedPool(c.grammar_compile_workers, timeout_s=c.grammar_compile_timeout,
+                                 memory_bytes=c.grammar_compile_memory_mb * 2**20, initializer=backend_in_worker,
+                                 initargs=(table[name], c, self.tokenizer, self.model_cfg.vocab_size,
+                                           self.eos_token_ids))
         return GrammarService(backend, workers=c.grammar_compile_workers, timeout_s=c.grammar_compile_timeout,
-                              cache_size=c.grammar_cache_size)
+                              cache_size=c.grammar_cache_size, limits=limits)
 
     async def compile_grammar(self, params: SamplingParams):
         """Compile (or fetch from the cache) the request's constraint off the event loop;

@@ -18,8 +18,9 @@ class GrammarService:
     in an LRU of ``cache_size`` entries; concurrent requests for one grammar share a compile.
     """
 
-    def __init__(self, backend, *, workers: int, timeout_s: float, cache_size: int):
+    def __init__(self, backend, *, workers: int, timeout_s: float, cache_size: int, limits=None):
         self.backend = backend
+        self.limits = limits  # a radixd.core.sandbox.LimitedPool for trial compiles, or None
         self.timeout_s = timeout_s
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
@@ -27,6 +28,7 @@ class GrammarService:
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="radixd-grammar")
         self.compiles = 0
         self.hits = 0
+        self.trials_killed = 0
 
     def cached(self, kind: str, spec: str):
         got = self._cache.get((kind, spec))
@@ -49,7 +51,7 @@ class GrammarService:
         fut = self._pending.get(key)
         if fut is None:
             loop = asyncio.get_running_loop()
-            fut = asyncio.wrap_future(self._pool.submit(self.backend.compile, kind, spec), loop=loop)
+            fut = asyncio.ensure_future(self._compile(kind, spec, loop))
             self._pending[key] = fut
             self.compiles += 1
 
@@ -60,10 +62,38 @@ class GrammarService:
 
             fut.add_done_callback(done)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+            if self.limits is None:
+                return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+            return await asyncio.shield(fut)  # each stage of _compile has its own time limit
         except TimeoutError:
             raise GrammarError(kind, f"compiling the {kind} constraint took longer than {self.timeout_s:g} s "
                                      "(grammar.compile_timeout)") from None
+
+    async def _compile(self, kind: str, spec: str, loop):
+        if self.limits is None:
+            return await asyncio.wrap_future(self._pool.submit(self.backend.compile, kind, spec), loop=loop)
+        await self._trial(kind, spec)
+        return await asyncio.wait_for(asyncio.wrap_future(self._pool.submit(self.backend.compile, kind, spec),
+                                                          loop=loop), self.timeout_s)
+
+    async def _trial(self, kind: str, spec: str) -> None:
+        """Compile once in a worker process under the time and memory limits: a grammar that
+        explodes is killed there, never in the daemon (whose compile threads cannot be stopped)."""
+        from radixd.core.sandbox import LimitExceeded
+
+        try:
+            failed = await self.limits.run(trial_compile, kind, spec)
+        except LimitExceeded as exc:
+            self.trials_killed += 1
+            if exc.kind == "memory":
+                raise GrammarError(kind, f"compiling the {kind} constraint needed more than "
+                                         f"{self.limits.memory_bytes // 2**20} MiB (grammar.compile_memory_mb)") from None
+            if exc.kind == "time":
+                raise GrammarError(kind, f"compiling the {kind} constraint took longer than {self.timeout_s:g} s "
+                                         "(grammar.compile_timeout)") from None
+            raise GrammarError(kind, f"compiling the {kind} constraint crashed its worker process ({exc})") from None
+        if failed is not None:
+            raise GrammarError(*failed)
 
     def compile_now(self, kind: str, spec: str):
         """Synchronous compile + cache (for tools and tests off the event loop)."""
@@ -75,3 +105,20 @@ class GrammarService:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.limits is not None:
+            self.limits.close()
+
+
+def backend_in_worker(cls, config, tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
+    """The backend, built once in each trial worker process."""
+    return cls(config, tokenizer=tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
+
+
+def trial_compile(backend, kind: str, spec: str) -> tuple[str, str] | None:
+    """Compile and drop the result: None if it compiles, else the ``GrammarError`` (field,
+    message) to raise in the daemon."""
+    try:
+        backend.compile(kind, spec)
+    except GrammarError as exc:
+        return exc.field, exc.message
+    return None
