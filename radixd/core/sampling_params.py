@@ -82,6 +82,8 @@ class SamplingParams:
             raise InvalidRequest("ignore_eos", "must be true or false")
         if not isinstance(self.logprobs, bool):
             raise InvalidRequest("logprobs", "must be true or false")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise InvalidRequest("skip_special_tokens", "must be true or false")
         if self.prompt_logprobs_from is not None:
             _int_range("prompt_logprobs_from", self.prompt_logprobs_from, 0, None)
             if self.max_new_tokens == 0:
