@@ -110,6 +110,7 @@ class Run:
             kw.setdefault("max_prefill_tokens", 16384)
             kw.setdefault("chunked_prefill_size", 8192)
         kw.setdefault("kv_cache_tokens", PRESSURE[self.size]["kv_tokens"])
+        kw.setdefault("stream_interval", self.args.stream_interval)
         t = time.perf_counter()
         # built-in plugins only: the figures are radixd's own, whatever else is installed
         pm = make_plugin_manager(load_entry_points=False)
@@ -326,6 +327,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small workloads (a smoke run on GPUs)")
     ap.add_argument("--size", choices=["full", "medium", "quick"], default=None,
                     help="workload sizes (default: full on cuda, quick on cpu or with --quick)")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="the engines' stream_interval (tokens per update each consumer task is woken for)")
     ap.add_argument("--max-seconds", type=int, default=540,
                     help="dump every thread's stack to OUT/stacks.txt and exit after this long (a hang, "
                          "e.g. in NCCL, still leaves the results so far)")

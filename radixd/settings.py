@@ -106,6 +106,7 @@ class SchedulerSection:
     chunked_prefill_size: int = _f(2048, min=1)
     schedule_conservativeness: float = _f(0.3, min=0.0, max=1.0)
     overlap: bool = _f(True)
+    stream_interval: int = _f(1, min=1)
     seed: int = _f(0, min=0)
 
 
@@ -224,6 +225,7 @@ class Settings:
             chunked_prefill_size=s.chunked_prefill_size,
             schedule_conservativeness=s.schedule_conservativeness,
             overlap_schedule=s.overlap,
+            stream_interval=s.stream_interval,
             seed=s.seed,
             dp_size=self.parallel.dp_size,
             tp_size=self.parallel.tp_size,

@@ -76,6 +76,7 @@ class EngineConfig:
     lpm_dedup_min_tokens: int = 32
     # Launch step N+1 before reading step N's picks (the device never waits for the host).
     overlap_schedule: bool = True
+    stream_interval: int = 1  # tokens per streamed update of a request (1: every token)
     # Fraction of each running request's remaining max_new_tokens kept free when admitting.
     schedule_conservativeness: float = 0.3
 
@@ -132,6 +133,8 @@ class EngineConfig:
             raise ConfigError("mem_fraction", self.mem_fraction, "a number in (0, 1)")
         if not isinstance(self.overlap_schedule, bool):
             raise ConfigError("overlap_schedule", self.overlap_schedule, "true or false")
+        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) or self.stream_interval < 1:
+            raise ConfigError("stream_interval", self.stream_interval, "an integer >= 1")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError("cuda_graphs", self.cuda_graphs, "true or false")
         if not isinstance(self.radix_cache, bool):

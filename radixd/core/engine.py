@@ -169,6 +169,12 @@ class _Stream:
     prompt_lp_sent: bool = False
     rid: str = ""
     limit: int = 0  # outputs left unread before the call is aborted; 0: unbounded
+    held: GenerateOutput | None = None  # tokens not yet sent (stream_interval > 1)
+
+    def flush(self) -> None:
+        if self.held is not None:
+            self.queue.put_nowait(self.held)
+            self.held = None
 
 
 class Replica:
@@ -813,6 +819,7 @@ class Engine:
 
     def _emit(self, step: ScheduledStep, out, accepted: list[int]) -> None:
         streams = self._streams
+        interval = self.config.stream_interval
         eos = self.eos_token_ids
         sampled = step.sampled
         next_tokens = out.next_tokens
@@ -846,10 +853,23 @@ class Engine:
                 plp = list(r.prompt_logprobs)
                 stream.prompt_lp_sent = True
             queue = stream.queue
-            queue.put_nowait(
-                GenerateOutput(r.index, [tok], text, finished, reason, lp, len(r.prompt_ids),
-                               len(r.output_ids) - r.pending, r.cached_tokens or 0, plp)
-            )
+            update = GenerateOutput(r.index, [tok], text, finished, reason, lp, len(r.prompt_ids),
+                                    len(r.output_ids) - r.pending, r.cached_tokens or 0, plp)
+            if interval > 1:  # coalesce: send every ``interval`` tokens, and at the end
+                held = stream.held
+                if held is not None:
+                    held.token_ids.append(tok)
+                    held.text += text
+                    held.finished, held.finish_reason = finished, reason
+                    held.completion_tokens = update.completion_tokens
+                    if lp is not None:
+                        held.logprobs = (held.logprobs or []) + lp
+                    update = held
+                    stream.held = None
+                if not finished and len(update.token_ids) < interval:
+                    stream.held = update
+                    continue
+            queue.put_nowait(update)
             if stream.limit and queue.qsize() > stream.limit and not finished and not r.aborted:
                 log.warning("outputs of %s are not being read (%d waiting): aborting it", stream.rid,
                             queue.qsize())
@@ -861,6 +881,7 @@ class Engine:
         for r in rep.scheduler.finished:
             stream = self._streams.pop(r, None)
             if stream is not None:
+                stream.flush()
                 stream.queue.put_nowait(
                     GenerateOutput(r.index, [], "", True, r.finish_reason, prompt_tokens=len(r.prompt_ids),
                                    completion_tokens=r.num_output, cached_tokens=r.cached_tokens or 0)
