@@ -156,3 +156,35 @@ class Daemon:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+CONTRIB = Path(__file__).resolve().parent.parent / "plugins-contrib"
+
+
+def pip_install_contrib(package: str, entry: str, tmp_dir: Path):
+    """pip-install ``plugins-contrib/<package>`` (not editable, built from a copy in
+    ``tmp_dir`` so the checkout gets no build litter); yield the module its ``radixd`` entry
+    point ``entry`` loads; uninstall afterwards unless it was installed before. A generator
+    for session/module fixtures: ``yield from pip_install_contrib(...)``."""
+    import importlib.metadata
+    import shutil
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_ROOT_USER_ACTION": "ignore"}
+    try:
+        importlib.metadata.distribution(package)
+        was_installed = True
+    except importlib.metadata.PackageNotFoundError:
+        was_installed = False
+    src = tmp_dir / package
+    shutil.copytree(CONTRIB / package, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-q", str(src)],
+                   check=True, env=env)
+    importlib.invalidate_caches()
+    eps = {ep.name: ep for ep in importlib.metadata.entry_points(group="radixd")}
+    assert entry in eps and eps[entry].value == package.replace("-", "_"), sorted(eps)
+    yield eps[entry].load()
+    if not was_installed:
+        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", package], check=True, env=env)
+        importlib.invalidate_caches()

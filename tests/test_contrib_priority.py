@@ -7,13 +7,12 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.metadata
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import pip_install_contrib
 
 from radixd import Engine, SamplingParams
 from radixd.core.config import EngineConfig
@@ -24,15 +23,6 @@ from radixd.plugins import make_plugin_manager
 PLUGIN_SRC = Path(__file__).resolve().parent.parent / "plugins-contrib" / "radixd-priority"
 DIST = "radixd-priority"
 AGING_ENV = "RADIXD_PRIORITY_AGING_STEPS"
-PIP_ENV = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_ROOT_USER_ACTION": "ignore"}
-
-
-def _installed() -> bool:
-    try:
-        importlib.metadata.distribution(DIST)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="session")
@@ -43,21 +33,10 @@ def priority_plugin(tmp_path_factory):
     uninstalled afterwards unless it was installed before the session.
     """
     assert (PLUGIN_SRC / "pyproject.toml").is_file(), PLUGIN_SRC
-    was_installed = _installed()
-    src = tmp_path_factory.mktemp("contrib") / "radixd-priority"
-    shutil.copytree(PLUGIN_SRC, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-q", str(src)],
-                   check=True, env=PIP_ENV)
-    importlib.invalidate_caches()
-    eps = {ep.name: ep for ep in importlib.metadata.entry_points(group="radixd")}
-    assert "priority" in eps, sorted(eps)
-    assert eps["priority"].value == "radixd_priority"
-    module = eps["priority"].load()
-    assert Path(module.__file__).resolve().is_relative_to(Path(importlib.metadata.distribution(DIST).locate_file("")).resolve())
-    yield module
-    if not was_installed:
-        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", DIST], check=True, env=PIP_ENV)
-        importlib.invalidate_caches()
+    for module in pip_install_contrib(DIST, "priority", tmp_path_factory.mktemp("contrib")):
+        where = Path(importlib.metadata.distribution(DIST).locate_file("")).resolve()
+        assert Path(module.__file__).resolve().is_relative_to(where)
+        yield module
 
 
 def _cli_plugins(*args: str) -> dict[str, str]:

@@ -5,10 +5,7 @@ new engine, and a server killed mid-run costs misses (logged, counted), never a 
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import logging
-import os
 import shutil
 import socket
 import subprocess
@@ -17,44 +14,22 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import pip_install_contrib
 from test_kv_tiers import conversations, make_engine, reference, run_chats
 
 from radixd.core.errors import ConfigError
 from radixd.plugins import make_plugin_manager
 
-PLUGIN_SRC = Path(__file__).resolve().parent.parent / "plugins-contrib" / "radixd-redis"
 DIST = "radixd-redis"
-PIP_ENV = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_ROOT_USER_ACTION": "ignore"}
 REDIS_SERVER = shutil.which("redis-server")
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None,
                                 reason="redis-server is not installed (apt-get install redis-server; .ci/run does)")
 
 
-def _installed() -> bool:
-    try:
-        importlib.metadata.distribution(DIST)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="session")
 def redis_plugin(tmp_path_factory):
-    """pip-install the plugin (not editable) from a copy; uninstall it afterwards unless it
-    was installed before."""
-    was_installed = _installed()
-    src = tmp_path_factory.mktemp("contrib") / "radixd-redis"
-    shutil.copytree(PLUGIN_SRC, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-q", str(src)],
-                   check=True, env=PIP_ENV)
-    importlib.invalidate_caches()
-    eps = {ep.name: ep for ep in importlib.metadata.entry_points(group="radixd")}
-    assert "redis" in eps and eps["redis"].value == "radixd_redis", sorted(eps)
-    yield eps["redis"].load()
-    if not was_installed:
-        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", DIST], check=True, env=PIP_ENV)
-        importlib.invalidate_caches()
+    yield from pip_install_contrib(DIST, "redis", tmp_path_factory.mktemp("contrib"))
 
 
 class RedisServer:

@@ -4,18 +4,12 @@ backend (``grammar_backend="xgrammar"``)."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import json
-import os
 import re
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import jsonschema
 import pytest
+from conftest import pip_install_contrib
 
 from radixd import Engine, SamplingParams
 from radixd.core.errors import InvalidRequest
@@ -23,34 +17,12 @@ from radixd.plugins import make_plugin_manager
 
 pytest.importorskip("xgrammar", reason="xgrammar is in the test extra; it did not install here")
 
-PLUGIN_SRC = Path(__file__).resolve().parent.parent / "plugins-contrib" / "radixd-xgrammar"
 DIST = "radixd-xgrammar"
-PIP_ENV = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_ROOT_USER_ACTION": "ignore"}
-
-
-def _installed() -> bool:
-    try:
-        importlib.metadata.distribution(DIST)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
 def xgrammar_plugin(tmp_path_factory):
-    """pip-install the plugin from a copy; uninstall afterwards unless it was there before."""
-    was_installed = _installed()
-    src = tmp_path_factory.mktemp("contrib") / "radixd-xgrammar"
-    shutil.copytree(PLUGIN_SRC, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-q", str(src)],
-                   check=True, env=PIP_ENV)
-    importlib.invalidate_caches()
-    eps = {ep.name: ep for ep in importlib.metadata.entry_points(group="radixd")}
-    assert eps["xgrammar"].value == "radixd_xgrammar"
-    yield eps["xgrammar"].load()
-    if not was_installed:
-        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", DIST], check=True, env=PIP_ENV)
-        importlib.invalidate_caches()
+    yield from pip_install_contrib(DIST, "xgrammar", tmp_path_factory.mktemp("contrib"))
 
 
 async def test_xgrammar_backend_constrains_generation(xgrammar_plugin, tiny_models):
