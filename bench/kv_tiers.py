@@ -38,11 +38,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gpu_bench import SHAPES  # noqa: E402  (this directory is on sys.path)
+
 from radixd import Engine, SamplingParams  # noqa: E402
 
-LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                 intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
-                 tie_word_embeddings=False, architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, eos_token_id=0)
+LLAMA3_8B = dict(SHAPES["llama3-8b"], architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, eos_token_id=0)
 
 PRESETS = {
     # SmolLM2-135M on CPU (fp32: 45 KB of KV per token): 8 conversations x 4 turns of 192 user

@@ -49,13 +49,13 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gpu_bench import SHAPES as _GPU_SHAPES  # noqa: E402  (this directory is on sys.path)
+
 from radixd import Engine, SamplingParams  # noqa: E402
 from radixd.plugins import make_plugin_manager  # noqa: E402
 
 SHAPES = {
-    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                      intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
-                      rope_theta=500000.0, tie_word_embeddings=False),
+    "llama3-8b": _GPU_SHAPES["llama3-8b"],
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=256, vocab_size=512, max_position_embeddings=8192,
                  rope_theta=10000.0, tie_word_embeddings=False),
