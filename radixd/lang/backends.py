@@ -43,11 +43,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _choice_requests(prefix: list[int], full: list[list[int]]) -> list[int]:
-    """Where each choice's scored tokens start: after the tokens it shares with the prefix
-    alone (a merge across the boundary makes the merged token part of the choice); at
-    least 1, since the first token has no logprob."""
-    return [max(1, min(common_prefix(prefix, ids), len(ids))) for ids in full]
+def choice_inputs(tokenize: Callable[[str], list[int]], text: str, choices: list[str]) -> list[tuple[list[int], int]]:
+    """Each choice's prompt ``text + choice`` as token ids, and where its scored tokens start:
+    after the tokens it shares with ``text`` alone (a merge across the boundary makes the
+    merged token part of the choice); at least 1, since the first token has no logprob."""
+    prefix = tokenize(text)
+    out = []
+    for c in choices:
+        ids = tokenize(text + c)
+        out.append((ids, max(1, min(common_prefix(prefix, ids), len(ids)))))
+    return out
 
 
 class RuntimeEndpoint:
@@ -100,12 +105,10 @@ class RuntimeEndpoint:
         return meta
 
     def select(self, text: str, choices: list[str]) -> list[Choice]:
-        prefix = self.tokenize(text)
-        full = [self.tokenize(text + c) for c in choices]
-        starts = _choice_requests(prefix, full)
+        inputs = choice_inputs(self.tokenize, text, choices)
         answers = self._post("/generate", {
-            "input_ids": full,
-            "sampling_params": [{"max_new_tokens": 1, "temperature": 0, "prompt_logprobs_from": s} for s in starts],
+            "input_ids": [ids for ids, _ in inputs],
+            "sampling_params": [{"max_new_tokens": 1, "temperature": 0, "prompt_logprobs_from": s} for _, s in inputs],
         })
         return [Choice(c, sum(a["meta_info"]["prompt_logprobs"]), len(a["meta_info"]["prompt_logprobs"]))
                 for c, a in zip(choices, answers, strict=True)]
@@ -169,9 +172,7 @@ class EngineRuntime:
             raise BackendError(str(exc), 400) from exc
 
     def select(self, text: str, choices: list[str]) -> list[Choice]:
-        prefix = self.tokenize(text)
-        full = [self.tokenize(text + c) for c in choices]
-        starts = _choice_requests(prefix, full)
+        inputs = choice_inputs(self.tokenize, text, choices)
 
         async def score(ids: list[int], start: int) -> list[float]:
             params = {"max_new_tokens": 1, "temperature": 0.0, "prompt_logprobs_from": start}
@@ -182,7 +183,7 @@ class EngineRuntime:
             return got
 
         async def run() -> list[list[float]]:  # submitted together: one batch
-            return await asyncio.gather(*(score(ids, s) for ids, s in zip(full, starts, strict=True)))
+            return await asyncio.gather(*(score(ids, s) for ids, s in inputs))
 
         lps = self._call(run())
         return [Choice(c, sum(lp), len(lp)) for c, lp in zip(choices, lps, strict=True)]
