@@ -70,13 +70,6 @@ def triton_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bn: int, bk
     return out
 
 
-def step_bytes(model, kv_bytes: int) -> int:
-    n = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed_tokens" not in name)
-    if model.cfg.tie_word_embeddings:
-        n += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    return n + kv_bytes
-
-
 def section_step(eng, ctx) -> dict:
     loop = ctx["loop"]
     p = [[1000 + i for i in range(512)]]
@@ -88,7 +81,7 @@ def section_step(eng, ctx) -> dict:
         graph, _ = g.graphs[bs]
         t = gpu_bench.median_time(graph.replay, reps=50)
         kv = bs * 576 * ctx["kv_per_tok"]
-        by = step_bytes(eng.worker.model, kv)
+        by = gpu_bench.read_bytes(eng) + kv
         out[f"b{bs}"] = {"graph_ms": round(t * 1e3, 3), "bytes_GB": round(by / 1e9, 3),
                          "roofline_ms": round(by / ctx["copy"] * 1e3, 3), "fraction": round(by / ctx["copy"] / t, 3)}
     g.seq_lens.fill_(1)
