@@ -15,9 +15,12 @@ Sections:
          replica's pool (80k tokens), half of them do: cache_aware vs round_robin (and one GPU).
        The round-robin runs reuse the dp=2 engine with its router switched to round_robin
        (caches flushed between runs); every run starts from empty caches.
-  tp   decode at batch 1 (512-token prompt, 256 new tokens, greedy): tp_size=1 vs tp_size=2,
-       both with CUDA graphs (whether the tp=2 graphs were captured is reported); greedy
-       tokens and logprobs of tp=2 against tp=1 on the same weights.
+  tp   decode at batch 1 (512-token prompt, 256 new tokens, greedy): tp_size=1 vs tp_size=2
+       (peer-to-peer all-reduce for decode) vs tp_size=2 with NCCL only, all with CUDA graphs
+       (whether the tp=2 graphs were captured is reported); greedy tokens and logprobs of
+       each tp=2 run against tp=1 on the same weights.
+  allreduce  microseconds per all-reduce of a decode partial (batch 1 and 64): the peer-to-
+       peer kernel vs NCCL, inside CUDA graphs on both GPUs.
 
 --device cpu runs the same logic with tiny shapes on CPU workers (a smoke test of the script).
 """
@@ -287,17 +290,24 @@ def decode_batch1(loop, eng: Engine, run: Run) -> dict:
 def tp_section(run: Run, res: dict) -> None:
     loop = asyncio.new_event_loop()
     kw = {} if run.cpu else dict(max_running_requests=16)
+    runs = [("tp1", dict(tp_size=1)), ("tp2", dict(tp_size=2))]
+    if not run.cpu:  # the same tp=2 with NCCL for every all-reduce (no peer-to-peer kernel)
+        runs.append(("tp2_nccl", dict(tp_size=2, peer_all_reduce=False)))
     out = {}
     try:
-        for tp in (1, 2):
-            eng = run.engine(tp_size=tp, **kw)
+        for name, cfg in runs:
+            eng = run.engine(**cfg, **kw)
             try:
                 loop.run_until_complete(run_batch(eng, [[5, 6, 7, 8, 9] * 4], 4))
                 r = decode_batch1(loop, eng, run)
                 r["cuda_graphs"] = bool(eng.worker.graphs)
-                out[tp] = r
-                res[f"tp{tp}"] = {k: v for k, v in r.items() if k not in ("tokens", "logprobs")}
-                run.log(f"tp{tp}: {json.dumps(res[f'tp{tp}'])}")
+                peer = getattr(eng.worker, "peer", None)
+                if peer is not None:
+                    r["peer_all_reduce"] = True
+                    r["peer_wait_timeouts"] = peer.check()
+                out[name] = r
+                res[name] = {k: v for k, v in r.items() if k not in ("tokens", "logprobs")}
+                run.log(f"{name}: {json.dumps(res[name])}")
                 run.save()
             finally:
                 loop.run_until_complete(eng.stop())
@@ -305,17 +315,76 @@ def tp_section(run: Run, res: dict) -> None:
                 free()
     finally:
         loop.close()
-    res["tp2_over_tp1"] = round(out[2]["decode_tok_s"] / out[1]["decode_tok_s"], 3)
-    cases = []
-    for t1, t2, l1, l2 in zip(out[1]["tokens"], out[2]["tokens"], out[1]["logprobs"], out[2]["logprobs"], strict=True):
-        same = next((i for i, (a, b) in enumerate(zip(t1, t2, strict=True)) if a != b), len(t1))
-        diffs = [abs(a - b) for a, b in zip(l1[:same], l2[:same], strict=True)]
-        cases.append({"steps": len(t1), "equal_prefix": same, "max_logprob_diff": round(max(diffs, default=0.0), 4)})
-    res["greedy_tp2_vs_tp1"] = cases
-    run.log(f"tp: tp2/tp1 {res['tp2_over_tp1']}x; greedy tp2 vs tp1 {json.dumps(cases)}")
+    for name in out:
+        if name != "tp1":
+            res[f"{name}_over_tp1"] = round(out[name]["decode_tok_s"] / out["tp1"]["decode_tok_s"], 3)
+            cases = []
+            for t1, t2, l1, l2 in zip(out["tp1"]["tokens"], out[name]["tokens"], out["tp1"]["logprobs"],
+                                      out[name]["logprobs"], strict=True):
+                same = next((i for i, (a, b) in enumerate(zip(t1, t2, strict=True)) if a != b), len(t1))
+                diffs = [abs(a - b) for a, b in zip(l1[:same], l2[:same], strict=True)]
+                cases.append({"steps": len(t1), "equal_prefix": same,
+                              "max_logprob_diff": round(max(diffs, default=0.0), 4)})
+            res[f"greedy_{name}_vs_tp1"] = cases
+            run.log(f"tp: {name}/tp1 {res[f'{name}_over_tp1']}x; greedy {name} vs tp1 {json.dumps(cases)}")
 
 
-SECTIONS = {"dp": dp_section, "tp": tp_section}
+def allreduce_section(run: Run, res: dict) -> None:
+    """Time per all-reduce of a decode step's partial (batch 1 and 64, hidden 4096, bf16):
+    the peer-to-peer kernel vs NCCL, 64 calls per CUDA graph replay on each GPU (as a step
+    of the 8B model makes), both GPUs replaying together."""
+    if run.cpu:
+        res["skipped"] = "CUDA only"
+        return
+    import concurrent.futures
+
+    from radixd.core.nccl import Nccl
+    from radixd.core.peer_allreduce import PeerAllReduce, enable_peer_access
+
+    devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    if not enable_peer_access(devices):
+        res["skipped"] = "no peer access between the GPUs"
+        return
+    peer = PeerAllReduce(devices, torch.bfloat16)
+    nccl = Nccl()
+    uid = nccl.unique_id()
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    comms = list(pool.map(lambda r: (torch.cuda.set_device(r), nccl.init_rank(2, uid, r))[1], range(2)))
+    calls, replays = 64, 50
+
+    def timed(r: int, n: int, kind: str) -> float:
+        torch.cuda.set_device(r)
+        x = torch.ones(n, dtype=torch.bfloat16, device=f"cuda:{r}")
+        reduce = (lambda t: peer.all_reduce(r, t)) if kind == "peer" else comms[r].all_reduce
+        reduce(x)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=stream, capture_error_mode="thread_local"):
+                for _ in range(calls):
+                    x.mul_(0.5)
+                    reduce(x)
+            g.replay()
+            stream.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(replays):
+                g.replay()
+            stream.synchronize()
+        return (time.perf_counter() - t0) / (replays * calls) * 1e6
+
+    for rows in (1, 64):
+        n = rows * 4096
+        for kind in ("peer", "nccl"):
+            us = max(pool.map(timed, range(2), [n] * 2, [kind] * 2))
+            res[f"{kind}_us_batch{rows}"] = round(us, 2)
+            run.log(f"allreduce {kind} batch {rows} ({n * 2} bytes): {us:.2f} us per call (incl. a scale kernel)")
+    res["peer_wait_timeouts"] = peer.check()
+    for c in comms:
+        c.close()
+    pool.shutdown()
+
+
+SECTIONS = {"dp": dp_section, "tp": tp_section, "allreduce": allreduce_section}
 
 
 def main() -> int:

@@ -114,6 +114,7 @@ class SchedulerSection:
 class ParallelSection:
     dp_size: int = _f(1, min=1)
     tp_size: int = _f(1, min=1)
+    peer_all_reduce: bool = _f(True)
     routing: str = _f("cache_aware", choices=ROUTING_POLICIES)
     routing_balance_threshold: int = _f(16, min=0)
 
@@ -229,6 +230,7 @@ class Settings:
             seed=s.seed,
             dp_size=self.parallel.dp_size,
             tp_size=self.parallel.tp_size,
+            peer_all_reduce=self.parallel.peer_all_reduce,
             routing=self.parallel.routing,
             routing_balance_threshold=self.parallel.routing_balance_threshold,
             max_queued_requests=lim.max_queued_requests,

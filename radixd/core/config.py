@@ -61,6 +61,9 @@ class EngineConfig:
     # scheduler), each split over ``tp_size`` devices (heads and MLP columns per device).
     dp_size: int = 1
     tp_size: int = 1
+    # tp on CUDA: sum small partials (decode steps) with radixd's one-shot kernel over peer-to-
+    # peer memory where the GPUs can address each other; NCCL for the rest (and when off).
+    peer_all_reduce: bool = True
     # Which replica serves a request: "cache_aware" (the longest cached prefix unless that
     # replica has more than ``routing_balance_threshold`` requests over the least-loaded one)
     # or "round_robin".

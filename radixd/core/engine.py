@@ -277,7 +277,7 @@ class Engine:
         if len(devices) > 1:
             from radixd.core.tensor_parallel import TPWorker
 
-            return TPWorker(devices=devices, **kw)
+            return TPWorker(devices=devices, peer_all_reduce=self.config.peer_all_reduce, **kw)
         with on_device(devices[0]):
             return ModelWorker(device=devices[0], **kw)
 

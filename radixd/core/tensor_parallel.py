@@ -13,6 +13,8 @@ scheduler's slots index every shard's pool alike. The all-reduce:
 * CUDA: one NCCL communicator per shard (``radixd.core.nccl``, NCCL called through ctypes),
   each used by its shard's thread only, so threads queue their kernels independently and the GPUs meet in
   the NCCL kernels; decode steps replay per-shard CUDA graphs that contain them.
+* CUDA, small messages (decode steps): ``radixd.core.peer_allreduce``, a one-shot kernel
+  that writes each partial straight into the other GPUs' memory (``peer_all_reduce``).
 * CPU: the shards' threads meet at a barrier whose last arrival sums the partials (in a fixed
   order, so every shard gets the same bits) and writes the sum back into each.
 """
@@ -103,14 +105,17 @@ class ThreadSum:
 
 
 class _RankReduce:
-    """``DecoderLayer.all_reduce`` of one shard."""
+    """``DecoderLayer.all_reduce`` of one shard: the peer-to-peer kernel for messages it
+    takes, else NCCL (CUDA) or the thread barrier (CPU)."""
 
-    def __init__(self, rank: int, group: ThreadSum | None, comm=None):
-        self.rank, self.group, self.comm = rank, group, comm
+    def __init__(self, rank: int, group: ThreadSum | None, comm=None, peer=None):
+        self.rank, self.group, self.comm, self.peer = rank, group, comm, peer
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if self.peer is not None and self.peer.fits(t):
+            return self.peer.all_reduce(self.rank, t)  # in place, on this shard's current stream
         if self.comm is not None:
-            return self.comm.all_reduce(t)  # in place, on this shard's current stream
+            return self.comm.all_reduce(t)
         return self.group.reduce(self.rank, t)
 
 
@@ -119,7 +124,7 @@ class TPWorker:
 
     def __init__(self, *, devices: list[torch.device], model_path, model_cfg: ModelConfig, dtype: torch.dtype,
                  attention_backend: str, load_format: str, kv_slots, max_rows: int, max_context_len: int,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, peer_all_reduce: bool = True):
         tp = len(devices)
         self.devices = devices
         self.device = devices[0]
@@ -155,8 +160,16 @@ class TPWorker:
         self.model = self.shards[0].model
         self.group = None if self.cuda else ThreadSum(tp)
         comms = self._init_nccl() if self.cuda else [None] * tp
+        self.peer = None
+        if self.cuda and peer_all_reduce:
+            from radixd.core.peer_allreduce import PeerAllReduce, enable_peer_access
+
+            if enable_peer_access(devices):
+                self.peer = PeerAllReduce(devices, dtype)
+            else:
+                log.info("tensor parallel: the GPUs cannot address each other's memory; NCCL for every all-reduce")
         for r, shard in enumerate(self.shards):
-            reduce = _RankReduce(r, self.group, comms[r])
+            reduce = _RankReduce(r, self.group, comms[r], self.peer)
             for layer in shard.model.layers:
                 layer.all_reduce = reduce
         self.graphs = False
