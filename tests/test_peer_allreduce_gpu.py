@@ -76,3 +76,31 @@ def test_inside_cuda_graphs(peer):
         assert torch.equal(got[0][step], torch.full((n,), base * 2 ** 7))  # summed 8 times: x2 after the first
         assert torch.equal(got[1][step], got[0][step])
     assert peer.check() == 0
+
+
+@pytest.mark.parametrize("rows,width", [(1, 4096), (7, 4096), (64, 4096), (3, 5120)])
+def test_fused_add_rmsnorm_equals_all_reduce_then_norm(peer, rows, width):
+    from radixd.core.triton_ops import add_rmsnorm
+
+    g = torch.Generator().manual_seed(rows)
+    parts = [torch.randn(rows, width, generator=g).to(torch.bfloat16) for _ in range(2)]
+    residual = torch.randn(rows, width, generator=g).to(torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(width, generator=g)).to(torch.bfloat16)
+
+    def rank(r):
+        torch.cuda.set_device(r)
+        dev = f"cuda:{r}"
+        res = residual.to(dev)
+        out, res2 = peer.all_reduce_add_rmsnorm(r, parts[r].to(dev), res, weight.to(dev), 1e-5)
+        assert res2 is res
+        torch.cuda.synchronize(r)
+        return out.cpu(), res.cpu()
+
+    got = on_ranks(rank)
+    summed = (parts[0].float() + parts[1].float()).to(torch.bfloat16).cuda(0)
+    want_res = residual.cuda(0)
+    want, _ = add_rmsnorm(summed, weight.cuda(0), 1e-5, want_res)
+    for out, res in got:
+        assert torch.equal(res, want_res.cpu())
+        assert torch.equal(out, want.cpu())
+    assert peer.check() == 0

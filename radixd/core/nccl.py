@@ -53,6 +53,8 @@ class Nccl:
         lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, UniqueId, ctypes.c_int]
         lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                                       ctypes.c_void_p, ctypes.c_void_p]
+        lib.ncclAllGather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                      ctypes.c_void_p, ctypes.c_void_p]
         lib.ncclCommDestroy.argtypes = [ctypes.c_void_p]
 
     def _check(self, result: int, what: str) -> None:
@@ -84,6 +86,15 @@ class Communicator:
         self.nccl._check(self.nccl.lib.ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), _DTYPES[t.dtype], _SUM,
                                                      self.comm, ctypes.c_void_p(stream)), "ncclAllReduce")
         return t
+
+    def all_gather(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` into ``out`` (``[nranks, *t.shape]``), on the current stream."""
+        if not (t.is_contiguous() and out.is_contiguous()):
+            raise ValueError("all_gather needs contiguous tensors")
+        stream = torch.cuda.current_stream(t.device).cuda_stream
+        self.nccl._check(self.nccl.lib.ncclAllGather(t.data_ptr(), out.data_ptr(), t.numel(), _DTYPES[t.dtype],
+                                                     self.comm, ctypes.c_void_p(stream)), "ncclAllGather")
+        return out
 
     def close(self) -> None:
         if self.comm:

@@ -4,8 +4,9 @@ A shard is radixd's own model built for a narrower shape (``num_heads / tp`` hea
 ``num_kv_heads / tp`` KV heads, ``intermediate_size / tp`` MLP columns): its fused q/k/v and
 gate/up projections hold the rows of its heads and columns (column parallel), its o_proj and
 down_proj the matching input columns (row parallel), so their outputs are partial sums that
-an all-reduce completes (``DecoderLayer.all_reduce``). Embedding, norms and lm_head are
-replicated: every shard computes the same logits and the first shard's are sampled.
+an all-reduce completes (``DecoderLayer.all_reduce``). lm_head is split by vocabulary rows
+(``VocabParallelHead``: each shard computes its rows' logits, an all-gather joins them; the
+first shard's are sampled). Embedding and norms are replicated.
 
 Each shard has its own worker thread, KV pool (its KV heads) and attention backend; the
 scheduler's slots index every shard's pool alike. The all-reduce:
@@ -54,7 +55,11 @@ def shard_tensor(name: str, w: torch.Tensor, cfg: ModelConfig, rank: int, tp: in
         return torch.cat((gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]), dim=0)
     if name.endswith(".o_proj.weight") or name.endswith(".down_proj.weight"):  # input columns
         return w.chunk(tp, dim=1)[rank]
-    return w  # embedding, norms, q/k norms, lm_head: every shard has them whole
+    if name == "lm_head.weight":  # rows: the vocabulary, padded to a multiple of tp
+        part = -(-w.shape[0] // tp)
+        rows = w[rank * part:(rank + 1) * part]
+        return torch.cat((rows, rows.new_zeros(part - rows.shape[0], w.shape[1]))) if rows.shape[0] < part else rows
+    return w  # embedding, norms, q/k norms: every shard has them whole
 
 
 def shard_model(full: torch.nn.Module, cfg: ModelConfig, rank: int, tp: int, device: torch.device,
@@ -64,14 +69,32 @@ def shard_model(full: torch.nn.Module, cfg: ModelConfig, rank: int, tp: int, dev
     with torch.device("meta"):
         model = type(full)(part_cfg)
     model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
     whole = dict(full.named_parameters())
+    whole["lm_head.weight"] = full.lm_head.weight  # (tied: the embedding, which named_parameters lists once)
+    head = shard_tensor("lm_head.weight", whole["lm_head.weight"], cfg, rank, tp)
+    model.lm_head = VocabParallelHead(head.to(device=device, dtype=dtype), cfg.vocab_size)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(shard_tensor(name, whole[name], cfg, rank, tp))
+            if name != "lm_head.weight":
+                p.copy_(shard_tensor(name, whole[name], cfg, rank, tp))
     model.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(device)
     return model.eval()
+
+
+class VocabParallelHead(torch.nn.Module):
+    """A shard's lm_head: its rows of the vocabulary; ``gather`` (set by ``TPWorker``) joins
+    the shards' logits into ``[rows, tp, part]``, cut back to the vocabulary."""
+
+    def __init__(self, weight: torch.Tensor, vocab_size: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)  # (not a view of the whole)
+        self.vocab_size = vocab_size
+        self.gather = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        part = torch.nn.functional.linear(x, self.weight)
+        parts = self.gather(part)  # [tp, rows, part]
+        return parts.permute(1, 0, 2).reshape(x.shape[0], -1)[:, : self.vocab_size]
 
 
 class ThreadSum:
@@ -83,6 +106,7 @@ class ThreadSum:
     def __init__(self, n: int, timeout: float | None = 300.0):
         self._parts: list[torch.Tensor | None] = [None] * n
         self._barrier = threading.Barrier(n, action=self._sum, timeout=timeout)
+        self._barrier_gather = threading.Barrier(n, timeout=timeout)
 
     def _sum(self) -> None:
         total = self._parts[0].clone()
@@ -96,20 +120,30 @@ class ThreadSum:
         self._barrier.wait()
         return t
 
+    def gather(self, rank: int, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` stacked (``[n, *t.shape]``): a copy per rank."""
+        self._parts[rank] = t
+        self._barrier_gather.wait()  # all parts in place
+        out = torch.stack(self._parts)
+        self._barrier_gather.wait()  # all read before any rank's next call overwrites its part
+        return out
+
     def abort(self) -> None:
         """Release the other threads (they raise ``BrokenBarrierError``)."""
         self._barrier.abort()
+        self._barrier_gather.abort()
 
     def reset(self) -> None:
         self._barrier.reset()
+        self._barrier_gather.reset()
 
 
 class _RankReduce:
     """``DecoderLayer.all_reduce`` of one shard: the peer-to-peer kernel for messages it
     takes, else NCCL (CUDA) or the thread barrier (CPU)."""
 
-    def __init__(self, rank: int, group: ThreadSum | None, comm=None, peer=None):
-        self.rank, self.group, self.comm, self.peer = rank, group, comm, peer
+    def __init__(self, rank: int, world: int, group: ThreadSum | None, comm=None, peer=None):
+        self.rank, self.world, self.group, self.comm, self.peer = rank, world, group, comm, peer
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if self.peer is not None and self.peer.fits(t):
@@ -117,6 +151,20 @@ class _RankReduce:
         if self.comm is not None:
             return self.comm.all_reduce(t)
         return self.group.reduce(self.rank, t)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every shard's ``t`` stacked (``[tp, *t.shape]``): NCCL on CUDA."""
+        if self.comm is not None:
+            out = t.new_empty((self.world, *t.shape))
+            return self.comm.all_gather(t.contiguous(), out)
+        return self.group.gather(self.rank, t)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm.forward_add`` of the summed ``x``: one fused kernel where the peer-to-peer
+        path takes the rows, else the all-reduce and then the norm."""
+        if self.peer is not None and self.peer.fits_rows(x, residual):
+            return self.peer.all_reduce_add_rmsnorm(self.rank, x, residual, norm.weight, norm.eps)
+        return norm.forward_add(self(x), residual)
 
 
 class TPWorker:
@@ -161,17 +209,20 @@ class TPWorker:
         self.group = None if self.cuda else ThreadSum(tp)
         comms = self._init_nccl() if self.cuda else [None] * tp
         self.peer = None
+        self._resolved = 0
         if self.cuda and peer_all_reduce:
             from radixd.core.peer_allreduce import PeerAllReduce, enable_peer_access
 
             if enable_peer_access(devices):
                 self.peer = PeerAllReduce(devices, dtype)
+                self._peer_errors = (torch.zeros(tp, dtype=torch.int64).pin_memory(), None)
             else:
                 log.info("tensor parallel: the GPUs cannot address each other's memory; NCCL for every all-reduce")
         for r, shard in enumerate(self.shards):
-            reduce = _RankReduce(r, self.group, comms[r], self.peer)
+            reduce = _RankReduce(r, tp, self.group, comms[r], self.peer)
             for layer in shard.model.layers:
                 layer.all_reduce = reduce
+            shard.model.lm_head.gather = reduce.gather
         self.graphs = False
         if self.shards[0].graphs_wanted:
             self._capture_graphs()
@@ -252,9 +303,28 @@ class TPWorker:
     def launch(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> SampledTokens | None:
         return self._run(batch, prev, lambda: self.shards[0].launch(batch, prev))
 
-    @staticmethod
-    def resolve(picks: SampledTokens | None) -> StepOutput:
-        return ModelWorker.resolve(picks)
+    def resolve(self, picks: SampledTokens | None) -> StepOutput:
+        out = ModelWorker.resolve(picks)
+        if self.peer is not None:
+            self._resolved += 1
+            if self._resolved % 256 == 0:
+                self._check_peer()
+        return out
+
+    def _check_peer(self) -> None:
+        """Raise if a peer-to-peer wait timed out (a shard went missing for minutes: sums
+        since then are wrong). Reads the counters copied at the previous check, without
+        waiting for the device, and queues the next copy."""
+        seen, done = self._peer_errors
+        if done is not None and all(ev.query() for ev in done) and int(seen.sum()) > 0:
+            raise RuntimeError("tensor parallel: a peer-to-peer all-reduce timed out waiting for a shard; "
+                               "set [parallel] peer_all_reduce = false to use NCCL")
+        done = []
+        for i, e in enumerate(self.peer.errors):
+            seen[i].copy_(e[0], non_blocking=True)
+            done.append(torch.cuda.Event())
+            done[-1].record(torch.cuda.current_stream(e.device))
+        self._peer_errors = (seen, done)
 
     def step(self, batch: ForwardBatch) -> StepOutput:
         return self.resolve(self.launch(batch))

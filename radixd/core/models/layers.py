@@ -118,21 +118,26 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer, qkv_bias=qkv_bias, qk_norm=qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
-        # Tensor parallel: sums the shards' partial o_proj / down_proj outputs (in place).
+        # Tensor parallel: sums the shards' partial o_proj / down_proj outputs before the add
+        # and norm that follow each (``all_reduce.add_norm``, fused where it can be).
         self.all_reduce = None
 
     def forward(self, x, residual, positions, rotary, attn):
         """Pre-norm block with the residual carried separately (so each norm fuses the add):
-        returns the block's output and the running residual stream."""
+        returns the block's output and the running residual stream. Under tensor
+        parallelism the output is this shard's partial sum: the next ``add_norm`` (the next
+        layer's, or the model's final norm) completes it."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm.forward_add(x, residual)
+            h, residual = self.add_norm(x, residual, self.input_layernorm)
         h = self.self_attn(h, positions, rotary, attn)
-        if self.all_reduce is not None:
-            h = self.all_reduce(h)
-        h, residual = self.post_attention_layernorm.forward_add(h, residual)
-        h = self.mlp(h)
-        if self.all_reduce is not None:
-            h = self.all_reduce(h)
-        return h, residual
+        h, residual = self.add_norm(h, residual, self.post_attention_layernorm)
+        return self.mlp(h), residual
+
+    def add_norm(self, x, residual, norm: RMSNorm):
+        """``residual += x; return norm(residual), residual``, with ``x`` summed over the
+        shards first under tensor parallelism."""
+        if self.all_reduce is None:
+            return norm.forward_add(x, residual)
+        return self.all_reduce.add_norm(x, residual, norm)

@@ -56,7 +56,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary, attn)
-        x, _ = self.norm.forward_add(x[logits_indices], residual[logits_indices])
+        x, _ = self.layers[-1].add_norm(x[logits_indices], residual[logits_indices], self.norm)
         return self.lm_head(x).float()
 
     # ------------------------------------------------------------------ weights
