@@ -128,6 +128,7 @@ class GrammarSection:
     cache_size: int = _f(64, min=1)
     max_whitespace: int = _f(2, min=0)
     mask_cache_size: int = _f(1024, min=16)
+    close_within_max_tokens: bool = _f(True)
 
 
 @dataclass(frozen=True)
@@ -243,6 +244,7 @@ class Settings:
             grammar_cache_size=self.grammar.cache_size,
             grammar_max_whitespace=self.grammar.max_whitespace,
             grammar_mask_cache_size=self.grammar.mask_cache_size,
+            grammar_close_within_max_tokens=self.grammar.close_within_max_tokens,
             plugins_allow=tuple(self.plugins.allow) or None,
             plugins_block=tuple(self.plugins.block),
         )

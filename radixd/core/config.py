@@ -98,6 +98,9 @@ class EngineConfig:
     grammar_cache_size: int = 64            # compiled grammars kept (LRU, per engine/tokenizer)
     grammar_max_whitespace: int = 2          # longest whitespace run between JSON tokens
     grammar_mask_cache_size: int = 1024      # token masks kept per compiled grammar
+    # near max_tokens, allow only tokens after which the document can still close in time
+    # (backends whose matchers offer ``fill_mask_within``)
+    grammar_close_within_max_tokens: bool = True
 
     plugins_allow: tuple[str, ...] | None = None
     plugins_block: tuple[str, ...] = field(default_factory=tuple)
@@ -155,6 +158,8 @@ class EngineConfig:
         _int_at_least("grammar_cache_size", self.grammar_cache_size, 1)
         _int_at_least("grammar_max_whitespace", self.grammar_max_whitespace, 0)
         _int_at_least("grammar_mask_cache_size", self.grammar_mask_cache_size, 16)
+        if not isinstance(self.grammar_close_within_max_tokens, bool):
+            raise ConfigError("grammar_close_within_max_tokens", self.grammar_close_within_max_tokens, "true or false")
         if not isinstance(self.seed, int):
             raise ConfigError("seed", self.seed, "an integer")
 

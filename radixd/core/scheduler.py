@@ -442,10 +442,20 @@ class Scheduler:
         """[rows, vocab] bool: each constrained row's grammar mask, the others all True (and
         so are rows of requests that finished meanwhile: their picks are dropped)."""
         allowed = np.ones((rows, self.vocab_size), dtype=bool)
+        close = self.config.grammar_close_within_max_tokens
         for i, r in constrained:
             if r.finish_reason is None:
-                r.matcher.fill_mask(allowed[i])
+                within = getattr(r.matcher, "fill_mask_within", None) if close else None
+                if within is None:
+                    r.matcher.fill_mask(allowed[i])
+                else:  # only tokens after which the document still closes in time
+                    within(allowed[i], self.tokens_left(r))
         return allowed
+
+    def tokens_left(self, r: Request) -> int:
+        """Tokens ``r`` may still generate, the one being sampled included (its matcher has
+        accepted every earlier one: masks are filled once the tokens before are known)."""
+        return min(r.params.max_new_tokens, self.context_len - len(r.prompt_ids)) - r.num_output
 
     # ------------------------------------------------------------------ results
 
@@ -476,7 +486,7 @@ class Scheduler:
             if r.matcher is not None:
                 if not r.matcher.accept_token(tok):  # the mask allowed it: a backend bug
                     r.finish_reason = r.finish_reason or "abort"
-                elif r.finish_reason is None and r.matcher.is_terminated():
+                elif r.finish_reason in (None, "length") and r.matcher.is_terminated():
                     r.finish_reason = "stop"  # the grammar is complete: nothing else may follow
             accepted.append(i)
         return accepted  # indices into step.sampled of the picks that count

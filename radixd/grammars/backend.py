@@ -6,12 +6,12 @@ import threading
 
 from radixd.grammars import GrammarError
 from radixd.grammars.automaton import (
-    Matcher,
     SharedLexers,
     SingleTerminalParser,
     Terminal,
     TokenGrammar,
 )
+from radixd.grammars.budget import Budget, ClosingMatcher, ClosingShared
 from radixd.grammars.json_schema import SchemaError, schema_to_lark
 from radixd.grammars.lark_grammar import GrammarSyntaxError, compile_lark
 from radixd.grammars.regex_dfa import RegexError, parse
@@ -20,11 +20,12 @@ from radixd.plugins import hookimpl
 
 
 class RadixdCompiled:
-    def __init__(self, grammar: TokenGrammar):
+    def __init__(self, grammar: TokenGrammar, closing: ClosingShared):
         self.grammar = grammar
+        self.budget = Budget(grammar, closing)  # its caches fill on first use
 
-    def matcher(self) -> Matcher:
-        return Matcher(self.grammar)
+    def matcher(self) -> ClosingMatcher:
+        return ClosingMatcher(self.grammar, self.budget)
 
 
 class RadixdBackend:
@@ -39,6 +40,7 @@ class RadixdBackend:
         self._vocab_size = vocab_size
         self._eos = tuple(eos_ids)
         self._vocab: TokenizerInfo | None = None
+        self._closing: ClosingShared | None = None
         self._lock = threading.Lock()
         self.max_ws = getattr(config, "grammar_max_whitespace", 2)
         self.mask_cache_size = getattr(config, "grammar_mask_cache_size", 1024)
@@ -50,6 +52,14 @@ class RadixdBackend:
             if self._vocab is None:
                 self._vocab = TokenizerInfo.from_tokenizer(self._tokenizer, self._vocab_size, self._eos)
             return self._vocab
+
+    @property
+    def closing(self) -> ClosingShared:
+        vocab = self.vocab
+        with self._lock:
+            if self._closing is None:
+                self._closing = ClosingShared(vocab)
+            return self._closing
 
     @property
     def tokenizer_key(self) -> str:
@@ -78,7 +88,7 @@ class RadixdBackend:
             if kind == "json_schema":  # e.g. anyOf branches LALR(1) cannot tell apart
                 raise GrammarError(kind, f"the schema's grammar is not LALR(1): {exc}") from None
             raise GrammarError(kind, str(exc)) from None
-        return RadixdCompiled(g)
+        return RadixdCompiled(g, self.closing)
 
 
 @hookimpl
