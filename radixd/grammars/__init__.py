@@ -11,6 +11,11 @@ The contract every grammar backend (built-in or a plugin's, through the
     m.fill_mask(row)                           # row: numpy bool [V], True = allowed next
     m.accept_token(tok) -> bool                # after each sampled token (EOS included)
     m.is_terminated() -> bool                  # nothing but EOS may follow: finish now
+    m.fill_mask_within(row, tokens_left)       # optional: the mask less the tokens after which
+                                               # the document cannot be completed within
+                                               # tokens_left - 1 more (the scheduler uses it
+                                               # when present and [grammar]
+                                               # close_within_max_tokens is on)
 
 ``GrammarService`` (``service.py``) compiles off the loop with a time limit and keeps an LRU of
 compiled grammars per (kind, spec) for the engine's tokenizer.
