@@ -18,10 +18,11 @@ a row, so a model cannot loop on blanks.
 from __future__ import annotations
 
 import json
-import math
 import re
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal, InvalidOperation
 
-from radixd.grammars.regex_dfa import RegexError, parse
+from radixd.grammars.regex_dfa import C, RegexError, is_empty, parse
+from radixd.grammars.schema_algebra import Algebra
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "$defs", "definitions", "strict", "name"}
@@ -38,6 +39,7 @@ FORMATS = {
     "ipv4": r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
 }
 MAX_EXPANDED_ITEMS = 64
+_AT, _AT_BEGIN, _AT_BEGIN_STRING, _AT_END, _AT_END_STRING = C.AT, C.AT_BEGINNING, C.AT_BEGINNING_STRING, C.AT_END, C.AT_END_STRING
 
 
 class SchemaError(ValueError):
@@ -54,6 +56,55 @@ def _lark_regex(rx: str) -> str:
 
 def _literal_regex(value) -> str:
     return re.escape(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+
+
+def _spelled_regex(text: str) -> str:
+    """Every JSON spelling of the string content ``text``: each character raw (where JSON
+    allows it), as a short escape, or as \\uXXXX (hex digits in either case; a surrogate
+    pair above U+FFFF)."""
+    short = {'"': '"', "\\": "\\", "/": "/", "\b": "b", "\f": "f", "\n": "n", "\r": "r", "\t": "t"}
+
+    def hex4(n: int) -> str:
+        return "".join(f"[{d.lower()}{d.upper()}]" if d.isalpha() else d for d in f"{n:04x}")
+
+    out = []
+    for ch in text:
+        cp = ord(ch)
+        alts = [] if ch in '"\\' or cp < 0x20 else [re.escape(ch)]
+        if ch in short:
+            alts.append(re.escape("\\" + short[ch]))
+        if cp > 0xFFFF:
+            hi, lo = 0xD800 + ((cp - 0x10000) >> 10), 0xDC00 + ((cp - 0x10000) & 0x3FF)
+            alts.append(r"\\u" + hex4(hi) + r"\\u" + hex4(lo))
+        else:
+            alts.append(r"\\u" + hex4(cp))
+        out.append("(?:" + "|".join(alts) + ")")
+    return "".join(out)
+
+
+def _not_any(contents: list[str]) -> str:
+    """A look-ahead refusing the string contents ``contents`` (before the closing quote)."""
+    return f'(?!(?:{"|".join(contents)})"\\Z)' if contents else ""
+
+
+def _has_anchor(items) -> bool:
+    """Whether a parsed pattern has ^/$/\\A/\\Z anywhere (nested groups included)."""
+    for op, av in items:
+        if op is _AT:
+            return True
+        if op is C.BRANCH:
+            subs = av[1]
+        elif op is C.SUBPATTERN:
+            subs = [av[3]]
+        elif op in (C.MAX_REPEAT, C.MIN_REPEAT):
+            subs = [av[2]]
+        elif op in (C.ASSERT, C.ASSERT_NOT):
+            subs = [av[1]]
+        else:
+            subs = []
+        if any(_has_anchor(list(sub)) for sub in subs):
+            return True
+    return False
 
 
 def int_range_regex(lo: int | None, hi: int | None) -> str:
@@ -111,6 +162,83 @@ def _same_len(a: str, b: str) -> list[str]:
     return out
 
 
+_MAG = r"(?:0|[1-9][0-9]*)"
+_FRAC = r"(?:\.[0-9]+)?"
+MAX_BOUND_DIGITS = 60
+
+
+def _split(m: Decimal) -> tuple[int, str]:
+    """A non-negative decimal as (integer part, fraction digits without trailing zeros)."""
+    whole, _, frac = f"{m:f}".partition(".")
+    return int(whole), frac.rstrip("0")
+
+
+def _frac_ge(f: str, strict: bool) -> list[str]:
+    """Fraction parts (``""`` = none) whose value is >= 0.f (> when ``strict``)."""
+    if not f:
+        return [r"\.[0-9]*[1-9][0-9]*"] if strict else ["", r"\.[0-9]+"]
+    out = [rf"\.{f[:k]}[{int(d) + 1}-9][0-9]*" for k, d in enumerate(f) if d != "9"]
+    return out + [rf"\.{f}[0-9]*[1-9][0-9]*" if strict else rf"\.{f}[0-9]*"]
+
+
+def _frac_le(f: str, strict: bool) -> list[str]:
+    """Fraction parts (``""`` = none) whose value is <= 0.f (< when ``strict``)."""
+    if not f:
+        return [] if strict else ["", r"\.0+"]
+    out = [""] + [rf"\.{f[:k]}[0-{int(d) - 1}][0-9]*" for k, d in enumerate(f) if d != "0"]
+    out += [rf"\.{f[:k]}" for k in range(1, len(f))]
+    return out + ([] if strict else [rf"\.{f}0*"])
+
+
+def _alts(parts: list[str]) -> str | None:
+    return "(?:" + "|".join(parts) + ")" if parts else None
+
+
+def _mag_ge(m: Decimal, strict: bool) -> str:
+    """Non-negative decimals (no exponent) >= m (> when ``strict``), m >= 0."""
+    a, f = _split(m)
+    parts = [f"(?:{_nonneg_range(a + 1, None)}){_FRAC}"]
+    fr = _alts(_frac_ge(f, strict))
+    if fr:
+        parts.append(f"{a}{fr}")
+    return _alts(parts)
+
+
+def _mag_le(m: Decimal, strict: bool) -> str | None:
+    """Non-negative decimals (no exponent) <= m (< when ``strict``), m >= 0; None if none."""
+    a, f = _split(m)
+    parts = [f"(?:{_bounded(0, a - 1)}){_FRAC}"] if a >= 1 else []
+    fr = _alts(_frac_le(f, strict))
+    if fr:
+        parts.append(f"{a}{fr}")
+    return _alts(parts)
+
+
+def number_range_regex(lo: Decimal | None, lo_strict: bool, hi: Decimal | None, hi_strict: bool) -> str:
+    """A regex for JSON numbers written without an exponent whose exact decimal value lies
+    between the bounds (either may be None; ``*_strict`` makes that end exclusive). With an
+    exponent the set is not regular (``0.000...1e+N`` against a bound needs counting), so
+    bounded numbers are generated in positional notation, which can write every value."""
+    any_mag = _MAG + _FRAC
+    ge = le = None
+    if lo is not None:
+        if lo >= 0:
+            ge = _mag_ge(lo, lo_strict)
+        else:
+            neg = _mag_le(-lo, lo_strict)
+            ge = f"(?:{any_mag}|-{neg})" if neg else any_mag
+    if hi is not None:
+        if hi > 0 or (hi == 0 and not hi_strict):
+            le = f"(?:-{any_mag}|{_mag_le(hi, hi_strict)})"
+        else:
+            le = "-" + _mag_ge(-hi, hi_strict)
+    if ge is None and le is None:
+        return _NUM
+    if ge is None or le is None:
+        return ge or le
+    return f"(?=(?:{ge})\\Z){le}"
+
+
 class SchemaGrammar:
     """Builds the Lark grammar text for one schema."""
 
@@ -121,6 +249,7 @@ class SchemaGrammar:
         self.terminals: dict[str, str] = {}     # regex -> terminal name
         self.memo: dict[str, str] = {}          # canonical schema / ref -> rule name
         self._n = 0
+        self.algebra = Algebra(self.resolve, ANNOTATIONS)
 
     def build(self) -> str:
         top = self.value(self.root, "#")
@@ -191,7 +320,7 @@ class SchemaGrammar:
 
     def _body(self, s: dict, path: str) -> str:
         if "allOf" in s:
-            raise SchemaError("allOf", f"allOf is not supported (at {path})")
+            return self.value(self.algebra.merge_all_of(s, path), path)
         if "not" in s:
             raise SchemaError("not", f"not is not supported (at {path})")
         for kw in ("anyOf", "oneOf"):
@@ -202,6 +331,8 @@ class SchemaGrammar:
                 rest = {k: v for k, v in s.items() if k != kw and k not in ANNOTATIONS}
                 if rest:
                     raise SchemaError(sorted(rest)[0], f"keywords beside {kw} are not supported ({sorted(rest)}) at {path}")
+                if kw == "oneOf":
+                    self.algebra.check_one_of(alts, path)
                 return " | ".join(self.value(a, f"{path}/{kw}/{i}") for i, a in enumerate(alts))
         if s.get("nullable") is True:
             inner = {k: v for k, v in s.items() if k != "nullable"}
@@ -240,31 +371,17 @@ class SchemaGrammar:
             raise SchemaError(kw, f"keyword {kw!r} is not supported for type {s.get('type')!r} (at {path})")
 
     def _string(self, s: dict, path: str) -> str:
+        """One terminal: the JSON string characters, repeated within the length bounds, and
+        each of pattern/format as a look-ahead over the same text (an intersection)."""
         self._check(s, {"minLength", "maxLength", "pattern", "format"}, path)
+        conds = []
         if "pattern" in s:
-            if {"minLength", "maxLength", "format"} & s.keys():
-                raise SchemaError("pattern", f"pattern together with minLength/maxLength/format is not supported (at {path})")
-            pat = s["pattern"]
-            if not isinstance(pat, str):
-                raise SchemaError("pattern", f"pattern must be a string (at {path})")
-            try:
-                parse(pat)
-            except RegexError as exc:
-                raise SchemaError("pattern", f"pattern at {path}: {exc}") from None
-            body = pat
-            body = body[1:] if body.startswith("^") else _CHAR + "*(?:" + body
-            if not pat.startswith("^"):
-                body += ")"
-            tail_anchor = body.endswith("$") and not body.endswith("\\$")
-            body = body[:-1] if tail_anchor else body + _CHAR + "*"
-            return self.term('"(?:' + body + ')"')
+            conds.append(("pattern", self.pattern_content(s["pattern"], path)))
         if "format" in s:
-            if {"minLength", "maxLength"} & s.keys():
-                raise SchemaError("format", f"format together with minLength/maxLength is not supported (at {path})")
             fmt = s["format"]
             if fmt not in FORMATS:
                 raise SchemaError("format", f"string format {fmt!r} is not supported (supported: {', '.join(sorted(FORMATS))})")
-            return self.term('"' + FORMATS[fmt] + '"')
+            conds.append(("format", FORMATS[fmt]))
         lo = s.get("minLength", 0)
         hi = s.get("maxLength")
         for kw, v in (("minLength", lo), ("maxLength", hi)):
@@ -273,39 +390,91 @@ class SchemaGrammar:
         if hi is not None and hi < lo:
             raise SchemaError("maxLength", f"maxLength {hi} is below minLength {lo} (at {path})")
         rep = "*" if lo == 0 and hi is None else f"{{{lo},{'' if hi is None else hi}}}"
-        return self.term('"' + _CHAR + rep + '"')
+        if not conds:
+            return self.term('"' + _CHAR + rep + '"')
+        if len(conds) == 1 and conds[0][0] == "format" and rep == "*":
+            return self.term('"' + conds[0][1] + '"')  # a format is JSON string characters already
+        rx = '"' + "".join(f'(?=(?:{c})"\\Z)' for _, c in conds) + _CHAR + rep + '"'
+        try:
+            empty = is_empty(rx)
+        except RegexError as exc:
+            raise SchemaError(conds[0][0], f"{conds[0][0]} at {path}: {exc}") from None
+        if empty:
+            kws = [kw for kw, _ in conds] + [kw for kw in ("minLength", "maxLength") if kw in s]
+            raise SchemaError(conds[0][0], f"no string satisfies {' together with '.join(kws)} (at {path})")
+        return self.term(rx)
+
+    def pattern_content(self, pat, path: str) -> str:
+        """A regex for the string text a JSON Schema ``pattern`` matches (search semantics:
+        an end without its anchor may have any characters beyond it)."""
+        if not isinstance(pat, str):
+            raise SchemaError("pattern", f"pattern must be a string (at {path})")
+        try:
+            items = list(parse(pat)[0])
+        except RegexError as exc:
+            raise SchemaError("pattern", f"pattern at {path}: {exc}") from None
+        head = bool(items) and items[0] in ((_AT, _AT_BEGIN), (_AT, _AT_BEGIN_STRING))
+        tail = len(items) > head and items[-1] in ((_AT, _AT_END), (_AT, _AT_END_STRING))
+        if _has_anchor(items[int(head):len(items) - int(tail)]):
+            raise SchemaError("pattern", f"pattern {pat!r} at {path}: anchors (^, $) are supported only at "
+                                         "the start and the end of the pattern")
+        core = pat[(2 if pat.startswith("\\A") else 1) if head else 0:]
+        core = core[:-(2 if core.endswith("\\Z") else 1)] if tail else core
+        return ("" if head else _CHAR + "*") + "(?:" + core + ")" + ("" if tail else _CHAR + "*")
+
+    def _bounds(self, s: dict, path: str) -> tuple[Decimal | None, bool, Decimal | None, bool]:
+        """(lo, lo exclusive, hi, hi exclusive) as exact decimals; ``exclusiveMinimum``/
+        ``exclusiveMaximum`` as numbers (draft 6+) or booleans beside minimum/maximum (draft 4)."""
+        out = {}
+        for kw in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            v = s.get(kw)
+            if v is None or (isinstance(v, bool) and kw.startswith("exclusive")):
+                continue
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise SchemaError(kw, f"{kw} must be a number (at {path})")
+            try:
+                d = Decimal(v) if isinstance(v, int) else Decimal(repr(v))
+            except InvalidOperation:
+                raise SchemaError(kw, f"{kw} must be a finite number (at {path})") from None
+            if not d.is_finite() or abs(d.adjusted()) > MAX_BOUND_DIGITS:
+                raise SchemaError(kw, f"{kw} {v!r} is outside what radixd can write as a digit range "
+                                      f"(at most {MAX_BOUND_DIGITS} digits) at {path}")
+            out[kw] = d
+        bounds = []
+        for inc, exc in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+            b, strict = out.get(inc), False
+            flag = s.get(exc)
+            if isinstance(flag, bool):
+                if flag and b is None:
+                    raise SchemaError(exc, f"{exc}: true needs {inc} beside it (at {path})")
+                strict = flag
+            elif exc in out:
+                e = out[exc]
+                tighter = b is None or (e >= b if inc == "minimum" else e <= b)
+                b, strict = (e, True) if tighter else (b, False)
+            bounds += [b, strict]
+        lo, ls, hi, hs = bounds
+        if lo is not None and hi is not None and (lo > hi or (lo == hi and (ls or hs))):
+            raise SchemaError("minimum", f"no number lies between the lower bound {lo} and the upper bound {hi} (at {path})")
+        return lo, ls, hi, hs
 
     def _integer(self, s: dict, path: str) -> str:
         self._check(s, {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}, path)
-        lo, hi = s.get("minimum"), s.get("maximum")
-        for kw in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
-            v = s.get(kw)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
-                raise SchemaError(kw, f"{kw} must be a number (at {path})")
+        lo, ls, hi, hs = self._bounds(s, path)
+        ilo = ihi = None
         if lo is not None:
-            lo = math.ceil(lo)
+            ilo = int(lo.to_integral_value(ROUND_FLOOR)) + 1 if ls else int(lo.to_integral_value(ROUND_CEILING))
         if hi is not None:
-            hi = math.floor(hi)
-        if s.get("exclusiveMinimum") is not None:
-            e = math.floor(s["exclusiveMinimum"]) + 1
-            lo = e if lo is None else max(lo, e)
-        if s.get("exclusiveMaximum") is not None:
-            e = math.ceil(s["exclusiveMaximum"]) - 1
-            hi = e if hi is None else min(hi, e)
-        if lo is None and hi is None:
+            ihi = int(hi.to_integral_value(ROUND_CEILING)) - 1 if hs else int(hi.to_integral_value(ROUND_FLOOR))
+        if ilo is not None and ihi is not None and ilo > ihi:
+            raise SchemaError("minimum", f"no integer lies between the bounds {lo} and {hi} (at {path})")
+        if ilo is None and ihi is None:
             return self.term(_INT)
-        return self.term(int_range_regex(lo, hi))
+        return self.term(int_range_regex(ilo, ihi))
 
     def _number(self, s: dict, path: str) -> str:
         self._check(s, {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"}, path)
-        for kw in ("maximum", "exclusiveMaximum", "exclusiveMinimum"):
-            if kw in s:
-                raise SchemaError(kw, f"{kw} on type number is not supported (use type integer for ranges) at {path}")
-        if "minimum" in s:
-            if s["minimum"] != 0:
-                raise SchemaError("minimum", f"on type number only minimum 0 is supported (at {path})")
-            return self.term(_NUM[2:])
-        return self.term(_NUM)
+        return self.term(number_range_regex(*self._bounds(s, path)))
 
     def _boolean(self, s: dict, path: str) -> str:
         self._check(s, set(), path)
@@ -316,7 +485,11 @@ class SchemaGrammar:
         return self.term("null")
 
     def _object(self, s: dict, path: str) -> str:
-        self._check(s, {"properties", "required", "additionalProperties"}, path)
+        """Declared properties first, in their order (each written once), then extra keys:
+        strings that are none of the declared names, with their values under the schema of
+        the ``patternProperties`` pattern they match, else under ``additionalProperties``.
+        ``additionalProperties`` absent beside ``properties`` writes no extra keys."""
+        self._check(s, {"properties", "required", "additionalProperties", "patternProperties"}, path)
         props = s.get("properties") or {}
         required = s.get("required") or []
         if not isinstance(props, dict):
@@ -324,27 +497,31 @@ class SchemaGrammar:
         if not isinstance(required, list) or any(r not in props for r in required):
             missing = [r for r in required if r not in props] if isinstance(required, list) else required
             raise SchemaError("required", f"required names properties that are not declared: {missing} (at {path})")
-        extra = s.get("additionalProperties", False if props else True)
+        patterns = s.get("patternProperties") or {}
+        if not isinstance(patterns, dict):
+            raise SchemaError("patternProperties", f"patternProperties must be an object (at {path})")
+        extra = s.get("additionalProperties", False if props or patterns else True)
         lb, rb = self.term(r"\{"), self.term(r"\}")
-        if not props:
+        if not props and not patterns:
             if extra is False:
                 return f"{lb} {rb}"
             return self._free_object(self.value(extra, path + "/additionalProperties"))
-        if extra is not False:
-            raise SchemaError("additionalProperties",
-                              f"additionalProperties must be false (or absent) when properties are given (at {path})")
-        names = list(props)
         colon = self.term(":")
         ws = f"[ \\t\\n\\r]{{0,{self.max_ws}}}"
+        kinds = self._extra_keys(props, patterns, extra, path)  # (key text regex, value symbol)
+        extra_first = self.rule(" | ".join(f"{self.term(k)} {colon} {v}" for k, v in kinds), "xfirst") if kinds else None
+        extra_next = self.rule(" | ".join(f"{self.term(',' + ws + k)} {colon} {v}" for k, v in kinds), "xnext") if kinds else None
         items = []
-        for k in names:
+        for k in props:
             v = self.value(props[k], f"{path}/properties/{k}")
             key = _literal_regex(k)
             items.append((self.term(key), self.term("," + ws + key), colon, v, k in required))
         # tails[i]: properties i.. once one was written (their comma-prefixed keys tell
-        # LALR(1) which comes next); the object opens with any optional property up to the
-        # first required one.
+        # LALR(1) which comes next), then the extra keys; the object opens with any optional
+        # property up to the first required one, or (none required) with an extra key.
         tails: list[str | None] = [None] * (len(items) + 1)
+        if extra_next:
+            tails[-1] = self.rule(f"{extra_next}*", "xtail")
         for i in reversed(range(len(items))):
             _, comma_key, c, v, req = items[i]
             rest = f" {tails[i + 1]}" if tails[i + 1] else ""
@@ -355,9 +532,35 @@ class SchemaGrammar:
             alts.append(f"{first_key} {c} {v}{rest}")
             if req:
                 break
+        if extra_first and not required:
+            alts.append(f"{extra_first} {tails[-1]}")
         inner = self.rule(" | ".join(alts), "props")
-        all_optional = not required
-        return f"{lb} {inner} {rb}" + (f" | {lb} {rb}" if all_optional else "")
+        return f"{lb} {inner} {rb}" + (f" | {lb} {rb}" if not required else "")
+
+    def _extra_keys(self, props: dict, patterns: dict, extra, path: str) -> list[tuple[str, str]]:
+        """The classes of extra keys as (regex of the quoted key, value symbol): one per
+        pattern (keys it matches and no other pattern does), one for additionalProperties
+        (keys no pattern matches); declared names, in any JSON spelling, are never extra."""
+        declared = [_spelled_regex(k) for k in props]
+        contents = []
+        for pat, sub in patterns.items():
+            content = self.pattern_content(pat, f"{path}/patternProperties")
+            clash = [k for k in props if re.search(pat, k)]
+            if clash:
+                raise SchemaError("patternProperties", f"patternProperties {pat!r} matches the declared propert"
+                                                       f"{'ies' if len(clash) > 1 else 'y'} {clash}: its schema would "
+                                                       f"apply to them as well (at {path})")
+            contents.append((pat, content, sub))
+        kinds = []
+        for i, (pat, content, sub) in enumerate(contents):
+            others = declared + [c for j, (_, c, _) in enumerate(contents) if j != i]
+            rx = f'"(?=(?:{content})"\\Z)' + _not_any(others) + _CHAR + '*"'
+            if not is_empty(rx):
+                kinds.append((rx, self.value(sub, f"{path}/patternProperties/{pat}")))
+        if extra is not False:
+            rx = '"' + _not_any(declared + [c for _, c, _ in contents]) + _CHAR + '*"'
+            kinds.append((rx, self.value(extra, f"{path}/additionalProperties")))
+        return kinds
 
     def _free_object(self, value: str) -> str:
         lb, rb, colon, comma = self.term(r"\{"), self.term(r"\}"), self.term(":"), self.term(",")
@@ -366,31 +569,49 @@ class SchemaGrammar:
         return f"{lb} [{pair} ({comma} {pair})*] {rb}"
 
     def _array(self, s: dict, path: str) -> str:
-        self._check(s, {"items", "minItems", "maxItems"}, path)
-        item = self.value(s.get("items", True), path + "/items")
+        """Positions 0.. take ``prefixItems`` (or a draft-2019 ``items`` list), the rest
+        ``items`` (``additionalItems`` beside an items list; false: no more items); the length
+        bounds unroll into nested optional tails, or a star when unbounded."""
+        self._check(s, {"items", "minItems", "maxItems", "prefixItems", "additionalItems"}, path)
+        if isinstance(s.get("items"), list):
+            if "prefixItems" in s:
+                raise SchemaError("items", f"items as a list beside prefixItems (at {path})")
+            prefix, rest, rest_kw = s["items"], s.get("additionalItems", True), "additionalItems"
+        else:
+            if "additionalItems" in s:
+                raise SchemaError("additionalItems", f"additionalItems needs items as a list (at {path})")
+            prefix, rest, rest_kw = s.get("prefixItems", []), s.get("items", True), "items"
+            if not isinstance(prefix, list):
+                raise SchemaError("prefixItems", f"prefixItems must be a list of schemas (at {path})")
         lo = s.get("minItems", 0)
         hi = s.get("maxItems")
         for kw, v in (("minItems", lo), ("maxItems", hi)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise SchemaError(kw, f"{kw} must be a non-negative integer (at {path})")
+        if rest is False:
+            hi = len(prefix) if hi is None else min(hi, len(prefix))
         if hi is not None and hi < lo:
-            raise SchemaError("maxItems", f"maxItems {hi} is below minItems {lo} (at {path})")
+            kw = "maxItems" if "maxItems" in s and s["maxItems"] < lo else rest_kw
+            raise SchemaError(kw, f"at most {hi} items fit, below minItems {lo} (at {path})")
         if lo > MAX_EXPANDED_ITEMS or (hi is not None and hi > MAX_EXPANDED_ITEMS and hi != lo):
             if hi is not None and hi > MAX_EXPANDED_ITEMS:
                 raise SchemaError("maxItems", f"maxItems above {MAX_EXPANDED_ITEMS} is not supported (at {path})")
             raise SchemaError("minItems", f"minItems above {MAX_EXPANDED_ITEMS} is not supported (at {path})")
+        if len(prefix) > MAX_EXPANDED_ITEMS:
+            raise SchemaError("prefixItems", f"more than {MAX_EXPANDED_ITEMS} prefixItems are not supported (at {path})")
         lb, rb, comma = self.term(r"\["), self.term(r"\]"), self.term(",")
-        if hi is None:
-            more = f"({comma} {item})*"
-        else:
-            more = ""
-            for _ in range(hi - max(lo, 1)):  # nested optional tails: at most hi items
-                more = f"[{comma} {item} {more}]".replace(" ]", "]")
-        if lo == 0:
-            seq = f"{item} {more}".strip()
-            return f"{lb} [{seq}] {rb}" if hi != 0 else f"{lb} {rb}"
-        body = " ".join([item] + [f"{comma} {item}"] * (lo - 1) + ([more] if more else []))
-        return f"{lb} {body} {rb}"
+        if hi == 0:
+            return f"{lb} {rb}"
+        prefix_kw = "items" if rest_kw == "additionalItems" else "prefixItems"
+        at = [self.value(p, f"{path}/{prefix_kw}/{i}") for i, p in enumerate(prefix)]
+        count = max(len(prefix), lo, 1) if hi is None else hi
+        item = None if rest is False else self.value(rest, f"{path}/{rest_kw}")
+        at += [item] * (count - len(at))
+        more = f"({comma} {item})*" if hi is None else ""
+        for i in reversed(range(max(lo, 1), count)):  # optional positions: nested tails
+            more = f"[{comma} {at[i]} {more}]".replace(" ]", "]")
+        body = " ".join([at[0]] + [f"{comma} {at[i]}" for i in range(1, lo)] + ([more] if more else []))
+        return f"{lb} {body} {rb}" if lo else f"{lb} [{body}] {rb}"
 
     def any_value(self) -> str:
         name = self.memo.get("any")

@@ -6,8 +6,12 @@ encode it), then determinized by subset construction over byte equivalence class
 patterns can be compiled into one DFA (a lexer): each state knows which patterns accept there.
 
 The whole text must match (``^``/``$``/``\\A``/``\\Z`` are accepted and ignored). ``\\d``, ``\\w``,
-``\\s`` are ASCII classes. Backreferences, look-around, word boundaries and case-insensitive
-matching are refused with ``RegexError`` naming the construct.
+``\\s`` are ASCII classes. A look-ahead that runs to the end of the text, ``(?=A\\Z)`` or
+``(?!A\\Z)``, is supported where nothing but the rest of the text follows it (at the top level,
+or in a top-level group or alternative): ``X(?=A\\Z)Y`` is X followed by what both Y and A
+match (a product DFA, an intersection), ``X(?!A\\Z)Y`` by what Y matches and A does not (a
+difference), exactly Python's meaning. Other look-around, backreferences, word boundaries and
+case-insensitive matching are refused with ``RegexError`` naming the construct.
 
 State 0 of every DFA is the dead state; state 1 is the start state.
 """
@@ -160,15 +164,49 @@ class _NFA:
             cur = nxt
         return s, cur
 
-    def build(self, sub, dotall: bool) -> tuple[int, int]:
+    def build(self, sub, dotall: bool, tail: bool = False) -> tuple[int, int]:
+        """A sequence; ``tail``: nothing but the end of the text follows it."""
+        items = list(sub)
+        last = max((k for k, (op, _) in enumerate(items) if op is not C.AT), default=-1)
         s = cur = self.state()
-        for op, av in sub:
-            fs, fe = self.node(op, av, dotall)
+        for k, (op, av) in enumerate(items):
+            if op in (C.ASSERT, C.ASSERT_NOT) and av[0] == 1 and tail:
+                fs, fe = self.lookahead(op is C.ASSERT, av[1], items[k + 1:], dotall)
+                self.eps[cur].append(fs)
+                return s, fe
+            fs, fe = self.node(op, av, dotall, tail and k >= last)
             self.eps[cur].append(fs)
             cur = fe
         return s, cur
 
-    def node(self, op, av, dotall: bool) -> tuple[int, int]:
+    def lookahead(self, positive: bool, cond, rest: list, dotall: bool) -> tuple[int, int]:
+        """``(?=cond\\Z)rest`` (intersection) or ``(?!cond\\Z)rest`` (difference)."""
+        cond = list(cond)
+        if not _ends_at_end(cond):
+            raise RegexError("a look-ahead must run to the end of the text: write (?=...\\Z) or (?!...\\Z)")
+        rest_dfa, cond_dfa = _sub_dfa(rest, dotall), _sub_dfa(cond, dotall)
+        return self.embed(product(rest_dfa, cond_dfa, "and" if positive else "minus"))
+
+    def embed(self, dfa: DFA) -> tuple[int, int]:
+        """A DFA as a fragment (its states become NFA states; accepting ones lead to the end)."""
+        ids = [0] + [self.state() for _ in range(1, dfa.num_states)]
+        e = self.state()
+        for st in range(1, dfa.num_states):
+            row = dfa.table[st]
+            b = 0
+            while b < 256:
+                t = int(row[b])
+                c = b
+                while c + 1 < 256 and row[c + 1] == t:
+                    c += 1
+                if t:
+                    self.edges[ids[st]].append((b, c, ids[t]))
+                b = c + 1
+            if dfa.accepts[st]:
+                self.eps[ids[st]].append(e)
+        return ids[1], e
+
+    def node(self, op, av, dotall: bool, tail: bool = False) -> tuple[int, int]:
         if op is C.LITERAL:
             return self.literal_bytes(chr(av).encode())
         if op is C.NOT_LITERAL:
@@ -180,7 +218,7 @@ class _NFA:
         if op is C.BRANCH:
             s, e = self.state(), self.state()
             for alt in av[1]:
-                fs, fe = self.build(alt, dotall)
+                fs, fe = self.build(alt, dotall, tail)
                 self.eps[s].append(fs)
                 self.eps[fe].append(e)
             return s, e
@@ -188,7 +226,7 @@ class _NFA:
             _group, add_flags, _del_flags, sub = av
             if add_flags & re.IGNORECASE:
                 raise RegexError("case-insensitive groups (?i) are not supported")
-            return self.build(sub, dotall or bool(add_flags & re.DOTALL))
+            return self.build(sub, dotall or bool(add_flags & re.DOTALL), tail)
         if op in (C.MAX_REPEAT, C.MIN_REPEAT) or op.name == "POSSESSIVE_REPEAT":
             lo, hi, sub = av
             return self.repeat(lo, hi, sub, dotall)
@@ -199,8 +237,11 @@ class _NFA:
             raise RegexError("word boundaries (\\b, \\B) are not supported")
         if getattr(op, "name", "") == "ATOMIC_GROUP":
             return self.build(av, dotall)
-        names = {C.GROUPREF: "backreferences", C.ASSERT: "look-ahead/look-behind",
-                 C.ASSERT_NOT: "negative look-around", C.GROUPREF_EXISTS: "conditional groups"}
+        if op in (C.ASSERT, C.ASSERT_NOT) and av[0] == 1:
+            raise RegexError("a look-ahead is supported only where the rest of the text follows it "
+                             "(at the top level, (?=...\\Z)X or (?!...\\Z)X)")
+        names = {C.GROUPREF: "backreferences", C.ASSERT: "look-behind assertions",
+                 C.ASSERT_NOT: "negative look-behind assertions", C.GROUPREF_EXISTS: "conditional groups"}
         raise RegexError(f"{names.get(op, str(op))} are not supported")
 
     def repeat(self, lo: int, hi: int, sub, dotall: bool) -> tuple[int, int]:
@@ -222,6 +263,20 @@ class _NFA:
             cur = fe
         self.eps[cur].append(e)
         return s, e
+
+
+def _ends_at_end(items: list) -> bool:
+    """Every match of ``items`` ends with ``\\Z``."""
+    if not items:
+        return False
+    op, av = items[-1]
+    if op is C.AT:
+        return av == C.AT_END_STRING
+    if op is C.BRANCH:
+        return all(_ends_at_end(list(alt)) for alt in av[1])
+    if op is C.SUBPATTERN:
+        return _ends_at_end(list(av[3]))
+    return False
 
 
 def _class_ranges(items) -> list[tuple[int, int]]:
@@ -289,10 +344,72 @@ def compile_dfa(patterns: list[str]) -> DFA:
     start = nfa.state()
     for i, pat in enumerate(patterns):
         sub, dotall = parse(pat)
-        fs, fe = nfa.build(sub, dotall)
+        fs, fe = nfa.build(sub, dotall, tail=True)
         nfa.eps[start].append(fs)
         nfa.accept[fe] = i
     return _determinize(nfa, start)
+
+
+def _sub_dfa(items: list, dotall: bool) -> DFA:
+    nfa = _NFA()
+    start = nfa.state()
+    fs, fe = nfa.build(items, dotall, tail=True)
+    nfa.eps[start].append(fs)
+    nfa.accept[fe] = 0
+    return _determinize(nfa, start)
+
+
+def product(a: DFA, b: DFA, op: str) -> DFA:
+    """The DFA of ``a`` and ``b`` (``op`` "and") or of ``a`` but not ``b`` ("minus"), trimmed:
+    every state it keeps can still reach an accepting one (masks never lead into a trap)."""
+    nb = b.num_states
+    ids: dict[int, int] = {1 * nb + 1: 1}
+    pairs = [(1, 1)]
+    rows: list[np.ndarray] = []
+    k = 0
+    while k < len(pairs):
+        x, y = pairs[k]
+        ra, rb = a.table[x].astype(np.int64), b.table[y].astype(np.int64)
+        keys = ra * nb + rb
+        dead = (ra == 0) | ((rb == 0) if op == "and" else False)
+        row = np.zeros(256, dtype=np.int32)
+        for key in np.unique(keys[~dead]).tolist():
+            sid = ids.get(key)
+            if sid is None:
+                if len(pairs) + 1 >= MAX_DFA_STATES:
+                    raise RegexError(f"the pattern is too large (over {MAX_DFA_STATES} DFA states)")
+                pairs.append(divmod(key, nb))
+                sid = ids[key] = len(pairs)
+            row[keys == key] = sid
+        rows.append(row)
+        k += 1
+    table = np.zeros((len(pairs) + 1, 256), dtype=np.int32)
+    table[1:] = np.array(rows)
+    acc = [False] + [bool(a.accepts[x]) and (bool(b.accepts[y]) == (op == "and")) for x, y in pairs]
+    return _trimmed(table, [(0,) if ok else () for ok in acc])
+
+
+def _trimmed(table: np.ndarray, accepts: list[tuple[int, ...]]) -> DFA:
+    """Cut the transitions into states from which no accepting state is reachable (an empty
+    intersection, say), so that a live state always has a way to finish."""
+    good = np.array([bool(a) for a in accepts])
+    while True:
+        more = good | good[table].any(axis=1)
+        more[0] = False
+        if (more == good).all():
+            break
+        good = more
+    if not good.all():
+        table = table.copy()
+        table[~good[table]] = 0
+        table[~good] = 0
+    return DFA(table=table, accepts=accepts, live=(table != 0).any(axis=1))
+
+
+def is_empty(pattern: str) -> bool:
+    """Whether ``pattern`` matches no text at all."""
+    dfa = compile_dfa([pattern])
+    return not any(dfa.accepts)
 
 
 def _determinize(nfa: _NFA, start: int) -> DFA:
@@ -361,5 +478,4 @@ def _determinize(nfa: _NFA, start: int) -> DFA:
     accepts: list[tuple[int, ...]] = [()]
     for st in order:
         accepts.append(tuple(sorted({nfa.accept[s] for s in st if s in nfa.accept})))
-    live = (table != 0).any(axis=1)
-    return DFA(table=table, accepts=accepts, live=live)
+    return _trimmed(table, accepts)
