@@ -100,6 +100,10 @@ def test_generate_native_ebnf_and_schema_stream(http):
     ("/v1/completions", {"ebnf": "start: ("}, "grammar"),
     ("/v1/completions", {"regex": "a", "json_schema": {"type": "string"}}, "at most one"),
     ("/generate", {"sampling_params": {"json_schema": {"type": "string", "format": "hostname"}}}, "format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"oneOf": [{"type": "number"}, {"type": "integer"}]}}}}, "'oneOf'"),
+    ("/v1/completions", {"json_schema": {"allOf": [{"type": "string", "pattern": "^a"}, {"pattern": "b$"}]}}, "'allOf'"),
+    ("/generate", {"sampling_params": {"json_schema": {"type": "number", "minimum": 1e300}}}, "'minimum'"),
 ])
 def test_bad_constraints_are_400_and_the_daemon_keeps_serving(http, route, body, needle):
     if route == "/generate":

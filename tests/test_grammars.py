@@ -10,6 +10,7 @@ import importlib.util
 import json
 import random
 import re
+from decimal import Decimal
 from pathlib import Path
 
 import jsonschema
@@ -23,7 +24,7 @@ from radixd.core.errors import InvalidRequest
 from radixd.core.sampling_params import SamplingParams
 from radixd.grammars import GrammarError
 from radixd.grammars.backend import RadixdBackend
-from radixd.grammars.json_schema import int_range_regex
+from radixd.grammars.json_schema import int_range_regex, number_range_regex
 from radixd.grammars.regex_dfa import RegexError, compile_dfa, utf8_sequences
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +43,10 @@ def _dfa_match(dfa, text: str) -> bool:
 
 
 REGEX_CASES = [r"[a-c]+x|é\d{2,3}", r"(ab|a)*b?", r"[^a-z\n]{1,3}", r"\w+@\w+\.(com|org)", r"-?(0|[1-9]\d*)(\.\d+)?",
-               r"[α-ω]+|[\u4e00-\u9fff]{2}", r"(?:x|yz){0,4}z"]
+               r"[α-ω]+|[\u4e00-\u9fff]{2}", r"(?:x|yz){0,4}z",
+               # look-aheads to the end of the text: intersections and differences
+               r"(?=[a-z]{2,4}\Z)[a-c]+x?", r"(?![0-9]+\Z)[0-9a-c]{1,3}", r"x(?=.*1\Z)(?!.*0.*\Z)\w*",
+               r"(?:a(?=b*\Z)[bc]*|c(?!b\Z)[bc]*)|(?=9\Z|é\Z).", r"(?=\w{1,3}\Z)(?=.*z\Z)(?!yz\Z)[xyz]*"]
 
 
 @pytest.mark.parametrize("pattern", REGEX_CASES)
@@ -78,11 +82,36 @@ def test_int_range_regex(lo, hi, n):
     assert bool(re.fullmatch(int_range_regex(lo, hi), str(n))) == inside
 
 
-@pytest.mark.parametrize("bad", [r"(a", r"a{2,1}", r"(?<=a)b", r"(a)\1", r"(?i)abc", r"\bword"])
+@pytest.mark.parametrize("bad", [r"(a", r"a{2,1}", r"(?<=a)b", r"(a)\1", r"(?i)abc", r"\bword",
+                                 r"(?=a)a", r"(a(?=b\Z))b", r"(?=a|b\Z)b", r"(?:a(?=b*\Z)|c)[bc]*"])
 def test_bad_regexes_are_refused_with_a_message(bad):
     with pytest.raises(RegexError) as info:
         compile_dfa([bad])
     assert str(info.value)
+
+
+def test_empty_intersection_leaves_no_trap_state():
+    dfa = compile_dfa([r"x(?=ab\Z)[cd]*"])
+    assert dfa.walk(1, b"x") == 0 and not any(dfa.accepts)
+
+
+_DEC = st.one_of(st.none(), st.decimals(-200, 200, places=2))
+
+
+@given(lo=_DEC, hi=_DEC, ls=st.booleans(), hs=st.booleans(), sign=st.sampled_from(["", "-"]), whole=st.integers(0, 300),
+       frac=st.one_of(st.just(""), st.text("0123456789", min_size=1, max_size=4)))
+@settings(max_examples=400, deadline=None)
+def test_number_range_regex(lo, hi, ls, hs, sign, whole, frac):
+    if lo is not None and hi is not None and lo > hi:
+        return
+    text = f"{sign}{whole}" + (f".{frac}" if frac else "")
+    v = Decimal(text)
+    inside = (lo is None or (v > lo if ls else v >= lo)) and (hi is None or (v < hi if hs else v <= hi))
+    dfa = compile_dfa([number_range_regex(lo, ls, hi, hs)])
+    if not (v == 0 and sign == "-" and inside):  # -0 is 0, written 0: not generating "-0" is fine
+        assert _dfa_match(dfa, text) == inside, (lo, ls, hi, hs, text)
+    if lo is not None or hi is not None:  # bounded numbers are written without an exponent
+        assert not _dfa_match(dfa, text + "e0")
 
 
 # ------------------------------------------------------------------------------- masks
@@ -215,14 +244,117 @@ def test_terminated_grammar_allows_only_eos(smol):
     assert m.is_terminated() and np.flatnonzero(row).tolist() == [2]
 
 
+_S, _I, _N, _B = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+# (schema, valid documents as JSON text, invalid ones): boundary values on both sides
+KEYWORD_CASES = {
+    "number_0_1": ({"type": "number", "minimum": 0, "maximum": 1},
+                   ["0", "1", "0.5", "1.000", "0.0001", "0.999"], ["1.01", "-0.1", "2", "10", "1.0001"]),
+    "number_lat": ({"type": "number", "minimum": -90, "maximum": 90},
+                   ["-90", "90", "-89.5", "0", "45.25", "-0.5"], ["-90.5", "90.01", "100", "-91", "-900"]),
+    "number_exclusive": ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+                         ["0.5", "0.0001", "0.9999"], ["0", "1", "0.0", "1.0", "1.5", "-0.5"]),
+    "number_max_only": ({"type": "number", "maximum": -1.5}, ["-1.5", "-2", "-100.25", "-1.50"], ["-1.49", "0", "5", "-1"]),
+    "number_min_only": ({"type": "number", "minimum": 0.25}, ["0.25", "1", "1000.5"], ["0.2", "0", "-3", "0.249"]),
+    "number_draft4": ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "number", "minimum": 2.5,
+                       "exclusiveMinimum": True}, ["2.51", "3"], ["2.5", "2"]),
+    "integer_negative": ({"type": "integer", "minimum": -1000, "exclusiveMaximum": -5}, ["-1000", "-6", "-999"],
+                         ["-5", "-1001", "0", "-4"]),
+    "integer_float_bounds": ({"type": "integer", "minimum": 0.5, "maximum": 9.5}, ["1", "9"], ["0", "10"]),
+    "pattern_length": ({"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 4},
+                       ['"ab"', '"abcd"'], ['"a"', '"abcde"', '"AB"', '""']),
+    "pattern_unanchored": ({"type": "string", "pattern": "[0-9]{2}", "maxLength": 4},
+                           ['"12"', '"a12b"', '"x99"'], ['"1a2"', '"a12bc"']),
+    "pattern_anchored_end": ({"type": "string", "pattern": "ab$"}, ['"ab"', '"xxab"'], ['"abx"', '"a"']),
+    "format_length": ({"type": "string", "format": "email", "maxLength": 12}, ['"a@b.co"', '"abcd@efg.hi"'],
+                      ['"abcdefgh@example.com"', '"ab"']),
+    "pattern_format": ({"type": "string", "format": "date", "pattern": "^2024-"}, ['"2024-02-29"'], ['"2023-01-01"']),
+    "additional_schema": ({"type": "object", "properties": {"a": _I}, "required": ["a"], "additionalProperties": _S},
+                          ['{"a": 1}', '{"a": 1, "b": "x"}', '{"a":1,"ab":"x","b":"y"}', '{"a": 1, "": ""}'],
+                          ['{"a": 1, "b": 2}', '{"a": 1, "a": "x"}', '{"a": 1, "\\u0061": "x"}', '{"b": "x"}']),
+    "additional_true": ({"type": "object", "properties": {"a": _S}, "additionalProperties": True},
+                        ['{}', '{"x": [1, {"y": null}]}', '{"a": "s", "b": 1}', '{"ab": 1}'], ['{"a": 1}', '{"a": "s", "a": 2}']),
+    "pattern_properties": ({"type": "object", "patternProperties": {"^x-": _I}, "additionalProperties": False},
+                           ['{}', '{"x-a": 1}', '{"x-a": 1, "x-": 2}'], ['{"y": 1}', '{"x-a": "s"}', '{"X-a": 1}']),
+    "pattern_and_additional": ({"type": "object", "properties": {"id": _I}, "required": ["id"],
+                                "patternProperties": {"^n_": _N}, "additionalProperties": _B},
+                               ['{"id": 1, "n_a": 1.5, "z": true}', '{"id": 1}', '{"id": 2, "zz": false, "n_": 0}'],
+                               ['{"id": 1, "n_a": true}', '{"id": 1, "z": 1}', '{"id": 1, "id": true}']),
+    "allof_objects": ({"allOf": [{"type": "object", "properties": {"a": _I}, "required": ["a"]},
+                                 {"properties": {"b": _S}, "required": ["b"]}]},
+                      ['{"a": 1, "b": "x"}'], ['{"a": 1}', '{"b": "x"}', '{"a": "1", "b": "x"}']),
+    "allof_bounds": ({"allOf": [{"type": "number", "minimum": 0}, {"type": "integer", "maximum": 10}]},
+                     ["0", "10", "7"], ["11", "1.5", "-1"]),
+    "allof_enums": ({"allOf": [{"enum": ["a", "b", "c"]}, {"enum": ["b", "c", "d"]}, {"type": "string"}]},
+                    ['"b"', '"c"'], ['"a"', '"d"']),
+    "allof_ref": ({"$defs": {"base": {"type": "object", "properties": {"id": _I}, "required": ["id"]}},
+                   "allOf": [{"$ref": "#/$defs/base"}, {"properties": {"id": {"minimum": 1}, "name": _S}}]},
+                  ['{"id": 1}', '{"id": 5, "name": "x"}'], ['{"id": 0}', '{"name": "x"}']),
+    "oneof_discriminator": ({"oneOf": [
+        {"type": "object", "properties": {"kind": {"const": "a"}, "x": _I}, "required": ["kind", "x"]},
+        {"type": "object", "properties": {"kind": {"const": "b"}, "y": _S}, "required": ["kind", "y"]}]},
+        ['{"kind": "a", "x": 1}', '{"kind": "b", "y": "s"}'], ['{"kind": "a", "y": "s"}', '{"kind": "c", "x": 1}']),
+    "oneof_types": ({"oneOf": [_S, _I, {"type": "null"}]}, ['"s"', "3", "null"], ["true", "1.5"]),
+    "prefix_items": ({"type": "array", "prefixItems": [_S, _I], "items": False},
+                     ['[]', '["a"]', '["a", 1]'], ['["a", 1, 2]', '[1]', '["a", "b"]']),
+    "prefix_then_items": ({"type": "array", "prefixItems": [_B], "items": _I, "minItems": 2},
+                          ['[true, 1]', '[false, 1, 2, 3]'], ['[true]', '[true, "x"]', '[1, 1]']),
+    "items_list_draft7": ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "array", "items": [_S, _N], "additionalItems": False, "minItems": 1},
+                          ['["a"]', '["a", 2.5]'], ['[]', '["a", 2.5, 1]']),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KEYWORD_CASES))
+def test_keyword_documents(smol, name):
+    """Valid documents (boundary values included) pass the mask at every step through EOS;
+    documents just outside are refused. jsonschema is the oracle for both lists."""
+    tok, backend = smol
+    schema, valid, invalid = KEYWORD_CASES[name]
+    compiled = _compile(backend, "json_schema", json.dumps(schema))
+    checker = jsonschema.FormatChecker()
+    for text in valid:
+        jsonschema.validate(json.loads(text), schema, format_checker=checker)
+        ok, where = _feed(tok, compiled, text)
+        assert ok, f"{name}: valid {text!r} refused at {where!r}"
+    for text in invalid:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(json.loads(text), schema, format_checker=checker)
+        assert not _feed(tok, compiled, text)[0], f"{name}: invalid {text!r} accepted"
+
+
 @pytest.mark.parametrize("schema,keyword", [
     ({"type": "string", "contentEncoding": "base64"}, "contentEncoding"),
-    ({"allOf": [{"type": "string"}]}, "allOf"),
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
     ({"type": "string", "format": "hostname"}, "format"),
-    ({"type": "number", "maximum": 3.5}, "maximum"),
-    ({"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": True}, "additionalProperties"),
     ({"$ref": "https://example.com/s.json"}, "$ref"),
+    ({"not": {"type": "string"}}, "not"),
+    # number bounds radixd cannot write as a digit range, or that leave nothing
+    ({"type": "number", "minimum": 1e300}, "minimum"),
+    ({"type": "number", "minimum": 2, "maximum": 1}, "minimum"),
+    ({"type": "number", "exclusiveMinimum": 1, "maximum": 1}, "minimum"),
+    ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "minimum"),
+    ({"type": "number", "exclusiveMinimum": True}, "exclusiveMinimum"),
+    # intersections that are empty, anchors inside a pattern
+    ({"type": "string", "pattern": "^[a-z]{2}$", "minLength": 3}, "pattern"),
+    ({"type": "string", "format": "uuid", "maxLength": 10}, "format"),
+    ({"type": "string", "pattern": "^a|b$"}, "pattern"),
+    # a pattern property that would also apply to a declared property
+    ({"type": "object", "properties": {"ab": {"type": "integer"}}, "patternProperties": {"^a": {"type": "string"}}},
+     "patternProperties"),
+    # allOf that does not merge exactly
+    ({"allOf": [{"type": "string", "pattern": "^a"}, {"pattern": "b$"}]}, "allOf"),
+    ({"allOf": [{"properties": {"a": {"type": "string"}}, "additionalProperties": False},
+                {"properties": {"b": {"type": "string"}}}]}, "allOf"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "allOf"),
+    ({"allOf": [{"enum": [1, 2]}, {"enum": [3]}]}, "allOf"),
+    ({"allOf": [{"enum": [1, 2]}, {"maximum": 1}]}, "allOf"),
+    # oneOf whose branches may overlap
+    ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, "oneOf"),
+    ({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}, "oneOf"),
+    ({"oneOf": [{"type": "object", "properties": {"a": {"type": "string"}}},
+                {"type": "object", "properties": {"b": {"type": "string"}}}]}, "oneOf"),
+    ({"oneOf": [{"enum": ["a", "b"]}, {"enum": ["b", "c"]}]}, "oneOf"),
+    # arrays: fewer items allowed than required
+    ({"type": "array", "prefixItems": [{"type": "string"}], "items": False, "minItems": 2}, "items"),
 ])
 def test_unsupported_schema_keywords_are_named(smol, schema, keyword):
     _, backend = smol
