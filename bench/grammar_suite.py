@@ -91,6 +91,17 @@ SCHEMAS: dict[str, dict] = {
     "json_object": {"type": "object"},
     "free_map": obj({"labels": {"type": "object", "additionalProperties": S}}),
     "any_value": obj({"data": {}}),
+    # number bounds, pattern with length, extra keys beside properties, allOf, exact oneOf, tuples
+    "number_bounds": obj({"lat": {"type": "number", "minimum": -90, "maximum": 90},
+                          "ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}}),
+    "pattern_length": obj({"slug": {"type": "string", "pattern": "^[a-z0-9-]+$", "minLength": 3, "maxLength": 8,
+                                    "examples": ["abc", "a-b-c-9", "hello-42"]}}),
+    "extra_props": obj({"id": INT}, additionalProperties=S),
+    "pattern_props": {"type": "object", "patternProperties": {"^x-": INT}, "additionalProperties": False},
+    "allof_merge": {"allOf": [obj({"id": {"type": "integer", "minimum": 1}}), obj({"name": S}, required=[])]},
+    "oneof_tagged": {"oneOf": [obj({"kind": {"const": "cat"}, "lives": {"type": "integer", "minimum": 0, "maximum": 9}}),
+                               obj({"kind": {"const": "dog"}, "good": B})]},
+    "tuple_point": {"type": "array", "prefixItems": [N, N], "items": False, "minItems": 2},
 }
 
 REGEXES: dict[str, tuple[str, list[str]]] = {
@@ -158,6 +169,12 @@ def example(schema, rng: random.Random, root=None, depth: int = 0):
         return schema["const"]
     if "enum" in schema:
         return rng.choice(schema["enum"])
+    if "allOf" in schema:  # the suite's allOf branches are objects: their union, in order
+        merged = {"type": "object", "properties": {}, "required": []}
+        for branch in schema["allOf"]:
+            merged["properties"].update(branch.get("properties", {}))
+            merged["required"] += branch.get("required", [])
+        return example(merged, rng, root, depth)
     for kw in ("anyOf", "oneOf"):
         if kw in schema:
             alts = schema[kw]
@@ -184,23 +201,35 @@ def example(schema, rng: random.Random, root=None, depth: int = 0):
             hi = schema["exclusiveMaximum"] - 1
         return rng.randint(lo, hi)
     if t == "number":
-        v = round(rng.uniform(-1000, 1000), rng.randint(0, 3))
-        if schema.get("minimum") == 0:
-            v = abs(v)
-        return int(v) if rng.random() < 0.3 else v
+        lo = schema.get("minimum", schema.get("exclusiveMinimum", -1000))
+        hi = schema.get("maximum", schema.get("exclusiveMaximum", 1000))
+        while True:
+            v = rng.choice([lo, hi]) if rng.random() < 0.2 else round(rng.uniform(lo, hi), rng.randint(0, 3))
+            v = int(v) if rng.random() < 0.3 and lo <= int(v) <= hi else v
+            if schema.get("exclusiveMinimum") != v and schema.get("exclusiveMaximum") != v:
+                return v
     if t == "boolean":
         return rng.random() < 0.5
     if t == "null":
         return None
     if t == "object":
         props = schema.get("properties", {})
-        if not props:
-            extra = schema.get("additionalProperties", True)
-            return {f"k{i}": example(extra if isinstance(extra, dict) else {}, rng, root, depth + 1)
-                    for i in range(rng.randint(0, 3))}
+        patterns = schema.get("patternProperties", {})
+        extra = schema.get("additionalProperties", not props and not patterns)
         req = set(schema.get("required", []))
-        return {k: example(v, rng, root, depth + 1) for k, v in props.items()
-                if k in req or (depth < 4 and rng.random() < 0.6)}
+        doc = {k: example(v, rng, root, depth + 1) for k, v in props.items()
+               if k in req or (depth < 4 and rng.random() < 0.6)}
+        for i in range(rng.randint(0, 3)):  # extra keys after the declared ones
+            if patterns and (extra is False or rng.random() < 0.5):
+                prefix, sub = rng.choice(sorted(patterns.items()))
+                doc[prefix.lstrip("^") + f"k{i}"] = example(sub, rng, root, depth + 1)
+            elif extra is not False:
+                doc[f"k{i}"] = example(extra if isinstance(extra, dict) else {}, rng, root, depth + 1)
+        return doc
+    if t == "array" and "prefixItems" in schema:
+        head = schema["prefixItems"]
+        n = rng.randint(schema.get("minItems", 0), len(head))
+        return [example(sub, rng, root, depth + 1) for sub in head[:n]]
     if t == "array":
         lo = schema.get("minItems", 0)
         hi = min(schema.get("maxItems", lo + 3), lo + 3)

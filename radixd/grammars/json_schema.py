@@ -1,15 +1,18 @@
 """JSON Schema -> a Lark grammar (LALR) whose terminals are regexes.
 
 Supported: ``type`` (one or a list), ``properties``/``required`` (properties appear in their
-declared order; ``additionalProperties`` must be false or absent when ``properties`` are given),
-an object without ``properties`` (any keys, values under ``additionalProperties`` if a
-schema), ``enum``, ``const``, string ``minLength``/``maxLength``/``pattern``/``format`` (date,
-time, date-time, uuid, email, ipv4), integer ``minimum``/``maximum``/``exclusiveMinimum``/
-``exclusiveMaximum``, number ``minimum: 0``, array ``items``/``minItems``/``maxItems``,
-``anyOf``/``oneOf`` (oneOf as anyOf: branches should not overlap), ``nullable``, ``$ref`` to
-``#``, ``#/$defs/..`` and ``#/definitions/..`` (recursion included). Annotations (title,
-description, default, examples, ...) are accepted. Anything else raises ``SchemaError`` naming
-the keyword, so nothing is silently left unenforced.
+declared order), ``additionalProperties`` and ``patternProperties`` (extra keys follow the
+declared ones; a key is a terminal with look-aheads: not a declared name in any JSON spelling,
+matching its pattern and no other), an object without ``properties`` (any keys), ``enum``,
+``const``, string ``minLength``/``maxLength``/``pattern``/``format`` (date, time, date-time,
+uuid, email, ipv4) combined by look-ahead intersection, integer and number ``minimum``/
+``maximum``/``exclusiveMinimum``/``exclusiveMaximum`` (exact decimal digit ranges; bounded
+numbers have no exponent), array ``items``/``prefixItems``/``minItems``/``maxItems``,
+``anyOf``, ``oneOf`` (branches proven mutually exclusive) and ``allOf`` (merged when exact; see
+``schema_algebra``), ``nullable``, ``$ref`` to ``#``, ``#/$defs/..`` and ``#/definitions/..``
+(recursion included). Annotations (title, description, default, examples, ...) are accepted.
+Anything else raises ``SchemaError`` naming the keyword, so nothing is silently left
+unenforced.
 
 Whitespace between tokens is one ignored terminal of 1..``max_ws`` characters, never two in
 a row, so a model cannot loop on blanks.
@@ -22,7 +25,7 @@ import re
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal, InvalidOperation
 
 from radixd.grammars.regex_dfa import C, RegexError, is_empty, parse
-from radixd.grammars.schema_algebra import Algebra
+from radixd.grammars.schema_algebra import IMPLIED_TYPES, Algebra
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "$defs", "definitions", "strict", "name"}
@@ -350,10 +353,7 @@ class SchemaGrammar:
                 raise SchemaError("type", f"type must not be an empty list (at {path})")
             return " | ".join(self.value({**s, "type": one}, path) for one in t)
         if t is None:  # untyped: the type its keywords imply, else any value
-            implied = [name for name, kws in (("object", {"properties", "required", "additionalProperties"}),
-                                              ("array", {"items", "minItems", "maxItems"}),
-                                              ("string", {"minLength", "maxLength", "pattern", "format"}))
-                       if kws & s.keys()]
+            implied = [name for name, kws in IMPLIED_TYPES if kws & s.keys()]
             if not implied:
                 self._check(s, set(), path)
                 return self.any_value()

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from decimal import Decimal
 
 ALL_TYPES = frozenset({"null", "boolean", "number", "string", "array", "object"})
-_IMPLIED = (("object", {"properties", "required", "additionalProperties", "patternProperties"}),
+# an untyped schema with these keywords is generated as that type (valid: others pass too)
+IMPLIED_TYPES = (("object", {"properties", "required", "additionalProperties", "patternProperties"}),
             ("array", {"items", "minItems", "maxItems", "prefixItems", "additionalItems"}),
             ("string", {"minLength", "maxLength", "pattern", "format"}),
             ("number", {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}))
@@ -82,7 +83,7 @@ class Algebra:
                 return set().union(*(self.gen_types(a, depth + 1) for a in s[kw]))
         out = self.valid_types(s, depth)
         if "type" not in s and "const" not in s and "enum" not in s:
-            implied = [t for t, kws in _IMPLIED if kws & s.keys()]
+            implied = [t for t, kws in IMPLIED_TYPES if kws & s.keys()]
             if implied:
                 out = {implied[0]} | ({"null"} if s.get("nullable") is True else set())
         return out
