@@ -26,11 +26,12 @@ import itertools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from radixd.grammars.regex_dfa import DFA, compile_dfa
-from radixd.grammars.vocab import TokenizerInfo
+from radixd.grammars.vocab import TokenizerInfo, expand_ranges
 
 FRESH = -1
 Config = tuple  # (stack, ignore_ok, lex)
@@ -152,6 +153,16 @@ class SharedLexers:
         cache[key] = value
 
 
+class StateScan(NamedTuple):
+    """The whole vocabulary walked through one lexer DFA from one state (stack-independent)."""
+
+    inside: np.ndarray        # bool [vocab]: tokens whose bytes all stay inside the lexeme
+    exit0: np.ndarray | None  # bool [vocab]: tokens whose first byte ends the lexeme here
+                              # (None: the state is not accepting)
+    groups: list              # (s, token ids, bytes consumed): longer tokens leaving the
+                              # lexeme from accepting state s after consuming some bytes
+
+
 class _Lexer:
     """The DFA recognizing one set of terminals; ``choice[state]``: the terminal a lexeme
     ending in ``state`` is taken as (preferred first)."""
@@ -181,6 +192,8 @@ class TokenGrammar:
         self._masks: OrderedDict[Config, tuple[np.ndarray, bool]] = OrderedDict()
         self._mask_cache_size = mask_cache_size
         self._steps: dict[tuple, Config | None] = {}
+        self._fresh: OrderedDict[tuple, np.ndarray] = OrderedDict()
+        self._fresh_cache_size = max(64, mask_cache_size // 4)
         self.shared = shared if shared is not None else SharedLexers()
         self._scans = self.shared.scans
         self._tries = self.shared.tries
@@ -219,7 +232,6 @@ class TokenGrammar:
         actions = getattr(self.parser, "actions", None)
         if actions is None:
             return
-        rows = np.arange(self.vocab.vocab_size, dtype=np.int64)
         for top in actions:
             cands = frozenset(self.parser.candidates((top,)))
             if not cands:
@@ -228,7 +240,7 @@ class TokenGrammar:
                 lx = self._lexers.get(terms)
                 if lx is None:
                     lx = self._lexers[terms] = _Lexer(self.shared, tuple(sorted(terms)), self.terminals)
-                    self._trie_scan(lx, 1, True, rows)
+                    self._state_scan(lx, 1)
 
     # -------------------------------------------------------------- stepping
 
@@ -312,13 +324,12 @@ class TokenGrammar:
         if got is not None:
             self._masks.move_to_end(config)
             return got
-        v = self.vocab
         stack, ign, lex = config
-        allowed = np.zeros(v.vocab_size, dtype=bool)
         terminated = self.finished(config)
-        if not terminated:  # (when it is, trailing ignored terminals are not offered)
-            rows = np.arange(v.vocab_size, dtype=np.int64)
-            allowed = self._walk(stack, ign, lex, rows, np.zeros_like(rows), ())  # rows are token ids
+        if terminated:  # (trailing ignored terminals are not offered)
+            allowed = np.zeros(self.vocab.vocab_size, dtype=bool)
+        else:
+            allowed = self._vocab_walk(stack, ign, lex)
             terminated = not allowed.any()
         if self.eos.size and (terminated or self.end_ok(config)):
             allowed[self.eos] = True  # a dead end (never expected) finishes rather than rambles
@@ -326,6 +337,37 @@ class TokenGrammar:
         self._masks[config] = got
         if len(self._masks) > self._mask_cache_size:
             self._masks.popitem(last=False)
+        return got
+
+    def _vocab_walk(self, stack: tuple, ign: bool, lex: int) -> np.ndarray:
+        """Which tokens of the whole vocabulary can be consumed from the configuration (a new
+        array). The lexer's scan from ``lex`` says which tokens stay inside the lexeme, which
+        end it before their first byte (they continue whole from the configuration after the
+        lexeme: its own vocabulary walk, cached) and which leave it later (their suffixes are
+        walked from the next configuration, as a few rows)."""
+        lx = self.lexer(stack, ign)
+        q = 1 if lex == FRESH else lex
+        sc = self._state_scan(lx, q)
+        ok = sc.inside.copy()
+        if lex != FRESH and sc.exit0 is not None:  # (a lexeme is never empty)
+            r = self.end_lexeme(stack, ign, q)
+            if r is not None:
+                ok |= sc.exit0 & self._fresh_walk(r)
+        for s, toks, offs in sc.groups:
+            r = self.end_lexeme(stack, ign, s)
+            if r is not None:
+                ok[toks] = self._walk(r[0], r[1], FRESH, toks, offs, (lx.uid, q, s))
+        return ok
+
+    def _fresh_walk(self, after: tuple) -> np.ndarray:
+        """``_vocab_walk`` at the start of a lexeme (read-only, cached per (stack, ignore_ok))."""
+        got = self._fresh.get(after)
+        if got is None:
+            got = self._fresh[after] = self._vocab_walk(after[0], after[1], FRESH)
+            if len(self._fresh) > self._fresh_cache_size:
+                self._fresh.popitem(last=False)
+        else:
+            self._fresh.move_to_end(after)
         return got
 
     def _walk(self, stack: tuple, ign: bool, lex: int, rows: np.ndarray, offs: np.ndarray, key: tuple) -> np.ndarray:
@@ -342,18 +384,15 @@ class TokenGrammar:
         return ok
 
     def _scan(self, lx: _Lexer, start: int, key: tuple, rows: np.ndarray, offs: np.ndarray, fresh: bool):
-        """Walk the tokens through one lexer DFA from ``start`` (vectorized). Returns (ok:
-        tokens that end inside the lexeme, groups: per accepting state ``s`` where tokens
-        leave the lexeme, (s, their positions, the offsets they continue from)). Depends
-        only on the lexer, so it is cached apart from the parser stack."""
+        """Walk the token suffixes through one lexer DFA from ``start``. Returns (ok: rows
+        that end inside the lexeme, groups: per accepting state ``s`` where rows leave the
+        lexeme, (s, their positions, the offsets they continue from)). Depends only on the
+        lexer, so it is cached apart from the parser stack."""
         ck = (lx.uid, start, key)
         got = self._scans.get(ck)
         if got is not None:
             return got
-        if not offs.any():
-            cpos, cprev, ck_, ok = self._trie_scan(lx, start, fresh, rows)
-        else:
-            cpos, cprev, ck_, ok = self._row_scan(lx, start, fresh, rows, offs)
+        cpos, cprev, ck_, ok = self._row_scan(lx, start, fresh, rows, offs)
         groups = []
         if cpos.size:
             first = int(cprev[0])
@@ -368,74 +407,74 @@ class TokenGrammar:
         self.shared.remember(self._scans, ck, got)
         return got
 
-    def _trie_scan(self, lx: _Lexer, start: int, fresh: bool, rows: np.ndarray):
-        """The whole vocabulary from ``start`` through the token trie, then ``rows`` of it:
-        (candidate positions, their states before leaving, bytes consumed, ok)."""
-        key = (lx.uid, start, fresh)
+    def _state_scan(self, lx: _Lexer, q: int) -> StateScan:
+        """The whole vocabulary walked from DFA state ``q`` through the token trie (one gather
+        per trie level over the live nodes; shared prefixes are walked once). Cached per
+        (lexer, state) and shared by every grammar using the lexer."""
+        key = (lx.uid, q)
         got = self._tries.get(key)
-        if got is None:
-            v = self.vocab
-            tr = v.trie
-            flat, accepting = lx.flat, lx.accepting
-            state = np.zeros(tr.size, dtype=np.int64)
-            state[0] = start
-            lv = tr.levels
-            dead_at: list[np.ndarray] = []  # nodes where a walk leaves an accepting state
-            alive = np.zeros(1, dtype=np.int64)  # live nodes of the level above
-            for d in range(1, len(lv) - 1):
-                a, b = lv[d], lv[d + 1]
-                if alive.size * 8 > b - a:  # most of the level: one gather over all of it
-                    idx = None
-                    ps = state[tr.parent[a:b]]
-                    ns = flat[ps * 256 + tr.byte[a:b]]
-                    state[a:b] = ns
-                    live = np.flatnonzero(ns)
-                    alive = live + a
-                else:  # only the children of live nodes
-                    counts = tr.child_count[alive]
-                    total = int(counts.sum())
-                    if total == 0:
-                        break
-                    idx = np.arange(total) + np.repeat(tr.child_start[alive] - np.cumsum(counts) + counts, counts)
-                    ps = state[tr.parent[idx]]
-                    ns = flat[ps * 256 + tr.byte[idx]]
-                    state[idx] = ns
-                    alive = idx[ns != 0]
-                if d > 1 or not fresh:  # (a lexeme is never empty)
-                    leave = (ns == 0) & accepting[ps]
-                    if leave.any():
-                        where = np.flatnonzero(leave)
-                        dead_at.append(where + a if idx is None else idx[where])
-                if not alive.size:
-                    break  # every deeper node is dead (state 0 already)
-            ok_all = (state[tr.end] != 0) & v.has_bytes
-            if dead_at:  # candidates, kept sparse: (token ids, state left, bytes consumed)
-                nodes = np.concatenate(dead_at)
-                toks = [tr.order[tr.lo[n]:tr.hi[n]] for n in nodes.tolist()]
-                counts = np.array([t.size for t in toks], dtype=np.int64)
-                ctok = np.concatenate(toks)
-                cprev = np.repeat(state[tr.parent[nodes]], counts)
-                ck = np.repeat(tr.depth[nodes] - 1, counts)
-                keep = v.has_bytes[ctok]
-                order = np.argsort(ctok[keep], kind="stable")
-                cand = (ctok[keep][order], cprev[keep][order], ck[keep][order])
-            else:
-                e = np.zeros(0, dtype=np.int64)
-                cand = (e, e, e)
-            got = (ok_all, cand)
-            self.shared.remember(self._tries, key, got)
-        ok_all, (ctok, cprev, ck) = got
-        ok = ok_all[rows]
-        if rows.size == ok_all.size:  # the whole vocabulary: rows are token ids
-            return ctok, cprev, ck, ok
-        pos_of = np.full(ok_all.size, -1, dtype=np.int64)
-        pos_of[rows] = np.arange(rows.size)
-        j = pos_of[ctok]
-        sel = j >= 0
-        return j[sel], cprev[sel], ck[sel], ok
+        if got is not None:
+            return got
+        v = self.vocab
+        tr = v.trie
+        flat, accepting = lx.flat, lx.accepting
+        state = np.zeros(tr.size, dtype=np.int64)
+        state[0] = q
+        lv = tr.levels
+        alive_at: list[np.ndarray] = []  # live nodes, level by level
+        left_at: list[np.ndarray] = []   # nodes (depth >= 2) where a walk leaves an accepting state
+        left_from: list[np.ndarray] = []  # ... and that state
+        alive = np.zeros(1, dtype=np.int64)  # live nodes of the level above
+        for d in range(1, len(lv) - 1):
+            a, b = lv[d], lv[d + 1]
+            if alive.size * 8 > b - a:  # most of the level: one gather over all of it
+                idx = None
+                ps = state[tr.parent[a:b]]
+                ns = flat[ps * 256 + tr.byte[a:b]]
+                state[a:b] = ns
+                alive = np.flatnonzero(ns) + a
+            else:  # only the children of live nodes
+                idx = expand_ranges(tr.child_start[alive], tr.child_count[alive])
+                if not idx.size:
+                    break
+                ps = state[tr.parent[idx]]
+                ns = flat[ps * 256 + tr.byte[idx]]
+                state[idx] = ns
+                alive = idx[ns != 0]
+            if d > 1:  # (tokens ending the lexeme before their first byte: ``exit0``)
+                leave = (ns == 0) & accepting[ps]
+                if leave.any():
+                    where = np.flatnonzero(leave)
+                    left_at.append(where + a if idx is None else idx[where])
+                    left_from.append(ps[where])
+            if not alive.size:
+                break  # every deeper node is dead (state 0 already)
+            alive_at.append(alive)
+        inside = np.zeros(v.vocab_size, dtype=bool)
+        if alive_at:
+            nodes = np.concatenate(alive_at)
+            nodes = nodes[tr.exact[nodes] > 0]
+            inside[tr.order[expand_ranges(tr.lo[nodes], tr.exact[nodes])]] = True
+        groups = []
+        if left_at:  # every token under such a node leaves there (kept sparse)
+            nodes = np.concatenate(left_at)
+            counts = tr.hi[nodes] - tr.lo[nodes]
+            toks = tr.order[expand_ranges(tr.lo[nodes], counts)]
+            prev = np.repeat(np.concatenate(left_from), counts)
+            consumed = np.repeat(tr.depth[nodes] - 1, counts)
+            for s in np.unique(prev).tolist():
+                sel = prev == s
+                groups.append((s, toks[sel], consumed[sel]))
+        exit0 = None
+        if accepting[q]:
+            exit0 = (lx.table[q] == 0)[v.first_byte] & v.has_bytes
+        got = StateScan(inside, exit0, groups)
+        self.shared.remember(self._tries, key, got)
+        return got
 
     def _row_scan(self, lx: _Lexer, start: int, fresh: bool, rows: np.ndarray, offs: np.ndarray):
-        """As ``_trie_scan`` for token suffixes (from ``offs``), walked row by row."""
+        """Token suffixes (from ``offs``) through one lexer DFA from ``start``, row by row:
+        (positions that leave the lexeme, the states they leave from, bytes consumed, ok)."""
         v = self.vocab
         if rows.size <= 512:  # few rows (the usual case): plain Python beats numpy's overhead
             return self._row_scan_small(lx, start, fresh, rows, offs)
@@ -471,7 +510,6 @@ class TokenGrammar:
             e = np.zeros(0, dtype=np.int64)
             return e, e, e, ok
         return np.concatenate(cand_pos), np.concatenate(cand_prev), np.concatenate(cand_k), ok
-
 
     def _row_scan_small(self, lx: _Lexer, start: int, fresh: bool, rows: np.ndarray, offs: np.ndarray):
         tb = self.vocab.token_bytes

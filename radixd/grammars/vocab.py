@@ -47,6 +47,7 @@ class TokenizerInfo:
             if b:
                 mat[i, : len(b)] = np.frombuffer(b, dtype=np.uint8)
         self.bytes_matrix = mat
+        self.first_byte = mat[:, 0].copy()  # (0 for tokens without bytes: mask with has_bytes)
         self.trie = _Trie([b or b"" for b in self.token_bytes])
 
     @classmethod
@@ -145,3 +146,15 @@ class _Trie:
         sorted_pre = tok_pre[self.order]
         self.lo = np.searchsorted(sorted_pre, pre, side="left")
         self.hi = np.searchsorted(sorted_pre, pre + span, side="left")
+        # tokens ending exactly at node n: ``order[lo[n]:lo[n] + exact[n]]`` (a node comes
+        # before its descendants in depth-first order); none at the root (empty tokens)
+        self.exact = np.bincount(self.end, minlength=self.size).astype(np.int64)
+        self.exact[0] = 0
+
+
+def expand_ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + c) for s, c in zip(starts, counts)])``, vectorized."""
+    total = int(counts.sum())
+    if not total:
+        return np.zeros(0, dtype=np.int64)
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - np.cumsum(counts) + counts, counts)
