@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -118,16 +119,38 @@ class Terminal:
     literal: bool = False   # string terminals win ties against regex ones (as in Lark)
 
 
+class StateScan(NamedTuple):
+    """The whole vocabulary walked through one lexer DFA from one state (stack-independent)."""
+
+    inside: np.ndarray        # tokens whose bytes all stay inside the lexeme: bool [vocab]
+                              # when many (a string's inside), else their ids
+    exit0: np.ndarray | None  # bool [vocab]: tokens whose first byte ends the lexeme here
+                              # (None: the state is not accepting)
+    groups: list              # (s, trie nodes): tokens below the nodes leave the lexeme
+                              # there, from accepting state s, after one byte or more
+
+    def allowed(self, vocab_size: int) -> np.ndarray:
+        """``inside`` as a new bool [vocab] array."""
+        if self.inside.dtype == bool:
+            return self.inside.copy()
+        ok = np.zeros(vocab_size, dtype=bool)
+        ok[self.inside] = True
+        return ok
+
+
 class SharedLexers:
     """Lexer DFAs and their vocabulary scans, shared by every grammar compiled for one
     vocabulary: keyed by the terminals' regexes, so the string, number and punctuation lexers
-    of many JSON Schemas are built and scanned once. Bounded; cleared when full."""
+    of many JSON Schemas are built and scanned once. Bounded (``limit`` lexers, ``scan_limit``
+    scans of each kind, mostly sparse: a few KB each); a cache is cleared when full."""
 
-    def __init__(self, limit: int = 2048):
+    def __init__(self, limit: int = 2048, scan_limit: int = 32768):
         self.limit = limit
+        self.scan_limit = scan_limit
         self.dfas: dict[tuple[str, ...], tuple[int, DFA, list, np.ndarray, np.ndarray]] = {}
-        self.scans: dict[tuple, tuple] = {}
-        self.tries: dict[tuple, tuple] = {}
+        self.scans: dict[tuple, tuple] = {}    # (lexer, trie nodes) -> where the walks go
+        self.tries: dict[tuple, StateScan] = {}  # (lexer, DFA state) -> the vocabulary's walk
+        self.exits: dict[bytes, np.ndarray] = {}  # bytes ending a lexeme -> tokens starting so
         self._uids = itertools.count()
         self._lock = threading.Lock()  # compile workers and the event loop both build lexers
 
@@ -148,19 +171,9 @@ class SharedLexers:
         return got
 
     def remember(self, cache: dict, key, value) -> None:
-        if len(cache) >= self.limit:
+        if len(cache) >= self.scan_limit:
             cache.clear()
         cache[key] = value
-
-
-class StateScan(NamedTuple):
-    """The whole vocabulary walked through one lexer DFA from one state (stack-independent)."""
-
-    inside: np.ndarray        # bool [vocab]: tokens whose bytes all stay inside the lexeme
-    exit0: np.ndarray | None  # bool [vocab]: tokens whose first byte ends the lexeme here
-                              # (None: the state is not accepting)
-    groups: list              # (s, token ids, bytes consumed): longer tokens leaving the
-                              # lexeme from accepting state s after consuming some bytes
 
 
 class _Lexer:
@@ -224,15 +237,15 @@ class TokenGrammar:
             self._lexer_of[key] = lx
         return lx
 
-    def warm(self) -> None:
+    def warm(self, budget_s: float = 0.05) -> None:
         """Part of compiling (off the event loop): build the lexer of every parser state's
-        terminals (with and without the ignored ones) and scan the vocabulary from each
-        lexer's start, so first masks mostly find their DFAs and scans ready."""
-        self.lexer(self.start[0], True)
-        actions = getattr(self.parser, "actions", None)
-        if actions is None:
-            return
-        for top in actions:
+        terminals (with and without the ignored ones), then scan the vocabulary from their
+        DFA states, nearest the start first, until ``budget_s`` seconds have passed, so
+        first masks mostly find their scans ready (scans already made for another grammar
+        are shared and cost nothing here)."""
+        deadline = time.perf_counter() + budget_s
+        lexers = [self.lexer(self.start[0], True)]
+        for top in getattr(self.parser, "actions", ()):
             cands = frozenset(self.parser.candidates((top,)))
             if not cands:
                 continue
@@ -240,7 +253,20 @@ class TokenGrammar:
                 lx = self._lexers.get(terms)
                 if lx is None:
                     lx = self._lexers[terms] = _Lexer(self.shared, tuple(sorted(terms)), self.terminals)
-                    self._state_scan(lx, 1)
+                    lexers.append(lx)
+        frontier = [(lx, 1) for lx in lexers]
+        seen = {(lx.uid, 1) for lx in lexers}
+        while frontier:  # breadth first over every lexer's DFA at once (every start state)
+            after = []
+            for lx, q in frontier:
+                if q != 1 and time.perf_counter() > deadline:
+                    return
+                self._state_scan(lx, q)
+                for t in set(lx.rows[q]):
+                    if t and (lx.uid, t) not in seen:
+                        seen.add((lx.uid, t))
+                        after.append((lx, t))
+            frontier = after
 
     # -------------------------------------------------------------- stepping
 
@@ -343,20 +369,20 @@ class TokenGrammar:
         """Which tokens of the whole vocabulary can be consumed from the configuration (a new
         array). The lexer's scan from ``lex`` says which tokens stay inside the lexeme, which
         end it before their first byte (they continue whole from the configuration after the
-        lexeme: its own vocabulary walk, cached) and which leave it later (their suffixes are
-        walked from the next configuration, as a few rows)."""
+        lexeme: its own vocabulary walk, cached) and which leave it later (the trie below
+        the nodes where they leave is walked on from the configuration after the lexeme)."""
         lx = self.lexer(stack, ign)
         q = 1 if lex == FRESH else lex
         sc = self._state_scan(lx, q)
-        ok = sc.inside.copy()
+        ok = sc.allowed(self.vocab.vocab_size)
         if lex != FRESH and sc.exit0 is not None:  # (a lexeme is never empty)
             r = self.end_lexeme(stack, ign, q)
             if r is not None:
                 ok |= sc.exit0 & self._fresh_walk(r)
-        for s, toks, offs in sc.groups:
+        for s, nodes in sc.groups:
             r = self.end_lexeme(stack, ign, s)
             if r is not None:
-                ok[toks] = self._walk(r[0], r[1], FRESH, toks, offs, (lx.uid, q, s))
+                ok[self._continue(r, nodes, (lx.uid, q, s))] = True
         return ok
 
     def _fresh_walk(self, after: tuple) -> np.ndarray:
@@ -370,47 +396,73 @@ class TokenGrammar:
             self._fresh.move_to_end(after)
         return got
 
-    def _walk(self, stack: tuple, ign: bool, lex: int, rows: np.ndarray, offs: np.ndarray, key: tuple) -> np.ndarray:
-        """Which of the tokens ``rows`` (from byte ``offs`` on) can be consumed from the
-        configuration; a bool per row. ``key`` names the row subset (for the scan cache)."""
+    def _continue(self, after: tuple, nodes: np.ndarray, key: tuple) -> np.ndarray:
+        """Token ids below trie ``nodes`` that can be consumed from the start of a lexeme in
+        (stack, ignore_ok) ``after``, reading from each node's byte on. ``key`` names the
+        nodes (the scans that left there), for the stack-independent scan cache."""
+        stack, ign = after
         lx = self.lexer(stack, ign)
-        start = 1 if lex == FRESH else lex
-        inside, groups = self._scan(lx, start, key, rows, offs, lex == FRESH)
-        ok = inside.copy()
-        for s, p, noffs in groups:
+        ck = (lx.uid, key)
+        got = self._scans.get(ck)
+        if got is None:
+            got = self._node_walk(lx, nodes, np.ones(nodes.size, dtype=np.int64))
+            self.shared.remember(self._scans, ck, got)
+        inside, groups = got
+        if not groups:
+            return inside
+        parts = [inside]
+        for s, sub in groups:
             r = self.end_lexeme(stack, ign, s)
             if r is not None:
-                ok[p] = self._walk(r[0], r[1], FRESH, rows[p], noffs, (key, lx.uid, start, s))
-        return ok
+                parts.append(self._continue(r, sub, (key, lx.uid, s)))
+        return np.concatenate(parts)
 
-    def _scan(self, lx: _Lexer, start: int, key: tuple, rows: np.ndarray, offs: np.ndarray, fresh: bool):
-        """Walk the token suffixes through one lexer DFA from ``start``. Returns (ok: rows
-        that end inside the lexeme, groups: per accepting state ``s`` where rows leave the
-        lexeme, (s, their positions, the offsets they continue from)). Depends only on the
-        lexer, so it is cached apart from the parser stack."""
-        ck = (lx.uid, start, key)
-        got = self._scans.get(ck)
-        if got is not None:
-            return got
-        cpos, cprev, ck_, ok = self._row_scan(lx, start, fresh, rows, offs)
+    def _node_walk(self, lx: _Lexer, nodes: np.ndarray, states: np.ndarray) -> tuple[np.ndarray, list]:
+        """Walk the trie below ``nodes`` through the lexer DFA, entering each node from
+        ``states`` (its parent's state), frontier by frontier over the live nodes only (shared
+        prefixes are walked once). Returns (token ids that end inside the lexeme, groups:
+        (s, nodes where walks leave the lexeme from accepting state s, deeper than the
+        starting nodes: a lexeme is never empty))."""
+        tr = self.vocab.trie
+        flat, accepting = lx.flat, lx.accepting
+        alive_at: list[np.ndarray] = []
+        left_at: list[np.ndarray] = []
+        left_from: list[np.ndarray] = []
+        first = True
+        while nodes.size:
+            ns = flat[states * 256 + tr.byte[nodes]]
+            live = ns != 0
+            if not first:
+                leave = accepting[states] & ~live
+                if leave.any():
+                    left_at.append(nodes[leave])
+                    left_from.append(states[leave])
+            first = False
+            nodes = nodes[live]
+            if not nodes.size:
+                break
+            alive_at.append(nodes)
+            counts = tr.child_count[nodes]
+            states = np.repeat(ns[live], counts)
+            nodes = expand_ranges(tr.child_start[nodes], counts)
+        if alive_at:
+            ends = np.concatenate(alive_at)
+            ends = ends[tr.exact[ends] > 0]
+            inside = tr.order[expand_ranges(tr.lo[ends], tr.exact[ends])]
+        else:
+            inside = np.zeros(0, dtype=np.int64)
         groups = []
-        if cpos.size:
-            first = int(cprev[0])
-            if (cprev == first).all():  # usually one state where tokens leave the lexeme
-                groups.append((first, cpos, offs[cpos] + ck_))
-            else:
-                for s in np.unique(cprev):
-                    sel = cprev == s
-                    p = cpos[sel]
-                    groups.append((int(s), p, offs[p] + ck_[sel]))
-        got = (ok, groups)
-        self.shared.remember(self._scans, ck, got)
-        return got
+        if left_at:
+            where, prev = np.concatenate(left_at), np.concatenate(left_from)
+            for s in np.unique(prev).tolist():
+                groups.append((s, where[prev == s]))
+        return inside, groups
 
     def _state_scan(self, lx: _Lexer, q: int) -> StateScan:
-        """The whole vocabulary walked from DFA state ``q`` through the token trie (one gather
-        per trie level over the live nodes; shared prefixes are walked once). Cached per
-        (lexer, state) and shared by every grammar using the lexer."""
+        """The whole vocabulary walked from DFA state ``q`` through the token trie, level by
+        level: one gather over a level when most of it is live (a string's inside), else
+        over the children of its live nodes only. Cached per (lexer, state) and shared by
+        every grammar using the lexer."""
         key = (lx.uid, q)
         got = self._tries.get(key)
         if got is not None:
@@ -421,19 +473,20 @@ class TokenGrammar:
         state = np.zeros(tr.size, dtype=np.int64)
         state[0] = q
         lv = tr.levels
-        alive_at: list[np.ndarray] = []  # live nodes, level by level
-        left_at: list[np.ndarray] = []   # nodes (depth >= 2) where a walk leaves an accepting state
-        left_from: list[np.ndarray] = []  # ... and that state
+        n_alive = 0
+        alive_at: list[np.ndarray] = []
+        left_at: list[np.ndarray] = []    # nodes where walks leave the lexeme (depth >= 2)
+        left_from: list[np.ndarray] = []  # ... from that accepting state
         alive = np.zeros(1, dtype=np.int64)  # live nodes of the level above
         for d in range(1, len(lv) - 1):
             a, b = lv[d], lv[d + 1]
-            if alive.size * 8 > b - a:  # most of the level: one gather over all of it
+            if alive.size * 8 > b - a:
                 idx = None
                 ps = state[tr.parent[a:b]]
                 ns = flat[ps * 256 + tr.byte[a:b]]
                 state[a:b] = ns
                 alive = np.flatnonzero(ns) + a
-            else:  # only the children of live nodes
+            else:
                 idx = expand_ranges(tr.child_start[alive], tr.child_count[alive])
                 if not idx.size:
                     break
@@ -441,8 +494,8 @@ class TokenGrammar:
                 ns = flat[ps * 256 + tr.byte[idx]]
                 state[idx] = ns
                 alive = idx[ns != 0]
-            if d > 1:  # (tokens ending the lexeme before their first byte: ``exit0``)
-                leave = (ns == 0) & accepting[ps]
+            if d > 1:  # (tokens whose first byte already leaves: ``exit0``)
+                leave = accepting[ps] & (ns == 0)
                 if leave.any():
                     where = np.flatnonzero(leave)
                     left_at.append(where + a if idx is None else idx[where])
@@ -450,89 +503,30 @@ class TokenGrammar:
             if not alive.size:
                 break  # every deeper node is dead (state 0 already)
             alive_at.append(alive)
-        inside = np.zeros(v.vocab_size, dtype=bool)
-        if alive_at:
-            nodes = np.concatenate(alive_at)
-            nodes = nodes[tr.exact[nodes] > 0]
-            inside[tr.order[expand_ranges(tr.lo[nodes], tr.exact[nodes])]] = True
+            n_alive += alive.size
+        if n_alive * 4 > v.vocab_size:  # a dense walk: one gather over every token's end
+            inside = (state[tr.end] != 0) & v.has_bytes
+        elif alive_at:
+            ends = np.concatenate(alive_at)
+            ends = ends[tr.exact[ends] > 0]
+            inside = tr.order[expand_ranges(tr.lo[ends], tr.exact[ends])].astype(np.int32)
+        else:
+            inside = np.zeros(0, dtype=np.int32)
         groups = []
-        if left_at:  # every token under such a node leaves there (kept sparse)
-            nodes = np.concatenate(left_at)
-            counts = tr.hi[nodes] - tr.lo[nodes]
-            toks = tr.order[expand_ranges(tr.lo[nodes], counts)]
-            prev = np.repeat(np.concatenate(left_from), counts)
-            consumed = np.repeat(tr.depth[nodes] - 1, counts)
+        if left_at:
+            where, prev = np.concatenate(left_at), np.concatenate(left_from)
             for s in np.unique(prev).tolist():
-                sel = prev == s
-                groups.append((s, toks[sel], consumed[sel]))
+                groups.append((s, where[prev == s]))
         exit0 = None
         if accepting[q]:
-            exit0 = (lx.table[q] == 0)[v.first_byte] & v.has_bytes
+            ends = lx.table[q] == 0
+            exit0 = self.shared.exits.get(ends.tobytes())
+            if exit0 is None:  # (few distinct: most accepting states end on every byte)
+                exit0 = ends[v.first_byte] & v.has_bytes
+                self.shared.remember(self.shared.exits, ends.tobytes(), exit0)
         got = StateScan(inside, exit0, groups)
         self.shared.remember(self._tries, key, got)
         return got
-
-    def _row_scan(self, lx: _Lexer, start: int, fresh: bool, rows: np.ndarray, offs: np.ndarray):
-        """Token suffixes (from ``offs``) through one lexer DFA from ``start``, row by row:
-        (positions that leave the lexeme, the states they leave from, bytes consumed, ok)."""
-        v = self.vocab
-        if rows.size <= 512:  # few rows (the usual case): plain Python beats numpy's overhead
-            return self._row_scan_small(lx, start, fresh, rows, offs)
-        table = lx.table
-        rem = v.lengths[rows] - offs
-        states = np.full(rows.size, start, dtype=np.int64)
-        ok = np.zeros(rows.size, dtype=bool)
-        pos = np.arange(rows.size)
-        cand_pos, cand_prev, cand_k = [], [], []
-        k = 0
-        while pos.size:
-            done = rem[pos] <= k
-            if done.any():
-                ok[pos[done]] = True
-                pos = pos[~done]
-                if not pos.size:
-                    break
-            prev = states[pos]
-            nxt = table[prev, v.bytes_matrix[rows[pos], offs[pos] + k]]
-            dead = nxt == 0
-            if dead.any():
-                if k > 0 or not fresh:  # a lexeme can end here (never an empty one)
-                    acc = lx.accepting[prev[dead]]
-                    cand_pos.append(pos[dead][acc])
-                    cand_prev.append(prev[dead][acc])
-                    cand_k.append(np.full(int(acc.sum()), k, dtype=np.int64))
-                live = ~dead
-                pos = pos[live]
-                nxt = nxt[live]
-            states[pos] = nxt
-            k += 1
-        if not cand_pos:
-            e = np.zeros(0, dtype=np.int64)
-            return e, e, e, ok
-        return np.concatenate(cand_pos), np.concatenate(cand_prev), np.concatenate(cand_k), ok
-
-    def _row_scan_small(self, lx: _Lexer, start: int, fresh: bool, rows: np.ndarray, offs: np.ndarray):
-        tb = self.vocab.token_bytes
-        table = lx.rows
-        accepting = lx.accepting
-        ok = np.zeros(rows.size, dtype=bool)
-        cpos, cprev, ck = [], [], []
-        for j, (row, off) in enumerate(zip(rows.tolist(), offs.tolist(), strict=True)):
-            st = start
-            data = tb[row]
-            for k in range(len(data) - off):
-                nxt = table[st][data[off + k]]
-                if not nxt:
-                    if (k > 0 or not fresh) and accepting[st]:
-                        cpos.append(j)
-                        cprev.append(st)
-                        ck.append(k)
-                    break
-                st = nxt
-            else:
-                ok[j] = True
-        mk = lambda xs: np.array(xs, dtype=np.int64)  # noqa: E731
-        return mk(cpos), mk(cprev), mk(ck), ok
 
 
 class Matcher:
