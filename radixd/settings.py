@@ -129,6 +129,7 @@ class GrammarSection:
     max_whitespace: int = _f(2, min=0)
     mask_cache_size: int = _f(1024, min=16)
     close_within_max_tokens: bool = _f(True)
+    warm_budget_ms: int = _f(50, min=0)
 
 
 @dataclass(frozen=True)
@@ -245,6 +246,7 @@ class Settings:
             grammar_max_whitespace=self.grammar.max_whitespace,
             grammar_mask_cache_size=self.grammar.mask_cache_size,
             grammar_close_within_max_tokens=self.grammar.close_within_max_tokens,
+            grammar_warm_budget_ms=self.grammar.warm_budget_ms,
             plugins_allow=tuple(self.plugins.allow) or None,
             plugins_block=tuple(self.plugins.block),
         )

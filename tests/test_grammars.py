@@ -321,6 +321,45 @@ def test_keyword_documents(smol, name):
         assert not _feed(tok, compiled, text)[0], f"{name}: invalid {text!r} accepted"
 
 
+def _stepping_mask(g, config) -> np.ndarray:
+    """The mask by definition: each token stepped on its own (``advance``), no scans."""
+    want = np.zeros(g.vocab.vocab_size, dtype=bool)
+    if not g.finished(config):
+        for t, data in enumerate(g.vocab.token_bytes):
+            want[t] = bool(data) and g.advance(config, data) is not None
+    if not want.any() or g.end_ok(config):
+        want[list(g.vocab.eos_ids)] = True
+    return want
+
+
+@pytest.mark.parametrize("name", ["nested_order", "format_email", "anyof_scalar", "flat_strlen", "json_object"])
+def test_masks_warmed_cold_and_stepped_agree(smol, name):
+    """Masks built from scans made at compile time (every lexer state, shared lexers), from
+    scans made on first use (no warm-up, a fresh lexer cache) and by stepping every token on
+    its own are the same at every step of a document (spaced, so whitespace lexemes end
+    inside tokens)."""
+    from radixd.grammars.automaton import SharedLexers
+    from radixd.grammars.json_schema import schema_to_lark
+    from radixd.grammars.lark_grammar import compile_lark
+
+    tok, backend = smol
+    schema = gs.SCHEMAS[name]
+    lark = schema_to_lark(json.dumps(schema), 2)
+    warm = compile_lark(lark, backend.vocab, shared=backend.shared, warm_budget_s=30.0)
+    cold = compile_lark(lark, backend.vocab, shared=SharedLexers(), warm_budget_s=0.0)
+    assert len(warm.shared.tries) > len(cold.shared.tries)
+    text = json.dumps(gs.example(schema, random.Random(7)), ensure_ascii=False, separators=(", ", ": "))
+    config, config_cold = warm.start, cold.start  # (parser states may be numbered apart)
+    for i, t in enumerate(tok(text).input_ids):
+        got_warm, got_cold = warm.mask(config)[0], cold.mask(config_cold)[0]
+        assert np.array_equal(got_warm, got_cold), (name, i)
+        if i % 5 == 0:
+            want = _stepping_mask(warm, config)
+            assert np.array_equal(got_warm, want), (name, i, np.flatnonzero(got_warm != want)[:5])
+        config, config_cold = warm.step(config, t), cold.step(config_cold, t)
+        assert config is not None and config_cold is not None
+
+
 @pytest.mark.parametrize("schema,keyword", [
     ({"type": "string", "contentEncoding": "base64"}, "contentEncoding"),
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),

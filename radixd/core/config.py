@@ -101,6 +101,9 @@ class EngineConfig:
     # near max_tokens, allow only tokens after which the document can still close in time
     # (backends whose matchers offer ``fill_mask_within``)
     grammar_close_within_max_tokens: bool = True
+    # compile time spent scanning the vocabulary from lexer states (beyond their starts),
+    # so that first masks find their scans ready
+    grammar_warm_budget_ms: int = 50
 
     plugins_allow: tuple[str, ...] | None = None
     plugins_block: tuple[str, ...] = field(default_factory=tuple)
@@ -160,6 +163,7 @@ class EngineConfig:
         _int_at_least("grammar_mask_cache_size", self.grammar_mask_cache_size, 16)
         if not isinstance(self.grammar_close_within_max_tokens, bool):
             raise ConfigError("grammar_close_within_max_tokens", self.grammar_close_within_max_tokens, "true or false")
+        _int_at_least("grammar_warm_budget_ms", self.grammar_warm_budget_ms, 0)
         if not isinstance(self.seed, int):
             raise ConfigError("seed", self.seed, "an integer")
 

@@ -44,6 +44,7 @@ class RadixdBackend:
         self._lock = threading.Lock()
         self.max_ws = getattr(config, "grammar_max_whitespace", 2)
         self.mask_cache_size = getattr(config, "grammar_mask_cache_size", 1024)
+        self.warm_budget_s = getattr(config, "grammar_warm_budget_ms", 50) / 1000
         self.shared = SharedLexers()  # lexers and vocabulary scans common to all grammars
 
     @property
@@ -72,12 +73,13 @@ class RadixdBackend:
                 parse(spec)
                 g = TokenGrammar([Terminal("REGEX", spec)], SingleTerminalParser(), vocab,
                                  mask_cache_size=self.mask_cache_size, shared=self.shared)
-                g.warm()
+                g.warm(self.warm_budget_s)
             elif kind == "json_schema":
                 g = compile_lark(schema_to_lark(spec, self.max_ws), vocab, mask_cache_size=self.mask_cache_size,
-                                 shared=self.shared)
+                                 shared=self.shared, warm_budget_s=self.warm_budget_s)
             elif kind == "ebnf":
-                g = compile_lark(spec, vocab, mask_cache_size=self.mask_cache_size, shared=self.shared)
+                g = compile_lark(spec, vocab, mask_cache_size=self.mask_cache_size, shared=self.shared,
+                                 warm_budget_s=self.warm_budget_s)
             else:
                 raise GrammarError(kind, f"unknown grammar kind {kind!r}")
         except SchemaError as exc:

@@ -36,7 +36,7 @@ def _terminal_regex(term) -> str:
 
 
 def compile_lark(text: str, vocab: TokenizerInfo, *, start: str = "start", mask_cache_size: int = 1024,
-                 shared=None) -> TokenGrammar:
+                 shared=None, warm_budget_s: float = 0.05) -> TokenGrammar:
     from lark import Lark
     from lark.exceptions import LarkError
 
@@ -57,5 +57,5 @@ def compile_lark(text: str, vocab: TokenizerInfo, *, start: str = "start", mask_
     parser = LalrParser(parse_table, ids, end_id=len(terminals), start=start)
     ignore = frozenset(ids[n] for n in lk.ignore_tokens if n in ids)
     g = TokenGrammar(terminals, parser, vocab, ignore, mask_cache_size=mask_cache_size, shared=shared)
-    g.warm()
+    g.warm(warm_budget_s)
     return g
