@@ -289,6 +289,10 @@ KEYWORD_CASES = {
     "allof_ref": ({"$defs": {"base": {"type": "object", "properties": {"id": _I}, "required": ["id"]}},
                    "allOf": [{"$ref": "#/$defs/base"}, {"properties": {"id": {"minimum": 1}, "name": _S}}]},
                   ['{"id": 1}', '{"id": 5, "name": "x"}'], ['{"id": 0}', '{"name": "x"}']),
+    "allof_enum_bound": ({"allOf": [{"enum": [1, 2, "x"]}, {"maximum": 1}]}, ["1", '"x"'], ["2"]),
+    "enum_siblings": ({"enum": [1, 50, "x", 2.5, "toolong"], "maximum": 10, "maxLength": 3}, ["1", '"x"', "2.5"],
+                      ["50", '"toolong"']),
+    "const_in_enum": ({"const": "b", "enum": ["a", "b"]}, ['"b"'], ['"a"']),
     "oneof_discriminator": ({"oneOf": [
         {"type": "object", "properties": {"kind": {"const": "a"}, "x": _I}, "required": ["kind", "x"]},
         {"type": "object", "properties": {"kind": {"const": "b"}, "y": _S}, "required": ["kind", "y"]}]},
@@ -385,7 +389,11 @@ def test_masks_warmed_cold_and_stepped_agree(smol, name):
                 {"properties": {"b": {"type": "string"}}}]}, "allOf"),
     ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "allOf"),
     ({"allOf": [{"enum": [1, 2]}, {"enum": [3]}]}, "allOf"),
-    ({"allOf": [{"enum": [1, 2]}, {"maximum": 1}]}, "allOf"),
+    ({"allOf": [{"type": "object"}, {"type": "array"}]}, "allOf"),
+    # const/enum beside keywords: filtered by scalar ones, refused beside others, never ignored
+    ({"enum": [{"a": 1}], "properties": {"a": {"type": "integer"}}}, "properties"),
+    ({"enum": [5, 6], "maximum": 4}, "enum"),
+    ({"const": "a", "enum": ["b"]}, "enum"),
     # oneOf whose branches may overlap
     ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, "oneOf"),
     ({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}, "oneOf"),

@@ -25,7 +25,7 @@ import re
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal, InvalidOperation
 
 from radixd.grammars.regex_dfa import C, RegexError, is_empty, parse
-from radixd.grammars.schema_algebra import IMPLIED_TYPES, Algebra
+from radixd.grammars.schema_algebra import IMPLIED_TYPES, Algebra, json_type, value_key
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "$defs", "definitions", "strict", "name"}
@@ -340,13 +340,8 @@ class SchemaGrammar:
         if s.get("nullable") is True:
             inner = {k: v for k, v in s.items() if k != "nullable"}
             return f"{self.value(inner, path)} | {self.term('null')}"
-        if "const" in s:
-            return self.term(_literal_regex(s["const"]))
-        if "enum" in s:
-            vals = s["enum"]
-            if not isinstance(vals, list) or not vals:
-                raise SchemaError("enum", f"enum must be a non-empty list (at {path})")
-            return " | ".join(self.term(_literal_regex(v)) for v in vals)
+        if "const" in s or "enum" in s:
+            return " | ".join(self.term(_literal_regex(v)) for v in self._listed_values(s, path))
         t = s.get("type")
         if isinstance(t, list):
             if not t:
@@ -363,6 +358,60 @@ class SchemaGrammar:
         if t not in builder:
             raise SchemaError("type", f"unknown type {t!r} at {path}")
         return builder[t](s, path)
+
+    def _listed_values(self, s: dict, path: str) -> list:
+        """The const/enum values that also satisfy the keywords beside them (scalar ones:
+        type, bounds, lengths, pattern, format); other keywords beside them are refused."""
+        vals = [s["const"]] if "const" in s else s["enum"]
+        if not isinstance(vals, list) or not vals:
+            raise SchemaError("enum", f"enum must be a non-empty list (at {path})")
+        rest = {k: v for k, v in s.items() if k not in ANNOTATIONS and k not in ("const", "nullable")}
+        if "const" in s and "enum" in s:
+            listed = {value_key(v) for v in s["enum"]} if isinstance(s["enum"], list) else set()
+            vals = [v for v in vals if value_key(v) in listed]
+            del rest["enum"]
+        else:
+            rest.pop("enum", None)
+        scalar = {"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength",
+                  "pattern", "format"}
+        if set(rest) - scalar:
+            kw = sorted(set(rest) - scalar)[0]
+            raise SchemaError(kw, f"keyword {kw!r} beside const/enum is not supported (at {path})")
+        if rest:
+            vals = [v for v in vals if self._admits(v, rest, path)]
+        if not vals:
+            beside = f"the keywords beside it ({', '.join(sorted(rest))})" if rest else "both const and enum"
+            raise SchemaError("enum", f"no const/enum value satisfies {beside} at {path}")
+        return vals
+
+    def _admits(self, v, s: dict, path: str) -> bool:
+        """Whether the value ``v`` satisfies the scalar keywords of ``s``."""
+        t = s.get("type")
+        types = set(t) if isinstance(t, list) else {t} if t else None
+        if types is not None and s.get("nullable") is True:
+            types.add("null")
+        is_num = isinstance(v, int | float) and not isinstance(v, bool)
+        if types is not None and not any(
+                jt == json_type(v) or (jt == "integer" and is_num and float(v).is_integer()) for jt in types):
+            return False
+        if is_num and {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & s.keys():
+            lo, ls, hi, hs = self._bounds(s, path)
+            d = Decimal(v) if isinstance(v, int) else Decimal(repr(v))
+            if (lo is not None and (d <= lo if ls else d < lo)) or (hi is not None and (d >= hi if hs else d > hi)):
+                return False
+        if isinstance(v, str):
+            if len(v) < s.get("minLength", 0) or len(v) > s.get("maxLength", len(v)):
+                return False
+            if "pattern" in s:
+                self.pattern_content(s["pattern"], path)  # refuses what the grammar would refuse
+                if not re.search(s["pattern"], v):
+                    return False
+            if "format" in s:
+                if s["format"] not in FORMATS:
+                    raise SchemaError("format", f"string format {s['format']!r} is not supported (at {path})")
+                if not re.fullmatch(FORMATS[s["format"]], v):
+                    return False
+        return True
 
     def _check(self, s: dict, allowed: set[str], path: str) -> None:
         extra = set(s) - allowed - ANNOTATIONS - {"type", "nullable"}

@@ -210,10 +210,6 @@ class Algebra:
                 raise _error("allOf", f"no enum/const value has the type the allOf at {path} requires")
         if merged.get("enum") == []:
             raise _error("allOf", f"the allOf branches at {path} share no enum/const value")
-        if "enum" in merged:
-            beside = set(merged) - {"enum", "type", "nullable"}
-            if beside:
-                raise _error("allOf", f"allOf at {path} merges enum/const with {sorted(beside)}: not supported")
         return merged
 
     def _merge_keyword(self, kw: str, vals: list, parts: list[dict], path: str):
