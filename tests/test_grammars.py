@@ -297,6 +297,13 @@ KEYWORD_CASES = {
         {"type": "object", "properties": {"kind": {"const": "a"}, "x": _I}, "required": ["kind", "x"]},
         {"type": "object", "properties": {"kind": {"const": "b"}, "y": _S}, "required": ["kind", "y"]}]},
         ['{"kind": "a", "x": 1}', '{"kind": "b", "y": "s"}'], ['{"kind": "a", "y": "s"}', '{"kind": "c", "x": 1}']),
+    "allof_oneof_distributed": ({"allOf": [
+        {"type": "object", "properties": {"id": _I}, "required": ["id"]},
+        {"oneOf": [{"properties": {"kind": {"const": "a"}}, "required": ["kind"]},
+                   {"properties": {"kind": {"const": "b"}, "x": _S}, "required": ["kind", "x"]}]}]},
+        ['{"id": 1, "kind": "a"}', '{"id": 2, "kind": "b", "x": "s"}'], ['{"id": 1, "kind": "b"}', '{"kind": "a"}']),
+    "allof_number_types": ({"allOf": [{"type": ["number", "null"]}, {"type": "number", "maximum": 2}]},
+                           ["2", "1.5", "-3"], ["null", "2.5"]),
     "oneof_types": ({"oneOf": [_S, _I, {"type": "null"}]}, ['"s"', "3", "null"], ["true", "1.5"]),
     "prefix_items": ({"type": "array", "prefixItems": [_S, _I], "items": False},
                      ['[]', '["a"]', '["a", 1]'], ['["a", 1, 2]', '[1]', '["a", "b"]']),

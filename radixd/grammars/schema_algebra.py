@@ -122,7 +122,7 @@ class Algebra:
 
     def excludes(self, a, b, depth: int = 0) -> bool:
         """True only if no document generated for ``a`` is valid under ``b``."""
-        a, b = self.deref(a), self.deref(b)
+        a, b = self._merged(self.deref(a)), self._merged(self.deref(b))
         if b is False:
             return True
         if depth > MAX_DEPTH or a is True or b is True or not isinstance(a, dict) or not isinstance(b, dict):
@@ -159,6 +159,15 @@ class Algebra:
             if any(k not in pb for k in req_a):
                 return True
         return False
+
+    def _merged(self, s):
+        """``s`` with its allOf merged (as the grammar will), or as it is when that fails."""
+        if isinstance(s, dict) and "allOf" in s:
+            try:
+                return self.merge_all_of(s, "#")
+            except ValueError:
+                return s
+        return s
 
     def check_one_of(self, alts: list, path: str) -> None:
         for i, x in enumerate(alts):
@@ -197,6 +206,17 @@ class Algebra:
 
     def merge_all_of(self, s: dict, path: str) -> dict:
         parts = [_const_as_enum(p) for p in self.branches(s, path)]
+        choices = [p for p in parts if "anyOf" in p or "oneOf" in p]
+        if choices:  # allOf [A, anyOf [B1, B2]] is anyOf [allOf [A, B1], allOf [A, B2]]; same for oneOf
+            if len(choices) > 1 or ("anyOf" in choices[0] and "oneOf" in choices[0]):
+                raise _error("allOf", f"allOf at {path} holds more than one anyOf/oneOf: not merged")
+            p = choices[0]
+            kw = "anyOf" if "anyOf" in p else "oneOf"
+            if not isinstance(p[kw], list) or not p[kw]:
+                raise _error(kw, f"{kw} must be a non-empty list (at {path})")
+            rest = [q for q in parts if q is not p] + [{k: v for k, v in p.items() if k != kw}]
+            rest = [q for q in rest if q]
+            return {kw: [{"allOf": [*rest, alt]} for alt in p[kw]]}
         merged: dict = {}
         for kw in dict.fromkeys(k for p in parts for k in p):
             vals = [p[kw] for p in parts if kw in p]
@@ -226,8 +246,8 @@ class Algebra:
                 if "number" in names:
                     names.add("integer")
                 common = names if common is None else {n for n in common if n in names}
-            if common and "number" in common and any("number" not in (v if isinstance(v, list) else [v]) for v in vals):
-                common.discard("number")
+            if "number" in common:  # every branch allows any number: integer is inside it
+                common.discard("integer")
             if not common:
                 raise _error("allOf", f"the allOf branches at {path} share no type")
             order = [n for n in ("null", "boolean", "integer", "number", "string", "array", "object") if n in common]
