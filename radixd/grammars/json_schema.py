@@ -29,7 +29,11 @@ from radixd.grammars.schema_algebra import IMPLIED_TYPES, Algebra, json_type, va
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "$defs", "definitions", "strict", "name"}
-_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+# one character of a JSON string: raw, a short escape, or \uXXXX outside the surrogates (a lone
+# surrogate is no character, and a pair would count as two toward a length bound)
+_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u(?:[0-9a-cA-CefEF][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))'
+# an unescaped character: where a pattern applies, the written text is the string itself
+_RAW = r'[^"\\\x00-\x1f]'
 _INT = r"-?(?:0|[1-9][0-9]*)"
 _NUM = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 FORMATS = {
@@ -421,7 +425,8 @@ class SchemaGrammar:
 
     def _string(self, s: dict, path: str) -> str:
         """One terminal: the JSON string characters, repeated within the length bounds, and
-        each of pattern/format as a look-ahead over the same text (an intersection)."""
+        each of pattern/format as a look-ahead over the same text (an intersection). Under a
+        pattern the characters are written unescaped, so the pattern sees the string itself."""
         self._check(s, {"minLength", "maxLength", "pattern", "format"}, path)
         conds = []
         if "pattern" in s:
@@ -443,7 +448,7 @@ class SchemaGrammar:
             return self.term('"' + _CHAR + rep + '"')
         if len(conds) == 1 and conds[0][0] == "format" and rep == "*":
             return self.term('"' + conds[0][1] + '"')  # a format is JSON string characters already
-        rx = '"' + "".join(f'(?=(?:{c})"\\Z)' for _, c in conds) + _CHAR + rep + '"'
+        rx = '"' + "".join(f'(?=(?:{c})"\\Z)' for _, c in conds) + _RAW + rep + '"'
         try:
             empty = is_empty(rx)
         except RegexError as exc:
@@ -469,7 +474,7 @@ class SchemaGrammar:
                                          "the start and the end of the pattern")
         core = pat[(2 if pat.startswith("\\A") else 1) if head else 0:]
         core = core[:-(2 if core.endswith("\\Z") else 1)] if tail else core
-        return ("" if head else _CHAR + "*") + "(?:" + core + ")" + ("" if tail else _CHAR + "*")
+        return ("" if head else _RAW + "*") + "(?:" + core + ")" + ("" if tail else _RAW + "*")
 
     def _bounds(self, s: dict, path: str) -> tuple[Decimal | None, bool, Decimal | None, bool]:
         """(lo, lo exclusive, hi, hi exclusive) as exact decimals; ``exclusiveMinimum``/
@@ -603,11 +608,11 @@ class SchemaGrammar:
         kinds = []
         for i, (pat, content, sub) in enumerate(contents):
             others = declared + [c for j, (_, c, _) in enumerate(contents) if j != i]
-            rx = f'"(?=(?:{content})"\\Z)' + _not_any(others) + _CHAR + '*"'
+            rx = f'"(?=(?:{content})"\\Z)' + _not_any(others) + _RAW + '*"'
             if not is_empty(rx):
                 kinds.append((rx, self.value(sub, f"{path}/patternProperties/{pat}")))
         if extra is not False:
-            rx = '"' + _not_any(declared + [c for _, c, _ in contents]) + _CHAR + '*"'
+            rx = '"' + _not_any(declared + [c for _, c, _ in contents]) + (_RAW if contents else _CHAR) + '*"'
             kinds.append((rx, self.value(extra, f"{path}/additionalProperties")))
         return kinds
 
