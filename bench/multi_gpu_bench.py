@@ -21,6 +21,8 @@ Sections:
        each tp=2 run against tp=1 on the same weights.
   allreduce  microseconds per all-reduce of a decode partial (batch 1 and 64): the peer-to-
        peer kernel vs NCCL, inside CUDA graphs on both GPUs.
+  tpprofile  a tp=2 batch-1 decode under torch.profiler: kernel time per step by family on
+       each GPU against the wall time per step.
 
 --device cpu runs the same logic with tiny shapes on CPU workers (a smoke test of the script).
 """
@@ -384,7 +386,62 @@ def allreduce_section(run: Run, res: dict) -> None:
     pool.shutdown()
 
 
-SECTIONS = {"dp": dp_section, "tp": tp_section, "allreduce": allreduce_section}
+def tpprofile_section(run: Run, res: dict) -> None:
+    """Where a tp=2 batch-1 decode step's time goes: 64 steps through the engine (CUDA
+    graphs) under ``torch.profiler``; per GPU, kernel time per step by family against the
+    wall time per step (what is left is time no kernel runs on that GPU)."""
+    if run.cpu:
+        res["skipped"] = "CUDA only"
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    loop = asyncio.new_event_loop()
+    try:
+        for tp in (1, 2):
+            eng = run.engine(tp_size=tp, max_running_requests=16)
+            try:
+                res[f"tp{tp}"] = profile_decode(loop, eng, run, tp, ProfilerActivity, profile)
+            finally:
+                loop.run_until_complete(eng.stop())
+                eng = None
+                free()
+    finally:
+        loop.close()
+
+
+def profile_decode(loop, eng, run: Run, tp: int, ProfilerActivity, profile) -> dict:
+    rng = random.Random(5)
+    prompt = [rng.randrange(100, run.vocab_hi) for _ in range(512)]
+    loop.run_until_complete(run_batch(eng, [prompt], 32))
+    steps = 64
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        r = loop.run_until_complete(run_batch(eng, [prompt], steps + 1))
+        for d in range(tp):
+            torch.cuda.synchronize(d)
+    wall = (r["ends"][0] - r["firsts"][0]) / steps
+    per_dev: dict[int, dict[str, list[float]]] = {}
+    for ev in prof.events():
+        if str(getattr(ev, "device_type", "")).split(".")[-1] != "CUDA":
+            continue
+        name = ev.name
+        key = ("gemm/gemv" if any(x in name.lower() for x in ("gemm", "gemv", "cutlass", "sm90", "nvjet", "cublas"))
+               else name[:48])
+        fam = per_dev.setdefault(ev.device_index, {}).setdefault(key, [0.0, 0])
+        fam[0] += ev.device_time
+        fam[1] += 1
+    out = {"wall_us_per_step": round(wall * 1e6, 1),
+           "note": "kernel times per step include one 512-token prefill spread over the 65 steps"}
+    for dev, fams in sorted(per_dev.items()):
+        total = sum(v[0] for v in fams.values())
+        rows = sorted(fams.items(), key=lambda kv: -kv[1][0])
+        out[f"gpu{dev}"] = {"kernel_us_per_step": round(total / (steps + 1), 1),
+                            "families": [{"name": k, "us_per_step": round(v[0] / (steps + 1), 1),
+                                          "launches_per_step": round(v[1] / (steps + 1), 1)} for k, v in rows[:14]]}
+    run.log(f"tpprofile tp{tp}: {json.dumps(out)}")
+    return out
+
+
+SECTIONS = {"dp": dp_section, "tp": tp_section, "allreduce": allreduce_section, "tpprofile": tpprofile_section}
 
 
 def main() -> int:
