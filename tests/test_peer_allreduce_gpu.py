@@ -5,6 +5,7 @@ odd sizes, and replays of CUDA graphs that contain it. Needs two CUDA devices (`
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 
 import pytest
 import torch
@@ -51,11 +52,16 @@ def test_sums_equal_on_both_ranks(peer, n):
 
 def test_inside_cuda_graphs(peer):
     n = 4096
+    both_idle = threading.Barrier(2)
 
     def rank(r):
         torch.cuda.set_device(r)
         x = torch.zeros(n, dtype=torch.bfloat16, device=f"cuda:{r}")
         peer.all_reduce(r, torch.zeros(n, dtype=torch.bfloat16, device=f"cuda:{r}"))  # compiled before capture
+        torch.cuda.synchronize(r)
+        # Capturing synchronizes and frees cached memory: never while the other GPU's
+        # all-reduce waits for this one (TPWorker warms every shard up, then captures).
+        both_idle.wait()
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
             g = torch.cuda.CUDAGraph()

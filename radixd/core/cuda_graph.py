@@ -21,7 +21,11 @@ def buckets_up_to(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, attn, pool, *, max_batch: int, capture_error_mode: str = "global"):
+    def __init__(self, model, attn, pool, *, max_batch: int, capture_error_mode: str = "global",
+                 deferred: bool = False):
+        """``deferred``: only the buffers; the caller runs ``warm_up`` and ``capture`` (tensor-
+        parallel shards warm up together, then capture, so no shard's capture, which
+        synchronizes and frees cached memory, overlaps another's collective kernels)."""
         self.capture_error_mode = capture_error_mode
         self.model = model
         self.attn = attn
@@ -36,25 +40,44 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
         self.logits_idx = torch.arange(n, dtype=torch.int64, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._capture()
+        if not deferred:
+            self.warm_up()
+            self.capture()
+
+    def _bucket_args(self, bs: int) -> tuple:
+        self.attn.set_decode(self.rows[:bs], self.seq_lens[:bs], self.out_cache_loc[:bs])
+        return (self.input_ids[:bs], self.positions[:bs], self.attn, self.logits_idx[:bs])
 
     @torch.inference_mode()
-    def _capture(self) -> None:
-        mempool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.pool.device)
-        stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+    def warm_up(self) -> None:
+        """Every bucket's forward twice outside capture (autotuning, lazy initialisation),
+        largest first so scratch buffers never regrow; returns with the device idle."""
+        dev = self.pool.device
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
-            for bs in reversed(self.buckets):  # largest first: scratch buffers never regrow
-                self.attn.set_decode(self.rows[:bs], self.seq_lens[:bs], self.out_cache_loc[:bs])
-                args = (self.input_ids[:bs], self.positions[:bs], self.attn, self.logits_idx[:bs])
-                for _ in range(2):  # warm up: autotuning and lazy initialisation outside capture
+            for bs in reversed(self.buckets):
+                args = self._bucket_args(bs)
+                for _ in range(2):
                     self.model(*args)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        torch.cuda.synchronize(dev)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        dev = self.pool.device
+        mempool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.buckets):
+                args = self._bucket_args(bs)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=mempool, stream=stream, capture_error_mode=self.capture_error_mode):
                     out = self.model(*args)
                 self.graphs[bs] = (graph, out)
-        torch.cuda.current_stream(self.pool.device).wait_stream(stream)
-        torch.cuda.synchronize(self.pool.device)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        torch.cuda.synchronize(dev)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (batch.batch_size <= self.buckets[-1] and all(e == 1 for e in batch.extend_lens)

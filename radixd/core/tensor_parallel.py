@@ -242,10 +242,16 @@ class TPWorker:
         return self._on_all(lambda r: nccl.init_rank(self.tp, uid, r))
 
     def _capture_graphs(self) -> None:
-        """Each shard captures its decode graphs in its own thread, all at once (the NCCL
-        kernels of the warm-up runs need every shard). A failure leaves all shards eager."""
+        """Each shard captures its decode graphs in its own thread, all at once (the
+        all-reduce kernels of the warm-up runs need every shard). A failure leaves all
+        shards eager."""
         try:
-            self._on_all(lambda r: self.shards[r].capture_graphs(capture_error_mode="thread_local"))
+            self._on_all(lambda r: self.shards[r].capture_graphs(capture_error_mode="thread_local", deferred=True))
+            # Warm-ups run the collectives (every shard at once); captures run nothing, but
+            # each synchronizes and frees cached memory, which must not overlap a shard's
+            # warm-up kernels waiting for another shard: warm all up, then capture all.
+            self._on_all(lambda r: self.shards[r].graphs.warm_up())
+            self._on_all(lambda r: self.shards[r].graphs.capture())
             self.graphs = True
         except Exception:
             log.exception("tensor parallel: capturing CUDA graphs failed; decoding without them")

@@ -74,13 +74,14 @@ class ModelWorker:
         if self.graphs_wanted and not prebuilt:  # shards capture together, see TPWorker
             self.capture_graphs()
 
-    def capture_graphs(self, capture_error_mode: str = "global") -> None:
-        """Capture the decode graphs (tensor-parallel shards capture together, each in its
-        own thread: ``capture_error_mode="thread_local"``)."""
+    def capture_graphs(self, capture_error_mode: str = "global", deferred: bool = False) -> None:
+        """Capture the decode graphs (tensor-parallel shards: ``deferred``, each in its own
+        thread with ``capture_error_mode="thread_local"``, then ``graphs.warm_up()`` on all
+        shards together and ``graphs.capture()`` on all)."""
         from radixd.core.cuda_graph import DecodeGraphs
 
         self.graphs = DecodeGraphs(self.model, self.attn, self.pool, max_batch=self.max_rows,
-                                   capture_error_mode=capture_error_mode)
+                                   capture_error_mode=capture_error_mode, deferred=deferred)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> torch.Tensor:
