@@ -7,7 +7,8 @@ llguidance in the same run, on SmolLM2's tokenizer (the cached default model).
    dialect differs).
 2. Time per mask (p50, p99) along valid documents: for each schema, ``--docs`` seeded valid
    documents are tokenized and, at every token, the backend's mask for the next token is
-   filled (radixd: ``Matcher.fill_mask`` into a bool row, as the engine does; xgrammar:
+   filled (radixd: ``Matcher.fill_mask`` into a bool row; radixd+close:
+   ``fill_mask_within`` as the engine calls it, with the budget the document just fits; xgrammar:
    ``fill_next_token_bitmask``; llguidance: ``fill_next_token_bitmask``), then the token is
    accepted. The first document of a schema meets every state cold; later ones reuse masks.
 3. End to end (``--e2e``): an in-process ``Engine`` on the default model, 16 concurrent
@@ -16,7 +17,8 @@ llguidance in the same run, on SmolLM2's tokenizer (the cached default model).
    xgrammar's through plugins-contrib/radixd-xgrammar): output tokens per second over the
    run, the steady-state decode throughput (decode-only steps with all 16 slots busy, timed
    from one step's completion to the next), and how many constrained outputs parse and
-   validate (``jsonschema``).
+   validate (``jsonschema``); radixd's backend with ``[grammar] close_within_max_tokens`` on
+   (the default) and off.
 
     python bench/grammar_bench.py --e2e                  # everything (several minutes on CPU)
     python bench/grammar_bench.py --docs 1               # masks and compile only, quicker
@@ -76,14 +78,21 @@ def documents(n_docs: int) -> dict[str, list[str]]:
 
 
 class RadixdRun:
+    """radixd's matcher; ``closing``: masks through ``fill_mask_within`` (as the engine fills
+    them) with a budget of the document's remaining bytes plus its EOS, the tightest that
+    keeps every token of the document allowed (so the filter works near each document's end)."""
+
     name = "radixd"
 
-    def __init__(self, tok, vocab_size, eos):
+    def __init__(self, tok, vocab_size, eos, closing: bool = False):
         from radixd.grammars.backend import RadixdBackend
 
         self.backend = RadixdBackend(None, tokenizer=tok, vocab_size=vocab_size, eos_ids=(eos,))
-        _ = self.backend.vocab
+        self.vocab = self.backend.vocab
         self.row = np.zeros(vocab_size, dtype=bool)
+        self.closing = closing
+        if closing:
+            self.name = "radixd+close"
 
     def compile(self, kind, spec):
         return self.backend.compile(kind, spec)
@@ -91,12 +100,17 @@ class RadixdRun:
     def walk(self, compiled, ids, times) -> bool:
         m = compiled.matcher()
         row = self.row
+        left = sum(len(self.vocab.token_bytes[t]) for t in ids) + 1
         for t in ids:
             t0 = time.perf_counter()
-            m.fill_mask(row)
+            if self.closing:
+                m.fill_mask_within(row, left)
+            else:
+                m.fill_mask(row)
             times.append(time.perf_counter() - t0)
             if not row[t] or not m.accept_token(t):
                 return False
+            left -= len(self.vocab.token_bytes[t])
         return True
 
 
@@ -204,7 +218,7 @@ def bench_backend(run, tok, docs: dict[str, list[str]]) -> dict:
            "mask_first_document_us": summary(mask_cold, 1e6), "mask_later_documents_us": summary(mask_later, 1e6),
            "regex_compile_ms": summary(regex_s, 1e3),
            "schemas_compiled": len(compile_s), "failures": failures}
-    if run.name == "radixd":
+    if run.name.startswith("radixd"):
         lark_s = []
         for name, (grammar, valid) in gs.LARK.items():
             t0 = time.perf_counter()
@@ -222,7 +236,7 @@ def bench_backend(run, tok, docs: dict[str, list[str]]) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-async def e2e(backend: str | None, max_tokens: int, concurrency: int) -> dict:
+async def e2e(backend: str | None, max_tokens: int, concurrency: int, close: bool = True) -> dict:
     import jsonschema
 
     from radixd.core.engine import Engine
@@ -237,7 +251,7 @@ async def e2e(backend: str | None, max_tokens: int, concurrency: int) -> dict:
         extra = [radixd_xgrammar]
     pm = make_plugin_manager(load_entry_points=False, extra=extra)
     engine = Engine(model="default", kv_cache_tokens=60000, max_running_requests=concurrency, plugin_manager=pm,
-                    grammar_backend=backend or "radixd")
+                    grammar_backend=backend or "radixd", grammar_close_within_max_tokens=close)
     sem = asyncio.Semaphore(concurrency)
     names = list(gs.SCHEMAS)
     try:
@@ -290,7 +304,14 @@ async def e2e(backend: str | None, max_tokens: int, concurrency: int) -> dict:
             valid += 1
         except Exception as exc:  # noqa: BLE001
             bad.append(f"{name} ({reason}): {type(exc).__name__} on {text[:80]!r}")
-    return {"backend": backend or "unconstrained", "requests": len(names), "concurrency": concurrency,
+    name = backend or "unconstrained"
+    if backend == "radixd" and not close:
+        name = "radixd (close off)"
+    budgets = [getattr(g, "budget", None) for g in grammars.values()]
+    closing = {"masks_narrowed": sum(b.filtered for b in budgets if b is not None),
+               "searches": sum(b.searches for b in budgets if b is not None),
+               "searches_capped": sum(b.capped for b in budgets if b is not None)}
+    return {"backend": name, "requests": len(names), "concurrency": concurrency, "closing_filter": closing,
             "max_tokens": max_tokens, "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
             "steady_decode_tokens_per_s": steady, "steady_steps": len(full),
             "finished_by_grammar_or_eos": finished, "valid": valid, "invalid": bad,
@@ -300,7 +321,7 @@ async def e2e(backend: str | None, max_tokens: int, concurrency: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=int, default=3, help="valid documents per schema for the mask timings")
-    ap.add_argument("--backends", default="radixd,xgrammar,llguidance")
+    ap.add_argument("--backends", default="radixd,radixd+close,xgrammar,llguidance")
     ap.add_argument("--e2e", action="store_true", help="also the end-to-end engine run (default model, CPU)")
     ap.add_argument("--e2e-only", action="store_true", help="only the end-to-end run")
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -321,7 +342,8 @@ def main() -> None:
                           "cores": os.cpu_count()},
               "tokenizer": "SmolLM2-135M-Instruct", "vocab_size": vocab_size, "schemas": len(gs.SCHEMAS),
               "docs_per_schema": args.docs, "backends": {}}
-    runs = {"radixd": RadixdRun, "xgrammar": XGrammarRun, "llguidance": LLGuidanceRun}
+    runs = {"radixd": RadixdRun, "radixd+close": lambda *a: RadixdRun(*a, closing=True),
+            "xgrammar": XGrammarRun, "llguidance": LLGuidanceRun}
     for name in ([] if args.e2e_only else args.backends.split(",")):
         try:
             run = runs[name](tok, vocab_size, eos)
@@ -335,13 +357,13 @@ def main() -> None:
               f"failures {len(r['failures'])}", flush=True)
     if args.e2e or args.e2e_only:
         report["e2e"] = []
-        for backend in (None, "radixd", "xgrammar"):
-            r = asyncio.run(e2e(backend, args.max_tokens, args.concurrency))
+        for backend, close in ((None, True), ("radixd", True), ("radixd", False), ("xgrammar", True)):
+            r = asyncio.run(e2e(backend, args.max_tokens, args.concurrency, close))
             report["e2e"].append(r)
             print(f"e2e {r['backend']:13s} {r['tokens_per_s']:7.1f} tok/s ({r['output_tokens']} tokens, "
                   f"{r['wall_s']:.1f} s); steady state at {args.concurrency} running: "
                   f"{r['steady_decode_tokens_per_s']:.1f} tok/s over {r['steady_steps']} steps; "
-                  f"valid {r['valid']}/{r['requests']}", flush=True)
+                  f"valid {r['valid']}/{r['requests']} (finished {r['finished_by_grammar_or_eos']})", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")

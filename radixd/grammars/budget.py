@@ -74,7 +74,7 @@ class ClosingShared:
         self.limit = limit
         self._paths: dict[int, _LexerPaths] = {}
         self._enter: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-        self._scans: dict[tuple, tuple] = {}
+        self._scans: dict[tuple, _Scan] = {}
 
     def _remember(self, cache: dict, key, value):
         if len(cache) >= self.limit:
@@ -108,21 +108,90 @@ class ClosingShared:
             got = (e, e)
         return self._remember(self._enter, key, got)
 
-    def scan(self, lx: _Lexer, start: int, fresh: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every token walked through ``lx`` from ``start`` (cached): (end state, 0 if the
-        token leaves the lexeme or dies; the state it leaves from, -1 if it does not leave
-        from an accepting state; bytes consumed before leaving)."""
-        key = (lx.uid, start, fresh)
+    def scan(self, key: tuple, lx: _Lexer, start: int, fresh: bool, rows: np.ndarray | None,
+             offs: np.ndarray | None) -> _Scan:
+        """The tokens ``rows`` (None: the whole vocabulary) from byte ``offs`` walked through
+        ``lx`` from ``start``, cached under ``key``: the chain of lexers and states that led
+        to these rows, which fixes them (the parser stacks along it do not matter)."""
         got = self._scans.get(key)
         if got is None:
             v = self.vocab
-            rows = np.arange(v.vocab_size, dtype=np.int64)
-            got = self._remember(self._scans, key, walk(lx, start, fresh, v, rows, np.zeros_like(rows)))
+            if rows is None:
+                rows = np.arange(v.vocab_size, dtype=np.int64)
+                walked = trie_walk(lx, start, fresh, v)
+                offs = np.zeros_like(rows)
+            else:
+                walked = walk(lx, start, fresh, v, rows, offs)
+            got = self._remember(self._scans, key, _Scan(walked, rows, offs))
         return got
 
 
+class _Scan:
+    """Tokens walked through one lexer: ``end`` per row (the DFA state a token ends in inside
+    the lexeme, 0 if it leaves or dies), ``ends`` the distinct nonzero ones, and per state
+    ``s`` the token leaves from: (s, positions among the rows, their token ids, the byte
+    offsets they continue from)."""
+
+    __slots__ = ("end", "ends", "groups")
+
+    def __init__(self, walked: tuple[np.ndarray, np.ndarray, np.ndarray], rows: np.ndarray, offs: np.ndarray):
+        end, leave, took = walked
+        self.end = end.astype(np.int32)
+        present = np.bincount(end)
+        present[0] = 0
+        self.ends = np.flatnonzero(present)
+        self.groups = []
+        crossing = np.flatnonzero(leave >= 0)
+        if crossing.size:
+            states = leave[crossing]
+            for s in np.flatnonzero(np.bincount(states)).tolist():
+                pos = crossing[states == s]
+                self.groups.append((s, pos, rows[pos], offs[pos] + took[pos]))
+
+
+def trie_walk(lx: _Lexer, start: int, fresh: bool, v):
+    """The whole vocabulary walked through ``lx`` from ``start`` along the token trie
+    (shared prefixes once, only the children of live nodes): per token id (end state inside
+    the lexeme or 0; the accepting state it leaves from or -1; bytes before leaving)."""
+    tr = v.trie
+    state = np.zeros(tr.size, dtype=np.int64)
+    state[0] = start
+    alive = np.zeros(1, dtype=np.int64)
+    nodes, prevs, depths = [], [], []
+    for d in range(1, len(tr.levels) - 1):
+        counts = tr.child_count[alive]
+        total = int(counts.sum())
+        if total == 0:
+            break
+        idx = np.arange(total) + np.repeat(tr.child_start[alive] - np.cumsum(counts) + counts, counts)
+        ps = state[tr.parent[idx]]
+        ns = lx.flat[ps * 256 + tr.byte[idx]]
+        state[idx] = ns
+        if d > 1 or not fresh:  # a lexeme is never empty
+            out = (ns == 0) & lx.accepting[ps]
+            if out.any():
+                nodes.append(idx[out])
+                prevs.append(ps[out])
+                depths.append(d - 1)
+        alive = idx[ns != 0]
+    end = state[tr.end]
+    end[~v.has_bytes] = 0
+    leave = np.full(v.vocab_size, -1, dtype=np.int64)
+    took = np.zeros(v.vocab_size, dtype=np.int64)
+    for ns_, ps_, k in zip(nodes, prevs, depths, strict=True):  # the tokens under each node
+        toks = [tr.order[tr.lo[n]:tr.hi[n]] for n in ns_.tolist()]
+        counts = np.array([t.size for t in toks], dtype=np.int64)
+        ids = np.concatenate(toks)
+        leave[ids] = np.repeat(ps_, counts)
+        took[ids] = k
+    leave[~v.has_bytes] = -1
+    return end, leave, took
+
+
 def walk(lx: _Lexer, start: int, fresh: bool, v, rows: np.ndarray, offs: np.ndarray):
-    """``ClosingShared.scan`` for token suffixes: ``rows`` (token ids) from byte ``offs``."""
+    """``trie_walk`` for token suffixes: ``rows`` (token ids) from byte ``offs``."""
+    if rows.size <= 256:  # few rows (the usual case): plain Python beats numpy's overhead
+        return _walk_small(lx, start, fresh, v, rows, offs)
     n = rows.size
     rem = v.lengths[rows] - offs
     end = np.zeros(n, dtype=np.int64)
@@ -153,6 +222,28 @@ def walk(lx: _Lexer, start: int, fresh: bool, v, rows: np.ndarray, offs: np.ndar
     return end, leave, took
 
 
+def _walk_small(lx: _Lexer, start: int, fresh: bool, v, rows: np.ndarray, offs: np.ndarray):
+    table, accepting, tb = lx.rows, lx.accepting, v.token_bytes
+    end, leave, took = [], [], []
+    for row, off in zip(rows.tolist(), offs.tolist(), strict=True):
+        st, e, lv, k = start, 0, -1, 0
+        data = tb[row]
+        for k in range(len(data) - off):
+            nxt = table[st][data[off + k]]
+            if not nxt:
+                if (k > 0 or not fresh) and accepting[st]:
+                    lv = st
+                break
+            st = nxt
+        else:
+            e = st if data and len(data) > off else 0
+        end.append(e)
+        leave.append(lv)
+        took.append(k if lv >= 0 else 0)
+    mk = lambda xs: np.array(xs, dtype=np.int64)  # noqa: E731
+    return mk(end), mk(leave), mk(took)
+
+
 class Budget:
     """The closing filter for one ``TokenGrammar`` (used from one thread, like the grammar).
 
@@ -172,8 +263,9 @@ class Budget:
         self._tokens: OrderedDict[Config, np.ndarray] = OrderedDict()
         self._token_cache_size = token_cache_size
         self._tie = itertools.count()
-        self.searches = 0
-        self.capped = 0
+        self.searches = 0  # boundary searches run
+        self.capped = 0    # of which stopped at node_cap
+        self.filtered = 0  # masks the filter narrowed
 
     # -------------------------------------------------------------- the search
 
@@ -317,55 +409,59 @@ class Budget:
 
     # -------------------------------------------------------------- per token
 
+    def _first_scan(self, config: Config) -> tuple[tuple, _Scan]:
+        stack, ign, lex = config
+        lx = self.g.lexer(stack, ign)
+        start, fresh = (1, True) if lex == FRESH else (lex, False)
+        key = (lx.uid, start, fresh)
+        return key, self.shared.scan(key, lx, start, fresh, None, None)
+
+    def _next_scans(self, stack: tuple, ign: bool, key: tuple, scan: _Scan):
+        """Per group of tokens that leave the lexeme: (positions, stack and ignore_ok after
+        it, the key and scan of their walk on from there)."""
+        g = self.g
+        for s, pos, rows, offs in scan.groups:
+            r = g.end_lexeme(stack, ign, s)
+            if r is not None:
+                lx2 = g.lexer(*r)
+                k2 = (key, s, lx2.uid)
+                yield pos, r, k2, self.shared.scan(k2, lx2, 1, True, rows, offs)
+
     def token_costs(self, config: Config) -> np.ndarray:
         """[vocab] cost of the configuration after each token (INF: not consumable)."""
         got = self._tokens.get(config)
         if got is not None:
             self._tokens.move_to_end(config)
             return got
-        stack, ign, lex = config
-        v = self.g.vocab
-        lx = self.g.lexer(stack, ign)
-        start, fresh = (1, True) if lex == FRESH else (lex, False)
-        end, leave, took = self.shared.scan(lx, start, fresh)
-        rows = np.arange(v.vocab_size, dtype=np.int64)
-        got = self._costs(stack, ign, rows, end, leave, took)
+        key, scan = self._first_scan(config)
+        got = self._costs(config[0], config[1], key, scan)
         self._tokens[config] = got
         if len(self._tokens) > self._token_cache_size:
             self._tokens.popitem(last=False)
         return got
 
-    def _costs(self, stack: tuple, ign: bool, rows: np.ndarray, end: np.ndarray, leave: np.ndarray,
-               took: np.ndarray) -> np.ndarray:
-        out = np.full(rows.size, INF, dtype=np.int64)
-        inside = end != 0
-        if inside.any():
-            out[inside] = self.state_costs(stack, ign)[end[inside]]
-        crossing = leave >= 0
-        if crossing.any():
-            g, v = self.g, self.g.vocab
-            idx = np.flatnonzero(crossing)
-            for s in np.unique(leave[idx]).tolist():
-                sel = idx[leave[idx] == s]
-                r = g.end_lexeme(stack, ign, s)
-                if r is None:
-                    continue
-                offs = took[sel]
-                lx2 = g.lexer(*r)
-                sub = rows[sel]
-                e2, l2, t2 = walk(lx2, 1, True, v, sub, offs)
-                out[sel] = self._costs(r[0], r[1], sub, e2, l2, offs + t2)
+    def _costs(self, stack: tuple, ign: bool, key: tuple, scan: _Scan) -> np.ndarray:
+        out = np.full(scan.end.size, INF, dtype=np.int64)
+        inside = np.flatnonzero(scan.end)
+        if inside.size:
+            out[inside] = self.state_costs(stack, ign)[scan.end[inside]]
+        for pos, (st2, ig2), k2, sub in self._next_scans(stack, ign, key, scan):
+            out[pos] = self._costs(st2, ig2, k2, sub)
         return out
 
-    def max_cost(self, config: Config, allowed: np.ndarray) -> int:
-        """The largest cost after any allowed token (EOS aside): with at least this many
-        tokens left after the next one, the filter removes nothing."""
+    def _largest(self, stack: tuple, ign: bool, key: tuple, scan: _Scan) -> int:
+        best = int(self.state_costs(stack, ign)[scan.ends].max()) if scan.ends.size else 0
+        for _, (st2, ig2), k2, sub in self._next_scans(stack, ign, key, scan):
+            best = max(best, self._largest(st2, ig2, k2, sub))
+        return best
+
+    def max_cost(self, config: Config) -> int:
+        """The largest cost after any token the grammar allows here (EOS aside): with at
+        least this many tokens left after the next one, the filter removes nothing."""
         got = self._max.get(config)
         if got is None:
-            c = self.token_costs(config)
-            sel = allowed.copy()
-            sel[self.g.eos] = False
-            got = int(c[sel].max()) if sel.any() else 0
+            key, scan = self._first_scan(config)
+            got = self._largest(config[0], config[1], key, scan)
             if len(self._max) > 262144:
                 self._max.clear()
             self._max[config] = got
@@ -376,9 +472,10 @@ class Budget:
         ``tokens_left - 1`` more tokens. Never empty where ``allowed`` is not: when no token
         fits (the budget was too small from the start), the cheapest ones stay."""
         room = tokens_left - 1
-        if room >= self.max_cost(config, allowed):
+        if room >= self.max_cost(config):
             out[:] = allowed
             return
+        self.filtered += 1
         c = self.token_costs(config)
         fit = allowed & (c <= room)
         eos = self.g.eos
