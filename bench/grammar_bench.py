@@ -315,6 +315,8 @@ async def e2e(backend: str | None, max_tokens: int, concurrency: int, close: boo
             "max_tokens": max_tokens, "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
             "steady_decode_tokens_per_s": steady, "steady_steps": len(full),
             "finished_by_grammar_or_eos": finished, "valid": valid, "invalid": bad,
+            "outputs": {name: {"text": text, "finish_reason": reason, "tokens": n}
+                        for name, (text, reason, n) in zip(names, results, strict=True)},
             "compile_all_schemas_s": compile_all_s}
 
 

@@ -65,9 +65,34 @@ def test_chat_json_object_n2(http):
             "seed": 1, "max_tokens": 96, "response_format": {"type": "json_object"}}
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
-    for choice in r.json()["choices"]:
-        if choice["finish_reason"] == "stop":
-            assert isinstance(json.loads(choice["message"]["content"]), dict)
+    for choice in r.json()["choices"]:  # closed within max_tokens
+        assert choice["finish_reason"] == "stop"
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tight_max_tokens_still_closes_the_document(http, stream):
+    """max_tokens just above PERSON's shortest document (33 bytes): sampled outputs, streamed
+    or not, n = 2, are complete and valid."""
+    body = {"model": MODEL, "messages": _msgs("Describe a person with a long biography."), "n": 2,
+            "temperature": 1.0, "seed": 5, "max_tokens": 34, "stream": stream,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        texts, reasons = {}, {}
+        for c in _sse(r):
+            for ch in c["choices"]:
+                texts[ch["index"]] = texts.get(ch["index"], "") + (ch["delta"].get("content") or "")
+                if ch.get("finish_reason"):
+                    reasons[ch["index"]] = ch["finish_reason"]
+    else:
+        texts = {ch["index"]: ch["message"]["content"] for ch in r.json()["choices"]}
+        reasons = {ch["index"]: ch["finish_reason"] for ch in r.json()["choices"]}
+    assert sorted(texts) == [0, 1]
+    for i, text in texts.items():
+        assert reasons[i] == "stop", text
+        jsonschema.validate(json.loads(text), PERSON)
 
 
 def test_completions_regex_and_stop(http):

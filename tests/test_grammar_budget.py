@@ -166,6 +166,27 @@ def test_filter_never_empties_a_mask_and_closes_in_time(kind, spec):
             assert ended, (trial, max_tokens, need)
 
 
+def test_a_search_past_its_node_cap_falls_back_to_an_upper_bound():
+    """Deep inside a recursive grammar with a tiny node cap: the cost is an upper bound (a
+    real completion) or INF, never cached as exact, and the filter still keeps tokens."""
+    vocab = _vocab()
+    g = _grammar("ebnf", gs.LARK["arithmetic"][0], vocab)
+    exact = Budget(g, ClosingShared(vocab))
+    capped = Budget(g, ClosingShared(vocab), node_cap=1)
+    c = g.advance(g.start, b"((1+(2*(3")
+    want = exact.cost(c)
+    got = capped.cost(c)
+    assert capped.capped > 0 and got >= want and want < INF
+    if got < INF:  # an upper bound is a real completion's length
+        assert capped.completion(c) is None or len(capped.completion(c)[0]) >= want
+    row = np.zeros(vocab.vocab_size, dtype=bool)
+    m = ClosingMatcher(g, capped)
+    m.config = c
+    for left in (1, want, want + 3):
+        m.fill_mask_within(row, left)
+        assert row.any()
+
+
 def test_a_closing_matcher_without_budget_is_the_plain_mask():
     vocab = _vocab()
     g = _grammar("json_schema", SMALL[3][1], vocab)
