@@ -392,11 +392,9 @@ class SchemaGrammar:
         """Whether the value ``v`` satisfies the scalar keywords of ``s``."""
         t = s.get("type")
         types = set(t) if isinstance(t, list) else {t} if t else None
-        if types is not None and s.get("nullable") is True:
-            types.add("null")
         is_num = isinstance(v, int | float) and not isinstance(v, bool)
-        if types is not None and not any(
-                jt == json_type(v) or (jt == "integer" and is_num and float(v).is_integer()) for jt in types):
+        integral = is_num and (isinstance(v, int) or v.is_integer())
+        if types is not None and not any(jt == json_type(v) or (jt == "integer" and integral) for jt in types):
             return False
         if is_num and {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & s.keys():
             lo, ls, hi, hs = self._bounds(s, path)
