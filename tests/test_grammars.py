@@ -6,6 +6,7 @@ The schema suite (bench/grammar_suite.py) is shared with bench/grammar_bench.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import json
 import random
@@ -24,7 +25,7 @@ from radixd.core.errors import InvalidRequest
 from radixd.core.sampling_params import SamplingParams
 from radixd.grammars import GrammarError
 from radixd.grammars.backend import RadixdBackend
-from radixd.grammars.json_schema import int_range_regex, number_range_regex
+from radixd.grammars.json_schema import SchemaGrammar, int_range_regex, number_range_regex
 from radixd.grammars.regex_dfa import RegexError, compile_dfa, utf8_sequences
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,6 +113,40 @@ def test_number_range_regex(lo, hi, ls, hs, sign, whole, frac):
         assert _dfa_match(dfa, text) == inside, (lo, ls, hi, hs, text)
     if lo is not None or hi is not None:  # bounded numbers are written without an exponent
         assert not _dfa_match(dfa, text + "e0")
+
+
+def _escape_all(text: str) -> str:
+    return "".join(f"\\u{ord(c):04X}" if ord(c) <= 0xFFFF else c for c in text)
+
+
+@functools.cache
+def _extra_key_dfas():
+    declared, patterns = ["a", "ba", "é-"], {"^x": {"type": "integer"}, "b$": {"type": "string"}}
+    g = SchemaGrammar({"type": "object", "properties": {k: {} for k in declared}, "patternProperties": patterns,
+                       "additionalProperties": {"type": "boolean"}}, 2)
+    g.build()
+    firsts = [rx for rx in g.terminals if rx.startswith(('"(?=', '"(?!'))]  # extra keys, first in an object
+    return declared, patterns, [compile_dfa([rx]) for rx in firsts]
+
+
+@given(key=st.text(alphabet='abxé-"\\\n/😀', max_size=4), spelling=st.sampled_from(["ascii", "utf8", "escaped"]))
+@settings(max_examples=300, deadline=None)
+def test_extra_key_terminals_classify_decoded_keys(key, spelling):
+    """The extra-key terminals of an object: never a declared name in any spelling; a key
+    sorted to a pattern matches it and no other; the rest match no pattern."""
+    declared, patterns, firsts = _extra_key_dfas()
+    assert len(firsts) == 3
+    text = {"ascii": json.dumps(key), "utf8": json.dumps(key, ensure_ascii=False),
+            "escaped": '"' + _escape_all(key) + '"'}[spelling]
+    hits = [i for i, dfa in enumerate(firsts) if _dfa_match(dfa, text)]
+    assert len(hits) <= 1
+    matched = [p for p in patterns if re.search(p, key)]
+    if hits:
+        assert key not in declared
+        assert matched == ([list(patterns)[hits[0]]] if hits[0] < len(patterns) else [])
+    elif key not in declared and len(matched) <= 1 and text == json.dumps(key, ensure_ascii=False) \
+            and not set(key) & set('"\\\n'):
+        raise AssertionError(f"the unescaped key {text} fits no class")
 
 
 # ------------------------------------------------------------------------------- masks
