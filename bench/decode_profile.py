@@ -10,6 +10,8 @@ One run (random bf16 weights in Llama-3-8B's shape, no downloads) prints and wri
 - ``gemv``: the step's matrix-vector products alone (every layer's qkv, o, gate_up, down and
   the lm_head) captured in one CUDA graph, through cuBLAS (``F.linear``) and through a Triton
   GEMV swept over tile sizes: the ceiling the weights' reads allow with each;
+- ``shapes``: each projection shape at tp=1 and tp=2, 32 distinct weights per CUDA graph:
+  cuBLAS vs Triton tiles per GEMV;
 - ``extend``: the extend-attention kernel's tile configurations swept on 8 x 2048 against SDPA.
 
     python bench/decode_profile.py --out results/dir
@@ -179,6 +181,49 @@ def section_gemv(eng, ctx) -> dict:
     return res
 
 
+def section_shapes(eng, ctx) -> dict:
+    """Each projection shape of the 8B model at tp=1 and tp=2, as a decode step meets it: 32
+    distinct weights (one per layer, so nothing is read from L2) in one CUDA graph, batch 1;
+    microseconds per GEMV and the fraction of the copy bandwidth, cuBLAS vs Triton tiles."""
+    cfg = eng.worker.model.cfg
+    h, d = cfg.hidden_size, cfg.head_dim
+    shapes = {}
+    for tp in (1, 2):
+        shapes[f"tp{tp}_qkv"] = ((cfg.num_heads + 2 * cfg.num_kv_heads) * d // tp, h)
+        shapes[f"tp{tp}_o"] = (h, cfg.num_heads * d // tp)
+        shapes[f"tp{tp}_gate_up"] = (2 * cfg.intermediate_size // tp, h)
+        shapes[f"tp{tp}_down"] = (h, cfg.intermediate_size // tp)
+    tiles = [(4, 512, 4), (4, 1024, 4), (8, 512, 4), (2, 1024, 4), (2, 2048, 8), (1, 2048, 4), (4, 256, 2)]
+    res = {}
+    for name, (n, k) in shapes.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(32)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+        by = 32 * n * k * 2
+        row = {"N_K": [n, k]}
+        t = time_graph(lambda ws=ws, x=x: [F.linear(x, w) for w in ws])
+        row["cublas_us"] = round(t / 32 * 1e6, 2)
+        row["cublas_frac"] = round(by / t / ctx["copy"], 3)
+        for bn, bk, warps in tiles:
+            if k % bk:  # (the kernel reads whole K tiles)
+                continue
+            try:
+                t = time_graph(lambda ws=ws, x=x, out=out, bn=bn, bk=bk, warps=warps:
+                               [triton_gemv(x[0], w, out, bn, bk, warps) for w in ws])
+            except Exception as exc:
+                row[f"triton_{bn}x{bk}_w{warps}"] = repr(exc)[:120]
+                continue
+            row[f"triton_{bn}x{bk}_w{warps}_us"] = round(t / 32 * 1e6, 2)
+        best = min((v, kk) for kk, v in row.items() if kk.startswith("triton") and isinstance(v, float))
+        row["best_triton"] = best[1]
+        row["best_triton_frac"] = round(by / (best[0] * 32 / 1e6) / ctx["copy"], 3)
+        res[name] = row
+        print(name, json.dumps(row), flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return res
+
+
 def section_extend(eng, ctx) -> dict:
     from radixd.core.attention import triton_kernels as tk
 
@@ -231,7 +276,8 @@ def main() -> int:
     eng = gpu_bench.engine(gpu_bench.checkpoint_dir(args.model), max_running_requests=64)
     ctx["kv_per_tok"] = eng.worker.pool.k_buffers[0][0].numel() * 2 * 2 * len(eng.worker.pool.k_buffers)
     summary = {"copy_TBps": round(ctx["copy"] / 1e12, 3), "model": args.model}
-    fns = {"step": section_step, "kernels": section_kernels, "gemv": section_gemv, "extend": section_extend}
+    fns = {"step": section_step, "kernels": section_kernels, "gemv": section_gemv, "shapes": section_shapes,
+           "extend": section_extend}
     for name in args.sections.split(","):
         t = time.perf_counter()
         try:

@@ -154,6 +154,36 @@ def test_silu_mul_kernel():
     assert rel_err(silu_mul(x, use_triton=True), ref) < (2e-2 if GPU else 1e-5)
 
 
+@pytest.mark.parametrize("n,k,bias", [(37, 96, False), (5, 4096, True), (33, 3072, False)] if not GPU else
+                         [(6144, 4096, False), (4096, 7168, False), (3072, 4096, True), (1536, 576, True)])
+def test_gemv_kernel(n, k, bias):
+    from radixd.core.triton_ops import gemv, gemv_tiles
+
+    dtype = torch.bfloat16 if GPU else torch.float32
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=g).to(DEV, dtype)
+    w = torch.randn(n, k, generator=g).to(DEV, dtype)
+    b = torch.randn(n, generator=g).to(DEV, dtype) if bias else None
+    ref = F.linear(x.double(), w.double(), b.double() if bias else None)
+    out = gemv(x, w, b)
+    assert out.shape == (1, n) and out.dtype == dtype
+    assert rel_err(out, ref) < (1e-2 if GPU else 1e-6)
+    assert gemv_tiles(k)[1] in (1024, 2048) or k < 1024
+
+
+def test_linear_uses_gemv_for_one_cuda_row(monkeypatch):
+    from radixd.core import triton_ops
+
+    calls = []
+    monkeypatch.setattr(triton_ops, "gemv", lambda x, w, b=None: calls.append(x.shape) or F.linear(x, w, b))
+    layer = torch.nn.Linear(64, 32, bias=False).to(DEV, torch.bfloat16 if GPU else torch.float32)
+    for rows in (1, 3):
+        x = torch.randn(rows, 64, device=DEV).to(layer.weight.dtype)
+        assert torch.equal(triton_ops.linear(x, layer), layer(x))
+    # one CUDA row of a 16-bit model takes the kernel; CPU and several rows use the module
+    assert calls == ([(1, 64)] if GPU else [])
+
+
 def test_rope_store_kernel():
     from radixd.core.models.layers import Rotary
     from radixd.core.triton_ops import rope_store

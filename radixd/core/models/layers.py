@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from radixd.core.attention import AttentionBackend
-from radixd.core.triton_ops import add_rmsnorm, silu_mul
+from radixd.core.triton_ops import add_rmsnorm, linear, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -80,7 +80,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return linear(silu_mul(linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class Attention(nn.Module):
@@ -101,14 +101,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn: AttentionBackend) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q, k, v = linear(x, self.qkv_proj).split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         o = attn.forward(q, k, v, self.layer, positions, rotary)
-        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+        return linear(o.reshape(-1, self.num_heads * self.head_dim), self.o_proj)
 
 
 class DecoderLayer(nn.Module):
