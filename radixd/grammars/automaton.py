@@ -191,6 +191,8 @@ class TokenGrammar:
     """A grammar compiled for one vocabulary. Thread-compatible for reads of cached masks;
     the engine uses it from one thread."""
 
+    small_walk = 32  # trie walks from at most this many nodes run in plain Python
+
     def __init__(self, terminals: list[Terminal], parser, vocab: TokenizerInfo, ignore: frozenset[int] = frozenset(),
                  mask_cache_size: int = 1024, shared: SharedLexers | None = None):
         self.terminals = terminals
@@ -423,6 +425,8 @@ class TokenGrammar:
         prefixes are walked once). Returns (token ids that end inside the lexeme, groups:
         (s, nodes where walks leave the lexeme from accepting state s, deeper than the
         starting nodes: a lexeme is never empty))."""
+        if nodes.size <= self.small_walk:
+            return self._node_walk_small(lx, nodes.tolist(), states.tolist())
         tr = self.vocab.trie
         flat, accepting = lx.flat, lx.accepting
         alive_at: list[np.ndarray] = []
@@ -457,6 +461,37 @@ class TokenGrammar:
             for s in np.unique(prev).tolist():
                 groups.append((s, where[prev == s]))
         return inside, groups
+
+    def _node_walk_small(self, lx: _Lexer, nodes: list[int], states: list[int]) -> tuple[np.ndarray, list]:
+        """``_node_walk`` depth first in plain Python, for a few starting nodes; a live node's
+        children are still tested together (one gather) when there are many."""
+        t = self.vocab.trie.lists
+        flat, rows, accepting = lx.flat, lx.rows, lx.accepting
+        inside: list[int] = []
+        left: dict[int, list[int]] = {}
+        todo = [(n, s, True) for n, s in zip(nodes, states, strict=True)]
+        while todo:
+            n, ps, first = todo.pop()
+            ns = rows[ps][t.byte[n]]
+            if not ns:
+                if not first and accepting[ps]:
+                    left.setdefault(ps, []).append(n)
+                continue
+            if t.exact[n]:
+                lo = t.lo[n]
+                inside.extend(t.order[lo:lo + t.exact[n]])
+            a, k = t.child_start[n], t.child_count[n]
+            if k <= 16:
+                todo.extend((c, ns, False) for c in range(a, a + k))
+                continue
+            nxt = flat[ns * 256 + self.vocab.trie.byte[a:a + k]]
+            live = np.flatnonzero(nxt)
+            todo.extend((c, ns, False) for c in (live + a).tolist())
+            if accepting[ns] and live.size < k:
+                dead = np.flatnonzero(nxt == 0) + a
+                left.setdefault(ns, []).extend(dead.tolist())
+        groups = [(s, np.array(ns_, dtype=np.int64)) for s, ns_ in sorted(left.items())]
+        return np.array(inside, dtype=np.int64), groups
 
     def _state_scan(self, lx: _Lexer, q: int) -> StateScan:
         """The whole vocabulary walked from DFA state ``q`` through the token trie, level by
