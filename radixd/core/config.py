@@ -101,8 +101,8 @@ class EngineConfig:
     # near max_tokens, allow only tokens after which the document can still close in time
     # (backends whose matchers offer ``fill_mask_within``)
     grammar_close_within_max_tokens: bool = True
-    # compile time spent scanning the vocabulary from lexer states (beyond their starts),
-    # so that first masks find their scans ready
+    # compile time (the compiling thread's CPU ms) spent scanning the vocabulary from lexer
+    # states beyond their starts, so that first masks find their scans ready
     grammar_warm_budget_ms: int = 50
 
     plugins_allow: tuple[str, ...] | None = None

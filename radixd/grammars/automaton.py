@@ -242,10 +242,11 @@ class TokenGrammar:
     def warm(self, budget_s: float = 0.05) -> None:
         """Part of compiling (off the event loop): build the lexer of every parser state's
         terminals (with and without the ignored ones), then scan the vocabulary from their
-        DFA states, nearest the start first, until ``budget_s`` seconds have passed, so
+        DFA states, nearest the start first, until ``budget_s`` seconds of this thread's CPU
+        time have passed (so a busy machine does the same work, only slower), so
         first masks mostly find their scans ready (scans already made for another grammar
         are shared and cost nothing here)."""
-        deadline = time.perf_counter() + budget_s
+        deadline = time.thread_time() + budget_s  # (CPU time: the same work on a busy machine)
         lexers = [self.lexer(self.start[0], True)]
         for top in getattr(self.parser, "actions", ()):
             cands = frozenset(self.parser.candidates((top,)))
@@ -261,7 +262,7 @@ class TokenGrammar:
         while frontier:  # breadth first over every lexer's DFA at once (every start state)
             after = []
             for lx, q in frontier:
-                if q != 1 and time.perf_counter() > deadline:
+                if q != 1 and time.thread_time() > deadline:
                     return
                 self._state_scan(lx, q)
                 for t in set(lx.rows[q]):
