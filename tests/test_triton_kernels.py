@@ -171,6 +171,21 @@ def test_gemv_kernel(n, k, bias):
     assert gemv_tiles(k)[1] in (1024, 2048) or k < 1024
 
 
+@pytest.mark.parametrize("vocab", [7, 4096, 5000, 128256])
+def test_argmax_rows_kernel(vocab):
+    from radixd.core.triton_ops import argmax_rows
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(5, vocab, generator=g).to(DEV)
+    x[1, vocab // 2] = x[1, vocab - 1] = 50.0  # a tie: the first index wins, as in torch
+    x[2, :] = -1.0                              # all equal
+    x[3, 0] = float("-inf")
+    got = argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert int(got[1]) == vocab // 2 and int(got[2]) == 0
+
+
 def test_linear_uses_gemv_for_one_cuda_row(monkeypatch):
     from radixd.core import triton_ops
 

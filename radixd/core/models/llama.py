@@ -15,6 +15,7 @@ from torch import nn
 from radixd.core.attention import AttentionBackend
 from radixd.core.models.config import ModelConfig
 from radixd.core.models.layers import DecoderLayer, RMSNorm, Rotary
+from radixd.core.triton_ops import linear
 
 # checkpoint suffix -> (fused parameter suffix, shard index)
 FUSED = {
@@ -57,7 +58,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary, attn)
         x, _ = self.layers[-1].add_norm(x[logits_indices], residual[logits_indices], self.norm)
-        return self.lm_head(x).float()
+        return linear(x, self.lm_head).float()
 
     # ------------------------------------------------------------------ weights
 
