@@ -129,7 +129,7 @@ class GrammarSection:
     max_whitespace: int = _f(2, min=0)
     mask_cache_size: int = _f(1024, min=16)
     close_within_max_tokens: bool = _f(True)
-    warm_budget_ms: int = _f(50, min=0)
+    warm_budget_ms: int = _f(100, min=0)
 
 
 @dataclass(frozen=True)

@@ -415,10 +415,10 @@ def test_small_and_vectorized_trie_walks_agree(smol):
 
 @pytest.mark.parametrize("name", ["nested_order", "format_email", "anyof_scalar", "flat_strlen", "json_object"])
 def test_masks_warmed_cold_and_stepped_agree(smol, name):
-    """Masks built from scans made at compile time (every lexer state, shared lexers), from
-    scans made on first use (no warm-up, a fresh lexer cache) and by stepping every token on
-    its own are the same at every step of a document (spaced, so whitespace lexemes end
-    inside tokens)."""
+    """Masks built from scans made at compile time (every lexer state, and the tokens leaving
+    a lexeme walked on through the lexers that may follow), from scans made on first use
+    (no warm-up, a fresh lexer cache) and by stepping every token on its own are the same
+    at every step of a document (spaced, so whitespace lexemes end inside tokens)."""
     from radixd.grammars.automaton import SharedLexers
     from radixd.grammars.json_schema import schema_to_lark
     from radixd.grammars.lark_grammar import compile_lark
@@ -426,9 +426,10 @@ def test_masks_warmed_cold_and_stepped_agree(smol, name):
     tok, backend = smol
     schema = gs.SCHEMAS[name]
     lark = schema_to_lark(json.dumps(schema), 2)
-    warm = compile_lark(lark, backend.vocab, shared=backend.shared, warm_budget_s=30.0)
+    warm = compile_lark(lark, backend.vocab, shared=SharedLexers(), warm_budget_s=30.0)
     cold = compile_lark(lark, backend.vocab, shared=SharedLexers(), warm_budget_s=0.0)
     assert len(warm.shared.tries) > len(cold.shared.tries)
+    assert warm.shared.scans  # (continuations through the lexers that may follow, too)
     text = json.dumps(gs.example(schema, random.Random(7)), ensure_ascii=False, separators=(", ", ": "))
     config, config_cold = warm.start, cold.start  # (parser states may be numbered apart)
     for i, t in enumerate(tok(text).input_ids):

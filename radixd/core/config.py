@@ -103,7 +103,7 @@ class EngineConfig:
     grammar_close_within_max_tokens: bool = True
     # compile time (the compiling thread's CPU ms) spent scanning the vocabulary from lexer
     # states beyond their starts, so that first masks find their scans ready
-    grammar_warm_budget_ms: int = 50
+    grammar_warm_budget_ms: int = 100
 
     plugins_allow: tuple[str, ...] | None = None
     plugins_block: tuple[str, ...] = field(default_factory=tuple)

@@ -187,6 +187,35 @@ class _Lexer:
         self.choice = [tuple(sorted((terms[i] for i in acc), key=order.__getitem__)) for acc in self.dfa.accepts]
 
 
+class _Follow:
+    """For warming up: the lexers that may come after a lexeme, from the parse table alone
+    (a terminal's shift targets; after an ignored terminal, the same parser state without
+    the ignored ones). A superset of what a parser stack allows (LALR lookaheads)."""
+
+    def __init__(self, g: TokenGrammar, actions: dict):
+        self.ignore = g.ignore
+        self.after: dict[int, dict[int, _Lexer]] = {}
+        for acts in actions.values():
+            for t, act in acts.items():
+                if act[0]:  # shift to state act[1]
+                    cands = frozenset(g.parser.candidates((act[1],)))
+                    lx = g._lexers.get(cands | g.ignore) if cands else None
+                    if lx is not None:
+                        self.after.setdefault(t, {})[lx.uid] = lx
+        self.plain = {lx.uid: g._lexers.get(terms - g.ignore) for terms, lx in g._lexers.items()}
+
+    def lexers(self, lx: _Lexer, s: int) -> list[_Lexer]:
+        out: dict[int, _Lexer] = {}
+        for t in lx.choice[s]:
+            if t in self.ignore:
+                nxt = self.plain.get(lx.uid)
+                if nxt is not None:
+                    out[nxt.uid] = nxt
+            else:
+                out.update(self.after.get(t, {}))
+        return list(out.values())
+
+
 class TokenGrammar:
     """A grammar compiled for one vocabulary. Thread-compatible for reads of cached masks;
     the engine uses it from one thread."""
@@ -239,16 +268,18 @@ class TokenGrammar:
             self._lexer_of[key] = lx
         return lx
 
-    def warm(self, budget_s: float = 0.05) -> None:
+    def warm(self, budget_s: float = 0.1) -> None:
         """Part of compiling (off the event loop): build the lexer of every parser state's
         terminals (with and without the ignored ones), then scan the vocabulary from their
-        DFA states, nearest the start first, until ``budget_s`` seconds of this thread's CPU
-        time have passed (so a busy machine does the same work, only slower), so
-        first masks mostly find their scans ready (scans already made for another grammar
-        are shared and cost nothing here)."""
-        deadline = time.thread_time() + budget_s  # (CPU time: the same work on a busy machine)
+        DFA states, nearest the start first, and walk the tokens that leave a lexeme on
+        through the lexers that may come next, until ``budget_s`` seconds of this thread's
+        CPU time have passed (so a busy machine does the same work, only slower). First
+        masks then mostly find their scans ready; scans already made for another grammar
+        are shared and cost nothing here."""
+        deadline = time.thread_time() + budget_s
         lexers = [self.lexer(self.start[0], True)]
-        for top in getattr(self.parser, "actions", ()):
+        actions = getattr(self.parser, "actions", {})
+        for top in actions:
             cands = frozenset(self.parser.candidates((top,)))
             if not cands:
                 continue
@@ -257,6 +288,7 @@ class TokenGrammar:
                 if lx is None:
                     lx = self._lexers[terms] = _Lexer(self.shared, tuple(sorted(terms)), self.terminals)
                     lexers.append(lx)
+        follow = _Follow(self, actions)
         frontier = [(lx, 1) for lx in lexers]
         seen = {(lx.uid, 1) for lx in lexers}
         while frontier:  # breadth first over every lexer's DFA at once (every start state)
@@ -264,12 +296,30 @@ class TokenGrammar:
             for lx, q in frontier:
                 if q != 1 and time.thread_time() > deadline:
                     return
-                self._state_scan(lx, q)
+                sc = self._state_scan(lx, q)
+                self._warm_continue(lx, (lx.uid, q), sc.groups, follow, 2, deadline)
                 for t in set(lx.rows[q]):
                     if t and (lx.uid, t) not in seen:
                         seen.add((lx.uid, t))
                         after.append((lx, t))
             frontier = after
+
+    def _warm_continue(self, lx: _Lexer, prefix: tuple, groups: list, follow: _Follow, depth: int,
+                       deadline: float) -> None:
+        """The ``_continue`` scans of ``groups`` (left from ``lx``; their keys ``prefix + (s,)``)
+        through each lexer that may follow, ``depth`` lexemes on."""
+        for s, nodes in groups:
+            key = prefix + (s,)
+            for nxt in follow.lexers(lx, s):
+                if time.thread_time() > deadline:
+                    return
+                ck = (nxt.uid, key)
+                got = self._scans.get(ck)
+                if got is None:
+                    got = self._node_walk(nxt, nodes, np.ones(nodes.size, dtype=np.int64))
+                    self.shared.remember(self._scans, ck, got)
+                if depth > 1 and got[1]:
+                    self._warm_continue(nxt, (key, nxt.uid), got[1], follow, depth - 1, deadline)
 
     # -------------------------------------------------------------- stepping
 

@@ -44,7 +44,7 @@ class RadixdBackend:
         self._lock = threading.Lock()
         self.max_ws = getattr(config, "grammar_max_whitespace", 2)
         self.mask_cache_size = getattr(config, "grammar_mask_cache_size", 1024)
-        self.warm_budget_s = getattr(config, "grammar_warm_budget_ms", 50) / 1000
+        self.warm_budget_s = getattr(config, "grammar_warm_budget_ms", 100) / 1000
         self.shared = SharedLexers()  # lexers and vocabulary scans common to all grammars
 
     @property

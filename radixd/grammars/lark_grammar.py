@@ -36,7 +36,7 @@ def _terminal_regex(term) -> str:
 
 
 def compile_lark(text: str, vocab: TokenizerInfo, *, start: str = "start", mask_cache_size: int = 1024,
-                 shared=None, warm_budget_s: float = 0.05) -> TokenGrammar:
+                 shared=None, warm_budget_s: float = 0.1) -> TokenGrammar:
     from lark import Lark
     from lark.exceptions import LarkError
 
