@@ -333,6 +333,8 @@ KEYWORD_CASES = {
     "enum_siblings": ({"enum": [1, 50, "x", 2.5, "toolong"], "maximum": 10, "maxLength": 3}, ["1", '"x"', "2.5"],
                       ["50", '"toolong"']),
     "const_in_enum": ({"const": "b", "enum": ["a", "b"]}, ['"b"'], ['"a"']),
+    "ref_with_siblings": ({"$defs": {"n": {"type": "integer", "minimum": 0}}, "$ref": "#/$defs/n", "maximum": 5},
+                          ["0", "5"], ["6", "-1"]),
     "oneof_discriminator": ({"oneOf": [
         {"type": "object", "properties": {"kind": {"const": "a"}, "x": _I}, "required": ["kind", "x"]},
         {"type": "object", "properties": {"kind": {"const": "b"}, "y": _S}, "required": ["kind", "y"]}]},

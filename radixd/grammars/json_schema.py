@@ -10,9 +10,9 @@ uuid, email, ipv4) combined by look-ahead intersection, integer and number ``min
 numbers have no exponent), array ``items``/``prefixItems``/``minItems``/``maxItems``,
 ``anyOf``, ``oneOf`` (branches proven mutually exclusive) and ``allOf`` (merged when exact; see
 ``schema_algebra``), ``nullable``, ``$ref`` to ``#``, ``#/$defs/..`` and ``#/definitions/..``
-(recursion included). Annotations (title, description, default, examples, ...) are accepted.
-Anything else raises ``SchemaError`` naming the keyword, so nothing is silently left
-unenforced.
+(recursion included; keywords beside a ``$ref`` are merged with it as an allOf).
+Annotations (title, description, default, examples, ...) are accepted. Anything else raises
+``SchemaError`` naming the keyword, so nothing is silently left unenforced.
 
 Whitespace between tokens is one ignored terminal of 1..``max_ws`` characters, never two in
 a row, so a model cannot loop on blanks.
@@ -307,8 +307,9 @@ class SchemaGrammar:
             raise SchemaError("schema", f"a schema must be an object or a boolean, got {schema!r} at {path}")
         if "$ref" in schema:
             extra = set(schema) - {"$ref"} - ANNOTATIONS
-            if extra:
-                raise SchemaError(sorted(extra)[0], f"keywords beside $ref are not supported ({sorted(extra)}) at {path}")
+            if extra:  # keywords beside $ref apply as well (2019-09 on): an allOf of the two
+                rest = {k: v for k, v in schema.items() if k != "$ref"}
+                return self.value({"allOf": [{"$ref": schema["$ref"]}, rest]}, path)
             ref = schema["$ref"]
             name = self.memo.get("ref:" + str(ref))
             if name is None:
