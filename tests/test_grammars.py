@@ -25,7 +25,12 @@ from radixd.core.errors import InvalidRequest
 from radixd.core.sampling_params import SamplingParams
 from radixd.grammars import GrammarError
 from radixd.grammars.backend import RadixdBackend
-from radixd.grammars.json_schema import SchemaGrammar, int_range_regex, number_range_regex
+from radixd.grammars.json_schema import (
+    SchemaError,
+    SchemaGrammar,
+    int_range_regex,
+    number_range_regex,
+)
 from radixd.grammars.regex_dfa import RegexError, compile_dfa, utf8_sequences
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,6 +152,33 @@ def test_extra_key_terminals_classify_decoded_keys(key, spelling):
     elif key not in declared and len(matched) <= 1 and text == json.dumps(key, ensure_ascii=False) \
             and not set(key) & set('"\\\n'):
         raise AssertionError(f"the unescaped key {text} fits no class")
+
+
+_BRANCH = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["integer", "number", "string", ["number", "null"], ["string", "integer"]]),
+    "minimum": st.integers(-5, 5), "maximum": st.integers(-5, 5), "exclusiveMinimum": st.integers(-5, 5),
+    "exclusiveMaximum": st.floats(-5, 5).map(lambda x: round(x, 1)), "minLength": st.integers(0, 3),
+    "maxLength": st.integers(0, 3), "enum": st.lists(st.sampled_from([0, 1, 2.5, -3, "a", "bb", None, True]), min_size=1),
+    "properties": st.fixed_dictionaries({}, optional={"a": st.sampled_from([{"type": "integer"}, {"maximum": 1}]),
+                                                      "b": st.just({"type": "string"})}),
+    "required": st.lists(st.sampled_from(["a", "b"]), unique=True),
+})
+_VALUES = st.one_of(st.integers(-7, 7), st.floats(-7, 7).map(lambda x: round(x, 2)), st.text("ab", max_size=4),
+                    st.none(), st.booleans(), st.fixed_dictionaries({}, optional={"a": st.integers(-2, 2), "b": st.text("x", max_size=1)}))
+
+
+@given(branches=st.lists(_BRANCH, min_size=1, max_size=3), values=st.lists(_VALUES, min_size=1, max_size=8))
+@settings(max_examples=300, deadline=None)
+def test_all_of_merge_is_exact(branches, values):
+    """allOf merged into one schema accepts exactly what the allOf accepts (or is refused)."""
+    schema = {"allOf": branches}
+    try:
+        merged = SchemaGrammar(schema, 2).algebra.merge_all_of(schema, "#")
+    except SchemaError as exc:
+        assert exc.keyword == "allOf"
+        return
+    for v in values:
+        assert jsonschema.Draft202012Validator(schema).is_valid(v) == jsonschema.Draft202012Validator(merged).is_valid(v), (merged, v)
 
 
 # ------------------------------------------------------------------------------- masks
