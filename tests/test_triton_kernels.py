@@ -171,22 +171,6 @@ def test_gemv_kernel(n, k, bias):
     assert gemv_tiles(k)[1] in (1024, 2048) or k < 1024
 
 
-@pytest.mark.parametrize("n,k", [(37, 96), (9, 3000)] if not GPU else [(4096, 14336), (4096, 7168), (576, 1536)])
-def test_gemv_silu_mul_kernel(n, k):
-    from radixd.core.triton_ops import gemv, linear_silu_mul, silu_mul
-
-    dtype = torch.bfloat16 if GPU else torch.float32
-    g = torch.Generator().manual_seed(n * k)
-    x = torch.randn(1, 2 * k, generator=g).to(DEV, dtype)
-    w = torch.randn(n, k, generator=g).to(DEV, dtype)
-    ref = F.linear(silu_mul(x, use_triton=False).double(), w.double())
-    assert rel_err(gemv(x, w, silu_mul=True), ref) < (1e-2 if GPU else 1e-6)
-    layer = torch.nn.Linear(k, n, bias=False).to(DEV, dtype)
-    with torch.no_grad():
-        layer.weight.copy_(w)
-    assert rel_err(linear_silu_mul(x, layer), ref) < (1e-2 if GPU else 1e-6)
-
-
 @pytest.mark.parametrize("vocab", [7, 4096, 5000, 128256])
 def test_argmax_rows_kernel(vocab):
     from radixd.core.triton_ops import argmax_rows

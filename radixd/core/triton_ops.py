@@ -133,9 +133,7 @@ def silu_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor
 
 @triton.jit
 def _gemv_kernel(X, W, B, Y, N, K, stride_w, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                 SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Y = W @ x (+ B); with SILU_MUL, x = SiLU(X[:K]) * X[K:] (rounded as ``silu_mul``
-    stores it), so the MLP's down projection reads the gate/up output directly."""
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -144,17 +142,10 @@ def _gemv_kernel(X, W, B, Y, N, K, stride_w, HAS_BIAS: tl.constexpr, EVEN_K: tl.
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             x = tl.load(X + offs_k)
-            if SILU_MUL:
-                g = x.to(tl.float32)
-                x = (g / (1.0 + tl.exp(-g)) * tl.load(X + K + offs_k).to(tl.float32)).to(X.dtype.element_ty)
             w = tl.load(W + offs_n[:, None] * stride_w + offs_k[None, :], mask=mask_n[:, None], other=0.0)
         else:
             mask_k = offs_k < K
             x = tl.load(X + offs_k, mask=mask_k, other=0.0)
-            if SILU_MUL:
-                g = x.to(tl.float32)
-                u = tl.load(X + K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                x = (g / (1.0 + tl.exp(-g)) * u).to(X.dtype.element_ty)
             w = tl.load(W + offs_n[:, None] * stride_w + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
                         other=0.0)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
@@ -171,16 +162,14 @@ def gemv_tiles(k: int) -> tuple[int, int]:
     return 2, min(1024, triton.next_power_of_2(k))
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         silu_mul: bool = False) -> torch.Tensor:
-    """``F.linear`` of one row: ``x`` [1, K] (or [K]), ``weight`` [N, K] row-major.
-    ``silu_mul``: ``x`` is [1, 2K] (gate | up) and the product reads ``silu_mul(x)``."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` of one row: ``x`` [1, K] (or [K]), ``weight`` [N, K] row-major."""
     n, k = weight.shape
     bn, bk = gemv_tiles(k)
     out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, SILU_MUL=silu_mul, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
     return out
 
 
@@ -190,21 +179,10 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     if not isinstance(layer, torch.nn.Linear):
         return layer(x)
     w = layer.weight
-    if _gemv_ok(x, w):
+    if (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and w.stride(1) == 1
+            and w.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype):
         return gemv(x, w, layer.bias)
     return layer(x)
-
-
-def linear_silu_mul(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    """``layer(silu_mul(x))``; one CUDA row in one kernel (no intermediate)."""
-    if _gemv_ok(x, layer.weight) and layer.bias is None:
-        return gemv(x, layer.weight, silu_mul=True)
-    return layer(silu_mul(x))
-
-
-def _gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and w.stride(1) == 1
-            and w.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype)
 
 
 @triton.jit

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from radixd.core.attention import AttentionBackend
-from radixd.core.triton_ops import add_rmsnorm, linear, linear_silu_mul
+from radixd.core.triton_ops import add_rmsnorm, linear, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -80,7 +80,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_silu_mul(linear(x, self.gate_up_proj), self.down_proj)
+        return linear(silu_mul(linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class Attention(nn.Module):
