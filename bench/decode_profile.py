@@ -27,8 +27,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench  # noqa: E402
 
 from radixd.core.sampling_params import SamplingParams  # noqa: E402
+from radixd.core.triton_ops import gemv  # noqa: E402
 
 
 def time_graph(fn, reps: int = 30) -> float:
@@ -52,24 +51,9 @@ def time_graph(fn, reps: int = 30) -> float:
     return gpu_bench.median_time(g.replay, reps=reps)
 
 
-@triton.jit
-def _gemv(X, W, Y, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + offs_k).to(tl.float32)
-        w = tl.load(W + offs_n[:, None] * stride_w + offs_k[None, :], mask=mask_n[:, None], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
-    tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=mask_n)
-
-
 def triton_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bn: int, bk: int, warps: int) -> torch.Tensor:
-    N, K = w.shape
-    _gemv[(triton.cdiv(N, bn),)](x, w, out, N, K, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
-    return out
+    """radixd's one-row GEMV kernel with the given tiles."""
+    return gemv(x, w, tiles=(bn, bk, warps), out=out)
 
 
 def section_step(eng, ctx) -> dict:

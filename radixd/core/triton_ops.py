@@ -162,14 +162,18 @@ def gemv_tiles(k: int) -> tuple[int, int]:
     return 2, min(1024, triton.next_power_of_2(k))
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` of one row: ``x`` [1, K] (or [K]), ``weight`` [N, K] row-major."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         tiles: tuple[int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` of one row: ``x`` [1, K] (or [K]), ``weight`` [N, K] row-major.
+    ``tiles``: (rows per program, K per iteration, warps) instead of ``gemv_tiles``' choice
+    (benchmarks sweep them)."""
     n, k = weight.shape
-    bn, bk = gemv_tiles(k)
-    out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
+    bn, bk, warps = tiles if tiles is not None else (*gemv_tiles(k), 4)
+    if out is None:
+        out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return out
 
 
