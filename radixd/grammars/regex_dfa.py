@@ -18,6 +18,7 @@ State 0 of every DFA is the dead state; state 1 is the start state.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -191,17 +192,13 @@ class _NFA:
         """A DFA as a fragment (its states become NFA states; accepting ones lead to the end)."""
         ids = [0] + [self.state() for _ in range(1, dfa.num_states)]
         e = self.state()
+        table = dfa.table
+        cuts = table[:, 1:] != table[:, :-1]  # byte b+1 starts a new run of targets
         for st in range(1, dfa.num_states):
-            row = dfa.table[st]
-            b = 0
-            while b < 256:
-                t = int(row[b])
-                c = b
-                while c + 1 < 256 and row[c + 1] == t:
-                    c += 1
-                if t:
-                    self.edges[ids[st]].append((b, c, ids[t]))
-                b = c + 1
+            starts = [0] + (np.flatnonzero(cuts[st]) + 1).tolist()
+            ends = starts[1:] + [256]
+            row = table[st].tolist()
+            self.edges[ids[st]] += [(b, c - 1, ids[row[b]]) for b, c in zip(starts, ends, strict=True) if row[b]]
             if dfa.accepts[st]:
                 self.eps[ids[st]].append(e)
         return ids[1], e
@@ -343,11 +340,22 @@ def compile_dfa(patterns: list[str]) -> DFA:
     nfa = _NFA()
     start = nfa.state()
     for i, pat in enumerate(patterns):
-        sub, dotall = parse(pat)
-        fs, fe = nfa.build(sub, dotall, tail=True)
+        if "(?=" in pat or "(?!" in pat:  # products are costly: build each such pattern once
+            fs, fe = nfa.embed(_alone(pat))
+        else:
+            sub, dotall = parse(pat)
+            fs, fe = nfa.build(sub, dotall, tail=True)
         nfa.eps[start].append(fs)
         nfa.accept[fe] = i
     return _determinize(nfa, start)
+
+
+@functools.lru_cache(maxsize=512)
+def _alone(pattern: str) -> DFA:
+    """The DFA of one pattern (a pure function of the text, so memoized: a look-ahead
+    terminal sits in many lexers of a grammar, and in many grammars)."""
+    sub, dotall = parse(pattern)
+    return _sub_dfa(list(sub), dotall)
 
 
 def _sub_dfa(items: list, dotall: bool) -> DFA:
