@@ -162,9 +162,11 @@ _BRANCH = st.fixed_dictionaries({}, optional={
     "properties": st.fixed_dictionaries({}, optional={"a": st.sampled_from([{"type": "integer"}, {"maximum": 1}]),
                                                       "b": st.just({"type": "string"})}),
     "required": st.lists(st.sampled_from(["a", "b"]), unique=True),
+    "additionalProperties": st.sampled_from([False, True, {"type": "string"}, {"type": "integer"}]),
 })
 _VALUES = st.one_of(st.integers(-7, 7), st.floats(-7, 7).map(lambda x: round(x, 2)), st.text("ab", max_size=4),
-                    st.none(), st.booleans(), st.fixed_dictionaries({}, optional={"a": st.integers(-2, 2), "b": st.text("x", max_size=1)}))
+                    st.none(), st.booleans(), st.fixed_dictionaries({}, optional={"a": st.integers(-2, 2), "b": st.text("x", max_size=1),
+                                                           "c": st.sampled_from([1, "z"])}))
 
 
 @given(branches=st.lists(_BRANCH, min_size=1, max_size=3), values=st.lists(_VALUES, min_size=1, max_size=8))
@@ -356,6 +358,10 @@ KEYWORD_CASES = {
                       ['{"a": 1, "b": "x"}'], ['{"a": 1}', '{"b": "x"}', '{"a": "1", "b": "x"}']),
     "allof_bounds": ({"allOf": [{"type": "number", "minimum": 0}, {"type": "integer", "maximum": 10}]},
                      ["0", "10", "7"], ["11", "1.5", "-1"]),
+    "allof_extra_keys": ({"allOf": [
+        {"type": "object", "properties": {"a": _I}, "additionalProperties": {"type": ["string", "integer"]}},
+        {"properties": {"a": {"minimum": 0}}, "additionalProperties": {"type": ["string", "boolean"]}}]},
+        ['{"a": 0, "b": "x"}', '{"c": "y"}'], ['{"a": -1}', '{"a": 1, "b": 2}', '{"b": true}']),
     "allof_enums": ({"allOf": [{"enum": ["a", "b", "c"]}, {"enum": ["b", "c", "d"]}, {"type": "string"}]},
                     ['"b"', '"c"'], ['"a"', '"d"']),
     "allof_ref": ({"$defs": {"base": {"type": "object", "properties": {"id": _I}, "required": ["id"]}},

@@ -220,7 +220,7 @@ class Algebra:
         merged: dict = {}
         for kw in dict.fromkeys(k for p in parts for k in p):
             vals = [p[kw] for p in parts if kw in p]
-            merged[kw] = self._merge_keyword(kw, vals, parts, path)
+            merged[kw] = self._merge_keyword(kw, vals, path)
         if "additionalProperties" in merged or any("properties" in p for p in parts):
             self._check_extra_keys(parts, merged, path)
         if "type" in merged and isinstance(merged.get("enum"), list):
@@ -232,9 +232,12 @@ class Algebra:
             raise _error("allOf", f"the allOf branches at {path} share no enum/const value")
         return merged
 
-    def _merge_keyword(self, kw: str, vals: list, parts: list[dict], path: str):
-        if kw == "additionalProperties":
+    def _merge_keyword(self, kw: str, vals: list, path: str):
+        """One keyword's values from several branches, merged exactly (or SchemaError)."""
+        if kw == "additionalProperties":  # exact once _check_extra_keys has passed
             vals = [v for v in vals if v is not True and v != {}] or [True]
+            if len(vals) > 1:
+                return False if False in vals else {"allOf": vals}
         if len(vals) == 1:
             return vals[0]
         if all(json.dumps(v, sort_keys=True) == json.dumps(vals[0], sort_keys=True) for v in vals):
