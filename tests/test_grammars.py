@@ -183,6 +183,44 @@ def test_all_of_merge_is_exact(branches, values):
         assert jsonschema.Draft202012Validator(schema).is_valid(v) == jsonschema.Draft202012Validator(merged).is_valid(v), (merged, v)
 
 
+def _random_branch(rng: random.Random):
+    """(schema, generator of documents the grammar may write for it): a scalar or an object."""
+    scalars = [({"type": "integer"}, lambda: rng.randint(-3, 3)), ({"type": "string"}, lambda: rng.choice(["a", "b", ""])),
+               ({"const": "a"}, lambda: "a"), ({"const": "b"}, lambda: "b"), ({"enum": [1, 2]}, lambda: rng.choice([1, 2])),
+               ({"enum": [2, 3]}, lambda: rng.choice([2, 3])), ({"type": "boolean"}, lambda: rng.random() < 0.5),
+               ({"type": "null"}, lambda: None), ({"type": "number"}, lambda: rng.choice([0.5, 1, -2.25]))]
+    if rng.random() < 0.4:
+        return rng.choice(scalars)
+    props = {n: rng.choice(scalars) for n in rng.sample(["k", "x", "y"], rng.randint(1, 3))}
+    req = [n for n in props if rng.random() < 0.6]
+    schema = {"type": "object", "properties": {n: p[0] for n, p in props.items()}, "required": req}
+    if rng.random() < 0.3:
+        schema["additionalProperties"] = False
+    return schema, lambda: {n: p[1]() for n, p in props.items() if n in req or rng.random() < 0.5}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_of_is_compiled_only_when_exclusive(seed):
+    """A oneOf radixd compiles: every document a branch may generate matches exactly one
+    branch (jsonschema's oneOf); the others are refused naming oneOf."""
+    rng = random.Random(seed)
+    compiled = 0
+    for _ in range(150):
+        branches = [_random_branch(rng) for _ in range(rng.randint(2, 3))]
+        schema = {"oneOf": [b[0] for b in branches]}
+        try:
+            SchemaGrammar(schema, 2).build()
+        except SchemaError as exc:
+            assert exc.keyword == "oneOf"
+            continue
+        compiled += 1
+        for _, gen in branches:
+            for _ in range(6):
+                doc = gen()
+                assert jsonschema.Draft202012Validator(schema).is_valid(doc), (schema, doc)
+    assert compiled >= 50  # the check proves most of these exclusive
+
+
 # ------------------------------------------------------------------------------- masks
 
 
