@@ -29,6 +29,7 @@ from radixd.grammars.json_schema import (
     SchemaError,
     SchemaGrammar,
     int_range_regex,
+    multiple_regex,
     number_range_regex,
 )
 from radixd.grammars.regex_dfa import RegexError, compile_dfa, utf8_sequences
@@ -221,6 +222,19 @@ def test_one_of_is_compiled_only_when_exclusive(seed):
     assert compiled >= 50  # the check proves most of these exclusive
 
 
+@given(step=st.sampled_from(["2", "5", "10", "25", "100", "8", "40", "0.5", "0.25", "0.01", "0.05", "1", "0.1", "3", "0.08"]),
+       integer=st.booleans(), sign=st.sampled_from(["", "-"]), whole=st.integers(0, 10**6),
+       frac=st.one_of(st.just(""), st.text("0123456789", min_size=1, max_size=4)))
+@settings(max_examples=400, deadline=None)
+def test_multiple_regex(step, integer, sign, whole, frac):
+    rx = multiple_regex(Decimal(step), integer)
+    if rx is None:
+        assert step in ("3", "0.08")  # divisibility that is not decided by the last digits
+        return
+    text = f"{sign}{whole}" + (f".{frac}" if frac and not integer else "")
+    assert _dfa_match(compile_dfa([rx]), text) == (Decimal(text) % Decimal(step) == 0), (step, text)
+
+
 # ------------------------------------------------------------------------------- masks
 
 
@@ -367,6 +381,13 @@ KEYWORD_CASES = {
     "integer_negative": ({"type": "integer", "minimum": -1000, "exclusiveMaximum": -5}, ["-1000", "-6", "-999"],
                          ["-5", "-1001", "0", "-4"]),
     "integer_float_bounds": ({"type": "integer", "minimum": 0.5, "maximum": 9.5}, ["1", "9"], ["0", "10"]),
+    "multiple_int": ({"type": "integer", "multipleOf": 5, "minimum": -10, "maximum": 20}, ["-10", "0", "15", "20"],
+                     ["-15", "7", "25", "21"]),
+    # (radixd compares decimals exactly; jsonschema divides floats, so 19.99 / 0.01 is no
+    # integer to it: the valid examples here are ones floats divide exactly as well)
+    "multiple_price": ({"type": "number", "multipleOf": 0.01, "minimum": 0}, ["0", "3.75", "5.5", "1.50"],
+                       ["0.001", "-1", "2.555"]),
+    "multiple_half": ({"type": "number", "multipleOf": 0.5, "exclusiveMaximum": 2}, ["1.5", "-3", "0"], ["2", "0.25", "1.75"]),
     "pattern_length": ({"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 4},
                        ['"ab"', '"abcd"'], ['"a"', '"abcde"', '"AB"', '""']),
     "pattern_unanchored": ({"type": "string", "pattern": "[0-9]{2}", "maxLength": 4},
@@ -557,6 +578,8 @@ def test_masks_warmed_cold_and_stepped_agree(smol, name):
     ({"oneOf": [{"enum": ["a", "b"]}, {"enum": ["b", "c"]}]}, "oneOf"),
     # arrays: fewer items allowed than required
     ({"type": "array", "prefixItems": [{"type": "string"}], "items": False, "minItems": 2}, "items"),
+    ({"type": "integer", "multipleOf": 3}, "multipleOf"),
+    ({"type": "integer", "multipleOf": 10, "minimum": 1, "maximum": 9}, "multipleOf"),
 ])
 def test_unsupported_schema_keywords_are_named(smol, schema, keyword):
     _, backend = smol

@@ -7,7 +7,7 @@ matching its pattern and no other), an object without ``properties`` (any keys),
 ``const``, string ``minLength``/``maxLength``/``pattern``/``format`` (date, time, date-time,
 uuid, email, ipv4) combined by look-ahead intersection, integer and number ``minimum``/
 ``maximum``/``exclusiveMinimum``/``exclusiveMaximum`` (exact decimal digit ranges; bounded
-numbers have no exponent), array ``items``/``prefixItems``/``minItems``/``maxItems``,
+numbers have no exponent) and ``multipleOf`` where the last digits decide it, array ``items``/``prefixItems``/``minItems``/``maxItems``,
 ``anyOf``, ``oneOf`` (branches proven mutually exclusive) and ``allOf`` (merged when exact; see
 ``schema_algebra``), ``nullable``, ``$ref`` to ``#``, ``#/$defs/..`` and ``#/definitions/..``
 (recursion included; keywords beside a ``$ref`` are merged with it as an allOf).
@@ -244,6 +244,40 @@ def number_range_regex(lo: Decimal | None, lo_strict: bool, hi: Decimal | None, 
     if ge is None or le is None:
         return ge or le
     return f"(?=(?:{ge})\\Z){le}"
+
+
+MAX_MULTIPLE_SUFFIXES = 1000
+
+
+def multiple_regex(m: Decimal, integer: bool) -> str | None:
+    """A regex for the JSON numbers (no exponent) that are multiples of ``m`` > 0, when the
+    last digits decide it: ``m = a * 10^e`` with ``a`` dividing a power of ten. None otherwise
+    (3, 0.3, 0.08: divisibility that reaches further left, not written here)."""
+    sign, digits, e = m.normalize().as_tuple()
+    a = int("".join(map(str, digits)))
+    j = next((j for j in range(7) if 10**j % a == 0), None)
+    if j is None:
+        return None
+    if e >= 0:  # an integer step D = a * 10^e: the last J digits decide, D divides 10^J
+        d, big = a * 10**e, 10 ** (j + e)
+        if big // d > MAX_MULTIPLE_SUFFIXES:
+            return None
+        width = j + e
+        small = "|".join(str(v) for v in range(0, big, d))
+        tails = "|".join(f"{v:0{width}d}" for v in range(0, big, d)) if width else ""
+        body = f"(?:{small})" + (f"|[1-9][0-9]*(?:{tails})" if width else "|[1-9][0-9]*")
+        return f"-?(?:{body})" + ("" if integer else r"(?:\.0+)?")
+    if integer:  # every integer is a multiple of a step whose fraction ...
+        k = -e
+        return _INT if 10**k % a == 0 else None  # ... divides 1 (0.5, 0.25, 0.01)
+    k = -e
+    if j > k:  # the divisibility reaches into the integer part
+        return None
+    if 10**k // a > MAX_MULTIPLE_SUFFIXES:
+        return None
+    fracs = sorted({f"{v:0{k}d}".rstrip("0") for v in range(0, 10**k, a)} - {""})
+    frac = r"(?:\.0+)?" + ("|" + r"\.(?:" + "|".join(fracs) + ")0*" if fracs else "")
+    return rf"-?{_MAG}(?:{frac})"
 
 
 class SchemaGrammar:
@@ -512,7 +546,7 @@ class SchemaGrammar:
         return lo, ls, hi, hs
 
     def _integer(self, s: dict, path: str) -> str:
-        self._check(s, {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}, path)
+        self._check(s, {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}, path)
         lo, ls, hi, hs = self._bounds(s, path)
         ilo = ihi = None
         if lo is not None:
@@ -521,13 +555,30 @@ class SchemaGrammar:
             ihi = int(hi.to_integral_value(ROUND_CEILING)) - 1 if hs else int(hi.to_integral_value(ROUND_FLOOR))
         if ilo is not None and ihi is not None and ilo > ihi:
             raise SchemaError("minimum", f"no integer lies between the bounds {lo} and {hi} (at {path})")
-        if ilo is None and ihi is None:
-            return self.term(_INT)
-        return self.term(int_range_regex(ilo, ihi))
+        rx = _INT if ilo is None and ihi is None else int_range_regex(ilo, ihi)
+        return self.term(self._multiple(s, rx, True, path))
 
     def _number(self, s: dict, path: str) -> str:
-        self._check(s, {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"}, path)
-        return self.term(number_range_regex(*self._bounds(s, path)))
+        self._check(s, {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum", "multipleOf"}, path)
+        return self.term(self._multiple(s, number_range_regex(*self._bounds(s, path)), False, path))
+
+    def _multiple(self, s: dict, rx: str, integer: bool, path: str) -> str:
+        """``rx`` narrowed to the multiples of ``multipleOf`` (a look-ahead intersection)."""
+        if "multipleOf" not in s:
+            return rx
+        m = s["multipleOf"]
+        if isinstance(m, bool) or not isinstance(m, int | float) or m <= 0:
+            raise SchemaError("multipleOf", f"multipleOf must be a number above 0 (at {path})")
+        step = multiple_regex(Decimal(m) if isinstance(m, int) else Decimal(repr(m)), integer)
+        if step is None:
+            raise SchemaError("multipleOf", f"multipleOf {m} is not supported (at {path}): radixd writes multiples "
+                                            "of steps whose digits end the number, a*10^k with a dividing 10^j "
+                                            "(2, 5, 25, 0.5, 0.01, 100, ...), and only where the step's own "
+                                            "digits do not reach into the integer part")
+        out = f"(?=(?:{step})\\Z){rx}"
+        if is_empty(out):
+            raise SchemaError("multipleOf", f"no multiple of {m} lies within the bounds (at {path})")
+        return out
 
     def _boolean(self, s: dict, path: str) -> str:
         self._check(s, set(), path)
