@@ -429,6 +429,7 @@ KEYWORD_CASES = {
     "allof_enum_bound": ({"allOf": [{"enum": [1, 2, "x"]}, {"maximum": 1}]}, ["1", '"x"'], ["2"]),
     "enum_siblings": ({"enum": [1, 50, "x", 2.5, "toolong"], "maximum": 10, "maxLength": 3}, ["1", '"x"', "2.5"],
                       ["50", '"toolong"']),
+    "enum_multiple": ({"enum": [0, 5, 7, 2.5, "a"], "multipleOf": 2.5}, ["0", "5", "2.5", '"a"'], ["7"]),
     "const_in_enum": ({"const": "b", "enum": ["a", "b"]}, ['"b"'], ['"a"']),
     "ref_with_siblings": ({"$defs": {"n": {"type": "integer", "minimum": 0}}, "$ref": "#/$defs/n", "maximum": 5},
                           ["0", "5"], ["6", "-1"]),

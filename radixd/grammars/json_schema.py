@@ -411,8 +411,8 @@ class SchemaGrammar:
             del rest["enum"]
         else:
             rest.pop("enum", None)
-        scalar = {"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength",
-                  "pattern", "format"}
+        scalar = {"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength",
+                  "maxLength", "pattern", "format"}
         if set(rest) - scalar:
             kw = sorted(set(rest) - scalar)[0]
             raise SchemaError(kw, f"keyword {kw!r} beside const/enum is not supported (at {path})")
@@ -435,6 +435,13 @@ class SchemaGrammar:
             lo, ls, hi, hs = self._bounds(s, path)
             d = Decimal(v) if isinstance(v, int) else Decimal(repr(v))
             if (lo is not None and (d <= lo if ls else d < lo)) or (hi is not None and (d >= hi if hs else d > hi)):
+                return False
+        if is_num and "multipleOf" in s:
+            m = s["multipleOf"]
+            if isinstance(m, bool) or not isinstance(m, int | float) or m <= 0:
+                raise SchemaError("multipleOf", f"multipleOf must be a number above 0 (at {path})")
+            d = Decimal(v) if isinstance(v, int) else Decimal(repr(v))
+            if d % (Decimal(m) if isinstance(m, int) else Decimal(repr(m))) != 0:
                 return False
         if isinstance(v, str):
             if len(v) < s.get("minLength", 0) or len(v) > s.get("maxLength", len(v)):

@@ -19,7 +19,7 @@ ALL_TYPES = frozenset({"null", "boolean", "number", "string", "array", "object"}
 IMPLIED_TYPES = (("object", {"properties", "required", "additionalProperties", "patternProperties"}),
             ("array", {"items", "minItems", "maxItems", "prefixItems", "additionalItems"}),
             ("string", {"minLength", "maxLength", "pattern", "format"}),
-            ("number", {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}))
+            ("number", {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}))
 MAX_DEPTH = 16
 
 Resolve = Callable[[str], object]
