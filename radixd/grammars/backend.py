@@ -22,7 +22,8 @@ from radixd.plugins import hookimpl
 class RadixdCompiled:
     def __init__(self, grammar: TokenGrammar, closing: ClosingShared):
         self.grammar = grammar
-        self.budget = Budget(grammar, closing)  # its caches fill on first use
+        self.budget = Budget(grammar, closing)
+        self.budget.warm()
 
     def matcher(self) -> ClosingMatcher:
         return ClosingMatcher(self.grammar, self.budget)

@@ -45,7 +45,11 @@ class _LexerPaths:
         table = lx.table
         n = table.shape[0]
         self.acc = np.flatnonzero(lx.accepting)
-        cols = np.unique(table[:, byte_ok], axis=1) if byte_ok.any() else np.zeros((n, 1), dtype=table.dtype)
+        by_byte = np.ascontiguousarray(table[:, byte_ok].T)  # one row per usable byte
+        classes: dict[bytes, int] = {}
+        for i, row in enumerate(by_byte):  # bytes that move every state alike: one column
+            classes.setdefault(row.tobytes(), i)
+        cols = by_byte[list(classes.values())].T if classes else np.zeros((n, 1), dtype=table.dtype)
         dist = np.full((n, self.acc.size), INF, dtype=np.int64)
         front = np.zeros((n, self.acc.size), dtype=bool)
         front[self.acc, np.arange(self.acc.size)] = True
@@ -71,6 +75,22 @@ class ClosingShared:
         for b in vocab.token_bytes:
             if b is not None and len(b) == 1:
                 self.byte_ok[b[0]] = True
+        tr = vocab.trie
+        # tokens ending at each trie node: order[lo[n]:lo[n] + tokens_at[n]] (tokens without
+        # bytes end at the root, which no walk visits)
+        self.tokens_at = np.bincount(tr.end[vocab.has_bytes], minlength=tr.size)
+        self.tokens_at[0] = 0
+        self.first_token = tr.order[np.minimum(tr.lo, tr.order.size - 1)]
+        extra = [(n, t) for n in np.flatnonzero(self.tokens_at > 1).tolist()
+                 for t in tr.order[tr.lo[n] + 1:tr.lo[n] + self.tokens_at[n]].tolist()]
+        self.extra_node = np.array([n for n, _ in extra], dtype=np.int64)
+        self.extra_token = np.array([t for _, t in extra], dtype=np.int64)
+        self.byte_l = tr.byte.tolist()
+        self.tokens_at_l = self.tokens_at.tolist()
+        self.child_start_l = tr.child_start.tolist()
+        self.child_count_l = tr.child_count.tolist()
+        self._accepting: dict[int, list[bool]] = {}
+        self.root_children = np.arange(tr.child_start[0], tr.child_start[0] + tr.child_count[0], dtype=np.int64)
         self.limit = limit
         self._paths: dict[int, _LexerPaths] = {}
         self._enter: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
@@ -108,140 +128,98 @@ class ClosingShared:
             got = (e, e)
         return self._remember(self._enter, key, got)
 
-    def scan(self, key: tuple, lx: _Lexer, start: int, fresh: bool, rows: np.ndarray | None,
-             offs: np.ndarray | None) -> _Scan:
-        """The tokens ``rows`` (None: the whole vocabulary) from byte ``offs`` walked through
-        ``lx`` from ``start``, cached under ``key``: the chain of lexers and states that led
-        to these rows, which fixes them (the parser stacks along it do not matter)."""
+    def scan(self, key: tuple, lx: _Lexer, nodes: np.ndarray, states: np.ndarray, fresh: bool) -> _Scan:
+        """The token trie below ``nodes`` walked through ``lx`` (each node's byte read from
+        ``states``), cached under ``key``: the chain of lexers and states that led to these
+        nodes, which fixes them (the parser stacks along it do not matter)."""
         got = self._scans.get(key)
         if got is None:
-            v = self.vocab
-            if rows is None:
-                rows = np.arange(v.vocab_size, dtype=np.int64)
-                walked = trie_walk(lx, start, fresh, v)
-                offs = np.zeros_like(rows)
-            else:
-                walked = walk(lx, start, fresh, v, rows, offs)
-            got = self._remember(self._scans, key, _Scan(walked, rows, offs))
+            got = self._remember(self._scans, key, _Scan(lx, nodes, states, fresh, self))
         return got
+
+    def accepting_list(self, lx: _Lexer) -> list[bool]:
+        got = self._accepting.get(lx.uid)
+        if got is None:
+            got = self._remember(self._accepting, lx.uid, lx.accepting.tolist())
+        return got
+
+    def fill(self, out: np.ndarray, nodes: np.ndarray, values: np.ndarray) -> None:
+        """``out[token] = value`` for every token that ends at one of ``nodes``."""
+        out[self.first_token[nodes]] = values
+        if self.extra_node.size:
+            hit = np.isin(self.extra_node, nodes)
+            if hit.any():
+                where = dict(zip(nodes.tolist(), values.tolist(), strict=True))
+                out[self.extra_token[hit]] = [where[n] for n in self.extra_node[hit].tolist()]
 
 
 class _Scan:
-    """Tokens walked through one lexer: ``end`` per row (the DFA state a token ends in inside
-    the lexeme, 0 if it leaves or dies), ``ends`` the distinct nonzero ones, and per state
-    ``s`` the token leaves from: (s, positions among the rows, their token ids, the byte
-    offsets they continue from)."""
+    """Part of the token trie walked through one lexer: ``nodes`` where tokens end inside
+    the lexeme and ``states``, the DFA states there (``ends``: the distinct ones); ``groups``:
+    per accepting state ``s`` the walk leaves the lexeme from, the nodes whose byte starts
+    the next lexeme (every token below them continues there)."""
 
-    __slots__ = ("end", "ends", "groups")
+    __slots__ = ("nodes", "states", "ends", "groups")
 
-    def __init__(self, walked: tuple[np.ndarray, np.ndarray, np.ndarray], rows: np.ndarray, offs: np.ndarray):
-        end, leave, took = walked
-        self.end = end.astype(np.int32)
-        present = np.bincount(end)
-        present[0] = 0
-        self.ends = np.flatnonzero(present)
+    def __init__(self, lx: _Lexer, nodes: np.ndarray, states: np.ndarray, fresh: bool, sh: ClosingShared):
+        tr = sh.vocab.trie
+        flat, accepting, rows, acc = lx.flat, lx.accepting, lx.rows, sh.accepting_list(lx)
+        ends_n: list = []   # numpy pieces and, from narrow levels, plain ints
+        ends_s: list = []
+        outs_n: list = []
+        outs_s: list = []
+        py_en, py_es, py_on, py_os = [], [], [], []
+        first = True
+        while len(nodes):
+            skip_out = first and fresh  # (a lexeme is never empty)
+            if len(nodes) <= 32:  # a narrow level: plain Python beats numpy's overhead
+                byte, t_at, cs, cc = sh.byte_l, sh.tokens_at_l, sh.child_start_l, sh.child_count_l
+                nxt_n, nxt_s = [], []
+                for n, p in zip(_ints(nodes), _ints(states), strict=True):
+                    q = rows[p][byte[n]]
+                    if not q:
+                        if not skip_out and acc[p]:
+                            py_on.append(n)
+                            py_os.append(p)
+                        continue
+                    if t_at[n]:
+                        py_en.append(n)
+                        py_es.append(q)
+                    k = cc[n]
+                    if k:
+                        nxt_n.extend(range(cs[n], cs[n] + k))
+                        nxt_s.extend([q] * k)
+                nodes, states = nxt_n, nxt_s
+            else:
+                nodes, states = np.asarray(nodes, dtype=np.int64), np.asarray(states, dtype=np.int64)
+                ns = flat[states * 256 + tr.byte[nodes]]
+                if not skip_out:
+                    out = (ns == 0) & accepting[states]
+                    if out.any():
+                        outs_n.append(nodes[out])
+                        outs_s.append(states[out])
+                live = ns != 0
+                nodes, ns = nodes[live], ns[live]
+                ending = sh.tokens_at[nodes] > 0
+                ends_n.append(nodes[ending])
+                ends_s.append(ns[ending])
+                counts = tr.child_count[nodes]
+                total = int(counts.sum())
+                states = np.repeat(ns, counts)
+                nodes = np.arange(total) + np.repeat(tr.child_start[nodes] - np.cumsum(counts) + counts, counts)
+            first = False
+        cat = lambda parts, py: np.concatenate([*parts, np.array(py, dtype=np.int64)])  # noqa: E731
+        self.nodes, self.states = cat(ends_n, py_en), cat(ends_s, py_es)
+        self.ends = np.flatnonzero(np.bincount(self.states)) if self.states.size else self.states
         self.groups = []
-        crossing = np.flatnonzero(leave >= 0)
-        if crossing.size:
-            states = leave[crossing]
-            for s in np.flatnonzero(np.bincount(states)).tolist():
-                pos = crossing[states == s]
-                self.groups.append((s, pos, rows[pos], offs[pos] + took[pos]))
+        on, os_ = cat(outs_n, py_on), cat(outs_s, py_os)
+        if on.size:
+            for s in np.flatnonzero(np.bincount(os_)).tolist():
+                self.groups.append((s, on[os_ == s]))
 
 
-def trie_walk(lx: _Lexer, start: int, fresh: bool, v):
-    """The whole vocabulary walked through ``lx`` from ``start`` along the token trie
-    (shared prefixes once, only the children of live nodes): per token id (end state inside
-    the lexeme or 0; the accepting state it leaves from or -1; bytes before leaving)."""
-    tr = v.trie
-    state = np.zeros(tr.size, dtype=np.int64)
-    state[0] = start
-    alive = np.zeros(1, dtype=np.int64)
-    nodes, prevs, depths = [], [], []
-    for d in range(1, len(tr.levels) - 1):
-        counts = tr.child_count[alive]
-        total = int(counts.sum())
-        if total == 0:
-            break
-        idx = np.arange(total) + np.repeat(tr.child_start[alive] - np.cumsum(counts) + counts, counts)
-        ps = state[tr.parent[idx]]
-        ns = lx.flat[ps * 256 + tr.byte[idx]]
-        state[idx] = ns
-        if d > 1 or not fresh:  # a lexeme is never empty
-            out = (ns == 0) & lx.accepting[ps]
-            if out.any():
-                nodes.append(idx[out])
-                prevs.append(ps[out])
-                depths.append(d - 1)
-        alive = idx[ns != 0]
-    end = state[tr.end]
-    end[~v.has_bytes] = 0
-    leave = np.full(v.vocab_size, -1, dtype=np.int64)
-    took = np.zeros(v.vocab_size, dtype=np.int64)
-    for ns_, ps_, k in zip(nodes, prevs, depths, strict=True):  # the tokens under each node
-        toks = [tr.order[tr.lo[n]:tr.hi[n]] for n in ns_.tolist()]
-        counts = np.array([t.size for t in toks], dtype=np.int64)
-        ids = np.concatenate(toks)
-        leave[ids] = np.repeat(ps_, counts)
-        took[ids] = k
-    leave[~v.has_bytes] = -1
-    return end, leave, took
-
-
-def walk(lx: _Lexer, start: int, fresh: bool, v, rows: np.ndarray, offs: np.ndarray):
-    """``trie_walk`` for token suffixes: ``rows`` (token ids) from byte ``offs``."""
-    if rows.size <= 256:  # few rows (the usual case): plain Python beats numpy's overhead
-        return _walk_small(lx, start, fresh, v, rows, offs)
-    n = rows.size
-    rem = v.lengths[rows] - offs
-    end = np.zeros(n, dtype=np.int64)
-    leave = np.full(n, -1, dtype=np.int64)
-    took = np.zeros(n, dtype=np.int64)
-    state = np.full(n, start, dtype=np.int64)
-    pos = np.flatnonzero(rem > 0)  # tokens without bytes are never consumed
-    k = 0
-    while pos.size:
-        done = rem[pos] <= k
-        if done.any():
-            end[pos[done]] = state[pos[done]]
-            pos = pos[~done]
-            if not pos.size:
-                break
-        prev = state[pos]
-        nxt = lx.table[prev, v.bytes_matrix[rows[pos], offs[pos] + k]]
-        dead = nxt == 0
-        if dead.any():
-            if k > 0 or not fresh:  # a lexeme is never empty
-                d = pos[dead]
-                acc = lx.accepting[prev[dead]]
-                leave[d[acc]] = prev[dead][acc]
-                took[d[acc]] = k
-            pos, nxt = pos[~dead], nxt[~dead]
-        state[pos] = nxt
-        k += 1
-    return end, leave, took
-
-
-def _walk_small(lx: _Lexer, start: int, fresh: bool, v, rows: np.ndarray, offs: np.ndarray):
-    table, accepting, tb = lx.rows, lx.accepting, v.token_bytes
-    end, leave, took = [], [], []
-    for row, off in zip(rows.tolist(), offs.tolist(), strict=True):
-        st, e, lv, k = start, 0, -1, 0
-        data = tb[row]
-        for k in range(len(data) - off):
-            nxt = table[st][data[off + k]]
-            if not nxt:
-                if (k > 0 or not fresh) and accepting[st]:
-                    lv = st
-                break
-            st = nxt
-        else:
-            e = st if data and len(data) > off else 0
-        end.append(e)
-        leave.append(lv)
-        took.append(k if lv >= 0 else 0)
-    mk = lambda xs: np.array(xs, dtype=np.int64)  # noqa: E731
-    return mk(end), mk(leave), mk(took)
+def _ints(xs) -> list[int]:
+    return xs.tolist() if isinstance(xs, np.ndarray) else xs
 
 
 class Budget:
@@ -407,6 +385,12 @@ class Budget:
                 return None
         return bytes(out), False
 
+    def warm(self) -> None:
+        """Part of compiling (off the event loop): the cost of the start and of every token
+        from it, which runs the searches along the grammar's shortest documents."""
+        self.cost(self.g.start)
+        self.max_cost(self.g.start)
+
     # -------------------------------------------------------------- per token
 
     def _first_scan(self, config: Config) -> tuple[tuple, _Scan]:
@@ -414,18 +398,19 @@ class Budget:
         lx = self.g.lexer(stack, ign)
         start, fresh = (1, True) if lex == FRESH else (lex, False)
         key = (lx.uid, start, fresh)
-        return key, self.shared.scan(key, lx, start, fresh, None, None)
+        nodes = self.shared.root_children
+        return key, self.shared.scan(key, lx, nodes, np.full(nodes.size, start, dtype=np.int64), fresh)
 
     def _next_scans(self, stack: tuple, ign: bool, key: tuple, scan: _Scan):
-        """Per group of tokens that leave the lexeme: (positions, stack and ignore_ok after
-        it, the key and scan of their walk on from there)."""
+        """Per group of trie nodes where the walk leaves the lexeme: (stack and ignore_ok
+        after it, the key and scan of the walk on from there)."""
         g = self.g
-        for s, pos, rows, offs in scan.groups:
+        for s, nodes in scan.groups:
             r = g.end_lexeme(stack, ign, s)
             if r is not None:
                 lx2 = g.lexer(*r)
                 k2 = (key, s, lx2.uid)
-                yield pos, r, k2, self.shared.scan(k2, lx2, 1, True, rows, offs)
+                yield r, k2, self.shared.scan(k2, lx2, nodes, np.ones(nodes.size, dtype=np.int64), True)
 
     def token_costs(self, config: Config) -> np.ndarray:
         """[vocab] cost of the configuration after each token (INF: not consumable)."""
@@ -434,24 +419,22 @@ class Budget:
             self._tokens.move_to_end(config)
             return got
         key, scan = self._first_scan(config)
-        got = self._costs(config[0], config[1], key, scan)
+        got = np.full(self.g.vocab.vocab_size, INF, dtype=np.int64)
+        self._costs(config[0], config[1], key, scan, got)
         self._tokens[config] = got
         if len(self._tokens) > self._token_cache_size:
             self._tokens.popitem(last=False)
         return got
 
-    def _costs(self, stack: tuple, ign: bool, key: tuple, scan: _Scan) -> np.ndarray:
-        out = np.full(scan.end.size, INF, dtype=np.int64)
-        inside = np.flatnonzero(scan.end)
-        if inside.size:
-            out[inside] = self.state_costs(stack, ign)[scan.end[inside]]
-        for pos, (st2, ig2), k2, sub in self._next_scans(stack, ign, key, scan):
-            out[pos] = self._costs(st2, ig2, k2, sub)
-        return out
+    def _costs(self, stack: tuple, ign: bool, key: tuple, scan: _Scan, out: np.ndarray) -> None:
+        if scan.nodes.size:
+            self.shared.fill(out, scan.nodes, self.state_costs(stack, ign)[scan.states])
+        for (st2, ig2), k2, sub in self._next_scans(stack, ign, key, scan):
+            self._costs(st2, ig2, k2, sub, out)
 
     def _largest(self, stack: tuple, ign: bool, key: tuple, scan: _Scan) -> int:
         best = int(self.state_costs(stack, ign)[scan.ends].max()) if scan.ends.size else 0
-        for _, (st2, ig2), k2, sub in self._next_scans(stack, ign, key, scan):
+        for (st2, ig2), k2, sub in self._next_scans(stack, ign, key, scan):
             best = max(best, self._largest(st2, ig2, k2, sub))
         return best
 
