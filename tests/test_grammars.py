@@ -530,6 +530,7 @@ def test_masks_warmed_cold_and_stepped_agree(smol, name):
     cold = compile_lark(lark, backend.vocab, shared=SharedLexers(), warm_budget_s=0.0)
     assert len(warm.shared.tries) > len(cold.shared.tries)
     assert warm.shared.scans  # (continuations through the lexers that may follow, too)
+    assert warm._fresh and not cold._fresh  # (and walks at the first lexeme starts)
     text = json.dumps(gs.example(schema, random.Random(7)), ensure_ascii=False, separators=(", ", ": "))
     config, config_cold = warm.start, cold.start  # (parser states may be numbered apart)
     for i, t in enumerate(tok(text).input_ids):

@@ -272,10 +272,11 @@ class TokenGrammar:
         """Part of compiling (off the event loop): build the lexer of every parser state's
         terminals (with and without the ignored ones), then scan the vocabulary from their
         DFA states, nearest the start first, and walk the tokens that leave a lexeme on
-        through the lexers that may come next, until ``budget_s`` seconds of this thread's
-        CPU time have passed (so a busy machine does the same work, only slower). First
-        masks then mostly find their scans ready; scans already made for another grammar
-        are shared and cost nothing here."""
+        through the lexers that may come next, then make the vocabulary walks at the lexeme
+        starts the parser reaches first, until ``budget_s`` seconds of this thread's CPU
+        time have passed (so a busy machine does the same work, only slower). First masks
+        then mostly find their scans ready; scans already made for another grammar are
+        shared and cost nothing here."""
         deadline = time.thread_time() + budget_s
         lexers = [self.lexer(self.start[0], True)]
         actions = getattr(self.parser, "actions", {})
@@ -303,6 +304,28 @@ class TokenGrammar:
                         seen.add((lx.uid, t))
                         after.append((lx, t))
             frontier = after
+        self._warm_fresh(deadline)
+
+    def _warm_fresh(self, deadline: float) -> None:
+        """The vocabulary walks at lexeme starts (``_fresh_walk``) of the (stack, ignore_ok)
+        pairs the parser reaches first, breadth first from the start, up to a quarter of their
+        cache."""
+        todo = [(self.start[0], True)]
+        seen = set(todo)
+        for after in todo:  # (grows while read)
+            if len(self._fresh) * 4 >= self._fresh_cache_size or time.thread_time() > deadline:
+                return
+            self._fresh_walk(after)
+            stack, ign = after
+            for t in self.acceptable(stack) | (self.ignore if ign else frozenset()):
+                if t in self.ignore:
+                    nxt = (stack, False)
+                else:
+                    ns = self.parser.feed(stack, t)
+                    nxt = None if ns is None else (ns, True)
+                if nxt is not None and nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
 
     def _warm_continue(self, lx: _Lexer, prefix: tuple, groups: list, follow: _Follow, depth: int,
                        deadline: float) -> None:
@@ -408,7 +431,7 @@ class TokenGrammar:
         if terminated:  # (trailing ignored terminals are not offered)
             allowed = np.zeros(self.vocab.vocab_size, dtype=bool)
         else:
-            allowed = self._vocab_walk(stack, ign, lex)
+            allowed = self._fresh_walk((stack, ign)).copy() if lex == FRESH else self._vocab_walk(stack, ign, lex)
             terminated = not allowed.any()
         if self.eos.size and (terminated or self.end_ok(config)):
             allowed[self.eos] = True  # a dead end (never expected) finishes rather than rambles
