@@ -408,6 +408,8 @@ KEYWORD_CASES = {
                            ['{}', '{"x-a": 1}', '{"x-a": 1, "x-": 2}'], ['{"y": 1}', '{"x-a": "s"}', '{"X-a": 1}']),
     "pattern_keys_unescaped": ({"type": "object", "patternProperties": {"^x-": _I}, "additionalProperties": True},
                                ['{"x-a": 1, "y": "s"}', '{"y": [true]}'], ['{"\\u0078-a": "s"}', '{"x-a": "s"}']),
+    "pattern_keys_overlapping": ({"type": "object", "patternProperties": {"^a$": _I, "^[a]$": {"minimum": 0}},
+                                  "additionalProperties": False}, ["{}"], ['{"b": 1}', '{"a": -1}']),
     "pattern_and_additional": ({"type": "object", "properties": {"id": _I}, "required": ["id"],
                                 "patternProperties": {"^n_": _N}, "additionalProperties": _B},
                                ['{"id": 1, "n_a": 1.5, "z": true}', '{"id": 1}', '{"id": 2, "zz": false, "n_": 0}'],

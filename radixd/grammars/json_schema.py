@@ -620,6 +620,8 @@ class SchemaGrammar:
         colon = self.term(":")
         ws = f"[ \\t\\n\\r]{{0,{self.max_ws}}}"
         kinds = self._extra_keys(props, patterns, extra, path)  # (key text regex, value symbol)
+        if not props and not kinds:  # no pattern can make a key: only the empty object
+            return f"{lb} {rb}"
         extra_first = self.rule(" | ".join(f"{self.term(k)} {colon} {v}" for k, v in kinds), "xfirst") if kinds else None
         extra_next = self.rule(" | ".join(f"{self.term(',' + ws + k)} {colon} {v}" for k, v in kinds), "xnext") if kinds else None
         items = []
