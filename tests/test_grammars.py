@@ -610,7 +610,8 @@ def _validate(text: str, schema) -> None:
 
 
 async def test_engine_constrained_outputs_validate_tiny(tiny_models):
-    """Every suite schema on the random-weight model: all outputs that finish validate."""
+    """Every suite schema on the random-weight model: every output closes within max_tokens
+    (each schema's shortest document fits in 200) and validates."""
     engine = Engine(model=str(tiny_models["llama"]), kv_cache_tokens=40000, max_running_requests=64)
     try:
         async def one(i, schema):
@@ -619,14 +620,9 @@ async def test_engine_constrained_outputs_validate_tiny(tiny_models):
             return "".join(o.text for o in outs), outs[-1].finish_reason
 
         results = await asyncio.gather(*[one(i, s) for i, s in enumerate(gs.SCHEMAS.values())])
-        finished = 0
         for (text, reason), (name, schema) in zip(results, gs.SCHEMAS.items(), strict=True):
-            if reason == "stop":
-                finished += 1
-                _validate(text, schema)
-            else:
-                assert reason == "length", (name, reason)
-        assert finished >= len(gs.SCHEMAS) * 0.6, finished  # random weights wander inside strings
+            assert reason == "stop", (name, reason, text)
+            _validate(text, schema)
         engine.check_accounting()
     finally:
         await engine.stop()
