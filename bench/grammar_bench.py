@@ -270,6 +270,20 @@ async def e2e(backend: str | None, max_tokens: int, concurrency: int, close: boo
             steps.append((time.perf_counter(), len(step.sampled), any(n > 1 for n in step.batch.extend_lens)))
 
         engine.step_hook = hook
+        mask_time = [0.0, 0]  # seconds in Scheduler.fill_masks (the loop thread), calls
+
+        def timed(fill):
+            def fill_masks(rows, constrained):
+                t = time.perf_counter()
+                try:
+                    return fill(rows, constrained)
+                finally:
+                    mask_time[0] += time.perf_counter() - t
+                    mask_time[1] += 1
+            return fill_masks
+
+        for rep in engine.replicas:
+            rep.scheduler.fill_masks = timed(rep.scheduler.fill_masks)
 
         async def one(name: str):
             schema = gs.SCHEMAS[name]
@@ -312,6 +326,7 @@ async def e2e(backend: str | None, max_tokens: int, concurrency: int, close: boo
                "searches": sum(b.searches for b in budgets if b is not None),
                "searches_capped": sum(b.capped for b in budgets if b is not None)}
     return {"backend": name, "requests": len(names), "concurrency": concurrency, "closing_filter": closing,
+            "mask_fill_s": mask_time[0], "mask_fills": mask_time[1],
             "max_tokens": max_tokens, "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
             "steady_decode_tokens_per_s": steady, "steady_steps": len(full),
             "finished_by_grammar_or_eos": finished, "valid": valid, "invalid": bad,
@@ -365,7 +380,8 @@ def main() -> None:
             print(f"e2e {r['backend']:13s} {r['tokens_per_s']:7.1f} tok/s ({r['output_tokens']} tokens, "
                   f"{r['wall_s']:.1f} s); steady state at {args.concurrency} running: "
                   f"{r['steady_decode_tokens_per_s']:.1f} tok/s over {r['steady_steps']} steps; "
-                  f"valid {r['valid']}/{r['requests']} (finished {r['finished_by_grammar_or_eos']})", flush=True)
+                  f"valid {r['valid']}/{r['requests']} (finished {r['finished_by_grammar_or_eos']}); "
+                  f"{r['mask_fill_s']:.2f} s filling masks ({r['mask_fills']} batches)", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")

@@ -20,10 +20,11 @@ from radixd.plugins import hookimpl
 
 
 class RadixdCompiled:
-    def __init__(self, grammar: TokenGrammar, closing: ClosingShared):
+    def __init__(self, grammar: TokenGrammar, closing: ClosingShared, warm: bool = True):
         self.grammar = grammar
         self.budget = Budget(grammar, closing)
-        self.budget.warm()
+        if warm:  # (the scheduler uses the budget only with [grammar] close_within_max_tokens)
+            self.budget.warm()
 
     def matcher(self) -> ClosingMatcher:
         return ClosingMatcher(self.grammar, self.budget)
@@ -45,6 +46,7 @@ class RadixdBackend:
         self._lock = threading.Lock()
         self.max_ws = getattr(config, "grammar_max_whitespace", 2)
         self.mask_cache_size = getattr(config, "grammar_mask_cache_size", 1024)
+        self.close_within_max_tokens = getattr(config, "grammar_close_within_max_tokens", True)
         self.warm_budget_s = getattr(config, "grammar_warm_budget_ms", 100) / 1000
         self.shared = SharedLexers()  # lexers and vocabulary scans common to all grammars
 
@@ -91,7 +93,7 @@ class RadixdBackend:
             if kind == "json_schema":  # e.g. anyOf branches LALR(1) cannot tell apart
                 raise GrammarError(kind, f"the schema's grammar is not LALR(1): {exc}") from None
             raise GrammarError(kind, str(exc)) from None
-        return RadixdCompiled(g, self.closing)
+        return RadixdCompiled(g, self.closing, self.close_within_max_tokens)
 
 
 @hookimpl

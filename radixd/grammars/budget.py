@@ -419,7 +419,7 @@ class Budget:
             self._tokens.move_to_end(config)
             return got
         key, scan = self._first_scan(config)
-        got = np.full(self.g.vocab.vocab_size, INF, dtype=np.int64)
+        got = np.full(self.g.vocab.vocab_size, INF, dtype=np.int32)
         self._costs(config[0], config[1], key, scan, got)
         self._tokens[config] = got
         if len(self._tokens) > self._token_cache_size:
@@ -460,14 +460,15 @@ class Budget:
             return
         self.filtered += 1
         c = self.token_costs(config)
-        fit = allowed & (c <= room)
+        np.less_equal(c, room, out=out)
+        out &= allowed
         eos = self.g.eos
-        fit[eos] = allowed[eos]
-        if not fit.any() and allowed.any():
+        out[eos] = allowed[eos]
+        if not out.any() and allowed.any():
             sel = allowed.copy()
             sel[eos] = False
-            fit = sel & (c == c[sel].min())
-        out[:] = fit
+            np.equal(c, c[sel].min(), out=out)
+            out &= sel
 
 
 class ClosingMatcher(Matcher):
