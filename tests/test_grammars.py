@@ -17,7 +17,7 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from radixd.core.engine import Engine
@@ -59,6 +59,7 @@ REGEX_CASES = [r"[a-c]+x|é\d{2,3}", r"(ab|a)*b?", r"[^a-z\n]{1,3}", r"\w+@\w+\.
 @pytest.mark.parametrize("pattern", REGEX_CASES)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(alphabet="abcxyz019.-@éαβω中文\n ", max_size=8))
+@example(text="xé1")  # a non-ASCII letter where \w stands
 def test_dfa_agrees_with_re_fullmatch(pattern, text):
     dfa = compile_dfa([pattern])
     assert _dfa_match(dfa, text) == bool(re.fullmatch(pattern, text, re.ASCII))  # \d, \w, \s are ASCII classes
