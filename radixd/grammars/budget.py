@@ -62,14 +62,13 @@ class _LexerPaths:
             front &= dist == INF
             dist[front] = k
         self.dist = dist
-        self.to_any = dist.min(axis=1) if self.acc.size else np.full(n, INF, dtype=np.int64)
 
 
 class ClosingShared:
     """What the closing filter derives from a vocabulary and its lexers, shared by every
     grammar compiled for one vocabulary (keyed by the lexers' uids, which are never reused)."""
 
-    def __init__(self, vocab, limit: int = 4096):
+    def __init__(self, vocab, limit: int = 4096, scan_bytes: int = 128 << 20, token_costs: int = 64):
         self.vocab = vocab
         self.byte_ok = np.zeros(256, dtype=bool)  # bytes that are a token of their own
         for b in vocab.token_bytes:
@@ -95,6 +94,12 @@ class ClosingShared:
         self._paths: dict[int, _LexerPaths] = {}
         self._enter: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._scans: dict[tuple, _Scan] = {}
+        self._scan_bytes, self._scan_bytes_limit = 0, scan_bytes  # scans of string states are large
+        # per-token costs of recently filtered configurations, all grammars together (one
+        # int32 per vocabulary id each): (budget uid, configuration) -> costs
+        self.token_costs: OrderedDict[tuple, np.ndarray] = OrderedDict()
+        self.token_costs_size = token_costs
+        self.uids = itertools.count()
 
     def _remember(self, cache: dict, key, value):
         if len(cache) >= self.limit:
@@ -134,7 +139,13 @@ class ClosingShared:
         nodes, which fixes them (the parser stacks along it do not matter)."""
         got = self._scans.get(key)
         if got is None:
-            got = self._remember(self._scans, key, _Scan(lx, nodes, states, fresh, self))
+            got = _Scan(lx, nodes, states, fresh, self)
+            size = got.nodes.nbytes + got.states.nbytes + sum(n.nbytes for _, n in got.groups)
+            if self._scan_bytes + size > self._scan_bytes_limit or len(self._scans) >= self.limit:
+                self._scans.clear()
+                self._scan_bytes = 0
+            self._scans[key] = got
+            self._scan_bytes += size
         return got
 
     def accepting_list(self, lx: _Lexer) -> list[bool]:
@@ -208,7 +219,7 @@ class _Scan:
                 states = np.repeat(ns, counts)
                 nodes = np.arange(total) + np.repeat(tr.child_start[nodes] - np.cumsum(counts) + counts, counts)
             first = False
-        cat = lambda parts, py: np.concatenate([*parts, np.array(py, dtype=np.int64)])  # noqa: E731
+        cat = lambda parts, py: np.concatenate([*parts, np.array(py, dtype=np.int64)]).astype(np.int32)  # noqa: E731
         self.nodes, self.states = cat(ends_n, py_en), cat(ends_s, py_es)
         self.ends = np.flatnonzero(np.bincount(self.states)) if self.states.size else self.states
         self.groups = []
@@ -228,8 +239,7 @@ class Budget:
     ``node_cap`` bounds one search (boundaries expanded); a search that hits it returns the
     cheapest completion it found so far (an upper bound, not cached as exact) or INF."""
 
-    def __init__(self, grammar: TokenGrammar, shared: ClosingShared, node_cap: int = 4096,
-                 token_cache_size: int = 64):
+    def __init__(self, grammar: TokenGrammar, shared: ClosingShared, node_cap: int = 4096):
         self.g = grammar
         self.shared = shared
         self.eos_cost = 1 if grammar.vocab.eos_ids else 0
@@ -238,8 +248,7 @@ class Budget:
         self._edges: dict[tuple, list] = {}
         self._state_costs: dict[tuple, np.ndarray] = {}
         self._max: dict[Config, int] = {}
-        self._tokens: OrderedDict[Config, np.ndarray] = OrderedDict()
-        self._token_cache_size = token_cache_size
+        self.uid = next(shared.uids)
         self._tie = itertools.count()
         self.searches = 0  # boundary searches run
         self.capped = 0    # of which stopped at node_cap
@@ -414,16 +423,17 @@ class Budget:
 
     def token_costs(self, config: Config) -> np.ndarray:
         """[vocab] cost of the configuration after each token (INF: not consumable)."""
-        got = self._tokens.get(config)
+        lru, ck = self.shared.token_costs, (self.uid, config)
+        got = lru.get(ck)
         if got is not None:
-            self._tokens.move_to_end(config)
+            lru.move_to_end(ck)
             return got
         key, scan = self._first_scan(config)
         got = np.full(self.g.vocab.vocab_size, INF, dtype=np.int32)
         self._costs(config[0], config[1], key, scan, got)
-        self._tokens[config] = got
-        if len(self._tokens) > self._token_cache_size:
-            self._tokens.popitem(last=False)
+        lru[ck] = got
+        if len(lru) > self.shared.token_costs_size:
+            lru.popitem(last=False)
         return got
 
     def _costs(self, stack: tuple, ign: bool, key: tuple, scan: _Scan, out: np.ndarray) -> None:
