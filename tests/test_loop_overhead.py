@@ -20,6 +20,7 @@ def test_loop_overhead_bench_runs(tmp_path):
         assert x["output_tokens"] == 8 * 12  # the stub's picks reached every consumer
         assert x["decode_steps_timed"] >= 8  # one prefill step, then every request decodes
         assert x["us_per_step_median"] > 0
-        assert abs(x["us_per_request_step_median"] - x["us_per_step_median"] / 8) < 0.01
+        # (the figures are rounded to 0.1 and 0.01 us: they may differ by 0.05 / 8 + 0.005)
+        assert abs(x["us_per_request_step_median"] - x["us_per_step_median"] / 8) < 0.012
         assert "_build" in x["profile_tottime"] or "_build" in x["profile_cumulative"]
     assert (tmp_path / "log.txt").read_text().count("us/request-step") == 2
