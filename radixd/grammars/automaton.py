@@ -138,6 +138,23 @@ class StateScan(NamedTuple):
         return ok
 
 
+def tokens_ending_at(tr, alive_at: list[np.ndarray], dtype) -> np.ndarray:
+    """The token ids whose bytes end exactly at one of the trie nodes ``alive_at``."""
+    if not alive_at:
+        return np.zeros(0, dtype=dtype)
+    ends = np.concatenate(alive_at)
+    ends = ends[tr.exact[ends] > 0]
+    return tr.order[expand_ranges(tr.lo[ends], tr.exact[ends])].astype(dtype, copy=False)
+
+
+def leave_groups(left_at: list[np.ndarray], left_from: list[np.ndarray]) -> list[tuple[int, np.ndarray]]:
+    """Trie nodes where walks left a lexeme, grouped by the DFA state they left from."""
+    if not left_at:
+        return []
+    where, prev = np.concatenate(left_at), np.concatenate(left_from)
+    return [(s, where[prev == s]) for s in np.unique(prev).tolist()]
+
+
 class SharedLexers:
     """Lexer DFAs and their vocabulary scans, shared by every grammar compiled for one
     vocabulary: keyed by the terminals' regexes, so the string, number and punctuation lexers
@@ -523,18 +540,7 @@ class TokenGrammar:
             counts = tr.child_count[nodes]
             states = np.repeat(ns[live], counts)
             nodes = expand_ranges(tr.child_start[nodes], counts)
-        if alive_at:
-            ends = np.concatenate(alive_at)
-            ends = ends[tr.exact[ends] > 0]
-            inside = tr.order[expand_ranges(tr.lo[ends], tr.exact[ends])]
-        else:
-            inside = np.zeros(0, dtype=np.int64)
-        groups = []
-        if left_at:
-            where, prev = np.concatenate(left_at), np.concatenate(left_from)
-            for s in np.unique(prev).tolist():
-                groups.append((s, where[prev == s]))
-        return inside, groups
+        return tokens_ending_at(tr, alive_at, np.int64), leave_groups(left_at, left_from)
 
     def _node_walk_small(self, lx: _Lexer, nodes: list[int], states: list[int]) -> tuple[np.ndarray, list]:
         """``_node_walk`` depth first in plain Python, for a few starting nodes; a live node's
@@ -615,17 +621,9 @@ class TokenGrammar:
             n_alive += alive.size
         if n_alive * 4 > v.vocab_size:  # a dense walk: one gather over every token's end
             inside = (state[tr.end] != 0) & v.has_bytes
-        elif alive_at:
-            ends = np.concatenate(alive_at)
-            ends = ends[tr.exact[ends] > 0]
-            inside = tr.order[expand_ranges(tr.lo[ends], tr.exact[ends])].astype(np.int32)
         else:
-            inside = np.zeros(0, dtype=np.int32)
-        groups = []
-        if left_at:
-            where, prev = np.concatenate(left_at), np.concatenate(left_from)
-            for s in np.unique(prev).tolist():
-                groups.append((s, where[prev == s]))
+            inside = tokens_ending_at(tr, alive_at, np.int32)
+        groups = leave_groups(left_at, left_from)
         exit0 = None
         if accepting[q]:
             ends = lx.table[q] == 0
