@@ -4,13 +4,14 @@ and 400s for constraints that cannot be compiled, after which the daemon keeps s
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 
 import httpx
 import jsonschema
 import pytest
-from conftest import Daemon
+from conftest import Daemon, grammar_suite
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -46,6 +47,21 @@ def _sse(r: httpx.Response) -> list[dict]:
     return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
 
 
+def _chat_choices(r: httpx.Response, stream: bool) -> tuple[dict[int, str], dict[int, str]]:
+    """A chat completion's texts and finish reasons by choice index, streamed or not."""
+    if not stream:
+        choices = r.json()["choices"]
+        return ({ch["index"]: ch["message"]["content"] for ch in choices},
+                {ch["index"]: ch["finish_reason"] for ch in choices})
+    texts, reasons = {}, {}
+    for c in _sse(r):
+        for ch in c["choices"]:
+            texts[ch["index"]] = texts.get(ch["index"], "") + (ch["delta"].get("content") or "")
+            if ch.get("finish_reason"):
+                reasons[ch["index"]] = ch["finish_reason"]
+    return texts, reasons
+
+
 def test_chat_response_format_json_schema(http):
     body = {"model": MODEL, "messages": _msgs(), "temperature": 0, "max_tokens": 80,
             "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}}
@@ -79,20 +95,33 @@ def test_a_tight_max_tokens_still_closes_the_document(http, stream):
             "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}}
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
-    if stream:
-        texts, reasons = {}, {}
-        for c in _sse(r):
-            for ch in c["choices"]:
-                texts[ch["index"]] = texts.get(ch["index"], "") + (ch["delta"].get("content") or "")
-                if ch.get("finish_reason"):
-                    reasons[ch["index"]] = ch["finish_reason"]
-    else:
-        texts = {ch["index"]: ch["message"]["content"] for ch in r.json()["choices"]}
-        reasons = {ch["index"]: ch["finish_reason"] for ch in r.json()["choices"]}
+    texts, reasons = _chat_choices(r, stream)
     assert sorted(texts) == [0, 1]
     for i, text in texts.items():
         assert reasons[i] == "stop", text
         jsonschema.validate(json.loads(text), PERSON)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_suite_schema_validates_over_http(http, stream):
+    """Every schema of bench/grammar_suite.py through response_format on the default
+    model, greedy, streamed or not: each output finishes and validates."""
+    suite = grammar_suite().SCHEMAS
+
+    def one(item):
+        name, schema = item
+        body = {"model": MODEL, "messages": _msgs(f"Reply with one JSON document for: {json.dumps(schema)}"),
+                "temperature": 0, "max_tokens": 200, "stream": stream,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, (name, r.text)
+        return name, *_chat_choices(r, stream)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, suite.items()))
+    for name, texts, reasons in results:
+        assert reasons[0] == "stop", (name, texts[0])
+        jsonschema.validate(json.loads(texts[0]), suite[name])
 
 
 def test_completions_regex_and_stop(http):

@@ -6,15 +6,14 @@ max_tokens is just enough."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import random
 import re
-from pathlib import Path
 
 import jsonschema
 import numpy as np
 import pytest
+from conftest import grammar_suite
 
 from radixd.core.engine import Engine
 from radixd.core.sampling_params import SamplingParams
@@ -24,10 +23,7 @@ from radixd.grammars.json_schema import schema_to_lark
 from radixd.grammars.lark_grammar import compile_lark
 from radixd.grammars.vocab import TokenizerInfo
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("grammar_suite", ROOT / "bench" / "grammar_suite.py")
-gs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gs)
+gs = grammar_suite()
 
 MULTI = [b'{"', b'":', b'",', b'"}', b'}]', b'[{', b'ab', b'abc', b'12', b'0.', b'true', b'null', b'":"', b' (', b'1+',
          b'xy', b'-0', b'"a', b'SELECT', b' FROM', b'  ']

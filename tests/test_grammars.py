@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib.util
 import json
 import random
 import re
@@ -17,6 +16,7 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 import pytest
+from conftest import grammar_suite
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -34,10 +34,7 @@ from radixd.grammars.json_schema import (
 )
 from radixd.grammars.regex_dfa import RegexError, compile_dfa, utf8_sequences
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("grammar_suite", ROOT / "bench" / "grammar_suite.py")
-gs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gs)
+gs = grammar_suite()
 DEFAULT_MODEL = Path.home() / ".cache" / "radixd" / "models" / "SmolLM2-135M-Instruct"
 
 
