@@ -138,6 +138,15 @@ class StateScan(NamedTuple):
         return ok
 
 
+def remember(cache: dict, key, value, limit: int):
+    """``cache[key] = value``, emptying the cache first when it holds ``limit`` entries (the
+    grammar caches are bounded this way: refilling is cheap, tracking recency is not)."""
+    if len(cache) >= limit:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 def tokens_ending_at(tr, alive_at: list[np.ndarray], dtype) -> np.ndarray:
     """The token ids whose bytes end exactly at one of the trie nodes ``alive_at``."""
     if not alive_at:
@@ -188,9 +197,7 @@ class SharedLexers:
         return got
 
     def remember(self, cache: dict, key, value) -> None:
-        if len(cache) >= self.scan_limit:
-            cache.clear()
-        cache[key] = value
+        remember(cache, key, value, self.scan_limit)
 
 
 class _Lexer:
@@ -280,9 +287,7 @@ class TokenGrammar:
             lx = self._lexers.get(terms)
             if lx is None:
                 lx = self._lexers[terms] = _Lexer(self.shared, tuple(sorted(terms)), self.terminals)
-            if len(self._lexer_of) > 65536:
-                self._lexer_of.clear()
-            self._lexer_of[key] = lx
+            remember(self._lexer_of, key, lx, 65536)
         return lx
 
     def warm(self, budget_s: float = 0.1) -> None:
@@ -377,10 +382,7 @@ class TokenGrammar:
             if ns is not None:
                 out = (ns, True)
                 break
-        if len(self._ends) > 65536:
-            self._ends.clear()
-        self._ends[key] = out
-        return out
+        return remember(self._ends, key, out, 65536)
 
     def advance(self, config: Config, data: bytes) -> Config | None:
         stack, ign, lex = config
@@ -407,10 +409,7 @@ class TokenGrammar:
         got = self._steps.get(key, False)
         if got is False:
             data = self.vocab.token_bytes[token]
-            got = self.advance(config, data) if data else None
-            if len(self._steps) > 262144:
-                self._steps.clear()
-            self._steps[key] = got
+            got = remember(self._steps, key, self.advance(config, data) if data else None, 262144)
         return got
 
     def end_ok(self, config: Config) -> bool:

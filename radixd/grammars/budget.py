@@ -32,7 +32,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from radixd.grammars.automaton import FRESH, Config, Matcher, TokenGrammar, _Lexer
+from radixd.grammars.automaton import FRESH, Config, Matcher, TokenGrammar, _Lexer, remember
 
 INF = 1 << 30  # no completion (or none within the search bound)
 
@@ -102,10 +102,7 @@ class ClosingShared:
         self.uids = itertools.count()
 
     def _remember(self, cache: dict, key, value):
-        if len(cache) >= self.limit:
-            cache.clear()
-        cache[key] = value
-        return value
+        return remember(cache, key, value, self.limit)
 
     def paths(self, lx: _Lexer) -> _LexerPaths:
         got = self._paths.get(lx.uid)
@@ -281,10 +278,7 @@ class Budget:
                 out.append((None, c))
             acc, cost = self.shared.enter(lx, s, g.lexer(st2, ig2))
             out.extend(((st2, ig2, s2), c2) for s2, c2 in zip(acc.tolist(), cost.tolist(), strict=True))
-        if len(self._edges) > 65536:
-            self._edges.clear()
-        self._edges[node] = out
-        return out
+        return remember(self._edges, node, out, 65536)
 
     def boundary_cost(self, node: tuple) -> int:
         """Fewest tokens from boundary ``node`` to a complete document (Dijkstra)."""
@@ -351,9 +345,7 @@ class Budget:
             else:
                 got = np.full(lx.table.shape[0], INF, dtype=np.int64)
             got[0] = INF
-            if len(self._state_costs) > 65536:
-                self._state_costs.clear()
-            self._state_costs[key] = got
+            remember(self._state_costs, key, got, 65536)
         return got
 
     def cost(self, config: Config) -> int:
@@ -454,10 +446,7 @@ class Budget:
         got = self._max.get(config)
         if got is None:
             key, scan = self._first_scan(config)
-            got = self._largest(config[0], config[1], key, scan)
-            if len(self._max) > 262144:
-                self._max.clear()
-            self._max[config] = got
+            got = remember(self._max, config, self._largest(config[0], config[1], key, scan), 262144)
         return got
 
     def restrict(self, config: Config, allowed: np.ndarray, out: np.ndarray, tokens_left: int) -> None:
