@@ -123,6 +123,17 @@ class Run:
         self.log(f"-- engine {kw} built in {time.perf_counter() - t:.1f}s")
         return eng
 
+    def with_engine(self, loop, fn, **kw):
+        """``fn(engine)`` on an engine built with ``kw``, stopped and its memory released
+        afterwards (before the next one is built)."""
+        eng = self.engine(**kw)
+        try:
+            return fn(eng)
+        finally:
+            loop.run_until_complete(eng.stop())
+            del eng
+            free()
+
 
 def env_info() -> dict:
     info = {"torch": torch.__version__, "cuda": torch.cuda.is_available(),
@@ -234,35 +245,30 @@ def dp_section(run: Run, res: dict) -> None:
     res["workloads"] = {name: spec for name, (_, _, spec) in loads.items()}
     loop = asyncio.new_event_loop()
     warm = [[5, 6, 7, 8, 9] * 4] * 2
-    try:
-        eng = run.engine()
-        try:
-            loop.run_until_complete(run_batch(eng, warm, 4))
-            for name, (rounds, new, _) in loads.items():
-                # one GPU under prefix_pressure recomputes most prefixes (about 40 s on an
-                # H200): one run keeps the whole call under 4 minutes
-                r = best_of(loop, eng, rounds, new, 1 if name == "prefix_pressure" else reps)
-                res.setdefault(name, {})["one_gpu"] = r
-                run.log(f"dp {name} one_gpu: {json.dumps(r)}")
+
+    def one_gpu(eng):
+        loop.run_until_complete(run_batch(eng, warm, 4))
+        for name, (rounds, new, _) in loads.items():
+            # one GPU under prefix_pressure recomputes most prefixes (about 40 s on an
+            # H200): one run keeps the whole call under 4 minutes
+            r = best_of(loop, eng, rounds, new, 1 if name == "prefix_pressure" else reps)
+            res.setdefault(name, {})["one_gpu"] = r
+            run.log(f"dp {name} one_gpu: {json.dumps(r)}")
+            run.save()
+
+    def dp2(eng):
+        loop.run_until_complete(run_batch(eng, warm * 2, 4))
+        for name, (rounds, new, _) in loads.items():
+            for policy in ("cache_aware", "round_robin"):
+                eng.router.policy = policy
+                r = best_of(loop, eng, rounds, new, reps)
+                res[name][f"dp2_{policy}"] = r
+                run.log(f"dp {name} dp2 {policy}: {json.dumps(r)}")
                 run.save()
-        finally:
-            loop.run_until_complete(eng.stop())
-            eng = None
-            free()
-        eng = run.engine(dp_size=2, routing="cache_aware")
-        try:
-            loop.run_until_complete(run_batch(eng, warm * 2, 4))
-            for name, (rounds, new, _) in loads.items():
-                for policy in ("cache_aware", "round_robin"):
-                    eng.router.policy = policy
-                    r = best_of(loop, eng, rounds, new, reps)
-                    res[name][f"dp2_{policy}"] = r
-                    run.log(f"dp {name} dp2 {policy}: {json.dumps(r)}")
-                    run.save()
-        finally:
-            loop.run_until_complete(eng.stop())
-            eng = None
-            free()
+
+    try:
+        run.with_engine(loop, one_gpu)
+        run.with_engine(loop, dp2, dp_size=2, routing="cache_aware")
     finally:
         loop.close()
     for name in loads:
@@ -296,25 +302,23 @@ def tp_section(run: Run, res: dict) -> None:
     if not run.cpu:  # the same tp=2 with NCCL for every all-reduce (no peer-to-peer kernel)
         runs.append(("tp2_nccl", dict(tp_size=2, peer_all_reduce=False)))
     out = {}
+
+    def measure_decode(eng):
+        loop.run_until_complete(run_batch(eng, [[5, 6, 7, 8, 9] * 4], 4))
+        r = decode_batch1(loop, eng, run)
+        r["cuda_graphs"] = bool(eng.worker.graphs)
+        peer = getattr(eng.worker, "peer", None)
+        if peer is not None:
+            r["peer_all_reduce"] = True
+            r["peer_wait_timeouts"] = peer.check()
+        return r
+
     try:
         for name, cfg in runs:
-            eng = run.engine(**cfg, **kw)
-            try:
-                loop.run_until_complete(run_batch(eng, [[5, 6, 7, 8, 9] * 4], 4))
-                r = decode_batch1(loop, eng, run)
-                r["cuda_graphs"] = bool(eng.worker.graphs)
-                peer = getattr(eng.worker, "peer", None)
-                if peer is not None:
-                    r["peer_all_reduce"] = True
-                    r["peer_wait_timeouts"] = peer.check()
-                out[name] = r
-                res[name] = {k: v for k, v in r.items() if k not in ("tokens", "logprobs")}
-                run.log(f"{name}: {json.dumps(res[name])}")
-                run.save()
-            finally:
-                loop.run_until_complete(eng.stop())
-                eng = None
-                free()
+            out[name] = run.with_engine(loop, measure_decode, **cfg, **kw)
+            res[name] = {k: v for k, v in out[name].items() if k not in ("tokens", "logprobs")}
+            run.log(f"{name}: {json.dumps(res[name])}")
+            run.save()
     finally:
         loop.close()
     for name in out:
@@ -398,13 +402,10 @@ def tpprofile_section(run: Run, res: dict) -> None:
     loop = asyncio.new_event_loop()
     try:
         for tp in (1, 2):
-            eng = run.engine(tp_size=tp, max_running_requests=16)
-            try:
-                res[f"tp{tp}"] = profile_decode(loop, eng, run, tp, ProfilerActivity, profile)
-            finally:
-                loop.run_until_complete(eng.stop())
-                eng = None
-                free()
+            def one(eng, tp=tp):
+                return profile_decode(loop, eng, run, tp, ProfilerActivity, profile)
+
+            res[f"tp{tp}"] = run.with_engine(loop, one, tp_size=tp, max_running_requests=16)
     finally:
         loop.close()
 
