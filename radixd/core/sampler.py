@@ -104,8 +104,7 @@ def sample_on_device(logits: torch.Tensor, sb: SamplingBatch) -> SampledTokens:
         allowed = sb.allowed_future.result().to(logits.device, non_blocking=True)
     if allowed is not None:  # grammar constraints, in place
         logits.masked_fill_(~allowed, float("-inf"))
-    greedy_tokens = argmax_rows(logits) if logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1 \
-        else logits.argmax(dim=-1)
+    greedy_tokens = argmax_rows(logits)
     if sb.all_greedy:
         tokens = greedy_tokens
     else:

@@ -34,7 +34,7 @@ from radixd.core.model_loader import load_model
 from radixd.core.models.config import ModelConfig
 from radixd.core.models.layers import Rotary
 from radixd.core.sampler import SampledTokens
-from radixd.core.triton_ops import gemv
+from radixd.core.triton_ops import linear_weight
 from radixd.core.worker import ModelWorker, bind_device, on_device
 
 log = logging.getLogger("radixd.tp")
@@ -93,8 +93,7 @@ class VocabParallelHead(torch.nn.Module):
         self.gather = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        part = gemv(x, self.weight) if (x.is_cuda and x.dim() == 2 and x.shape[0] == 1) else \
-            torch.nn.functional.linear(x, self.weight)
+        part = linear_weight(x, self.weight)
         parts = self.gather(part)  # [tp, rows, part]
         return parts.permute(1, 0, 2).reshape(x.shape[0], -1)[:, : self.vocab_size]
 

@@ -182,11 +182,15 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     ``nn.Linear`` only: other heads, e.g. tensor parallel's, are called as they are)."""
     if not isinstance(layer, torch.nn.Linear):
         return layer(x)
-    w = layer.weight
-    if (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and w.stride(1) == 1
-            and w.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype):
-        return gemv(x, w, layer.bias)
-    return layer(x)
+    return linear_weight(x, layer.weight, layer.bias)
+
+
+def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through ``gemv`` for a single CUDA row of a 16-bit model."""
+    if (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
+            and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype):
+        return gemv(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 @triton.jit
@@ -211,9 +215,12 @@ def _argmax_final_kernel(PartMax, PartIdx, Out, CHUNKS: tl.constexpr):
     tl.store(Out + row, tl.min(tl.where(m == best, idx, 2147483647), 0).to(tl.int64))
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(dim=-1)`` of a 2-D CUDA tensor (the first index of each row's maximum), in
-    two short kernels: torch's reduction spends one block per row, ~28 us on a 128k row."""
+def argmax_rows(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (the first index of each row's maximum); for a 2-D CUDA tensor in
+    two short kernels: torch's reduction spends one block per row, ~28 us on a 128k row.
+    ``use_triton``: None picks the kernel on CUDA and torch elsewhere."""
+    if not ((x.is_cuda if use_triton is None else use_triton) and x.dim() == 2 and x.stride(-1) == 1):
+        return x.argmax(dim=-1)
     rows, v = x.shape
     block = 4096
     chunks = triton.next_power_of_2(triton.cdiv(v, block))
