@@ -10,6 +10,8 @@ and the run goes on):
   decode     output tokens/s at batch 1/16/64/256 (512-token prompts, 128 new tokens), and
              each as a fraction of its roofline (weights + KV bytes per step / copy bandwidth);
              GPU idle share between decode steps at batch 64 (CUDA events around each step)
+  fusions    batch-1 decode with each one-row fusion on and off (the GEMV epilogues: SiLU*up
+             and rotary + KV store; the decode attention's in-kernel split merge)
   prefill    8 x 2048-token prompts: tokens/s and the fraction of the measured matmul rate
   shared     shared-prefix workload in-process: radix on/off x fcfs/lpm
   kernels    decode attention bandwidth vs copy bandwidth; extend attention vs torch SDPA
@@ -255,6 +257,51 @@ def decode(args, ctx) -> dict:
     return out
 
 
+FUSION_VARIANTS = {"all": (True, True), "no_epilogues": (False, True), "no_merge": (True, False),
+                   "none": (False, False)}
+
+
+def fusions(args, ctx) -> dict:
+    """Batch-1 decode tokens/s per fusion variant (a fresh engine each: graphs are captured
+    with the switches as they are), each the best of three 128-token runs."""
+    from radixd.core import triton_ops
+    from radixd.core.attention import triton_backend
+
+    saved = triton_ops.FUSE_ONE_ROW, triton_backend.FUSED_MERGE
+    rng = random.Random(2)
+    prompt = [rng.randrange(100, VOCAB_HI) for _ in range(512)]
+    out = {}
+    loop = asyncio.new_event_loop()
+    try:
+        for name, (epilogues, merge) in FUSION_VARIANTS.items():
+            triton_ops.FUSE_ONE_ROW, triton_backend.FUSED_MERGE = epilogues, merge
+            eng = engine(ctx["path"], max_running_requests=4, kv_cache_tokens=16384)
+            try:
+                if "read_bytes" not in ctx:
+                    ctx["read_bytes"] = read_bytes(eng)
+                best = 0.0
+                for _ in range(3):
+                    r = loop.run_until_complete(_run_batch(eng, [prompt], 128))
+                    best = max(best, 127 / (r["end"] - r["all_first"]))
+            finally:
+                loop.run_until_complete(eng.stop())
+                eng = None
+                free()
+            roof = 1 / ((ctx["read_bytes"] + 576 * read_kv_bytes_per_token(ctx)) / ctx["copy_Bps"])
+            out[name] = {"decode_tok_s": round(best, 1), "roofline_fraction": round(best / roof, 3)}
+            print(json.dumps({name: out[name]}), flush=True)
+    finally:
+        triton_ops.FUSE_ONE_ROW, triton_backend.FUSED_MERGE = saved
+        loop.close()
+    return out
+
+
+def read_kv_bytes_per_token(ctx) -> int:
+    cfg = SHAPES[ctx["model"]]
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_key_value_heads"] * head_dim * 2 * cfg["num_hidden_layers"]
+
+
 def _instrument(eng: Engine, sink: list) -> None:
     """Bracket each launched step with CUDA events (no synchronisation, so overlap stays):
     the time between the pair is the device's time on that step; summed and compared with
@@ -405,8 +452,8 @@ def peer(args, ctx) -> dict:
     return out
 
 
-SECTIONS = {"ceilings": ceilings, "correct": correct, "decode": decode, "prefill": prefill, "shared": shared,
-            "kernels": kernels, "peer": peer}
+SECTIONS = {"ceilings": ceilings, "correct": correct, "decode": decode, "fusions": fusions, "prefill": prefill,
+            "shared": shared, "kernels": kernels, "peer": peer}
 
 
 def main() -> int:
@@ -431,7 +478,7 @@ def main() -> int:
     args.peer_batches = [int(b) for b in args.peer_batches.split(",")]
     args.peer_flavours = args.peer_flavours.split(",")
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    ctx: dict = {"path": checkpoint_dir(args.model)}
+    ctx: dict = {"path": checkpoint_dir(args.model), "model": args.model}
     summary = {}
     if args.device == "cpu":  # no ceilings to measure: placeholders so the logic runs
         ctx.update(copy_Bps=1e10, matmul_flops=1e11)

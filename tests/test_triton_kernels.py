@@ -56,19 +56,24 @@ TOL = 1e-5 if not GPU else 2e-2  # fp32 interpreter vs bf16 on the GPU
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,seq_lens", REAL if GPU else SMALL)
-@pytest.mark.parametrize("splits", [1, 4])
-def test_decode_matches_reference(heads, kv_heads, dim, seq_lens, splits):
+@pytest.mark.parametrize("splits", [1, 4, 32])
+@pytest.mark.parametrize("merge", ["stage2", "last_split"])
+def test_decode_matches_reference(heads, kv_heads, dim, seq_lens, splits, merge):
     dtype = torch.bfloat16 if GPU else torch.float32
     kb, vb, table, rows = make_pool(sum(seq_lens) + 11, kv_heads, dim, dtype, seq_lens, seed=heads + splits)
     q = torch.randn(len(seq_lens), heads, dim, device=DEV).to(dtype)
     lens = torch.tensor(seq_lens, device=DEV)
-    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    decode_attention(q, kb, vb, table, rows, lens, dim**-0.5, num_splits=splits, out=out)
-    assert not out.isnan().any()
-    for b, n in enumerate(seq_lens):
-        idx = table[rows[b], :n]
-        ref = ref_attention(q[b][None], kb, vb, idx, torch.tensor([n - 1], device=DEV), dim**-0.5)[0]
-        assert rel_err(out[b], ref) < TOL
+    arrivals = torch.zeros(len(seq_lens), kv_heads, dtype=torch.int32, device=DEV) if merge == "last_split" else None
+    for _ in range(2 if arrivals is not None else 1):  # the counters are left ready for the next call
+        out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+        decode_attention(q, kb, vb, table, rows, lens, dim**-0.5, num_splits=splits, out=out, arrivals=arrivals)
+        assert not out.isnan().any()
+        for b, n in enumerate(seq_lens):
+            idx = table[rows[b], :n]
+            ref = ref_attention(q[b][None], kb, vb, idx, torch.tensor([n - 1], device=DEV), dim**-0.5)[0]
+            assert rel_err(out[b], ref) < TOL
+        if arrivals is not None:
+            assert not arrivals.any()
 
 
 EXTEND_TILES = [None, (16, 16, 4, 2, False), (16, 16, 4, 2, True)] + (list(triton_kernels.EXTEND_CONFIGS) if GPU else [])
@@ -169,6 +174,69 @@ def test_gemv_kernel(n, k, bias):
     assert out.shape == (1, n) and out.dtype == dtype
     assert rel_err(out, ref) < (1e-2 if GPU else 1e-6)
     assert gemv_tiles(k)[1] in (1024, 2048) or k < 1024
+
+
+@pytest.mark.parametrize("inter,k", [(37, 96), (300, 2048)] if not GPU else [(14336, 4096), (7168, 4096), (1536, 576)])
+def test_gemv_silu_mul_kernel(inter, k):
+    from radixd.core.triton_ops import gemv_silu_mul
+
+    dtype = torch.bfloat16 if GPU else torch.float32
+    g = torch.Generator().manual_seed(inter)
+    x = torch.randn(1, k, generator=g).to(DEV, dtype)
+    w = (torch.randn(2 * inter, k, generator=g) / k**0.5).to(DEV, dtype)
+    gate, up = F.linear(x.double(), w.double()).chunk(2, dim=-1)
+    out = gemv_silu_mul(x, w)
+    assert out.shape == (1, inter) and out.dtype == dtype
+    assert rel_err(out, F.silu(gate) * up) < (2e-2 if GPU else 1e-6)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,k,bias", [(4, 2, 16, 96, False), (3, 1, 32, 64, True)] if not GPU else
+                         [(32, 8, 128, 4096, False), (16, 4, 128, 4096, False), (14, 2, 64, 896, True)])
+def test_gemv_rope_store_kernel(heads, kv_heads, dim, k, bias):
+    from radixd.core.models.layers import Rotary
+    from radixd.core.triton_ops import gemv_rope_store
+
+    dtype = torch.bfloat16 if GPU else torch.float32
+    g = torch.Generator().manual_seed(heads * dim)
+    n = (heads + 2 * kv_heads) * dim
+    x = torch.randn(1, k, generator=g).to(DEV, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEV, dtype)
+    b = torch.randn(n, generator=g).to(DEV, dtype) if bias else None
+    rot = Rotary(dim, 4096, 500000.0, None).to(DEV)
+    pos = torch.tensor([1234], device=DEV)
+    loc = torch.tensor([7], device=DEV)
+    qkv = F.linear(x.double(), w.double(), b.double() if bias else None)
+    q, kk, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    ref_q, ref_k = rot(pos, q.view(1, heads, dim), kk.view(1, kv_heads, dim))
+    kb = torch.zeros(10, kv_heads, dim, device=DEV, dtype=dtype)
+    vb = torch.zeros_like(kb)
+    out = gemv_rope_store(x, w, b, pos, rot.cos, rot.sin, kb, vb, loc, num_heads=heads)
+    tol = 2e-2 if GPU else 1e-6
+    assert out.shape == (1, heads, dim)
+    assert rel_err(out, ref_q) < tol
+    assert rel_err(kb[7], ref_k[0]) < tol
+    assert rel_err(vb[7], v.view(kv_heads, dim)) < tol
+    kb[7] = 0
+    vb[7] = 0
+    assert not kb.any() and not vb.any()  # only the token's slot is written
+
+
+def test_one_row_paths_fuse_only_for_one_cuda_row(monkeypatch):
+    from radixd.core import triton_ops
+    from radixd.core.models.layers import GatedMLP
+
+    calls = []
+    monkeypatch.setattr(triton_ops, "gemv_silu_mul", lambda x, w: calls.append(x.shape) or triton_ops.silu_mul(F.linear(x, w)))
+    mlp = GatedMLP(64, 48).to(DEV, torch.bfloat16 if GPU else torch.float32)
+    for rows in (1, 3):
+        x = torch.randn(rows, 64, device=DEV).to(mlp.down_proj.weight.dtype)
+        gate, up = F.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)
+        assert torch.allclose(mlp(x), F.linear(F.silu(gate) * up, mlp.down_proj.weight), rtol=2e-2, atol=2e-2)
+    assert calls == ([(1, 64)] if GPU else [])
+    monkeypatch.setattr(triton_ops, "FUSE_ONE_ROW", False)
+    calls.clear()
+    mlp(torch.randn(1, 64, device=DEV).to(mlp.down_proj.weight.dtype))
+    assert calls == []
 
 
 @pytest.mark.parametrize("vocab", [7, 4096, 5000, 128256])

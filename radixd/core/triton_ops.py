@@ -8,6 +8,11 @@ small torch ops, with torch fallbacks used on CPU:
   matrix-vector kernel that reads each weight row in long contiguous runs (cuBLAS's kernels
   for a single row reach 50-90% of the memory bandwidth on the 8B model's projection shapes,
   this one 75-100%: ``bench/decode_profile.py --sections shapes``).
+* ``gate_up_silu`` and ``gemv_rope_store``: for one row, the element-wise kernel that follows
+  a projection runs in the GEMV's epilogue instead (each program computes the two rows that
+  the element-wise step pairs: gate and up, or a head's two rotary halves), so a decode step
+  at batch 1 launches two kernels fewer per layer. ``FUSE_ONE_ROW = False`` turns that off
+  (benchmarks compare both).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+FUSE_ONE_ROW = True
 
 
 @triton.jit
@@ -177,6 +184,111 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out
 
 
+def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T`` is one contiguous CUDA row of a 16-bit model (the GEMV path)."""
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
+            and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype)
+
+
+@triton.jit
+def _gemv_pair(X, W, B, pid, HALF, K, stride_w,
+               HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The dot products of ``X`` with rows r and r + HALF of ``W``, where r is the pid-th row
+    of the first halves of consecutive 2 x HALF row blocks; fp32, rounded to X's dtype (as
+    the unfused projection's output would be)."""
+    r0 = (pid // HALF) * (2 * HALF) + pid % HALF
+    pair = tl.arange(0, 2)
+    rows = r0 + pair * HALF
+    acc = tl.zeros([2], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(X + offs_k)
+            w = tl.load(W + rows[:, None] * stride_w + offs_k[None, :])
+        else:
+            mask_k = offs_k < K
+            x = tl.load(X + offs_k, mask=mask_k, other=0.0)
+            w = tl.load(W + rows[:, None] * stride_w + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+    if HAS_BIAS:
+        acc += tl.load(B + rows).to(tl.float32)
+    acc = acc.to(X.dtype.element_ty).to(tl.float32)
+    return tl.sum(tl.where(pair == 0, acc, 0.0), 0), tl.sum(tl.where(pair == 1, acc, 0.0), 0)
+
+
+@triton.jit
+def _gemv_silu_kernel(X, W, Y, I, K, stride_w, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    g, u = _gemv_pair(X, W, W, pid, I, K, stride_w, False, EVEN_K, BLOCK_K)
+    tl.store(Y + pid, (g / (1.0 + tl.exp(-g)) * u).to(Y.dtype.element_ty))
+
+
+def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, *, tiles: tuple[int, int] | None = None) -> torch.Tensor:
+    """``silu_mul(F.linear(x, weight))`` for one row ``x`` [1, K]; ``weight`` [2I, K] is the
+    fused (gate | up) projection. ``tiles``: (K per iteration, warps)."""
+    two_i, k = weight.shape
+    bk, warps = tiles if tiles is not None else (gemv_tiles(k)[1], 4)
+    out = torch.empty(x.shape[:-1] + (two_i // 2,), dtype=x.dtype, device=x.device)
+    _gemv_silu_kernel[(two_i // 2,)](x, weight, out, two_i // 2, k, weight.stride(0),
+                                     EVEN_K=k % bk == 0, BLOCK_K=bk, num_warps=warps)
+    return out
+
+
+def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    """``silu_mul(linear(x, layer))``: one kernel for one CUDA row (``gemv_silu_mul``)."""
+    if FUSE_ONE_ROW and isinstance(layer, torch.nn.Linear) and layer.bias is None and one_row(x, layer.weight):
+        return gemv_silu_mul(x, layer.weight)
+    return silu_mul(linear(x, layer))
+
+
+@triton.jit
+def _gemv_rope_store_kernel(X, W, B, Q, KBuf, VBuf, Pos, Loc, Cos, Sin, K, stride_w, stride_cos,
+                            stride_bn, stride_bh, stride_vbn, stride_vbh, H, HKV,
+                            HALF: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    head = pid // HALF
+    j = pid % HALF
+    pos = tl.load(Pos)
+    loc = tl.load(Loc)
+    cos = tl.load(Cos + pos * stride_cos + j)
+    sin = tl.load(Sin + pos * stride_cos + j)
+    a, b = _gemv_pair(X, W, B, pid, HALF, K, stride_w, HAS_BIAS, EVEN_K, BLOCK_K)
+    if head < H + HKV:  # q or k: rotate the pair (neox halves)
+        y0 = a * cos - b * sin
+        y1 = b * cos + a * sin
+        if head < H:
+            tl.store(Q + head * 2 * HALF + j, y0.to(Q.dtype.element_ty))
+            tl.store(Q + head * 2 * HALF + j + HALF, y1.to(Q.dtype.element_ty))
+        else:
+            kp = KBuf + loc * stride_bn + (head - H) * stride_bh + j
+            tl.store(kp, y0.to(KBuf.dtype.element_ty))
+            tl.store(kp + HALF, y1.to(KBuf.dtype.element_ty))
+    else:
+        vp = VBuf + loc * stride_vbn + (head - H - HKV) * stride_vbh + j
+        tl.store(vp, a.to(VBuf.dtype.element_ty))
+        tl.store(vp + HALF, b.to(VBuf.dtype.element_ty))
+
+
+def gemv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, position: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                    loc: torch.Tensor, *, num_heads: int, tiles: tuple[int, int] | None = None) -> torch.Tensor:
+    """The fused q/k/v projection of one token ``x`` [1, K] (``weight`` rows: q heads | k
+    heads | v heads), ``rope_store``'s work in the epilogue: returns rotated q [1, H, D];
+    rotated k and v go to ``k_buf[loc]``/``v_buf[loc]``. ``position``/``loc``: [1] on the
+    device. ``tiles``: (K per iteration, warps)."""
+    n, k = weight.shape
+    hkv, d = k_buf.shape[1], k_buf.shape[2]
+    assert n == (num_heads + 2 * hkv) * d and d % 2 == 0
+    bk, warps = tiles if tiles is not None else (gemv_tiles(k)[1], 4)
+    q = torch.empty((1, num_heads, d), dtype=x.dtype, device=x.device)
+    _gemv_rope_store_kernel[(n // 2,)](
+        x, weight, bias if bias is not None else weight, q, k_buf, v_buf, position, loc, cos, sin, k,
+        weight.stride(0), cos.stride(0), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        num_heads, hkv, HALF=d // 2, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_K=bk, num_warps=warps)
+    return q
+
+
 def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     """``layer(x)``; a single CUDA row of a 16-bit model goes through ``gemv`` (an
     ``nn.Linear`` only: other heads, e.g. tensor parallel's, are called as they are)."""
@@ -187,8 +299,7 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
 
 def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through ``gemv`` for a single CUDA row of a 16-bit model."""
-    if (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
-            and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype):
+    if one_row(x, weight):
         return gemv(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
 

@@ -167,11 +167,21 @@ class LayerWait:
     def begin(self, batch, stage=None) -> None:
         self.attn.begin(batch, stage)
 
-    def forward(self, q, k, v, layer: int, positions, rotary):
-        stream = torch.cuda.current_stream(q.device)
+    def _wait(self, layer: int, device: torch.device) -> None:
+        stream = torch.cuda.current_stream(device)
         for events in self.loads:
             stream.wait_event(events[layer])
+
+    def forward(self, q, k, v, layer: int, positions, rotary):
+        self._wait(layer, q.device)
         return self.attn.forward(q, k, v, layer, positions, rotary)
+
+    def project_forward(self, x, proj, layer: int, positions, rotary):
+        project = getattr(self.attn, "project_forward", None)
+        if project is None:
+            return None
+        self._wait(layer, x.device)
+        return project(x, proj, layer, positions, rotary)
 
     def __getattr__(self, name):
         return getattr(self.attn, name)

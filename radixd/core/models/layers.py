@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from radixd.core.attention import AttentionBackend
-from radixd.core.triton_ops import add_rmsnorm, linear, silu_mul
+from radixd.core.triton_ops import add_rmsnorm, gate_up_silu, linear
 
 
 class RMSNorm(nn.Module):
@@ -80,7 +80,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(silu_mul(linear(x, self.gate_up_proj)), self.down_proj)
+        return linear(gate_up_silu(x, self.gate_up_proj), self.down_proj)
 
 
 class Attention(nn.Module):
@@ -101,14 +101,21 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn: AttentionBackend) -> torch.Tensor:
+        # A backend may project, rotate and store in one kernel (one decode row on CUDA).
+        project = getattr(attn, "project_forward", None) if self.q_norm is None else None
+        o = project(x, self.qkv_proj, self.layer, positions, rotary) if project is not None else None
+        if o is None:
+            o = self._project_attend(x, positions, rotary, attn)
+        return linear(o.reshape(-1, self.num_heads * self.head_dim), self.o_proj)
+
+    def _project_attend(self, x, positions, rotary, attn) -> torch.Tensor:
         q, k, v = linear(x, self.qkv_proj).split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        o = attn.forward(q, k, v, self.layer, positions, rotary)
-        return linear(o.reshape(-1, self.num_heads * self.head_dim), self.o_proj)
+        return attn.forward(q, k, v, self.layer, positions, rotary)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,53 @@
+#!/bin/sh
+# Every GPU check and figure of BENCHMARKS.md in one run, on a machine with CUDA GPUs (two
+# for the multi-GPU parts), results under OUT and packed into OUT/results.tgz:
+#
+#   sh bench/gpu_all.sh OUT [PART...]
+#
+# PART (default: all but peer, which is slow):
+#   tests     the GPU-marked tests (Triton kernels at real shapes, fused decode vs unfused and
+#             vs the torch backend, the peer-to-peer all-reduce); WHEELS=DIR installs test
+#             packages the machine lacks (pytest-asyncio) into a private directory first
+#   gpu       bench/gpu_bench.py: ceilings, correctness, one-row fusions, decode at batch 1, 64
+#   full      bench/gpu_bench.py, every section, with the transformers peer (PEER=path to
+#             hf_baseline.py)
+#   tp dp     bench/multi_gpu_bench.py's sections (two GPUs)
+set -u
+OUT=$1
+shift
+PARTS=${*:-tests gpu tp dp}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT/work"
+W=$OUT/work
+# NVLink multicast stays off.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+for part in $PARTS; do
+  start=$(date +%s)
+  case $part in
+  tests)
+    if [ -n "${WHEELS:-}" ]; then
+      python3 -m pip install -q --no-deps --target /tmp/radixd-test-deps "$WHEELS"/*.whl
+      export PYTHONPATH=/tmp/radixd-test-deps
+    fi
+    python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_triton_kernels.py \
+        tests/test_gpu_decode.py tests/test_peer_allreduce_gpu.py > "$W/tests.txt" 2>&1
+    tail -3 "$W/tests.txt"
+    unset PYTHONPATH ;;
+  gpu)
+    python3 bench/gpu_bench.py --out "$W/gpu" --sections ceilings,correct,fusions,decode --batches 1,64 \
+        > "$W/gpu.log" 2>&1
+    grep '^==' "$W/gpu.log" | cut -c1-900 ;;
+  full)
+    python3 bench/gpu_bench.py --out "$W/full" --peer "${PEER:?PEER=path/to/hf_baseline.py}" \
+        --peer-flavours plain,static --peer-batches 1,64 > "$W/full.log" 2>&1
+    grep '^==' "$W/full.log" | cut -c1-900 ;;
+  tp|dp)  # dp streams every 8th token (a server's usual setting), tp every token
+    interval=1; [ "$part" = dp ] && interval=8
+    python3 bench/multi_gpu_bench.py --out "$W/$part" --sections "$part" --stream-interval $interval \
+        --max-seconds 280 > "$W/$part.log" 2>&1
+    tail -4 "$W/$part.log" | cut -c1-600 ;;
+  *) echo "unknown part: $part" ;;
+  esac
+  echo "-- $part: $(( $(date +%s) - start )) s"
+done
+tar czf "$OUT/results.tgz" -C "$W" . && rm -rf "$W"
