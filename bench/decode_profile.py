@@ -12,6 +12,9 @@ One run (random bf16 weights in Llama-3-8B's shape, no downloads) prints and wri
   GEMV swept over tile sizes: the ceiling the weights' reads allow with each;
 - ``shapes``: each projection shape at tp=1 and tp=2, 32 distinct weights per CUDA graph:
   cuBLAS vs Triton tiles per GEMV;
+- ``fused``: the one-row fusions at tp=1 and tp=2 shapes, 32 distinct weights per CUDA
+  graph: the q/k/v GEMV + ``rope_store`` and the gate/up GEMV + ``silu_mul`` as two kernels
+  against the fused kernel (``gemv_rope_store``, ``gemv_silu_mul``) swept over tiles;
 - ``extend``: the extend-attention kernel's tile configurations swept on 8 x 2048 against SDPA.
 
     python bench/decode_profile.py --out results/dir
@@ -33,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_bench  # noqa: E402
 
+from radixd.core import triton_ops  # noqa: E402
+from radixd.core.cuda_graph import LEN  # noqa: E402
 from radixd.core.sampling_params import SamplingParams  # noqa: E402
 from radixd.core.triton_ops import gemv  # noqa: E402
 
@@ -63,14 +68,14 @@ def section_step(eng, ctx) -> dict:
     g = eng.worker.graphs
     out = {}
     for bs in (1,):  # (larger buckets would read table row 0 repeatedly: L2 hits, not HBM)
-        g.seq_lens[:bs].fill_(576)
+        g.inputs[bs][LEN].fill_(576)
         graph, _ = g.graphs[bs]
         t = gpu_bench.median_time(graph.replay, reps=50)
         kv = bs * 576 * ctx["kv_per_tok"]
         by = gpu_bench.read_bytes(eng) + kv
         out[f"b{bs}"] = {"graph_ms": round(t * 1e3, 3), "bytes_GB": round(by / 1e9, 3),
                          "roofline_ms": round(by / ctx["copy"] * 1e3, 3), "fraction": round(by / ctx["copy"] / t, 3)}
-    g.seq_lens.fill_(1)
+        g.inputs[bs][LEN].fill_(1)
     return out
 
 
@@ -84,10 +89,9 @@ async def _gen(eng, prompts, new):
 
 def section_kernels(eng, ctx) -> dict:
     g = eng.worker.graphs
-    model, attn = eng.worker.model, eng.worker.attn
-    g.seq_lens[:1].fill_(576)
-    attn.set_decode(g.rows[:1], g.seq_lens[:1], g.out_cache_loc[:1])
-    args = (g.input_ids[:1], g.positions[:1], attn, g.logits_idx[:1])
+    model = eng.worker.model
+    g.inputs[1][LEN].fill_(576)
+    args = g._bucket_args(1)  # (points the attention backend at bucket 1's inputs)
     with torch.inference_mode():
         for _ in range(3):
             model(*args)
@@ -111,7 +115,7 @@ def section_kernels(eng, ctx) -> dict:
         fam[key][1] += ev.count
     rows = sorted(((k, v[0], v[1]) for k, v in fam.items()), key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
-    g.seq_lens.fill_(1)
+    g.inputs[1][LEN].fill_(1)
     return {"kernel_us_total": round(total, 1), "launches": sum(r[2] for r in rows),
             "families": [{"name": k, "us": round(us, 1), "count": n, "share": round(us / total, 3)} for k, us, n in rows[:16]]}
 
@@ -208,6 +212,54 @@ def section_shapes(eng, ctx) -> dict:
     return res
 
 
+FUSED_TILES = [(2048, 4), (2048, 8), (1024, 4), (1024, 2), (512, 2)]
+
+
+def section_fused(eng, ctx) -> dict:
+    res = {}
+    for tp in (1, 2):
+        for name, case in _fused_cases(eng.worker.model, tp).items():
+            res[f"tp{tp}_{name}"] = row = _time_fused(*case)
+            print(f"tp{tp}_{name}", json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
+    return res
+
+
+def _fused_cases(model, tp: int) -> dict:
+    """name -> (weight rows, hidden, unfused(w), fused(w, tiles)) at a tp shard's shapes."""
+    cfg, rot = model.cfg, model.rotary
+    h, d = cfg.hidden_size, cfg.head_dim
+    heads, kv_heads, inter = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.intermediate_size // tp
+    pos = torch.tensor([600], device="cuda")
+    loc = torch.tensor([3], device="cuda")
+    kb = torch.zeros(8, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+    vb = torch.zeros_like(kb)
+    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
+    split = (heads * d, kv_heads * d, kv_heads * d)
+
+    def qkv_unfused(w):
+        q, k, v = gemv(x, w).split(split, dim=-1)
+        triton_ops.rope_store(q.view(1, heads, d), k.view(1, kv_heads, d), v.view(1, kv_heads, d), pos,
+                              rot.cos, rot.sin, kb, vb, loc)
+
+    def qkv_fused(w, tiles):
+        triton_ops.gemv_rope_store(x, w, None, pos, rot.cos, rot.sin, kb, vb, loc, num_heads=heads, tiles=tiles)
+
+    return {"qkv_rope": ((heads + 2 * kv_heads) * d, h, qkv_unfused, qkv_fused),
+            "gate_up_silu": (2 * inter, h, lambda w: triton_ops.silu_mul(gemv(x, w)),
+                             lambda w, tiles: triton_ops.gemv_silu_mul(x, w, tiles=tiles))}
+
+
+def _time_fused(n: int, k: int, unfused, fused) -> dict:
+    """Microseconds per call over 32 distinct [n, k] weights in one CUDA graph."""
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(32)]
+    row = {"N_K": [n, k], "unfused_us": round(time_graph(lambda: [unfused(w) for w in ws]) / 32 * 1e6, 2)}
+    for tiles in FUSED_TILES:
+        t = time_graph(lambda tiles=tiles: [fused(w, tiles) for w in ws])
+        row[f"fused_{tiles[0]}_w{tiles[1]}_us"] = round(t / 32 * 1e6, 2)
+    return row
+
+
 def section_extend(eng, ctx) -> dict:
     from radixd.core.attention import triton_kernels as tk
 
@@ -261,7 +313,7 @@ def main() -> int:
     ctx["kv_per_tok"] = eng.worker.pool.k_buffers[0][0].numel() * 2 * 2 * len(eng.worker.pool.k_buffers)
     summary = {"copy_TBps": round(ctx["copy"] / 1e12, 3), "model": args.model}
     fns = {"step": section_step, "kernels": section_kernels, "gemv": section_gemv, "shapes": section_shapes,
-           "extend": section_extend}
+           "fused": section_fused, "extend": section_extend}
     for name in args.sections.split(","):
         t = time.perf_counter()
         try:

@@ -11,6 +11,8 @@
 #   gpu       bench/gpu_bench.py: ceilings, correctness, one-row fusions, decode at batch 1, 64
 #   full      bench/gpu_bench.py, every section, with the transformers peer (PEER=path to
 #             hf_baseline.py)
+#   profile   bench/decode_profile.py: the batch-1 step's device time and kernel families,
+#             the one-row fusions per shape (PROFILE=sections to choose others)
 #   tp dp     bench/multi_gpu_bench.py's sections (two GPUs)
 set -u
 OUT=$1
@@ -30,13 +32,17 @@ for part in $PARTS; do
       export PYTHONPATH=/tmp/radixd-test-deps
     fi
     python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_triton_kernels.py \
-        tests/test_gpu_decode.py tests/test_peer_allreduce_gpu.py > "$W/tests.txt" 2>&1
+        tests/test_gpu_decode.py tests/test_peer_allreduce_gpu.py tests/test_nccl_gpu.py > "$W/tests.txt" 2>&1
     tail -3 "$W/tests.txt"
     unset PYTHONPATH ;;
   gpu)
     python3 bench/gpu_bench.py --out "$W/gpu" --sections ceilings,correct,fusions,decode --batches 1,64 \
         > "$W/gpu.log" 2>&1
     grep '^==' "$W/gpu.log" | cut -c1-900 ;;
+  profile)
+    python3 bench/decode_profile.py --out "$W/profile" --sections "${PROFILE:-step,kernels,fused}" \
+        > "$W/profile.log" 2>&1
+    grep '^==' "$W/profile.log" | cut -c1-1500 ;;
   full)
     python3 bench/gpu_bench.py --out "$W/full" --peer "${PEER:?PEER=path/to/hf_baseline.py}" \
         --peer-flavours plain,static --peer-batches 1,64 > "$W/full.log" 2>&1

@@ -10,8 +10,8 @@ and the run goes on):
   decode     output tokens/s at batch 1/16/64/256 (512-token prompts, 128 new tokens), and
              each as a fraction of its roofline (weights + KV bytes per step / copy bandwidth);
              GPU idle share between decode steps at batch 64 (CUDA events around each step)
-  fusions    batch-1 decode with each one-row fusion on and off (the GEMV epilogues: SiLU*up
-             and rotary + KV store; the decode attention's in-kernel split merge)
+  fusions    batch-1 decode with the one-row fusions (the GEMV epilogues: SiLU*up, rotary +
+             KV store) on and off
   prefill    8 x 2048-token prompts: tokens/s and the fraction of the measured matmul rate
   shared     shared-prefix workload in-process: radix on/off x fcfs/lpm
   kernels    decode attention bandwidth vs copy bandwidth; extend attention vs torch SDPA
@@ -257,24 +257,20 @@ def decode(args, ctx) -> dict:
     return out
 
 
-FUSION_VARIANTS = {"all": (True, True), "no_epilogues": (False, True), "no_merge": (True, False),
-                   "none": (False, False)}
-
-
 def fusions(args, ctx) -> dict:
-    """Batch-1 decode tokens/s per fusion variant (a fresh engine each: graphs are captured
-    with the switches as they are), each the best of three 128-token runs."""
+    """Batch-1 decode tokens/s with the one-row fusions on and off, alternating, twice each
+    (a fresh engine each: graphs are captured with the switch as it is), each the best of
+    three 128-token runs."""
     from radixd.core import triton_ops
-    from radixd.core.attention import triton_backend
 
-    saved = triton_ops.FUSE_ONE_ROW, triton_backend.FUSED_MERGE
+    saved = triton_ops.FUSE_ONE_ROW
     rng = random.Random(2)
     prompt = [rng.randrange(100, VOCAB_HI) for _ in range(512)]
-    out = {}
+    out: dict = {"on": [], "off": []}
     loop = asyncio.new_event_loop()
     try:
-        for name, (epilogues, merge) in FUSION_VARIANTS.items():
-            triton_ops.FUSE_ONE_ROW, triton_backend.FUSED_MERGE = epilogues, merge
+        for fused in (True, False, True, False):
+            triton_ops.FUSE_ONE_ROW = fused
             eng = engine(ctx["path"], max_running_requests=4, kv_cache_tokens=16384)
             try:
                 if "read_bytes" not in ctx:
@@ -287,11 +283,12 @@ def fusions(args, ctx) -> dict:
                 loop.run_until_complete(eng.stop())
                 eng = None
                 free()
-            roof = 1 / ((ctx["read_bytes"] + 576 * read_kv_bytes_per_token(ctx)) / ctx["copy_Bps"])
-            out[name] = {"decode_tok_s": round(best, 1), "roofline_fraction": round(best / roof, 3)}
-            print(json.dumps({name: out[name]}), flush=True)
+            out["on" if fused else "off"].append(round(best, 1))
+        roof = 1 / ((ctx["read_bytes"] + 576 * read_kv_bytes_per_token(ctx)) / ctx["copy_Bps"])
+        for k in ("on", "off"):
+            out[f"{k}_roofline_fraction"] = round(max(out[k]) / roof, 3)
     finally:
-        triton_ops.FUSE_ONE_ROW, triton_backend.FUSED_MERGE = saved
+        triton_ops.FUSE_ONE_ROW = saved
         loop.close()
     return out
 

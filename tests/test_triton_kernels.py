@@ -57,23 +57,18 @@ TOL = 1e-5 if not GPU else 2e-2  # fp32 interpreter vs bf16 on the GPU
 
 @pytest.mark.parametrize("heads,kv_heads,dim,seq_lens", REAL if GPU else SMALL)
 @pytest.mark.parametrize("splits", [1, 4, 32])
-@pytest.mark.parametrize("merge", ["stage2", "last_split"])
-def test_decode_matches_reference(heads, kv_heads, dim, seq_lens, splits, merge):
+def test_decode_matches_reference(heads, kv_heads, dim, seq_lens, splits):
     dtype = torch.bfloat16 if GPU else torch.float32
     kb, vb, table, rows = make_pool(sum(seq_lens) + 11, kv_heads, dim, dtype, seq_lens, seed=heads + splits)
     q = torch.randn(len(seq_lens), heads, dim, device=DEV).to(dtype)
     lens = torch.tensor(seq_lens, device=DEV)
-    arrivals = torch.zeros(len(seq_lens), kv_heads, dtype=torch.int32, device=DEV) if merge == "last_split" else None
-    for _ in range(2 if arrivals is not None else 1):  # the counters are left ready for the next call
-        out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-        decode_attention(q, kb, vb, table, rows, lens, dim**-0.5, num_splits=splits, out=out, arrivals=arrivals)
-        assert not out.isnan().any()
-        for b, n in enumerate(seq_lens):
-            idx = table[rows[b], :n]
-            ref = ref_attention(q[b][None], kb, vb, idx, torch.tensor([n - 1], device=DEV), dim**-0.5)[0]
-            assert rel_err(out[b], ref) < TOL
-        if arrivals is not None:
-            assert not arrivals.any()
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    decode_attention(q, kb, vb, table, rows, lens, dim**-0.5, num_splits=splits, out=out)
+    assert not out.isnan().any()
+    for b, n in enumerate(seq_lens):
+        idx = table[rows[b], :n]
+        ref = ref_attention(q[b][None], kb, vb, idx, torch.tensor([n - 1], device=DEV), dim**-0.5)[0]
+        assert rel_err(out[b], ref) < TOL
 
 
 EXTEND_TILES = [None, (16, 16, 4, 2, False), (16, 16, 4, 2, True)] + (list(triton_kernels.EXTEND_CONFIGS) if GPU else [])

@@ -1,8 +1,11 @@
 """CUDA graphs of the decode forward pass, one per batch-size bucket.
 
-Each graph reads static device buffers (token ids, positions, output slots, table rows,
-sequence lengths); a replay copies the batch into them, pads the bucket with dummy requests
-(row 0, length 1, writing into the pool's padding slot 0) and returns the real rows' logits.
+Each graph reads static device buffers: one [5, bucket] int64 block per bucket (token ids,
+positions, output slots, table rows, sequence lengths). A replay fills the block on the host
+in page-locked memory, padding the bucket with dummy requests (row 0, length 1, writing into
+the pool's padding slot 0), copies it with one transfer, writes the new slots into the
+table and the previous step's picks into the token ids from the block on the device, and
+returns the real rows' logits.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import bisect
 import torch
 
 from radixd.core.forward_batch import ForwardBatch
+
+IDS, POS, LOC, ROW, LEN = range(5)  # the rows of a bucket's input block
 
 
 def buckets_up_to(max_batch: int) -> list[int]:
@@ -32,21 +37,20 @@ class DecodeGraphs:
         self.pool = pool
         self.buckets = buckets_up_to(max_batch)
         dev = pool.device
-        n = self.buckets[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.rows = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
-        self.logits_idx = torch.arange(n, dtype=torch.int64, device=dev)
+        # Per bucket: the rows IDS, POS, LOC, ROW, LEN.
+        self.inputs = {bs: torch.zeros(5, bs, dtype=torch.int64, device=dev) for bs in self.buckets}
+        for block in self.inputs.values():
+            block[LEN].fill_(1)
+        self.logits_idx = torch.arange(self.buckets[-1], dtype=torch.int64, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if not deferred:
             self.warm_up()
             self.capture()
 
     def _bucket_args(self, bs: int) -> tuple:
-        self.attn.set_decode(self.rows[:bs], self.seq_lens[:bs], self.out_cache_loc[:bs])
-        return (self.input_ids[:bs], self.positions[:bs], self.attn, self.logits_idx[:bs])
+        block = self.inputs[bs]
+        self.attn.set_decode(block[ROW], block[LEN], block[LOC])
+        return (block[IDS], block[POS], self.attn, self.logits_idx[:bs])
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -83,23 +87,40 @@ class DecodeGraphs:
         return (batch.batch_size <= self.buckets[-1] and all(e == 1 for e in batch.extend_lens)
                 and not batch.prompt_lp_pos)
 
-    def run(self, batch: ForwardBatch, input_ids: torch.Tensor, stage) -> torch.Tensor:
-        """Replay the bucket's graph; ``stage`` copies host tensors without blocking."""
+    def run(self, batch: ForwardBatch, prev, stager) -> torch.Tensor:
+        """Replay the bucket's graph for a decode batch (``can_run``) whose new slots go into
+        the table (``write_new_slots``, no other ``table_writes``); ``prev``: the previous
+        step's picks for the batch's placeholders; ``stager``: this step's pinned arena."""
         b = batch.batch_size
         bs = self.buckets[bisect.bisect_left(self.buckets, b)]
-        self.input_ids[:b].copy_(input_ids, non_blocking=True)
-        self.positions[:b].copy_(stage(batch.positions), non_blocking=True)
-        self.out_cache_loc[:b].copy_(stage(batch.out_cache_loc), non_blocking=True)
-        self.rows[:b].copy_(stage(batch.rows), non_blocking=True)
-        self.seq_lens[:b].copy_(stage(batch.seq_lens), non_blocking=True)
+        block = self.inputs[bs]
+        n_ph = len(batch.placeholder_pos)
+        host = stager.host((5 * bs + 2 * n_ph,), torch.int64)
+        if host is None:
+            host = torch.empty(5 * bs + 2 * n_ph, dtype=torch.int64)
+        staged = host[: 5 * bs].view(5, bs)
+        staged[IDS, :b] = batch.input_ids
+        staged[POS, :b] = batch.positions
+        staged[LOC, :b] = batch.out_cache_loc
+        staged[ROW, :b] = torch.tensor(batch.rows, dtype=torch.int64)
+        staged[LEN, :b] = torch.tensor(batch.seq_lens, dtype=torch.int64)
         if bs > b:
-            self.input_ids[b:bs].zero_()
-            self.positions[b:bs].zero_()
-            self.out_cache_loc[b:bs].zero_()
-            self.rows[b:bs].zero_()
-            self.seq_lens[b:bs].fill_(1)
+            staged[:LEN, b:] = 0
+            staged[LEN, b:] = 1
+        in_order = n_ph and batch.placeholder_pos == batch.placeholder_src == list(range(n_ph))
+        if n_ph and not in_order:
+            host[5 * bs :] = torch.tensor(batch.placeholder_pos + batch.placeholder_src, dtype=torch.int64)
+            dev = host.to(block.device, non_blocking=True)
+            block.copy_(dev[: 5 * bs].view(5, bs))
+            block[IDS][dev[5 * bs : 5 * bs + n_ph]] = prev.tokens[dev[5 * bs + n_ph :]]
+        else:
+            block.copy_(staged, non_blocking=True)
+            if n_ph:  # every request's token is its own pick of the step before, in order
+                block[IDS, :n_ph].copy_(prev.tokens[:n_ph])
+        if batch.write_new_slots:
+            self.pool.req_to_token[block[ROW, :b], block[POS, :b]] = block[LOC, :b]
         graph, out = self.graphs[bs]
         graph.replay()
         if len(batch.sample_indices) == b:
             return out[:b]
-        return out[:b].index_select(0, stage(batch.sample_indices))
+        return out[:b].index_select(0, stager.to_device(batch.sample_indices))

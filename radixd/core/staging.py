@@ -25,17 +25,25 @@ class Stager:
         self.cur ^= 1
         self.off = 0
 
+    def host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """An uninitialised page-locked host tensor in this step's arena, to fill and then
+        copy with ``non_blocking=True`` (None off CUDA or when the arena is full)."""
+        if not self.pinned:
+            return None
+        n = torch.Size(shape).numel() * dtype.itemsize
+        start = (self.off + 15) // 16 * 16
+        if start + n > self.arenas[self.cur].numel():
+            return None
+        self.off = start + n
+        return self.arenas[self.cur][start : start + n].view(dtype).view(shape)
+
     def to_device(self, t: torch.Tensor | list[int]) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
             t = torch.tensor(t, dtype=torch.int64)
         if not self.pinned:
             return t.to(self.device)
-        t = t.contiguous()
-        n = t.numel() * t.element_size()
-        start = (self.off + 15) // 16 * 16
-        if start + n > self.arenas[self.cur].numel():
+        staged = self.host(tuple(t.shape), t.dtype)
+        if staged is None:
             return t.to(self.device)  # too big for the arena: a plain (blocking) copy
-        self.off = start + n
-        staged = self.arenas[self.cur][start : start + n].view(t.dtype).view(t.shape)
         staged.copy_(t)
         return staged.to(self.device, non_blocking=True)

@@ -217,9 +217,9 @@ def _gemv_pair(X, W, B, pid, HALF, K, stride_w,
 
 
 @triton.jit
-def _gemv_silu_kernel(X, W, Y, I, K, stride_w, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_silu_kernel(X, W, Y, INTER, K, stride_w, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
-    g, u = _gemv_pair(X, W, W, pid, I, K, stride_w, False, EVEN_K, BLOCK_K)
+    g, u = _gemv_pair(X, W, W, pid, INTER, K, stride_w, False, EVEN_K, BLOCK_K)
     tl.store(Y + pid, (g / (1.0 + tl.exp(-g)) * u).to(Y.dtype.element_ty))
 
 

@@ -90,40 +90,43 @@ class ModelWorker:
 
         Tokens the scheduler did not know yet (``batch.placeholder_pos``: picks of the step
         before, still on the device) are filled in from ``prev`` here, on the device."""
+        assert prev is not None or not batch.placeholder_pos, "a batch with placeholders needs the previous step's picks"
         stage = self.stager.to_device
         self.stager.next_step()
-        if batch.table_writes or batch.write_new_slots:  # one scatter for all rows' new slots
-            rows, cols, vals = [], [], []
-            if batch.write_new_slots and batch.rows:
-                r = torch.tensor(batch.rows, dtype=torch.int64)
-                if len(batch.extend_lens) != batch.num_tokens:  # not one token per request
-                    r = r.repeat_interleave(torch.tensor(batch.extend_lens, dtype=torch.int64))
-                rows.append(r)
-                cols.append(batch.positions)
-                vals.append(batch.out_cache_loc)
-            for row, start, slots in batch.table_writes:
-                n = slots.numel()
-                rows.append(torch.full((n,), row, dtype=torch.int64))
-                cols.append(torch.arange(start, start + n, dtype=torch.int64))
-                vals.append(slots)
-            if rows:
-                cat = torch.cat if len(rows) > 1 else (lambda parts: parts[0])
-                self.pool.req_to_token[stage(cat(rows)), stage(cat(cols))] = stage(cat(vals))
+        graphs = self.graphs if self.graphs is not None and self.graphs.can_run(batch) else None
+        # (a graph's replay stages its inputs in one copy and writes the new slots itself)
+        self._write_table(batch, stage, new_slots=graphs is None)
+        if graphs is not None:
+            for ev in (e for events in batch.wait_events for e in events):  # pages from lower tiers
+                torch.cuda.current_stream(self.device).wait_event(ev)
+            return graphs.run(batch, prev, self.stager)
         input_ids = stage(batch.input_ids)
         if batch.placeholder_pos:
-            assert prev is not None, "a batch with placeholders needs the previous step's picks"
             input_ids[stage(batch.placeholder_pos)] = prev.tokens[stage(batch.placeholder_src)]
-        attn = self.attn
-        if batch.wait_events:  # pages loaded from lower tiers, still arriving on a side stream
-            if self.graphs is not None and self.graphs.can_run(batch):
-                for ev in (e for events in batch.wait_events for e in events):
-                    torch.cuda.current_stream(self.device).wait_event(ev)
-            else:
-                attn = LayerWait(attn, batch.wait_events)
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch, input_ids, stage)
+        # Pages loaded from lower tiers, still arriving on a side stream: each layer waits for its part.
+        attn = LayerWait(self.attn, batch.wait_events) if batch.wait_events else self.attn
         attn.begin(batch, stage)
         return self.model(input_ids, stage(batch.positions), attn, stage(batch.logits_indices()))
+
+    def _write_table(self, batch: ForwardBatch, stage, *, new_slots: bool) -> None:
+        """The batch's ``table_writes`` (and, with ``new_slots``, each new token's slot at
+        its request's row and position) in one scatter."""
+        rows, cols, vals = [], [], []
+        if new_slots and batch.write_new_slots and batch.rows:
+            r = torch.tensor(batch.rows, dtype=torch.int64)
+            if len(batch.extend_lens) != batch.num_tokens:  # not one token per request
+                r = r.repeat_interleave(torch.tensor(batch.extend_lens, dtype=torch.int64))
+            rows.append(r)
+            cols.append(batch.positions)
+            vals.append(batch.out_cache_loc)
+        for row, start, slots in batch.table_writes:
+            n = slots.numel()
+            rows.append(torch.full((n,), row, dtype=torch.int64))
+            cols.append(torch.arange(start, start + n, dtype=torch.int64))
+            vals.append(slots)
+        if rows:
+            cat = torch.cat if len(rows) > 1 else (lambda parts: parts[0])
+            self.pool.req_to_token[stage(cat(rows)), stage(cat(cols))] = stage(cat(vals))
 
     @torch.inference_mode()
     def launch(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> SampledTokens | None:
@@ -187,10 +190,16 @@ class LayerWait:
         return getattr(self.attn, name)
 
 
+_DRAW_FIELDS = frozenset(("temperature", "top_p", "top_k", "min_p", "seeds", "steps"))
+
+
 def _to_device(sb, stage):
+    """``sb`` with its tensors on the device; an all-greedy batch leaves the random draw's
+    inputs behind (the sampler does not read them)."""
     from dataclasses import fields, replace
 
-    moved = {f.name: stage(getattr(sb, f.name)) for f in fields(sb) if isinstance(getattr(sb, f.name), torch.Tensor)}
+    moved = {f.name: stage(getattr(sb, f.name)) for f in fields(sb)
+             if isinstance(getattr(sb, f.name), torch.Tensor) and not (sb.all_greedy and f.name in _DRAW_FIELDS)}
     return replace(sb, **moved)
 
 

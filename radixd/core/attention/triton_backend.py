@@ -5,24 +5,20 @@ extend kernel for every request (a decode request is an extend of one token). ``
 points the backend at caller-owned device tensors, which is how CUDA graphs replay it.
 
 A decode step of one request on CUDA also takes ``project_forward``: the layer's q/k/v
-projection with rotary and the KV store in its epilogue (``triton_ops.gemv_rope_store``).
-Decode attention merges its splits in the last split's program (``FUSED_MERGE``; off: a
-second kernel merges them).
-"""
+projection with rotary and the KV store in its epilogue (``triton_ops.gemv_rope_store``)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 
+from radixd.core import triton_ops
 from radixd.core.attention.triton_kernels import decode_attention, extend_attention
 from radixd.core.forward_batch import ForwardBatch
 from radixd.core.kv_pool import KVPool
 from radixd.core.triton_ops import gemv_rope_store, one_row, rope_store
-from radixd.core import triton_ops
 
 MIN_SPLITS, MAX_SPLITS = 4, 32
-FUSED_MERGE = True
 
 
 def decode_splits(batch: int, kv_heads: int, processors: int) -> int:
@@ -43,30 +39,27 @@ class TritonAttention:
         self.processors = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         self.num_splits = MAX_SPLITS
         self.decode = False
-        self._mid: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._mid: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _scratch(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Split-KV partials and the merge's arrival counters (zero between kernels) for up
-        to ``batch`` requests (grown, never shrunk)."""
+    def _scratch(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Split-KV partials for up to ``batch`` requests (grown, never shrunk)."""
         have = max(self._mid, default=0)
         if have < batch:
             dev = self.pool.device
             self._mid = {batch: (
                 torch.empty((batch, self.num_heads, self.num_splits, self.head_dim), dtype=torch.float32, device=dev),
                 torch.empty((batch, self.num_heads, self.num_splits), dtype=torch.float32, device=dev),
-                torch.zeros((batch, self.pool.k_buffers[0].shape[1]), dtype=torch.int32, device=dev),
             )}
             have = batch
-        mid_o, mid_lse, arrivals = self._mid[have]
-        return mid_o[:batch], mid_lse[:batch], arrivals[:batch]
+        mid_o, mid_lse = self._mid[have]
+        return mid_o[:batch], mid_lse[:batch]
 
     def set_decode(self, rows: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
         self.decode = True
         self.rows, self.seq_lens, self.out_cache_loc = rows, seq_lens, out_cache_loc
         self.splits = decode_splits(rows.numel(), self.pool.k_buffers[0].shape[1], self.processors)
-        mid_o, mid_lse, arrivals = self._scratch(rows.numel())
+        mid_o, mid_lse = self._scratch(rows.numel())
         self.mid_o, self.mid_lse = mid_o[:, :, : self.splits], mid_lse[:, :, : self.splits]
-        self.arrivals = arrivals if FUSED_MERGE else None
 
     def begin(self, batch: ForwardBatch, stage=None) -> None:
         stage = stage or (lambda t: torch.as_tensor(t, dtype=torch.int64).to(self.pool.device))
@@ -111,4 +104,4 @@ class TritonAttention:
     def _decode(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         return decode_attention(q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token,
                                 self.rows, self.seq_lens, self.scale, num_splits=self.splits, mid_o=self.mid_o,
-                                mid_lse=self.mid_lse, arrivals=self.arrivals)
+                                mid_lse=self.mid_lse)

@@ -3,9 +3,7 @@ the request-to-token table (no copy of a request's KV).
 
 * ``decode_attention``: one new token per request. Split-KV flash decoding: stage 1 gives
   each (request, KV head, split) program a slice of the sequence and all query heads of the
-  KV head's group (GQA) as one tile; the splits are merged with their log-sum-exp, by the
-  last program of each (request, KV head) to finish (an arrival counter), or by a second
-  kernel (stage 2).
+  KV head's group (GQA) as one tile; stage 2 merges the splits with their log-sum-exp.
 * ``extend_attention``: a block of new tokens of one request attends to its cached prefix and
   to the new tokens themselves, causally (the new K/V are stored in the pool before).
 * ``build_kv_indices``: flattens the table rows of a batch into one slot array (CSR layout).
@@ -22,12 +20,11 @@ import triton.language as tl
 
 @triton.jit
 def _decode_stage1(
-    Q, K, V, Table, Rows, SeqLens, MidO, MidLse, Arrivals, Out, scale,
+    Q, K, V, Table, Rows, SeqLens, MidO, MidLse, scale,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_tr,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    MERGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -72,33 +69,6 @@ def _decode_stage1(
     tl.store(MidO + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + offs_d[None, :], out,
              mask=mask_g[:, None] & mask_d[None, :])
     tl.store(MidLse + b * stride_lb + heads * stride_lh + sp, lse, mask=mask_g)
-    if MERGE:
-        # Every program of (b, kvh) counts its arrival once its partials are stored (release);
-        # the last one reads them all back through L2 (acquire), merges, and resets the count.
-        tl.debug_barrier()
-        arrival = Arrivals + b * tl.num_programs(1) + kvh
-        if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLITS - 1:
-            used = tl.cdiv(seq_len, split_len)  # splits past the sequence stored nothing to merge
-            offs_s = tl.arange(0, BLOCK_S)
-            mask_s = offs_s < used
-            for g in tl.static_range(GROUP):
-                h = kvh * GROUP + g
-                part_lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s,
-                                   other=float("-inf"), cache_modifier=".cg")
-                parts = tl.load(MidO + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
-                                mask=mask_s[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-                o = _merge_splits(part_lse, parts, mask_s)
-                tl.store(Out + b * stride_b + h * stride_h + offs_d, o.to(Out.dtype.element_ty), mask=mask_d)
-            tl.atomic_xchg(arrival, 0)
-
-
-@triton.jit
-def _merge_splits(lse, parts, mask_s):
-    """Softmax-weighted sum of split partials ``parts`` [S, D] by their log-sum-exps ``lse`` [S]."""
-    mx = tl.max(lse, 0)
-    w = tl.where(mask_s & (lse > float("-inf")), tl.exp(lse - mx), 0.0)
-    w = w / tl.sum(w, 0)
-    return tl.sum(parts * w[:, None], 0)
 
 
 @triton.jit
@@ -112,11 +82,14 @@ def _decode_stage2(
     offs_s = tl.arange(0, BLOCK_S)
     mask_s = offs_s < SPLITS
     lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    w = tl.where(mask_s & (lse > float("-inf")), tl.exp(lse - mx), 0.0)
+    w = w / tl.sum(w, 0)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     parts = tl.load(MidO + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
                     mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    out = _merge_splits(lse, parts, mask_s)
+    out = tl.sum(parts * w[:, None], 0)
     tl.store(Out + b * stride_b + h * stride_h + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
 
 
@@ -124,11 +97,9 @@ def decode_attention(
     q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, table: torch.Tensor,
     rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, num_splits: int = 8,
     out: torch.Tensor | None = None, mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None,
-    arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q`` [B, H, D] (one token per request) -> [B, H, D]. ``rows``/``seq_lens`` [B] on the
-    device; the launch shape depends only on B, so it can be captured in a CUDA graph.
-    ``arrivals``: int32 zeros [B, Hkv] (left zero) to merge the splits inside stage 1."""
+    device; the launch shape depends only on B, so it can be captured in a CUDA graph."""
     B, H, D = q.shape
     Hkv = k_buf.shape[1]
     group = H // Hkv
@@ -138,17 +109,13 @@ def decode_attention(
         mid_o = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(D)
-    merge = arrivals is not None
     _decode_stage1[(B, Hkv, num_splits)](
-        q, k_buf, v_buf, table, rows, seq_lens, mid_o, mid_lse, arrivals if merge else seq_lens, out, scale,
+        q, k_buf, v_buf, table, rows, seq_lens, mid_o, mid_lse, scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
-        HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), MERGE=merge,
+        HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits,
     )
-    if merge:
-        return out
     _decode_stage2[(B, H)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
