@@ -120,6 +120,29 @@ async def test_prefix_served_from_cache(tiny_models):
         await eng.stop()
 
 
+@pytest.mark.parametrize("queued", [40, 200])  # below and past the lpm ranking limit (128)
+async def test_lpm_prefills_a_burst_of_shared_prefixes_once(tiny_models, queued):
+    """A burst of requests in 4 prefix groups: one request per group computes the prefix,
+    the others wait a step and read it from the cache (whether lpm ranks the queue or, past
+    its limit, keeps arrival order)."""
+    from radixd.plugins import policies
+
+    assert 40 <= policies.LPM_MAX_QUEUE < 200
+    eng = make_engine(tiny_models["llama"], kv_cache_tokens=40_000, max_running_requests=256, policy="lpm",
+                      max_prefill_tokens=4096, chunked_prefill_size=4096)
+    try:
+        groups = prompts(4, 96, seed=9)
+        groups = [g[:96] for g in groups]
+        burst = [groups[i % 4] + [2 + i % 250, 3, 4, 5] for i in range(queued)]
+        await asyncio.gather(*(collect(eng, p, 1) for p in burst))
+        st = eng.stats()
+        assert st["cache_queried_tokens"] == queued * 100
+        assert st["cache_hit_tokens"] == (queued - 4) * 96
+        await assert_idle(eng)
+    finally:
+        await eng.stop()
+
+
 async def test_radix_cache_off_computes_every_prompt(tiny_models):
     path = tiny_models["llama"]
     eng = make_engine(path, radix_cache=False)

@@ -229,6 +229,35 @@ async def test_tp2_gives_the_tp1_tokens(tiny_models, arch):
         assert torch.allclose(torch.tensor(lp1), torch.tensor(lp2), atol=1e-4)
 
 
+async def test_tp_greedy_steps_sample_on_every_shard(tiny_models):
+    """An all-greedy step leaves each shard its own copy of the picks (the next step reads
+    them without a copy between devices); a step with a random draw is sampled by shard 0."""
+    eng = make_engine(tiny_models["llama"], tp_size=2)
+    worker = eng.replicas[0].worker
+    seen = []
+    launch = worker.launch
+
+    def spy(batch, prev=None):
+        picks = launch(batch, prev)
+        seen.append((batch.sampling.all_greedy, picks.shard_tokens))
+        return picks
+
+    worker.launch = spy
+    try:
+        greedy = await collect_logprobs(eng, tokens(20, 5))
+        sampled = [t async for out in eng.generate(input_ids=tokens(20, 6), params=SamplingParams(
+            max_new_tokens=6, temperature=0.8, seed=3, ignore_eos=True)) for t in out.token_ids]
+    finally:
+        await eng.stop()
+    assert len(greedy[0]) == 16 and len(sampled) == 6
+    assert {all_greedy for all_greedy, _ in seen} == {True, False}
+    for all_greedy, shard_tokens in seen:
+        if all_greedy:
+            assert len(shard_tokens) == 2 and torch.equal(shard_tokens[0], shard_tokens[1])
+        else:
+            assert shard_tokens is None
+
+
 async def collect_logprobs(eng: Engine, prompt: list[int]) -> tuple[list[int], list[float]]:
     toks, lps = [], []
     async for out in eng.generate(input_ids=prompt, params=SamplingParams(max_new_tokens=16, logprobs=True, **GREEDY)):

@@ -6,6 +6,7 @@ A policy is a plain object created once per engine (through the
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,10 +28,11 @@ class SchedulePolicy(Protocol):
 
     def __init__(self, config: EngineConfig) -> None: ...
 
-    def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
+    def order(self, waiting: list[Request], ctx: PolicyContext) -> Iterable[Request]:
         """Return the waiting requests to try this step, best first.
 
         Requests left out stay waiting. The scheduler admits them in the returned order
-        until a budget runs out, so the list may be a prefix of the queue.
+        until a budget runs out, so the list may be a prefix of the queue; an iterator is
+        read only that far.
         """
         ...

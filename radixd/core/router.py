@@ -19,10 +19,11 @@ from collections.abc import Callable, Sequence
 BLOCK = 16  # tokens per indexed prefix block
 
 
-def prefix_hashes(ids: Sequence[int], block: int = BLOCK) -> list[int]:
-    """One hash per whole block of ``ids``; hash ``k`` covers ``ids[: (k + 1) * block]``."""
+def prefix_hashes(ids: Sequence[int], block: int = BLOCK, seed: int = 0) -> list[int]:
+    """One hash per whole block of ``ids``; hash ``k`` covers ``ids[: (k + 1) * block]``
+    (and ``seed``: a namespace)."""
     out = []
-    h = 0
+    h = seed
     for start in range(0, len(ids) - block + 1, block):
         h = hash((h, tuple(ids[start : start + block])))
         out.append(h)

@@ -57,6 +57,9 @@ class SampledTokens:
     top_ids: torch.Tensor | None = None
     top_vals: torch.Tensor | None = None
     prompt_logprobs: torch.Tensor | None = None
+    # Tensor parallel: every shard's own copy of ``tokens`` (on its device) when each shard
+    # sampled the same picks itself; None when only the first shard sampled.
+    shard_tokens: list[torch.Tensor] | None = None
     _host: tuple | None = None
     _done: torch.cuda.Event | None = None
 

@@ -265,26 +265,31 @@ class TPWorker:
 
     # ------------------------------------------------------------------ steps
 
-    def _run(self, batch: ForwardBatch, prev: SampledTokens | None, first) -> object:
-        """Shards 1.. on their threads, ``first()`` (shard 0's work) on this one.
+    def _run(self, batch: ForwardBatch, prev: SampledTokens | None, first, rest) -> list:
+        """``first(picks)`` (shard 0's work) on this thread, ``rest(rank, picks)`` for
+        shards 1.. on theirs; the results in rank order.
 
-        The previous step's picks (on shard 0's device) are copied to the other shards here,
-        before shard 0 queues this step: queued later, the copy would sit behind shard 0's
-        all-reduce kernels, which wait for the other shards, which wait for the copy."""
-        picks = [None] * self.tp
+        ``picks``: the previous step's picks on the shard's device. Where every shard
+        sampled them (``prev.shard_tokens``) each reads its own; else shard 0's are copied
+        to the others here, before shard 0 queues this step: queued later, the copy would
+        sit behind shard 0's all-reduce kernels, which wait for the other shards, which
+        wait for the copy."""
+        picks = [prev] + [None] * (self.tp - 1)
         if prev is not None and batch.placeholder_pos:
-            picks = [SampledTokens(tokens=prev.tokens.to(shard.device)) for shard in self.shards]
-        futures = [self.executors[r].submit(self._guarded, self.shards[r].forward, batch, picks[r])
-                   for r in range(1, self.tp)]
+            if prev.shard_tokens is not None:
+                picks = [SampledTokens(tokens=t) for t in prev.shard_tokens]
+            else:
+                picks = [prev] + [SampledTokens(tokens=prev.tokens.to(shard.device)) for shard in self.shards[1:]]
+        futures = [self.executors[r].submit(self._guarded, rest, r, picks[r]) for r in range(1, self.tp)]
         errors = []
+        outs = [None] * self.tp
         try:
-            out = self._guarded(first)
+            outs[0] = self._guarded(first, picks[0])
         except Exception as exc:
             errors.append(exc)
-            out = None
-        for f in futures:
+        for r, f in enumerate(futures, start=1):
             try:
-                f.result()
+                outs[r] = f.result()
             except Exception as exc:
                 errors.append(exc)
         if errors:
@@ -292,7 +297,7 @@ class TPWorker:
                 self.group.reset()
             real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
             raise (real or errors)[0]
-        return out
+        return outs
 
     def _guarded(self, fn, *args):
         try:
@@ -304,11 +309,21 @@ class TPWorker:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> torch.Tensor:
-        return self._run(batch, prev, lambda: self.shards[0].forward(batch, prev))
+        forward = lambda r, picks: self.shards[r].forward(batch, picks)  # noqa: E731
+        return self._run(batch, prev, lambda picks: forward(0, picks), forward)[0]
 
     @torch.inference_mode()
     def launch(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> SampledTokens | None:
-        return self._run(batch, prev, lambda: self.shards[0].launch(batch, prev))
+        """Every shard runs the forward pass (they meet in the all-reduces). Shard 0 samples;
+        for an all-greedy batch every shard takes the same argmax of the same gathered
+        logits, so the next step's tokens are on each device without a copy between them."""
+        first = lambda picks: self.shards[0].launch(batch, picks)  # noqa: E731
+        if batch.sampling is None or not batch.sampling.all_greedy or batch.prompt_lp_pos:
+            return self._run(batch, prev, first, lambda r, picks: self.shards[r].forward(batch, picks))[0]
+        outs = self._run(batch, prev, first, lambda r, picks: self.shards[r].launch(batch, picks, to_host=False))
+        if outs[0] is not None:
+            outs[0].shard_tokens = [o.tokens for o in outs]
+        return outs[0]
 
     def resolve(self, picks: SampledTokens | None) -> StepOutput:
         out = ModelWorker.resolve(picks)

@@ -225,9 +225,14 @@ def _gemv_silu_kernel(X, W, Y, INTER, K, stride_w, EVEN_K: tl.constexpr, BLOCK_K
 
 def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, *, tiles: tuple[int, int] | None = None) -> torch.Tensor:
     """``silu_mul(F.linear(x, weight))`` for one row ``x`` [1, K]; ``weight`` [2I, K] is the
-    fused (gate | up) projection. ``tiles``: (K per iteration, warps)."""
+    fused (gate | up) projection. ``tiles``: (K per iteration, warps); by default 8 warps
+    for 2048-wide steps (the fastest at the 8B model's shapes, tp 1 and 2:
+    ``bench/decode_profile.py --sections fused``)."""
     two_i, k = weight.shape
-    bk, warps = tiles if tiles is not None else (gemv_tiles(k)[1], 4)
+    if tiles is None:
+        bk = gemv_tiles(k)[1]
+        tiles = (bk, 8 if bk == 2048 else 4)
+    bk, warps = tiles
     out = torch.empty(x.shape[:-1] + (two_i // 2,), dtype=x.dtype, device=x.device)
     _gemv_silu_kernel[(two_i // 2,)](x, weight, out, two_i // 2, k, weight.stride(0),
                                      EVEN_K=k % bk == 0, BLOCK_K=bk, num_warps=warps)

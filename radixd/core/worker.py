@@ -129,8 +129,11 @@ class ModelWorker:
             self.pool.req_to_token[stage(cat(rows)), stage(cat(cols))] = stage(cat(vals))
 
     @torch.inference_mode()
-    def launch(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> SampledTokens | None:
-        """Queue the forward pass and sampling on the device; returns without waiting."""
+    def launch(self, batch: ForwardBatch, prev: SampledTokens | None = None, *,
+               to_host: bool = True) -> SampledTokens | None:
+        """Queue the forward pass and sampling on the device; returns without waiting.
+        ``to_host``: also queue the picks' copy to the host (a tensor-parallel shard other
+        than the first keeps its own copy of the picks on its device only)."""
         logits = self.forward(batch, prev)
         s = len(batch.sample_indices)
         prompt_lp = None
@@ -146,7 +149,8 @@ class ModelWorker:
         else:
             return None
         picks.prompt_logprobs = prompt_lp
-        picks.start_copy()
+        if to_host:
+            picks.start_copy()
         return picks
 
     @staticmethod

@@ -2,7 +2,10 @@
 
 ``fcfs``: arrival order. ``lpm``: longest cached prefix first; a request whose uncached
 prefix repeats one already chosen (or still prefilling) waits a step so the group prefills
-the shared part once and the rest read it from the cache.
+the shared part once and the rest read it from the cache. Past ``LPM_MAX_QUEUE`` waiting
+requests ``lpm`` keeps arrival order (ranking them all each step costs too much) but still
+holds back such repeats, comparing block hashes of the prompts, and only as far as the
+scheduler reads (it stops when the step is full).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 from radixd.core.config import EngineConfig
 from radixd.core.policy import PolicyContext
 from radixd.core.request import Request
+from radixd.core.router import BLOCK, prefix_hashes
 from radixd.plugins import hookimpl
 
 LPM_MAX_QUEUE = 128  # beyond this, ranking every waiting request each step costs too much
@@ -31,10 +35,11 @@ class LongestPrefixMatch:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.min_shared = config.lpm_dedup_min_tokens
+        self._blocks: dict[int, tuple[Request, int, list[int]]] = {}  # id -> (request, len(seq), hashes)
 
-    def order(self, waiting: list[Request], ctx: PolicyContext) -> list[Request]:
+    def order(self, waiting: list[Request], ctx: PolicyContext):
         if len(waiting) > LPM_MAX_QUEUE:
-            return sorted(waiting, key=lambda r: r.arrival)
+            return self._arrival_order(waiting, ctx)
         scored = []
         for r in waiting:
             seq = r.seq
@@ -52,6 +57,36 @@ class LongestPrefixMatch:
             pending.add(seq, r.namespace)
             chosen.append(r)
         return chosen
+
+    def _arrival_order(self, waiting: list[Request], ctx: PolicyContext):
+        """Arrival order without the repeats of a prefix being computed (lazily)."""
+        known, self._blocks = self._blocks, {}
+        for r in waiting:  # keep the hashes of requests still waiting
+            entry = known.get(id(r))
+            if entry is not None and entry[0] is r:
+                self._blocks[id(r)] = entry
+        pending: set[int] = set()
+        for r in ctx.prefilling:
+            pending.update(self._hashes(r))
+        for r in sorted(waiting, key=lambda r: r.arrival):
+            hashes = self._hashes(r)
+            shared = 0
+            for h in hashes:
+                if h not in pending:
+                    break
+                shared += 1
+            shared *= BLOCK
+            if shared >= self.min_shared and shared - ctx.cache.peek_prefix_len(r.seq, r.namespace) >= self.min_shared:
+                continue  # an earlier request computes this prefix; read it from the cache later
+            pending.update(hashes)
+            yield r
+
+    def _hashes(self, r: Request) -> list[int]:
+        seq = r.seq
+        entry = self._blocks.get(id(r))
+        if entry is None or entry[0] is not r or entry[1] != len(seq):
+            entry = self._blocks[id(r)] = (r, len(seq), prefix_hashes(seq, seed=r.namespace))
+        return entry[2]
 
 
 class _Trie:
