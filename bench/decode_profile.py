@@ -2,11 +2,13 @@
 
 One run (random bf16 weights in Llama-3-8B's shape, no downloads) prints and writes JSON:
 
-- ``step``: the decode CUDA graph replayed alone at batch 1 and 64 (device time per step),
+- ``step``: the decode CUDA graph replayed alone at batch 1 and 64 (device time per step;
+  each request 576 tokens of context in distinct slots),
   against the bytes a step really reads (layer weights, final norm, lm_head and the KV; the
   embedding table is not read, only one row of it);
-- ``kernels``: one eager batch-1 decode forward under ``torch.profiler``: device time per
-  kernel family, their sum and the count of launches;
+- ``kernels``: one eager decode forward at batch 1 and 64 under ``torch.profiler``: device
+  time per kernel family, their sum and the count of launches;
+- ``attn``: decode attention alone at batch 1 and 64 per split count;
 - ``gemv``: the step's matrix-vector products alone (every layer's qkv, o, gate_up, down and
   the lm_head) captured in one CUDA graph, through cuBLAS (``F.linear``) and through a Triton
   GEMV swept over tile sizes: the ceiling the weights' reads allow with each;
@@ -23,6 +25,7 @@ One run (random bf16 weights in Llama-3-8B's shape, no downloads) prints and wri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -37,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench  # noqa: E402
 
 from radixd.core import triton_ops  # noqa: E402
-from radixd.core.cuda_graph import LEN  # noqa: E402
+from radixd.core.cuda_graph import LEN, ROW  # noqa: E402
 from radixd.core.sampling_params import SamplingParams  # noqa: E402
 from radixd.core.triton_ops import gemv  # noqa: E402
 
@@ -61,21 +64,40 @@ def triton_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bn: int, bk
     return gemv(x, w, tiles=(bn, bk, warps), out=out)
 
 
+CTX = 576  # tokens of context per request in the step and kernels sections (512 + 64)
+
+
+@contextlib.contextmanager
+def bucket_state(eng, bs: int):
+    """Bucket ``bs``'s graph inputs as ``bs`` requests of CTX tokens each in their own table
+    rows and slots (so the KV a step reads is ``bs`` x CTX distinct tokens, from HBM)."""
+    g = eng.worker.graphs
+    block = g.inputs[bs]
+    table = eng.worker.pool.req_to_token
+    rows = torch.arange(bs, device=block.device)
+    table[:bs, :CTX] = (rows[:, None] * CTX + torch.arange(CTX, device=block.device) + 1)
+    block[ROW].copy_(rows)
+    block[LEN].fill_(CTX)
+    try:
+        yield g
+    finally:
+        block[ROW].zero_()
+        block[LEN].fill_(1)
+        table[:bs, :CTX] = 0
+
+
 def section_step(eng, ctx) -> dict:
     loop = ctx["loop"]
     p = [[1000 + i for i in range(512)]]
     loop.run_until_complete(_gen(eng, p, 64))
-    g = eng.worker.graphs
     out = {}
-    for bs in (1,):  # (larger buckets would read table row 0 repeatedly: L2 hits, not HBM)
-        g.inputs[bs][LEN].fill_(576)
-        graph, _ = g.graphs[bs]
-        t = gpu_bench.median_time(graph.replay, reps=50)
-        kv = bs * 576 * ctx["kv_per_tok"]
-        by = gpu_bench.read_bytes(eng) + kv
+    for bs in (1, 64):
+        with bucket_state(eng, bs) as g:
+            graph, _ = g.graphs[bs]
+            t = gpu_bench.median_time(graph.replay, reps=50)
+        by = gpu_bench.read_bytes(eng) + bs * CTX * ctx["kv_per_tok"]
         out[f"b{bs}"] = {"graph_ms": round(t * 1e3, 3), "bytes_GB": round(by / 1e9, 3),
                          "roofline_ms": round(by / ctx["copy"] * 1e3, 3), "fraction": round(by / ctx["copy"] / t, 3)}
-        g.inputs[bs][LEN].fill_(1)
     return out
 
 
@@ -88,11 +110,14 @@ async def _gen(eng, prompts, new):
 
 
 def section_kernels(eng, ctx) -> dict:
-    g = eng.worker.graphs
+    return {f"b{bs}": _kernel_families(eng, bs) for bs in (1, 64)}
+
+
+def _kernel_families(eng, bs: int) -> dict:
+    """One eager decode forward of bucket ``bs`` under the profiler: device time per family."""
     model = eng.worker.model
-    g.inputs[1][LEN].fill_(576)
-    args = g._bucket_args(1)  # (points the attention backend at bucket 1's inputs)
-    with torch.inference_mode():
+    with bucket_state(eng, bs) as g, torch.inference_mode():
+        args = g._bucket_args(bs)  # (points the attention backend at the bucket's inputs)
         for _ in range(3):
             model(*args)
         torch.cuda.synchronize()
@@ -115,9 +140,32 @@ def section_kernels(eng, ctx) -> dict:
         fam[key][1] += ev.count
     rows = sorted(((k, v[0], v[1]) for k, v in fam.items()), key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
-    g.inputs[1][LEN].fill_(1)
     return {"kernel_us_total": round(total, 1), "launches": sum(r[2] for r in rows),
             "families": [{"name": k, "us": round(us, 1), "count": n, "share": round(us / total, 3)} for k, us, n in rows[:16]]}
+
+
+def section_attn(eng, ctx) -> dict:
+    """Decode attention alone at batch 1 and 64, CTX tokens each in scattered slots, per
+    split count: microseconds and the fraction of the copy bandwidth its KV reads reach."""
+    from radixd.core.attention.triton_kernels import decode_attention
+
+    cfg = eng.worker.model.cfg
+    H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    res = {}
+    for B in (1, 64):
+        slots = B * CTX + 1
+        kb = torch.randn(slots, Hkv, D, device="cuda", dtype=torch.bfloat16)
+        vb = torch.randn_like(kb)
+        table = (torch.randperm(slots - 1, device="cuda") + 1).view(B, CTX)
+        rows = torch.arange(B, device="cuda")
+        lens = torch.full((B,), CTX, device="cuda")
+        q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+        kv_bytes = 2 * B * CTX * Hkv * D * 2
+        for splits in (1, 2, 4, 8, 16, 32):
+            args = (q, kb, vb, table, rows, lens, D**-0.5)
+            t = time_graph(lambda a=args, s=splits: decode_attention(*a, num_splits=s))
+            res[f"B{B}_splits{splits}"] = {"us": round(t * 1e6, 1), "fraction_of_copy": round(kv_bytes / t / ctx["copy"], 3)}
+    return res
 
 
 def section_gemv(eng, ctx) -> dict:
@@ -312,7 +360,8 @@ def main() -> int:
     eng = gpu_bench.engine(gpu_bench.checkpoint_dir(args.model), max_running_requests=64)
     ctx["kv_per_tok"] = eng.worker.pool.k_buffers[0][0].numel() * 2 * 2 * len(eng.worker.pool.k_buffers)
     summary = {"copy_TBps": round(ctx["copy"] / 1e12, 3), "model": args.model}
-    fns = {"step": section_step, "kernels": section_kernels, "gemv": section_gemv, "shapes": section_shapes,
+    fns = {"step": section_step, "kernels": section_kernels, "attn": section_attn, "gemv": section_gemv,
+           "shapes": section_shapes,
            "fused": section_fused, "extend": section_extend}
     for name in args.sections.split(","):
         t = time.perf_counter()
