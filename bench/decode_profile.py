@@ -8,7 +8,7 @@ One run (random bf16 weights in Llama-3-8B's shape, no downloads) prints and wri
   embedding table is not read, only one row of it);
 - ``kernels``: one eager decode forward at batch 1 and 64 under ``torch.profiler``: device
   time per kernel family, their sum and the count of launches;
-- ``attn``: decode attention alone at batch 1 and 64 per split count;
+- ``attn``: decode attention alone at batch 64 and 256, swept over splits and tiles;
 - ``gemv``: the step's matrix-vector products alone (every layer's qkv, o, gate_up, down and
   the lm_head) captured in one CUDA graph, through cuBLAS (``F.linear``) and through a Triton
   GEMV swept over tile sizes: the ceiling the weights' reads allow with each;
@@ -144,27 +144,49 @@ def _kernel_families(eng, bs: int) -> dict:
             "families": [{"name": k, "us": round(us, 1), "count": n, "share": round(us / total, 3)} for k, us, n in rows[:16]]}
 
 
+ATTN_CASES = [(64, 576), (64, 4096), (256, 576)]  # (requests, context tokens)
+
+
 def section_attn(eng, ctx) -> dict:
-    """Decode attention alone at batch 1 and 64, CTX tokens each in scattered slots, per
-    split count: microseconds and the fraction of the copy bandwidth its KV reads reach."""
-    from radixd.core.attention.triton_kernels import decode_attention
+    """Decode attention alone (scattered slots), swept over split counts and stage 1's
+    (tile, warps, stages); 8 calls per CUDA graph so launch overhead is amortised. Per case:
+    the default's time, the best few and their fraction of the copy bandwidth."""
+    from radixd.core.attention import triton_kernels as tk
 
     cfg = eng.worker.model.cfg
     H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    procs = torch.cuda.get_device_properties(0).multi_processor_count
     res = {}
-    for B in (1, 64):
-        slots = B * CTX + 1
+    for B, L in ATTN_CASES:
+        slots = B * L + 1
         kb = torch.randn(slots, Hkv, D, device="cuda", dtype=torch.bfloat16)
         vb = torch.randn_like(kb)
-        table = (torch.randperm(slots - 1, device="cuda") + 1).view(B, CTX)
-        rows = torch.arange(B, device="cuda")
-        lens = torch.full((B,), CTX, device="cuda")
-        q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
-        kv_bytes = 2 * B * CTX * Hkv * D * 2
-        for splits in (1, 2, 4, 8, 16, 32):
-            args = (q, kb, vb, table, rows, lens, D**-0.5)
-            t = time_graph(lambda a=args, s=splits: decode_attention(*a, num_splits=s))
-            res[f"B{B}_splits{splits}"] = {"us": round(t * 1e6, 1), "fraction_of_copy": round(kv_bytes / t / ctx["copy"], 3)}
+        table = (torch.randperm(slots - 1, device="cuda") + 1).view(B, L)
+        args = (torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16), kb, vb, table,
+                torch.arange(B, device="cuda"), torch.full((B,), L, device="cuda"), D**-0.5)
+        kv_bytes = 2 * B * L * Hkv * D * 2
+        times = {}
+        for splits in (1, 2, 4, 8):
+            for conf in [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (1, 2, 3)]:
+                try:
+                    t = time_graph(lambda a=args, s=splits, c=conf: [tk.decode_attention(*a, num_splits=s, config=c)
+                                                                     for _ in range(8)], reps=20) / 8
+                except Exception as exc:  # (a tile that does not fit)
+                    times[(splits, conf)] = repr(exc)[:80]
+                    continue
+                times[(splits, conf)] = t
+        from radixd.core.attention.triton_backend import decode_splits
+
+        default = (decode_splits(B, Hkv, procs), tk.DECODE_CONFIG)
+        ok = sorted((t, k) for k, t in times.items() if isinstance(t, float))
+        case = {"default": {"splits": default[0], "config": default[1], "us": round(times[default] * 1e6, 1),
+                            "fraction_of_copy": round(kv_bytes / times[default] / ctx["copy"], 3)},
+                "best": [{"splits": k[0], "config": k[1], "us": round(t * 1e6, 1),
+                          "fraction_of_copy": round(kv_bytes / t / ctx["copy"], 3)} for t, k in ok[:6]]}
+        res[f"B{B}_L{L}"] = case
+        print(f"attn B{B}_L{L}", json.dumps(case), flush=True)
+        del kb, vb
+        torch.cuda.empty_cache()
     return res
 
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+DECODE_CONFIG = (64, 4, 3)  # stage 1: tokens per tile, warps, pipeline stages
+
 
 @triton.jit
 def _decode_stage1(
@@ -97,9 +99,12 @@ def decode_attention(
     q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, table: torch.Tensor,
     rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, num_splits: int = 8,
     out: torch.Tensor | None = None, mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None,
+    config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """``q`` [B, H, D] (one token per request) -> [B, H, D]. ``rows``/``seq_lens`` [B] on the
-    device; the launch shape depends only on B, so it can be captured in a CUDA graph."""
+    device; the launch shape depends only on B, so it can be captured in a CUDA graph.
+    ``config``: stage 1's (tokens per tile, warps, pipeline stages) instead of the default
+    (benchmarks sweep them)."""
     B, H, D = q.shape
     Hkv = k_buf.shape[1]
     group = H // Hkv
@@ -109,12 +114,13 @@ def decode_attention(
         mid_o = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(D)
+    block_n, warps, stages = config if config is not None else DECODE_CONFIG
     _decode_stage1[(B, Hkv, num_splits)](
         q, k_buf, v_buf, table, rows, seq_lens, mid_o, mid_lse, scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
-        HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, num_warps=warps, num_stages=stages,
     )
     _decode_stage2[(B, H)](
         mid_o, mid_lse, out,
