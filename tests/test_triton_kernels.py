@@ -293,7 +293,7 @@ def test_decode_splits_fill_the_device():
 
     assert decode_splits(1, 8, 132) == MAX_SPLITS  # one request: as many splits as allowed
     assert decode_splits(4, 8, 132) == 16  # 4 x 8 x 16 = 512 programs >= 2 x 132
-    assert decode_splits(64, 8, 132) == MIN_SPLITS
+    assert decode_splits(64, 8, 132) == MIN_SPLITS == 1  # 512 programs: no split
     for b in (1, 2, 3, 5, 16, 100):
         s = decode_splits(b, 2, 132)
         assert MIN_SPLITS <= s <= MAX_SPLITS and s & (s - 1) == 0

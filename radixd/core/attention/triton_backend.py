@@ -18,13 +18,15 @@ from radixd.core.forward_batch import ForwardBatch
 from radixd.core.kv_pool import KVPool
 from radixd.core.triton_ops import gemv_rope_store, one_row, rope_store
 
-MIN_SPLITS, MAX_SPLITS = 4, 32
+MIN_SPLITS, MAX_SPLITS = 1, 32
 
 
 def decode_splits(batch: int, kv_heads: int, processors: int) -> int:
     """KV splits per request for a decode batch: enough programs (batch x kv heads x splits)
     to fill the device's processors about twice, so that a small batch is not left with a
-    few long serial loops (latency-bound) while most of the device idles."""
+    few long serial loops (latency-bound) while most of the device idles; no more, since
+    every split adds partials to merge (on an H200, 64 x 576 tokens: 47 us unsplit vs 58 us
+    in 4 splits; 256 x 576: 166 vs 203 us; ``bench/decode_profile.py --sections attn``)."""
     want = -(-2 * processors // (batch * kv_heads))
     return min(MAX_SPLITS, max(MIN_SPLITS, triton.next_power_of_2(want)))
 
