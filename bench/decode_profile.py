@@ -380,7 +380,7 @@ def main() -> int:
     gpu_bench.ceilings(None, ctx)
     ctx["copy"] = ctx["copy_Bps"]
     eng = gpu_bench.engine(gpu_bench.checkpoint_dir(args.model), max_running_requests=64)
-    ctx["kv_per_tok"] = eng.worker.pool.k_buffers[0][0].numel() * 2 * 2 * len(eng.worker.pool.k_buffers)
+    ctx["kv_per_tok"] = gpu_bench.pool_kv_bytes_per_token(eng)
     summary = {"copy_TBps": round(ctx["copy"] / 1e12, 3), "model": args.model}
     fns = {"step": section_step, "kernels": section_kernels, "attn": section_attn, "gemv": section_gemv,
            "shapes": section_shapes,

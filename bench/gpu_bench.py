@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from radixd import Engine, SamplingParams  # noqa: E402
 from radixd.core.forward_batch import ForwardBatch  # noqa: E402
+from radixd.core.kv_pool import kv_bytes_per_token  # noqa: E402
 
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -218,7 +219,7 @@ def decode(args, ctx) -> dict:
     eng = engine(ctx["path"])
     ctx["param_bytes"] = param_bytes(eng)
     ctx["read_bytes"] = read_bytes(eng)
-    per_tok = eng.worker.pool.k_buffers[0][0].numel() * 2 * 2 * len(eng.worker.pool.k_buffers)
+    per_tok = pool_kv_bytes_per_token(eng)
     rng = random.Random(1)
     out = {"weights_GB": round(ctx["param_bytes"] / 1e9, 3), "weights_read_per_step_GB": round(ctx["read_bytes"] / 1e9, 3),
            "kv_bytes_per_token": per_tok, "cases": []}
@@ -275,6 +276,7 @@ def fusions(args, ctx) -> dict:
             try:
                 if "read_bytes" not in ctx:
                     ctx["read_bytes"] = read_bytes(eng)
+                    ctx["kv_per_tok"] = pool_kv_bytes_per_token(eng)
                 best = 0.0
                 for _ in range(3):
                     r = loop.run_until_complete(_run_batch(eng, [prompt], 128))
@@ -284,7 +286,7 @@ def fusions(args, ctx) -> dict:
                 eng = None
                 free()
             out["on" if fused else "off"].append(round(best, 1))
-        roof = 1 / ((ctx["read_bytes"] + 576 * read_kv_bytes_per_token(ctx)) / ctx["copy_Bps"])
+        roof = 1 / ((ctx["read_bytes"] + 576 * ctx["kv_per_tok"]) / ctx["copy_Bps"])
         for k in ("on", "off"):
             out[f"{k}_roofline_fraction"] = round(max(out[k]) / roof, 3)
     finally:
@@ -293,10 +295,11 @@ def fusions(args, ctx) -> dict:
     return out
 
 
-def read_kv_bytes_per_token(ctx) -> int:
-    cfg = SHAPES[ctx["model"]]
-    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * cfg["num_key_value_heads"] * head_dim * 2 * cfg["num_hidden_layers"]
+def pool_kv_bytes_per_token(eng: Engine) -> int:
+    """KV bytes a token holds in the engine's pool (all layers, K and V)."""
+    pool = eng.worker.pool
+    k = pool.k_buffers[0]
+    return kv_bytes_per_token(len(pool.k_buffers), k.shape[1], k.shape[2], k.dtype)
 
 
 def _instrument(eng: Engine, sink: list) -> None:
@@ -475,7 +478,7 @@ def main() -> int:
     args.peer_batches = [int(b) for b in args.peer_batches.split(",")]
     args.peer_flavours = args.peer_flavours.split(",")
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    ctx: dict = {"path": checkpoint_dir(args.model), "model": args.model}
+    ctx: dict = {"path": checkpoint_dir(args.model)}
     summary = {}
     if args.device == "cpu":  # no ceilings to measure: placeholders so the logic runs
         ctx.update(copy_Bps=1e10, matmul_flops=1e11)
