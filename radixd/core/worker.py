@@ -184,11 +184,8 @@ class LayerWait:
         return self.attn.forward(q, k, v, layer, positions, rotary)
 
     def project_forward(self, x, proj, layer: int, positions, rotary):
-        project = getattr(self.attn, "project_forward", None)
-        if project is None:
-            return None
         self._wait(layer, x.device)
-        return project(x, proj, layer, positions, rotary)
+        return self.attn.project_forward(x, proj, layer, positions, rotary)
 
     def __getattr__(self, name):
         return getattr(self.attn, name)

@@ -2,7 +2,8 @@
 
 ``AttentionBackend`` is the interface: ``begin`` builds the batch's metadata once, ``forward``
 stores the new tokens' K/V in the pool and attends (extend over the cached prefix plus the new
-tokens, causally; decode is extend with one token). ``torch`` is the reference and CPU path.
+tokens, causally; decode is extend with one token), ``project_forward`` may do the same from
+the layer's input. ``torch`` is the reference and CPU path.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ class AttentionBackend(Protocol):
                 positions: torch.Tensor, rotary) -> torch.Tensor:
         """``q`` [T, H, D], ``k``/``v`` [T, Hkv, D] for the batch's new tokens, before rotary:
         apply ``rotary`` at ``positions``, store K/V in the pool, attend -> [T, H, D]."""
+
+    def project_forward(self, x: torch.Tensor, proj: torch.nn.Linear, layer: int, positions: torch.Tensor,
+                        rotary) -> torch.Tensor | None:
+        """``forward`` from the layer's input ``x`` [T, hidden] and its fused q/k/v projection,
+        where the backend has a faster way (projection, rotary and store in one kernel); None
+        where it has not: the caller projects and calls ``forward``."""
 
 
 def make_backend(name: str, pool: KVPool, *, num_heads: int, head_dim: int, scale: float) -> AttentionBackend:

@@ -49,6 +49,9 @@ class TorchAttention:
             self.decode_kv_idx = kv_idx
             self.decode_mask = valid[:, None, None, :]          # [Bd, 1, 1, L]
 
+    def project_forward(self, x, proj, layer: int, positions, rotary) -> None:
+        return None  # no fused projection: the layer projects and calls forward
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 positions: torch.Tensor, rotary) -> torch.Tensor:
         q, k = rotary(positions, q, k)

@@ -101,9 +101,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, attn: AttentionBackend) -> torch.Tensor:
-        # A backend may project, rotate and store in one kernel (one decode row on CUDA).
-        project = getattr(attn, "project_forward", None) if self.q_norm is None else None
-        o = project(x, self.qkv_proj, self.layer, positions, rotary) if project is not None else None
+        # The backend may project, rotate and store in one kernel (not with q/k norms between).
+        o = attn.project_forward(x, self.qkv_proj, self.layer, positions, rotary) if self.q_norm is None else None
         if o is None:
             o = self._project_attend(x, positions, rotary, attn)
         return linear(o.reshape(-1, self.num_heads * self.head_dim), self.o_proj)
