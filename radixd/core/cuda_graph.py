@@ -94,11 +94,9 @@ class DecodeGraphs:
         b = batch.batch_size
         bs = self.buckets[bisect.bisect_left(self.buckets, b)]
         block = self.inputs[bs]
-        n_ph = len(batch.placeholder_pos)
-        host = stager.host((5 * bs + 2 * n_ph,), torch.int64)
-        if host is None:
-            host = torch.empty(5 * bs + 2 * n_ph, dtype=torch.int64)
-        staged = host[: 5 * bs].view(5, bs)
+        staged = stager.host((5, bs), torch.int64)
+        if staged is None:
+            staged = torch.empty(5, bs, dtype=torch.int64)
         staged[IDS, :b] = batch.input_ids
         staged[POS, :b] = batch.positions
         staged[LOC, :b] = batch.out_cache_loc
@@ -107,16 +105,13 @@ class DecodeGraphs:
         if bs > b:
             staged[:LEN, b:] = 0
             staged[LEN, b:] = 1
-        in_order = n_ph and batch.placeholder_pos == batch.placeholder_src == list(range(n_ph))
-        if n_ph and not in_order:
-            host[5 * bs :] = torch.tensor(batch.placeholder_pos + batch.placeholder_src, dtype=torch.int64)
-            dev = host.to(block.device, non_blocking=True)
-            block.copy_(dev[: 5 * bs].view(5, bs))
-            block[IDS][dev[5 * bs : 5 * bs + n_ph]] = prev.tokens[dev[5 * bs + n_ph :]]
-        else:
-            block.copy_(staged, non_blocking=True)
-            if n_ph:  # every request's token is its own pick of the step before, in order
-                block[IDS, :n_ph].copy_(prev.tokens[:n_ph])
+        block.copy_(staged, non_blocking=True)
+        n_ph = len(batch.placeholder_pos)
+        if n_ph and batch.placeholder_pos == batch.placeholder_src == list(range(n_ph)):
+            block[IDS, :n_ph].copy_(prev.tokens[:n_ph])  # each request's own pick, in order
+        elif n_ph:
+            pos, src = stager.to_device(torch.tensor([batch.placeholder_pos, batch.placeholder_src]))
+            block[IDS][pos] = prev.tokens[src]
         if batch.write_new_slots:
             self.pool.req_to_token[block[ROW, :b], block[POS, :b]] = block[LOC, :b]
         graph, out = self.graphs[bs]
