@@ -139,23 +139,38 @@ def silu_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor
 
 
 @triton.jit
+def _dot_rows(X, W, rows, mask_rows, K, stride_w, NROWS: tl.constexpr, MASK_ROWS: tl.constexpr,
+              EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 dot products of ``X`` [K] with rows ``rows`` [NROWS] of ``W`` (with ``MASK_ROWS``,
+    rows outside ``mask_rows`` give 0), reading ``BLOCK_K`` columns per step."""
+    acc = tl.zeros([NROWS], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ptrs = W + rows[:, None] * stride_w + offs_k[None, :]
+        if EVEN_K:
+            x = tl.load(X + offs_k)
+            if MASK_ROWS:
+                w = tl.load(ptrs, mask=mask_rows[:, None], other=0.0)
+            else:
+                w = tl.load(ptrs)
+        else:
+            mask_k = offs_k < K
+            x = tl.load(X + offs_k, mask=mask_k, other=0.0)
+            if MASK_ROWS:
+                w = tl.load(ptrs, mask=mask_rows[:, None] & mask_k[None, :], other=0.0)
+            else:
+                w = tl.load(ptrs, mask=mask_k[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(X, W, B, Y, N, K, stride_w, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            x = tl.load(X + offs_k)
-            w = tl.load(W + offs_n[:, None] * stride_w + offs_k[None, :], mask=mask_n[:, None], other=0.0)
-        else:
-            mask_k = offs_k < K
-            x = tl.load(X + offs_k, mask=mask_k, other=0.0)
-            w = tl.load(W + offs_n[:, None] * stride_w + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                        other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+    acc = _dot_rows(X, W, offs_n, mask_n, K, stride_w, BLOCK_N, True, EVEN_K, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=mask_n)
@@ -199,17 +214,7 @@ def _gemv_pair(X, W, B, pid, HALF, K, stride_w,
     r0 = (pid // HALF) * (2 * HALF) + pid % HALF
     pair = tl.arange(0, 2)
     rows = r0 + pair * HALF
-    acc = tl.zeros([2], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            x = tl.load(X + offs_k)
-            w = tl.load(W + rows[:, None] * stride_w + offs_k[None, :])
-        else:
-            mask_k = offs_k < K
-            x = tl.load(X + offs_k, mask=mask_k, other=0.0)
-            w = tl.load(W + rows[:, None] * stride_w + offs_k[None, :], mask=mask_k[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+    acc = _dot_rows(X, W, rows, rows, K, stride_w, 2, False, EVEN_K, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(B + rows).to(tl.float32)
     acc = acc.to(X.dtype.element_ty).to(tl.float32)
