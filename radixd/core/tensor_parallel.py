@@ -265,9 +265,9 @@ class TPWorker:
 
     # ------------------------------------------------------------------ steps
 
-    def _run(self, batch: ForwardBatch, prev: SampledTokens | None, first, rest) -> list:
-        """``first(picks)`` (shard 0's work) on this thread, ``rest(rank, picks)`` for
-        shards 1.. on theirs; the results in rank order.
+    def _run(self, batch: ForwardBatch, prev: SampledTokens | None, work) -> list:
+        """``work(rank, picks)`` for every shard, shard 0's on this thread and the others' on
+        theirs; the results in rank order.
 
         ``picks``: the previous step's picks on the shard's device. Where every shard
         sampled them (``prev.shard_tokens``) each reads its own; else shard 0's are copied
@@ -280,11 +280,11 @@ class TPWorker:
                 picks = [SampledTokens(tokens=t) for t in prev.shard_tokens]
             else:
                 picks = [prev] + [SampledTokens(tokens=prev.tokens.to(shard.device)) for shard in self.shards[1:]]
-        futures = [self.executors[r].submit(self._guarded, rest, r, picks[r]) for r in range(1, self.tp)]
+        futures = [self.executors[r].submit(self._guarded, work, r, picks[r]) for r in range(1, self.tp)]
         errors = []
         outs = [None] * self.tp
         try:
-            outs[0] = self._guarded(first, picks[0])
+            outs[0] = self._guarded(work, 0, picks[0])
         except Exception as exc:
             errors.append(exc)
         for r, f in enumerate(futures, start=1):
@@ -309,18 +309,17 @@ class TPWorker:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> torch.Tensor:
-        forward = lambda r, picks: self.shards[r].forward(batch, picks)  # noqa: E731
-        return self._run(batch, prev, lambda picks: forward(0, picks), forward)[0]
+        return self._run(batch, prev, lambda r, picks: self.shards[r].forward(batch, picks))[0]
 
     @torch.inference_mode()
     def launch(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> SampledTokens | None:
         """Every shard runs the forward pass (they meet in the all-reduces). Shard 0 samples;
         for an all-greedy batch every shard takes the same argmax of the same gathered
         logits, so the next step's tokens are on each device without a copy between them."""
-        first = lambda picks: self.shards[0].launch(batch, picks)  # noqa: E731
         if batch.sampling is None or not batch.sampling.all_greedy or batch.prompt_lp_pos:
-            return self._run(batch, prev, first, lambda r, picks: self.shards[r].forward(batch, picks))[0]
-        outs = self._run(batch, prev, first, lambda r, picks: self.shards[r].launch(batch, picks, to_host=False))
+            return self._run(batch, prev, lambda r, picks: (self.shards[r].launch(batch, picks) if r == 0 else
+                                                            self.shards[r].forward(batch, picks)))[0]
+        outs = self._run(batch, prev, lambda r, picks: self.shards[r].launch(batch, picks, to_host=r == 0))
         if outs[0] is not None:
             outs[0].shard_tokens = [o.tokens for o in outs]
         return outs[0]
