@@ -68,9 +68,10 @@ def _decode_stage1(
     has = lsum > 0
     out = acc / tl.where(has, lsum, 1.0)[:, None]
     lse = tl.where(has, m + tl.log(tl.where(has, lsum, 1.0)), float("-inf"))
-    tl.store(MidO + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + offs_d[None, :], out,
-             mask=mask_g[:, None] & mask_d[None, :])
-    tl.store(MidLse + b * stride_lb + heads * stride_lh + sp, lse, mask=mask_g)
+    tl.store(MidO + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + offs_d[None, :],
+             out.to(MidO.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+    if SPLITS > 1:  # (one split: MidO is the output itself, nothing to merge)
+        tl.store(MidLse + b * stride_lb + heads * stride_lh + sp, lse, mask=mask_g)
 
 
 @triton.jit
@@ -104,13 +105,16 @@ def decode_attention(
     """``q`` [B, H, D] (one token per request) -> [B, H, D]. ``rows``/``seq_lens`` [B] on the
     device; the launch shape depends only on B, so it can be captured in a CUDA graph.
     ``config``: stage 1's (tokens per tile, warps, pipeline stages) instead of the default
-    (benchmarks sweep them)."""
+    (benchmarks sweep them). With one split, stage 1 writes ``out`` itself and stage 2 does
+    not run."""
     B, H, D = q.shape
     Hkv = k_buf.shape[1]
     group = H // Hkv
     if out is None:
         out = torch.empty_like(q)
-    if mid_o is None:
+    if num_splits == 1:
+        mid_o, mid_lse = out[:, :, None], out
+    elif mid_o is None:
         mid_o = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(D)
@@ -122,6 +126,8 @@ def decode_attention(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, num_warps=warps, num_stages=stages,
     )
+    if num_splits == 1:
+        return out
     _decode_stage2[(B, H)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
