@@ -17,6 +17,8 @@ One run (random bf16 weights in Llama-3-8B's shape, no downloads) prints and wri
 - ``fused``: the one-row fusions at tp=1 and tp=2 shapes, 32 distinct weights per CUDA
   graph: the q/k/v GEMV + ``rope_store`` and the gate/up GEMV + ``silu_mul`` as two kernels
   against the fused kernel (``gemv_rope_store``, ``gemv_silu_mul``) swept over tiles;
+- ``rows``: the projections at 4..128 rows (decode batches), cuBLAS against
+  ``triton_ops.rows_linear`` swept over tiles, 32 distinct weights per CUDA graph;
 - ``extend``: the extend-attention kernel's tile configurations swept on 8 x 2048 against SDPA.
 
     python bench/decode_profile.py --out results/dir
@@ -330,6 +332,64 @@ def _time_fused(n: int, k: int, unfused, fused) -> dict:
     return row
 
 
+ROWS_M = (4, 16, 32, 64, 128)
+ROWS_TILES = [(32, 256, 4, 4, 1), (64, 256, 4, 3, 1), (64, 128, 4, 4, 1), (128, 128, 4, 3, 1), (128, 64, 8, 4, 1),
+              (64, 128, 4, 4, 2), (64, 128, 4, 4, 4), (128, 128, 4, 3, 2), (128, 128, 4, 3, 4), (128, 128, 8, 3, 4),
+              (128, 64, 4, 4, 4), (128, 64, 8, 4, 4), (128, 64, 4, 4, 8), (256, 64, 8, 3, 4), (64, 256, 4, 3, 2),
+              (32, 256, 4, 4, 2)]
+
+
+def section_rows(eng, ctx) -> dict:
+    """The decode step's projections at 4..128 rows (batch sizes), 32 distinct weights per
+    CUDA graph (nothing read from L2): cuBLAS (``F.linear``; gate/up followed by
+    ``silu_mul``) against ``triton_ops.rows_linear`` swept over tiles; microseconds per call,
+    the fraction of the copy bandwidth, and the best tile per shape and row count."""
+    cfg = eng.worker.model.cfg
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    shapes = {"qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h, False), "o": (h, cfg.num_heads * d, False),
+              "gate_up_silu": (2 * inter, h, True), "down": (h, inter, False),
+              "lm_head": (eng.worker.model.lm_head.weight.shape[0], h, False)}
+    res = {}
+    for name, (n, k, silu) in shapes.items():
+        copies = 4 if name == "lm_head" else 32
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        by = copies * n * k * 2
+        shape = res[name] = {"N_K": [n, k]}
+        for m in ROWS_M:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x, ws[0])
+            if silu:
+                ref = triton_ops.silu_mul(ref)
+            row = {}
+            t = time_graph(lambda ws=ws, x=x: [triton_ops.silu_mul(F.linear(x, w)) if silu else F.linear(x, w)
+                                               for w in ws])
+            row["cublas"] = (round(t / copies * 1e6, 2), round(by / t / ctx["copy"], 3))
+            for tiles in ROWS_TILES:
+                try:
+                    got = triton_ops.rows_linear(x, ws[0], silu=silu, tiles=tiles)
+                    err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+                    if tiles[4] > 1 and not all(torch.equal(got, triton_ops.rows_linear(x, ws[0], silu=silu, tiles=tiles))
+                                                for _ in range(20)):
+                        err = float("nan")  # (a split-K race would show as a result that varies)
+                    t = time_graph(lambda ws=ws, x=x, tiles=tiles: [triton_ops.rows_linear(x, w, silu=silu, tiles=tiles)
+                                                                    for w in ws])
+                except Exception as exc:  # (a tile that does not fit)
+                    row[str(tiles)] = repr(exc)[:80]
+                    continue
+                row[str(tiles)] = (round(t / copies * 1e6, 2), round(by / t / ctx["copy"], 3), round(err, 4))
+            ok = sorted((v[0], kk) for kk, v in row.items() if kk != "cublas" and isinstance(v, tuple))
+            row["best"] = ok[0][1] if ok else None
+            row["best_over_cublas"] = round(row["cublas"][0] / ok[0][0], 3) if ok else None
+            default = str(triton_ops.rows_tiles(m, n // 2 if silu else n, k))
+            row["default_over_cublas"] = (round(row["cublas"][0] / row[default][0], 3)
+                                          if isinstance(row.get(default), tuple) else None)
+            shape[f"M{m}"] = row
+            print(f"rows {name} M{m}", json.dumps(row), flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return res
+
+
 def section_extend(eng, ctx) -> dict:
     from radixd.core.attention import triton_kernels as tk
 
@@ -383,7 +443,7 @@ def main() -> int:
     ctx["kv_per_tok"] = gpu_bench.pool_kv_bytes_per_token(eng)
     summary = {"copy_TBps": round(ctx["copy"] / 1e12, 3), "model": args.model}
     fns = {"step": section_step, "kernels": section_kernels, "attn": section_attn, "gemv": section_gemv,
-           "shapes": section_shapes,
+           "shapes": section_shapes, "rows": section_rows,
            "fused": section_fused, "extend": section_extend}
     for name in args.sections.split(","):
         t = time.perf_counter()

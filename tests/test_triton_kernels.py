@@ -254,12 +254,54 @@ def test_linear_uses_gemv_for_one_cuda_row(monkeypatch):
 
     calls = []
     monkeypatch.setattr(triton_ops, "gemv", lambda x, w, b=None: calls.append(x.shape) or F.linear(x, w, b))
+    monkeypatch.setattr(triton_ops, "rows_linear", lambda x, w, b=None: calls.append(("rows", *x.shape)) or F.linear(x, w, b))
     layer = torch.nn.Linear(64, 32, bias=False).to(DEV, torch.bfloat16 if GPU else torch.float32)
-    for rows in (1, 3):
+    for rows in (1, 3, triton_ops.ROWS_MAX_M + 1):
         x = torch.randn(rows, 64, device=DEV).to(layer.weight.dtype)
         assert torch.equal(triton_ops.linear(x, layer), layer(x))
-    # one CUDA row of a 16-bit model takes the kernel; CPU and several rows use the module
-    assert calls == ([(1, 64)] if GPU else [])
+    # one CUDA row of a 16-bit model takes the GEMV, a few the rows kernel; CPU and many rows
+    # use the module
+    assert calls == ([(1, 64), ("rows", 3, 64)] if GPU else [])
+    monkeypatch.setattr(triton_ops, "ROWS_KERNEL", False)
+    calls.clear()
+    triton_ops.linear(torch.randn(3, 64, device=DEV).to(layer.weight.dtype), layer)
+    assert calls == []
+
+
+ROWS_CASES = ([(3, 37, 96, False, False), (17, 40, 64, True, False), (5, 24, 80, False, True), (2, 70, 48, False, False)]
+              if not GPU else
+              [(2, 6144, 4096, False, False), (17, 4096, 4096, True, False), (64, 14336, 4096, False, True),
+               (128, 4096, 14336, False, False), (33, 1536, 576, True, False), (64, 2048, 4096, False, True)])
+
+
+@pytest.mark.parametrize("m,n,k,bias,silu", ROWS_CASES)
+def test_rows_linear_kernel(m, n, k, bias, silu):
+    from radixd.core import triton_ops
+    from radixd.core.triton_ops import rows_linear
+
+    dtype = torch.bfloat16 if GPU else torch.float32
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).to(DEV, dtype)
+    w = (torch.randn(2 * n if silu else n, k, generator=g) / k**0.5).to(DEV, dtype)
+    b = torch.randn(n, generator=g).to(DEV, dtype) if bias else None
+    ref = F.linear(x.double(), w.double(), b.double() if bias else None)
+    if silu:
+        gate, up = ref.chunk(2, dim=-1)
+        ref = F.silu(gate) * up
+    out = torch.full((m + 1, n), float("nan"), device=DEV, dtype=dtype)  # a wider buffer: rows past m untouched
+    got = rows_linear(x, w, b, silu=silu, out=out[:m])
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert rel_err(got, ref) < (2e-2 if GPU else 1e-6)
+    assert out[m].isnan().all()
+    # K split over programs (the last of a tile's programs sums the slices), uneven K
+    # slices and tiles smaller than the rows (through the interpreter)
+    for tiles in [(64, 128, 4, 3, 4), (32, 256, 4, 3, 3)] if GPU else [(16, 32, 4, 1, 1), (16, 32, 4, 1, 3)]:
+        got = rows_linear(x, w, b, silu=silu, tiles=tiles)
+        assert rel_err(got, ref) < (2e-2 if GPU else 1e-6), tiles
+    for _, count in triton_ops._rows_scratch.values():
+        assert not count.any()  # the arrival counters are back to zero for the next launch
+    again = rows_linear(x, w, b, silu=silu, tiles=tiles)
+    assert torch.equal(again, got)  # the same sum whichever program of a tile finishes last
 
 
 def test_rope_store_kernel():

@@ -245,9 +245,13 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, *, tiles: tuple[int, in
 
 
 def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    """``silu_mul(linear(x, layer))``: one kernel for one CUDA row (``gemv_silu_mul``)."""
-    if FUSE_ONE_ROW and isinstance(layer, torch.nn.Linear) and layer.bias is None and one_row(x, layer.weight):
-        return gemv_silu_mul(x, layer.weight)
+    """``silu_mul(linear(x, layer))``: one kernel for one CUDA row (``gemv_silu_mul``) and
+    for a few (``rows_linear``, where it beats cuBLAS)."""
+    if isinstance(layer, torch.nn.Linear) and layer.bias is None:
+        if FUSE_ONE_ROW and one_row(x, layer.weight):
+            return gemv_silu_mul(x, layer.weight)
+        if few_rows(x, layer.weight, silu=True):
+            return rows_linear(x, layer.weight, silu=True)
     return silu_mul(linear(x, layer))
 
 
@@ -299,6 +303,144 @@ def gemv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return q
 
 
+@triton.jit
+def _rows_kernel(X, W, B, Y, Part, Count, M, N, K, stride_xm, stride_w, stride_ym, HALF,
+                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Y[:M, tile] = X[:M] @ W[tile].T for one tile of BLOCK_N weight rows and all M (<=
+    BLOCK_M) rows of X, accumulated as W-tile x X-tile.T (the weights are the wide side of the
+    product). With SILU, W is (gate | up) with HALF rows each: the tile's gate rows and the
+    matching up rows are read, and Y gets SiLU(gate) * up.
+
+    SPLIT_K > 1: program (tile, s) sums the s-th of SPLIT_K slices of K and leaves it in
+    ``Part``; the tile's last program to finish (``Count``, a per-tile arrival counter it
+    sets back to 0) adds the slices in order and writes Y, so one launch does the whole
+    product and the result does not depend on which program came last."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = split * k_per
+    k_hi = tl.minimum(k_lo + k_per, K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # (SILU only)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w_ptrs = W + offs_n[:, None] * stride_w + offs_k[None, :]
+        x_ptrs = X + offs_m[None, :] * stride_xm + offs_k[:, None]
+        if EVEN_K:
+            mask_w = mask_n[:, None]
+            mask_x = mask_m[None, :]
+        else:
+            mask_w = mask_n[:, None] & (offs_k[None, :] < k_hi)
+            mask_x = mask_m[None, :] & (offs_k[:, None] < k_hi)
+        x = tl.load(x_ptrs, mask=mask_x, other=0.0)
+        acc = tl.dot(tl.load(w_ptrs, mask=mask_w, other=0.0), x, acc)
+        if SILU:
+            acc_up = tl.dot(tl.load(w_ptrs + HALF * stride_w, mask=mask_w, other=0.0), x, acc_up)
+    last = True
+    if SPLIT_K > 1:
+        parts = 2 if SILU else 1
+        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
+        mine = Part + ((pid * SPLIT_K + split) * parts) * (BLOCK_N * BLOCK_M) + tile
+        tl.store(mine, acc)
+        if SILU:
+            tl.store(mine + BLOCK_N * BLOCK_M, acc_up)
+        tl.debug_barrier()  # every thread's slice stored before the arrival is counted
+        last = tl.atomic_add(Count + pid, 1, sem="acq_rel") == SPLIT_K - 1
+        if last:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                src = Part + ((pid * SPLIT_K + s) * parts) * (BLOCK_N * BLOCK_M) + tile
+                acc += tl.load(src, cache_modifier=".cg")
+                if SILU:
+                    acc_up += tl.load(src + BLOCK_N * BLOCK_M, cache_modifier=".cg")
+            tl.store(Count + pid, 0)
+    if last:
+        if HAS_BIAS:
+            acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        if SILU:  # (rounded as the unfused projection's output would be)
+            g = acc.to(Y.dtype.element_ty).to(tl.float32)
+            acc = g / (1.0 + tl.exp(-g)) * acc_up.to(Y.dtype.element_ty).to(tl.float32)
+        tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty),
+                 mask=mask_n[:, None] & mask_m[None, :])
+
+
+ROWS_KERNEL = True  # False: several rows always go through cuBLAS (benchmarks compare)
+ROWS_MAX_M = 128
+ROWS_SCRATCH = 1 << 23  # fp32 partial sums per device and stream for split-K launches (32 MiB)
+_rows_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rows_tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int] | None:
+    """(weight rows per program, K per iteration, warps, pipeline stages, K splits) for
+    ``rows_linear`` at ``m`` rows of a projection to ``n`` outputs from ``k``; None where
+    cuBLAS is faster."""
+    if m > ROWS_MAX_M:
+        return None
+    return 64, 128, 4, 4, 1
+
+
+def few_rows(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = False) -> bool:
+    """Whether ``x @ weight.T`` is 2..ROWS_MAX_M CUDA rows of a 16-bit model with a tile for
+    its shape (``rows_tiles``): the ``rows_linear`` path."""
+    if not (ROWS_KERNEL and x.is_cuda and x.dim() == 2 and 1 < x.shape[0] <= ROWS_MAX_M and x.stride(1) == 1
+            and weight.stride(1) == 1 and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype):
+        return False
+    n = weight.shape[0] // 2 if silu else weight.shape[0]
+    return rows_tiles(x.shape[0], n, x.shape[1]) is not None
+
+
+def _split_scratch(device: torch.device, need: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The device's (and stream's) split-K partials and per-tile arrival counters (zero
+    between launches), made on first use; None if ``need`` floats or ``tiles`` counters do
+    not fit, or if it would have to be made during CUDA graph capture."""
+    cuda = device.type == "cuda"
+    key = (device, torch.cuda.current_stream(device).stream_id if cuda else 0)
+    have = _rows_scratch.get(key)
+    if have is None:
+        if cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        have = _rows_scratch[key] = (torch.empty(ROWS_SCRATCH, dtype=torch.float32, device=device),
+                                     torch.zeros(ROWS_SCRATCH // 1024, dtype=torch.int32, device=device))
+    if need > have[0].numel() or tiles > have[1].numel():
+        return None
+    return have
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu: bool = False,
+                tiles: tuple[int, int, int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a few rows ``x`` [M, K] (``silu``: ``silu_mul`` of
+    it, ``weight`` being the fused (gate | up) projection) in one kernel that streams each
+    weight tile once past all M rows, K split over several programs per tile where the tiles
+    alone are too few for the device. ``tiles``: ``rows_tiles``' tuple (benchmarks sweep)."""
+    assert not (silu and bias is not None), "the fused gate/up projection has no bias"
+    m, k = x.shape
+    n = weight.shape[0] // 2 if silu else weight.shape[0]
+    bn, bk, warps, stages, split = tiles or rows_tiles(m, n, k) or (64, 128, 4, 4, 1)
+    block_m = max(16, triton.next_power_of_2(m))
+    grid_n = triton.cdiv(n, bn)
+    scratch = None
+    if split > 1:
+        scratch = _split_scratch(x.device, grid_n * split * (2 if silu else 1) * bn * block_m, grid_n)
+        if scratch is None:
+            if tiles is not None:
+                raise ValueError(f"no split-K scratch for {split} splits of {grid_n} tiles of {bn} x {block_m}")
+            split = 1
+    part, count = scratch if scratch is not None else (x, x)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _rows_kernel[(grid_n, split)](
+        x, weight, bias if bias is not None else weight, out, part, count, m, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), n, HAS_BIAS=bias is not None, SILU=silu, EVEN_K=k % (bk * split) == 0, SPLIT_K=split,
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return out
+
+
 def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     """``layer(x)``; a single CUDA row of a 16-bit model goes through ``gemv`` (an
     ``nn.Linear`` only: other heads, e.g. tensor parallel's, are called as they are)."""
@@ -308,9 +450,12 @@ def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
 
 
 def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through ``gemv`` for a single CUDA row of a 16-bit model."""
+    """``F.linear(x, weight, bias)``, through ``gemv`` for a single CUDA row of a 16-bit model
+    and ``rows_linear`` for a few rows where it beats cuBLAS."""
     if one_row(x, weight):
         return gemv(x, weight, bias)
+    if few_rows(x, weight):
+        return rows_linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
 
 
