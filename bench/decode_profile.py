@@ -333,10 +333,11 @@ def _time_fused(n: int, k: int, unfused, fused) -> dict:
 
 
 ROWS_M = (4, 16, 32, 64, 128)
+ROWS_WIN = 1.02  # --rows-write keeps a tile only if it beats cuBLAS by this much
 ROWS_TILES = [(32, 256, 4, 4, 1), (64, 256, 4, 3, 1), (64, 128, 4, 4, 1), (128, 128, 4, 3, 1), (128, 64, 8, 4, 1),
-              (64, 128, 4, 4, 2), (64, 128, 4, 4, 4), (128, 128, 4, 3, 2), (128, 128, 4, 3, 4), (128, 128, 8, 3, 4),
-              (128, 64, 4, 4, 4), (128, 64, 8, 4, 4), (128, 64, 4, 4, 8), (256, 64, 8, 3, 4), (64, 256, 4, 3, 2),
-              (32, 256, 4, 4, 2)]
+              (64, 128, 4, 4, 2), (64, 128, 4, 4, 4), (64, 256, 4, 3, 2), (128, 128, 8, 3, 4), (64, 64, 4, 3, 4),
+              (64, 64, 4, 4, 2), (64, 64, 4, 3, 8), (32, 128, 4, 3, 4), (32, 64, 4, 4, 4), (64, 128, 4, 2, 4),
+              (128, 64, 4, 3, 2), (64, 64, 8, 4, 4), (32, 128, 4, 3, 2), (64, 128, 4, 3, 3), (128, 64, 8, 3, 2)]
 
 
 def section_rows(eng, ctx) -> dict:
@@ -349,29 +350,32 @@ def section_rows(eng, ctx) -> dict:
     shapes = {"qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h, False), "o": (h, cfg.num_heads * d, False),
               "gate_up_silu": (2 * inter, h, True), "down": (h, inter, False),
               "lm_head": (eng.worker.model.lm_head.weight.shape[0], h, False)}
-    res = {}
+    if ctx["rows_shapes"]:
+        shapes = {name: shapes[name] for name in ctx["rows_shapes"]}
+    tile_list = ctx["rows_tiles"] or ROWS_TILES
+    res, tuned = {}, {}
     for name, (n, k, silu) in shapes.items():
         copies = 4 if name == "lm_head" else 32
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         by = copies * n * k * 2
         shape = res[name] = {"N_K": [n, k]}
-        for m in ROWS_M:
+        for m in ctx["rows_m"] or ROWS_M:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, ws[0])
             if silu:
                 ref = triton_ops.silu_mul(ref)
             row = {}
-            t = time_graph(lambda ws=ws, x=x: [triton_ops.silu_mul(F.linear(x, w)) if silu else F.linear(x, w)
+            t = time_graph(lambda ws=ws, x=x, silu=silu: [triton_ops.silu_mul(F.linear(x, w)) if silu else F.linear(x, w)
                                                for w in ws])
             row["cublas"] = (round(t / copies * 1e6, 2), round(by / t / ctx["copy"], 3))
-            for tiles in ROWS_TILES:
+            for tiles in tile_list:
                 try:
                     got = triton_ops.rows_linear(x, ws[0], silu=silu, tiles=tiles)
                     err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
                     if tiles[4] > 1 and not all(torch.equal(got, triton_ops.rows_linear(x, ws[0], silu=silu, tiles=tiles))
                                                 for _ in range(20)):
                         err = float("nan")  # (a split-K race would show as a result that varies)
-                    t = time_graph(lambda ws=ws, x=x, tiles=tiles: [triton_ops.rows_linear(x, w, silu=silu, tiles=tiles)
+                    t = time_graph(lambda ws=ws, x=x, tiles=tiles, silu=silu: [triton_ops.rows_linear(x, w, silu=silu, tiles=tiles)
                                                                     for w in ws])
                 except Exception as exc:  # (a tile that does not fit)
                     row[str(tiles)] = repr(exc)[:80]
@@ -380,13 +384,21 @@ def section_rows(eng, ctx) -> dict:
             ok = sorted((v[0], kk) for kk, v in row.items() if kk != "cublas" and isinstance(v, tuple))
             row["best"] = ok[0][1] if ok else None
             row["best_over_cublas"] = round(row["cublas"][0] / ok[0][0], 3) if ok else None
-            default = str(triton_ops.rows_tiles(m, n // 2 if silu else n, k))
+            default = str(triton_ops.rows_tiles(m, n // 2 if silu else n, k, silu=silu))
+            row["default"] = default
             row["default_over_cublas"] = (round(row["cublas"][0] / row[default][0], 3)
                                           if isinstance(row.get(default), tuple) else None)
             shape[f"M{m}"] = row
             print(f"rows {name} M{m}", json.dumps(row), flush=True)
+            win = row["best"] and row["best_over_cublas"] >= ROWS_WIN
+            key = triton_ops.rows_shape_key(n // 2 if silu else n, k, silu)
+            tuned.setdefault(key, {})[str(m)] = list({str(t): t for t in tile_list}[row["best"]]) if win else None
         del ws
         torch.cuda.empty_cache()
+    if ctx["rows_write"]:
+        table = json.loads(triton_ops.ROWS_TUNED.read_text()) if triton_ops.ROWS_TUNED.exists() else {}
+        table.setdefault(torch.cuda.get_device_name(), {}).update(tuned)
+        Path(ctx["rows_write"]).write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     return res
 
 
@@ -432,11 +444,19 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="llama3-8b", choices=sorted(gpu_bench.SHAPES))
     ap.add_argument("--sections", default="step,kernels,gemv,extend")
+    ap.add_argument("--rows-m", default="", help=f"rows section: row counts (default {','.join(map(str, ROWS_M))})")
+    ap.add_argument("--rows-shapes", default="", help="rows section: some of qkv,o,gate_up_silu,down,lm_head")
+    ap.add_argument("--rows-tiles", default="", help="rows section: JSON list of [rows, K step, warps, stages, splits]")
+    ap.add_argument("--rows-write", default="", help="rows section: write radixd/core/tuned/rows_linear.json with "
+                    "this GPU's fastest tiles per shape and row count (None where cuBLAS is within 2%%) to this path")
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     import asyncio
     loop = asyncio.new_event_loop()
-    ctx = {"loop": loop}
+    ctx = {"loop": loop, "rows_m": [int(m) for m in args.rows_m.split(",") if m],
+           "rows_shapes": [s for s in args.rows_shapes.split(",") if s],
+           "rows_tiles": [tuple(t) for t in json.loads(args.rows_tiles)] if args.rows_tiles else None,
+           "rows_write": args.rows_write}
     gpu_bench.ceilings(None, ctx)
     ctx["copy"] = ctx["copy_Bps"]
     eng = gpu_bench.engine(gpu_bench.checkpoint_dir(args.model), max_running_requests=64)

@@ -255,6 +255,7 @@ def test_linear_uses_gemv_for_one_cuda_row(monkeypatch):
     calls = []
     monkeypatch.setattr(triton_ops, "gemv", lambda x, w, b=None: calls.append(x.shape) or F.linear(x, w, b))
     monkeypatch.setattr(triton_ops, "rows_linear", lambda x, w, b=None: calls.append(("rows", *x.shape)) or F.linear(x, w, b))
+    monkeypatch.setattr(triton_ops, "rows_tiles", lambda m, n, k, **kw: (32, 64, 4, 2, 1))  # (as if measured)
     layer = torch.nn.Linear(64, 32, bias=False).to(DEV, torch.bfloat16 if GPU else torch.float32)
     for rows in (1, 3, triton_ops.ROWS_MAX_M + 1):
         x = torch.randn(rows, 64, device=DEV).to(layer.weight.dtype)
@@ -266,6 +267,40 @@ def test_linear_uses_gemv_for_one_cuda_row(monkeypatch):
     calls.clear()
     triton_ops.linear(torch.randn(3, 64, device=DEV).to(layer.weight.dtype), layer)
     assert calls == []
+
+
+def test_rows_tiles_come_from_the_measured_table(monkeypatch):
+    from radixd.core import triton_ops
+
+    table = {"4096x14336": {"16": [64, 128, 4, 4, 4], "64": [64, 256, 4, 3, 2], "128": None},
+             "14336x4096 silu": {"4": [128, 128, 4, 3, 1]}}
+    monkeypatch.setattr(triton_ops, "_tuned_rows", lambda device: table)
+    cpu = torch.device("cpu")
+    assert triton_ops.rows_tiles(2, 4096, 14336, device=cpu) == (64, 128, 4, 4, 4)
+    assert triton_ops.rows_tiles(16, 4096, 14336, device=cpu) == (64, 128, 4, 4, 4)
+    assert triton_ops.rows_tiles(17, 4096, 14336, device=cpu) == (64, 256, 4, 3, 2)  # next measured bucket up
+    assert triton_ops.rows_tiles(100, 4096, 14336, device=cpu) is None  # cuBLAS was as fast there
+    assert triton_ops.rows_tiles(4, 14336, 4096, silu=True, device=cpu) == (128, 128, 4, 3, 1)
+    assert triton_ops.rows_tiles(5, 14336, 4096, silu=True, device=cpu) is None  # beyond the measured rows
+    assert triton_ops.rows_tiles(4, 14336, 4096, device=cpu) is None  # the plain product was not measured
+    assert triton_ops.rows_tiles(4, 4096, 4096, device=cpu) is None  # nor this shape
+    assert triton_ops.rows_tiles(triton_ops.ROWS_MAX_M + 1, 4096, 14336, device=cpu) is None
+
+
+def test_tuned_rows_table_is_well_formed():
+    import json
+
+    from radixd.core import triton_ops
+
+    table = json.loads(triton_ops.ROWS_TUNED.read_text())
+    assert table, "no GPU measured"
+    for gpu, shapes in table.items():
+        for key, buckets in shapes.items():
+            n, k = map(int, key.split()[0].split("x"))
+            assert key == triton_ops.rows_shape_key(n, k, key.endswith(" silu")), (gpu, key)
+            for m, tiles in buckets.items():
+                assert 1 < int(m) <= triton_ops.ROWS_MAX_M, (gpu, key, m)
+                assert tiles is None or (len(tiles) == 5 and all(t > 0 for t in tiles)), (gpu, key, m, tiles)
 
 
 ROWS_CASES = ([(3, 37, 96, False, False), (17, 40, 64, True, False), (5, 24, 80, False, True), (2, 70, 48, False, False)]

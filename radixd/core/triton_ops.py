@@ -17,6 +17,10 @@ small torch ops, with torch fallbacks used on CPU:
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
@@ -373,26 +377,54 @@ def _rows_kernel(X, W, B, Y, Part, Count, M, N, K, stride_xm, stride_w, stride_y
 ROWS_KERNEL = True  # False: several rows always go through cuBLAS (benchmarks compare)
 ROWS_MAX_M = 128
 ROWS_SCRATCH = 1 << 23  # fp32 partial sums per device and stream for split-K launches (32 MiB)
+ROWS_TUNED = Path(__file__).with_name("tuned") / "rows_linear.json"
 _rows_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def rows_tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int] | None:
+def rows_shape_key(n: int, k: int, silu: bool) -> str:
+    return f"{n}x{k}" + (" silu" if silu else "")
+
+
+@functools.cache
+def _tuned_rows(device: torch.device) -> dict:
+    """The measured ``rows_linear`` tiles for ``device``'s GPU model (``ROWS_TUNED``, written
+    by ``bench/decode_profile.py --sections rows --rows-write``): shape key -> {row bucket:
+    tiles or None}."""
+    if device.type != "cuda":
+        return {}
+    table = json.loads(ROWS_TUNED.read_text()) if ROWS_TUNED.exists() else {}
+    return table.get(torch.cuda.get_device_name(device), {})
+
+
+def rows_tiles(m: int, n: int, k: int, *, silu: bool = False,
+               device: torch.device | None = None) -> tuple[int, int, int, int, int] | None:
     """(weight rows per program, K per iteration, warps, pipeline stages, K splits) for
-    ``rows_linear`` at ``m`` rows of a projection to ``n`` outputs from ``k``; None where
-    cuBLAS is faster."""
+    ``rows_linear`` at ``m`` rows of a projection to ``n`` outputs from ``k`` on ``device``
+    (default: the current CUDA device): the tiles measured fastest for the smallest measured
+    row count >= ``m``; None where cuBLAS was as fast or the GPU or shape was not measured
+    (tiles that suit one GPU and shape can lose to cuBLAS on another)."""
     if m > ROWS_MAX_M:
         return None
-    return 64, 128, 4, 4, 1
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    buckets = _tuned_rows(device).get(rows_shape_key(n, k, silu))
+    if not buckets:
+        return None
+    fits = [b for b in map(int, buckets) if b >= m]
+    if not fits:
+        return None
+    tiles = buckets[str(min(fits))]
+    return tuple(tiles) if tiles else None
 
 
 def few_rows(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = False) -> bool:
-    """Whether ``x @ weight.T`` is 2..ROWS_MAX_M CUDA rows of a 16-bit model with a tile for
-    its shape (``rows_tiles``): the ``rows_linear`` path."""
+    """Whether ``x @ weight.T`` is 2..ROWS_MAX_M CUDA rows of a 16-bit model with measured
+    tiles for its shape (``rows_tiles``): the ``rows_linear`` path."""
     if not (ROWS_KERNEL and x.is_cuda and x.dim() == 2 and 1 < x.shape[0] <= ROWS_MAX_M and x.stride(1) == 1
             and weight.stride(1) == 1 and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype):
         return False
     n = weight.shape[0] // 2 if silu else weight.shape[0]
-    return rows_tiles(x.shape[0], n, x.shape[1]) is not None
+    return rows_tiles(x.shape[0], n, x.shape[1], silu=silu, device=x.device) is not None
 
 
 def _split_scratch(device: torch.device, need: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -421,7 +453,7 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     assert not (silu and bias is not None), "the fused gate/up projection has no bias"
     m, k = x.shape
     n = weight.shape[0] // 2 if silu else weight.shape[0]
-    bn, bk, warps, stages, split = tiles or rows_tiles(m, n, k) or (64, 128, 4, 4, 1)
+    bn, bk, warps, stages, split = tiles or rows_tiles(m, n, k, silu=silu, device=x.device) or (64, 128, 4, 4, 1)
     block_m = max(16, triton.next_power_of_2(m))
     grid_n = triton.cdiv(n, bn)
     scratch = None
