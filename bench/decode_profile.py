@@ -27,6 +27,7 @@ One run (random bf16 weights in Llama-3-8B's shape, no downloads) prints and wri
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import json
 import sys
@@ -353,12 +354,12 @@ def section_rows(eng, ctx) -> dict:
     if ctx["rows_shapes"]:
         shapes = {name: shapes[name] for name in ctx["rows_shapes"]}
     tile_list = ctx["rows_tiles"] or ROWS_TILES
-    res, tuned = {}, {}
+    res = {}
     for name, (n, k, silu) in shapes.items():
         copies = 4 if name == "lm_head" else 32
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         by = copies * n * k * 2
-        shape = res[name] = {"N_K": [n, k]}
+        shape = res[name] = {"N_K": [n, k], "silu": silu}
         for m in ctx["rows_m"] or ROWS_M:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, ws[0])
@@ -390,16 +391,29 @@ def section_rows(eng, ctx) -> dict:
                                           if isinstance(row.get(default), tuple) else None)
             shape[f"M{m}"] = row
             print(f"rows {name} M{m}", json.dumps(row), flush=True)
-            win = row["best"] and row["best_over_cublas"] >= ROWS_WIN
-            key = triton_ops.rows_shape_key(n // 2 if silu else n, k, silu)
-            tuned.setdefault(key, {})[str(m)] = list({str(t): t for t in tile_list}[row["best"]]) if win else None
         del ws
         torch.cuda.empty_cache()
     if ctx["rows_write"]:
         table = json.loads(triton_ops.ROWS_TUNED.read_text()) if triton_ops.ROWS_TUNED.exists() else {}
-        table.setdefault(torch.cuda.get_device_name(), {}).update(tuned)
-        Path(ctx["rows_write"]).write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        table.setdefault(torch.cuda.get_device_name(), {}).update(rows_table(res))
+        path = Path(ctx["rows_write"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     return res
+
+
+def rows_table(res: dict) -> dict:
+    """``triton_ops.ROWS_TUNED``'s entries for one GPU from the rows section's results: per
+    shape and row count, the fastest tiles if they beat cuBLAS by ROWS_WIN, else None."""
+    tuned = {}
+    for shape in res.values():
+        (n, k), silu = shape["N_K"], shape["silu"]
+        key = triton_ops.rows_shape_key(n // 2 if silu else n, k, silu)
+        for m, row in shape.items():
+            if m.startswith("M"):
+                win = row["best"] and row["best_over_cublas"] >= ROWS_WIN
+                tuned.setdefault(key, {})[m[1:]] = list(ast.literal_eval(row["best"])) if win else None
+    return tuned
 
 
 def section_extend(eng, ctx) -> dict:
