@@ -8,7 +8,8 @@
 #   tests     the GPU-marked tests (Triton kernels at real shapes, fused decode vs unfused and
 #             vs the torch backend, the peer-to-peer all-reduce); WHEELS=DIR installs test
 #             packages the machine lacks (pytest-asyncio) into a private directory first
-#   gpu       bench/gpu_bench.py: ceilings, correctness, one-row fusions, decode at batch 1, 64
+#   gpu       bench/gpu_bench.py: ceilings, correctness, one-row fusions, the few-row GEMM
+#             kernel on/off at batch 16 and 64, decode at batch 1, 64
 #   full      bench/gpu_bench.py, every section, with the transformers peer (PEER=path to
 #             hf_baseline.py)
 #   profile   bench/decode_profile.py: the batch-1 step's device time and kernel families,
@@ -36,7 +37,7 @@ for part in $PARTS; do
     tail -3 "$W/tests.txt"
     unset PYTHONPATH ;;
   gpu)
-    python3 bench/gpu_bench.py --out "$W/gpu" --sections ceilings,correct,fusions,decode --batches 1,64 \
+    python3 bench/gpu_bench.py --out "$W/gpu" --sections ceilings,correct,fusions,rows,decode --batches 1,64 \
         > "$W/gpu.log" 2>&1
     grep '^==' "$W/gpu.log" | cut -c1-900 ;;
   profile)

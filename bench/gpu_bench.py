@@ -12,6 +12,7 @@ and the run goes on):
              GPU idle share between decode steps at batch 64 (CUDA events around each step)
   fusions    batch-1 decode with the one-row fusions (the GEMV epilogues: SiLU*up, rotary +
              KV store) on and off
+  rows       decode at batch 16 and 64 with the few-row GEMM kernel on and off (cuBLAS)
   prefill    8 x 2048-token prompts: tokens/s and the fraction of the measured matmul rate
   shared     shared-prefix workload in-process: radix on/off x fcfs/lpm
   kernels    decode attention bandwidth vs copy bandwidth; extend attention vs torch SDPA
@@ -262,35 +263,47 @@ def fusions(args, ctx) -> dict:
     """Batch-1 decode tokens/s with the one-row fusions on and off, alternating, twice each
     (a fresh engine each: graphs are captured with the switch as it is), each the best of
     three 128-token runs."""
+    return _switch_ab(ctx, "FUSE_ONE_ROW", 1)
+
+
+def rows(args, ctx) -> dict:
+    """Decode tokens/s at batch 16 and 64 with the few-row GEMM kernel (``rows_linear``) on
+    and off (cuBLAS), as ``fusions`` compares its switch."""
+    return {f"batch_{bs}": _switch_ab(ctx, "ROWS_KERNEL", bs) for bs in (16, 64)}
+
+
+def _switch_ab(ctx, switch: str, batch: int) -> dict:
+    """Decode tokens/s (512-token prompts, 128 new tokens) at ``batch`` with
+    ``triton_ops.<switch>`` on and off, alternating twice; each the best of three runs."""
     from radixd.core import triton_ops
 
-    saved = triton_ops.FUSE_ONE_ROW
+    saved = getattr(triton_ops, switch)
     rng = random.Random(2)
-    prompt = [rng.randrange(100, VOCAB_HI) for _ in range(512)]
+    prompts = [[rng.randrange(100, VOCAB_HI) for _ in range(512)] for _ in range(batch)]
     out: dict = {"on": [], "off": []}
     loop = asyncio.new_event_loop()
     try:
-        for fused in (True, False, True, False):
-            triton_ops.FUSE_ONE_ROW = fused
-            eng = engine(ctx["path"], max_running_requests=4, kv_cache_tokens=16384)
+        for on in (True, False, True, False):
+            setattr(triton_ops, switch, on)
+            eng = engine(ctx["path"], max_running_requests=max(4, batch), kv_cache_tokens=max(16384, batch * 704))
             try:
                 if "read_bytes" not in ctx:
                     ctx["read_bytes"] = read_bytes(eng)
                     ctx["kv_per_tok"] = pool_kv_bytes_per_token(eng)
                 best = 0.0
                 for _ in range(3):
-                    r = loop.run_until_complete(_run_batch(eng, [prompt], 128))
-                    best = max(best, 127 / (r["end"] - r["all_first"]))
+                    r = loop.run_until_complete(_run_batch(eng, prompts, 128))
+                    best = max(best, batch * 127 / (r["end"] - r["all_first"]))
             finally:
                 loop.run_until_complete(eng.stop())
                 eng = None
                 free()
-            out["on" if fused else "off"].append(round(best, 1))
-        roof = 1 / ((ctx["read_bytes"] + 576 * ctx["kv_per_tok"]) / ctx["copy_Bps"])
+            out["on" if on else "off"].append(round(best, 1))
+        roof = batch / ((ctx["read_bytes"] + batch * 576 * ctx["kv_per_tok"]) / ctx["copy_Bps"])
         for k in ("on", "off"):
             out[f"{k}_roofline_fraction"] = round(max(out[k]) / roof, 3)
     finally:
-        triton_ops.FUSE_ONE_ROW = saved
+        setattr(triton_ops, switch, saved)
         loop.close()
     return out
 
@@ -452,7 +465,7 @@ def peer(args, ctx) -> dict:
     return out
 
 
-SECTIONS = {"ceilings": ceilings, "correct": correct, "decode": decode, "fusions": fusions, "prefill": prefill,
+SECTIONS = {"ceilings": ceilings, "correct": correct, "decode": decode, "fusions": fusions, "rows": rows, "prefill": prefill,
             "shared": shared, "kernels": kernels, "peer": peer}
 
 
