@@ -13,6 +13,11 @@ small torch ops, with torch fallbacks used on CPU:
   the element-wise step pairs: gate and up, or a head's two rotary halves), so a decode step
   at batch 1 launches two kernels fewer per layer. ``FUSE_ONE_ROW = False`` turns that off
   (benchmarks compare both).
+* ``rows_linear``: a projection of 2..128 rows (a decode batch), each weight tile streamed
+  once past all rows, K split over programs where the tiles are too few, SiLU*up in the
+  epilogue for the gate/up projection; taken only for the GPU models and shapes where a sweep
+  measured it faster than cuBLAS (``tuned/rows_linear.json``). ``ROWS_KERNEL = False`` turns
+  it off.
 """
 
 from __future__ import annotations
