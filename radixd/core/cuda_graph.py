@@ -43,6 +43,9 @@ class DecodeGraphs:
             block[LEN].fill_(1)
         self.logits_idx = torch.arange(self.buckets[-1], dtype=torch.int64, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Warm-up and capture on one stream: what a kernel makes on first use for its stream
+        # (rows_linear's split-K scratch) exists before capture.
+        self.stream = torch.cuda.Stream(dev)
         if not deferred:
             self.warm_up()
             self.capture()
@@ -57,7 +60,7 @@ class DecodeGraphs:
         """Every bucket's forward twice outside capture (autotuning, lazy initialisation),
         largest first so scratch buffers never regrow; returns with the device idle."""
         dev = self.pool.device
-        stream = torch.cuda.Stream(dev)
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for bs in reversed(self.buckets):
@@ -71,7 +74,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         dev = self.pool.device
         mempool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(dev)
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for bs in reversed(self.buckets):

@@ -381,9 +381,9 @@ def _rows_kernel(X, W, B, Y, Part, Count, M, N, K, stride_xm, stride_w, stride_y
 
 ROWS_KERNEL = True  # False: several rows always go through cuBLAS (benchmarks compare)
 ROWS_MAX_M = 128
-ROWS_SCRATCH = 1 << 23  # fp32 partial sums per device for split-K launches (32 MiB)
+ROWS_SCRATCH = 1 << 22  # fp32 partial sums per stream for split-K launches (16 MiB)
 ROWS_TUNED = Path(__file__).with_name("tuned") / "rows_linear.json"
-_rows_scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_rows_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def rows_shape_key(n: int, k: int, silu: bool) -> str:
@@ -433,16 +433,18 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = False) -> bo
 
 
 def _split_scratch(device: torch.device, need: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The device's split-K partials and per-tile arrival counters (zero between launches),
-    made on first use (a CUDA graph's warm-up, before capture); None if ``need`` floats or
-    ``tiles`` counters do not fit, or if they would have to be made during capture. One
-    set per device: a device runs one forward at a time (its worker's), so split-K launches
-    never overlap."""
-    have = _rows_scratch.get(device)
+    """The current stream's split-K partials and per-tile arrival counters (zero between
+    launches), made on its first use (for a CUDA graph: in the warm-up on the capture
+    stream); None if ``need`` floats or ``tiles`` counters do not fit, or if they would have
+    to be made during capture. One set per stream: launches on one stream never overlap, and
+    two engines on one device never share a stream."""
+    cuda = device.type == "cuda"
+    key = (device, torch.cuda.current_stream(device).stream_id if cuda else 0)
+    have = _rows_scratch.get(key)
     if have is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if cuda and torch.cuda.is_current_stream_capturing():
             return None
-        have = _rows_scratch[device] = (torch.empty(ROWS_SCRATCH, dtype=torch.float32, device=device),
+        have = _rows_scratch[key] = (torch.empty(ROWS_SCRATCH, dtype=torch.float32, device=device),
                                      torch.zeros(ROWS_SCRATCH // 1024, dtype=torch.int32, device=device))
     if need > have[0].numel() or tiles > have[1].numel():
         return None
