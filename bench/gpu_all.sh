@@ -14,7 +14,8 @@
 #             hf_baseline.py)
 #   profile   bench/decode_profile.py: the batch-1 step's device time and kernel families,
 #             the one-row fusions per shape (PROFILE=sections to choose others)
-#   tp dp     bench/multi_gpu_bench.py's sections (two GPUs)
+#   tp dp     bench/multi_gpu_bench.py's sections (two GPUs); MULTI_ARGS adds options (e.g.
+#             "--dp-workloads bench_shared_prefix --kv-tokens 0"), MAX_SECONDS its time limit
 set -u
 OUT=$1
 shift
@@ -51,7 +52,7 @@ for part in $PARTS; do
   tp|dp)  # dp streams every 8th token (a server's usual setting), tp every token
     interval=1; [ "$part" = dp ] && interval=8
     python3 bench/multi_gpu_bench.py --out "$W/$part" --sections "$part" --stream-interval $interval \
-        --max-seconds 280 > "$W/$part.log" 2>&1
+        --max-seconds "${MAX_SECONDS:-280}" ${MULTI_ARGS:-} > "$W/$part.log" 2>&1
     tail -4 "$W/$part.log" | cut -c1-600 ;;
   *) echo "unknown part: $part" ;;
   esac

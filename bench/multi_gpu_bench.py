@@ -13,7 +13,11 @@ Sections:
        * prefix_pressure: 48 system prompts of 3072 tokens, in 5 rounds (each round one
          question per system prompt, shuffled); all prefixes (147k tokens) do not fit one
          replica's pool (80k tokens), half of them do: cache_aware vs round_robin (and one GPU).
-       The round-robin runs reuse the dp=2 engine with its router switched to round_robin
+       * bench_shared_prefix (only with --dp-workloads naming it): `radixd bench`'s
+         shared-prefix workload at its defaults, 64 system prompts of 2048 tokens x 16
+         questions of 128 tokens, 256 new, all at once.
+       Every engine's pool holds 80k tokens at full size (--kv-tokens changes it; 0 sizes it
+       from free memory). The round-robin runs reuse the dp=2 engine with its router switched to round_robin
        (caches flushed between runs); every run starts from empty caches.
   tp   decode at batch 1 (512-token prompt, 256 new tokens, greedy): tp_size=1 vs tp_size=2
        (peer-to-peer all-reduce for decode) vs tp_size=2 with NCCL only, all with CUDA graphs
@@ -71,6 +75,11 @@ SHAPES = {
 SHARED = {"full": dict(groups=16, per_group=32, system=1024, question=64, new=128),
           "medium": dict(groups=8, per_group=8, system=256, question=16, new=8),
           "quick": dict(groups=4, per_group=4, system=64, question=8, new=8)}
+# `radixd bench`'s shared-prefix workload at its defaults (radixd/bench/workloads.py `build`:
+# 64 groups x 16 prompts, 2048-token system prompts, 128-token questions, 256 new tokens)
+BENCH_SHARED = {"full": dict(groups=64, per_group=16, system=2048, question=128, new=256),
+                "medium": dict(groups=16, per_group=8, system=256, question=16, new=16),
+                "quick": dict(groups=4, per_group=4, system=64, question=8, new=8)}
 PRESSURE = {"full": dict(groups=48, system=3072, question=32, new=32, rounds=5, kv_tokens=80_000),
             "medium": dict(groups=24, system=512, question=16, new=4, rounds=4, kv_tokens=8000),
             "quick": dict(groups=6, system=96, question=8, new=4, rounds=3, kv_tokens=400)}
@@ -114,7 +123,9 @@ class Run:
             kw.setdefault("max_running_requests", 256)
             kw.setdefault("max_prefill_tokens", 16384)
             kw.setdefault("chunked_prefill_size", 8192)
-        kw.setdefault("kv_cache_tokens", PRESSURE[self.size]["kv_tokens"])
+        kv = self.args.kv_tokens if self.args.kv_tokens is not None else PRESSURE[self.size]["kv_tokens"]
+        if kv:  # (0: the engine sizes the pool from free memory)
+            kw.setdefault("kv_cache_tokens", kv)
         kw.setdefault("stream_interval", self.args.stream_interval)
         t = time.perf_counter()
         # built-in plugins only: the figures are radixd's own, whatever else is installed
@@ -222,13 +233,19 @@ def best_of(loop, eng, rounds, new, reps: int) -> dict:
 # ----------------------------------------------------------------------------- sections
 
 
-def workloads(run: Run) -> dict:
-    rng = random.Random(3)
-    w = SHARED[run.size]
+def _shared(rng: random.Random, run: Run, w: dict) -> list[list[int]]:
+    """Every group's prompts (system prompt + a question), all at once, groups interleaved."""
     systems = [[rng.randrange(100, run.vocab_hi) for _ in range(w["system"])] for _ in range(w["groups"])]
     shared = [s + [rng.randrange(100, run.vocab_hi) for _ in range(w["question"])]
               for s in systems for _ in range(w["per_group"])]
     rng.shuffle(shared)
+    return shared
+
+
+def workloads(run: Run) -> dict:
+    rng = random.Random(3)
+    w = SHARED[run.size]
+    shared = _shared(rng, run, w)
     p = PRESSURE[run.size]
     psys = [[rng.randrange(100, run.vocab_hi) for _ in range(p["system"])] for _ in range(p["groups"])]
     pressure = []
@@ -236,7 +253,10 @@ def workloads(run: Run) -> dict:
         rnd = [s + [rng.randrange(100, run.vocab_hi) for _ in range(p["question"])] for s in psys]
         rng.shuffle(rnd)
         pressure.append(rnd)
-    return {"shared_prefix": ([shared], w["new"], w), "prefix_pressure": (pressure, p["new"], p)}
+    b = BENCH_SHARED[run.size]
+    loads = {"shared_prefix": ([shared], w["new"], w), "prefix_pressure": (pressure, p["new"], p),
+             "bench_shared_prefix": ([_shared(random.Random(4), run, b)], b["new"], b)}
+    return {name: loads[name] for name in run.args.dp_workloads.split(",")}
 
 
 def dp_section(run: Run, res: dict) -> None:
@@ -456,6 +476,12 @@ def main() -> int:
                     help="workload sizes (default: full on cuda, quick on cpu or with --quick)")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="the engines' stream_interval (tokens per update each consumer task is woken for)")
+    ap.add_argument("--dp-workloads", default="shared_prefix,prefix_pressure",
+                    help="dp section: some of shared_prefix, prefix_pressure, bench_shared_prefix (radixd "
+                         "bench's shared-prefix workload at its defaults)")
+    ap.add_argument("--kv-tokens", type=int, default=None,
+                    help="KV pool tokens per engine (replica) in every section (default: prefix_pressure's, "
+                         "80k at full size; 0: sized from free memory)")
     ap.add_argument("--max-seconds", type=int, default=540,
                     help="dump every thread's stack to OUT/stacks.txt and exit after this long (a hang, "
                          "e.g. in NCCL, still leaves the results so far)")

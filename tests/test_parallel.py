@@ -348,13 +348,14 @@ def test_multi_gpu_bench_runs_on_cpu(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "bench" / "multi_gpu_bench.py"
-    r = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--device", "cpu"],
+    r = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--device", "cpu",
+                        "--dp-workloads", "shared_prefix,prefix_pressure,bench_shared_prefix"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "multi_gpu.json").read_text())
     assert (tmp_path / "log.txt").read_text().count("== ") >= 3
     dp, tp = res["sections"]["dp"], res["sections"]["tp"]
-    for name in ("shared_prefix", "prefix_pressure"):
+    for name in ("shared_prefix", "prefix_pressure", "bench_shared_prefix"):
         c = dp[name]
         for run in ("one_gpu", "dp2_cache_aware", "dp2_round_robin"):
             assert c[run]["out_tok_s"] > 0 and 0.0 <= c[run]["hit_rate"] <= 1.0
@@ -364,6 +365,42 @@ def test_multi_gpu_bench_runs_on_cpu(tmp_path):
     assert dp["shared_prefix"]["dp2_cache_aware"]["hit_rate"] >= dp["shared_prefix"]["dp2_round_robin"]["hit_rate"]
     assert tp["tp1"]["decode_tok_s"] > 0 and tp["tp2"]["decode_tok_s"] > 0
     assert all(c["equal_prefix"] == c["steps"] for c in tp["greedy_tp2_vs_tp1"])
+
+
+def test_multi_gpu_bench_shared_prefix_is_radixd_benchs_default():
+    """The dp section's bench_shared_prefix at full size is `radixd bench`'s shared-prefix
+    workload with its defaults."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from radixd.bench.workloads import build
+
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("multi_gpu_bench", bench / "multi_gpu_bench.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(bench))
+
+    class WordTokenizer:  # one token per word
+        vocab: dict[str, int] = {}
+
+        def __call__(self, text, add_special_tokens=False):
+            return SimpleNamespace(input_ids=[self.vocab.setdefault(w, len(self.vocab)) for w in text.split()])
+
+        def decode(self, ids):
+            words = {i: w for w, i in self.vocab.items()}
+            return " ".join(words[i] for i in ids)
+
+    cfg = build("shared-prefix", WordTokenizer(), seed=0).config
+    full = mod.BENCH_SHARED["full"]
+    assert (cfg["groups"], cfg["prompts_per_group"], cfg["system_len"], cfg["question_len"]) == (
+        full["groups"], full["per_group"], full["system"], full["question"])
+    assert cfg["output_len"] == [full["new"], full["new"]]
 
 
 async def test_metrics_report_each_replica(tiny_models):
