@@ -255,7 +255,7 @@ def test_linear_uses_gemv_for_one_cuda_row(monkeypatch):
 
     calls = []
     monkeypatch.setattr(triton_ops, "gemv", lambda x, w, b=None: calls.append(x.shape) or F.linear(x, w, b))
-    monkeypatch.setattr(triton_ops, "rows_linear", lambda x, w, b=None: calls.append(("rows", *x.shape)) or F.linear(x, w, b))
+    monkeypatch.setattr(triton_ops, "rows_linear", lambda x, w, b=None, **kw: calls.append(("rows", *x.shape)) or F.linear(x, w, b))
     monkeypatch.setattr(triton_ops, "rows_tiles", lambda m, n, k, **kw: (32, 64, 4, 2, 1))  # (as if measured)
     layer = torch.nn.Linear(64, 32, bias=False).to(DEV, torch.bfloat16 if GPU else torch.float32)
     for rows in (1, 3, triton_ops.ROWS_MAX_M + 1):

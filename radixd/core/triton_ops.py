@@ -259,8 +259,9 @@ def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     if isinstance(layer, torch.nn.Linear) and layer.bias is None:
         if FUSE_ONE_ROW and one_row(x, layer.weight):
             return gemv_silu_mul(x, layer.weight)
-        if few_rows(x, layer.weight, silu=True):
-            return rows_linear(x, layer.weight, silu=True)
+        tiles = few_rows(x, layer.weight, silu=True)
+        if tiles:
+            return rows_linear(x, layer.weight, silu=True, tiles=tiles)
     return silu_mul(linear(x, layer))
 
 
@@ -381,6 +382,7 @@ def _rows_kernel(X, W, B, Y, Part, Count, M, N, K, stride_xm, stride_w, stride_y
 
 ROWS_KERNEL = True  # False: several rows always go through cuBLAS (benchmarks compare)
 ROWS_MAX_M = 128
+ROWS_DEFAULT_TILES = (64, 128, 4, 4, 1)  # rows_linear called directly where nothing was measured
 ROWS_SCRATCH = 1 << 22  # fp32 partial sums per stream for split-K launches (16 MiB)
 ROWS_TUNED = Path(__file__).with_name("tuned") / "rows_linear.json"
 _rows_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -422,14 +424,14 @@ def rows_tiles(m: int, n: int, k: int, *, silu: bool = False,
     return tuple(tiles) if tiles else None
 
 
-def few_rows(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = False) -> bool:
-    """Whether ``x @ weight.T`` is 2..ROWS_MAX_M CUDA rows of a 16-bit model with measured
-    tiles for its shape (``rows_tiles``): the ``rows_linear`` path."""
+def few_rows(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = False) -> tuple[int, int, int, int, int] | None:
+    """The ``rows_linear`` tiles for ``x @ weight.T`` if it is 2..ROWS_MAX_M CUDA rows of a
+    16-bit model with measured tiles for its shape (``rows_tiles``), else None."""
     if not (ROWS_KERNEL and x.is_cuda and x.dim() == 2 and 1 < x.shape[0] <= ROWS_MAX_M and x.stride(1) == 1
             and weight.stride(1) == 1 and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype):
-        return False
+        return None
     n = weight.shape[0] // 2 if silu else weight.shape[0]
-    return rows_tiles(x.shape[0], n, x.shape[1], silu=silu, device=x.device) is not None
+    return rows_tiles(x.shape[0], n, x.shape[1], silu=silu, device=x.device)
 
 
 def _split_scratch(device: torch.device, need: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -456,20 +458,20 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """``F.linear(x, weight, bias)`` for a few rows ``x`` [M, K] (``silu``: ``silu_mul`` of
     it, ``weight`` being the fused (gate | up) projection) in one kernel that streams each
     weight tile once past all M rows, K split over several programs per tile where the tiles
-    alone are too few for the device. ``tiles``: ``rows_tiles``' tuple (benchmarks sweep)."""
+    alone are too few for the device. ``tiles``: ``rows_tiles``' tuple (default: its choice,
+    or ROWS_DEFAULT_TILES where nothing was measured); a split that finds no scratch raises
+    rather than run unsplit."""
     assert not (silu and bias is not None), "the fused gate/up projection has no bias"
     m, k = x.shape
     n = weight.shape[0] // 2 if silu else weight.shape[0]
-    bn, bk, warps, stages, split = tiles or rows_tiles(m, n, k, silu=silu, device=x.device) or (64, 128, 4, 4, 1)
+    bn, bk, warps, stages, split = tiles or rows_tiles(m, n, k, silu=silu, device=x.device) or ROWS_DEFAULT_TILES
     block_m = max(16, triton.next_power_of_2(m))
     grid_n = triton.cdiv(n, bn)
     scratch = None
     if split > 1:
         scratch = _split_scratch(x.device, grid_n * split * (2 if silu else 1) * bn * block_m, grid_n)
         if scratch is None:
-            if tiles is not None:
-                raise ValueError(f"no split-K scratch for {split} splits of {grid_n} tiles of {bn} x {block_m}")
-            split = 1
+            raise ValueError(f"no split-K scratch for {split} splits of {grid_n} tiles of {bn} x {block_m}")
     part, count = scratch if scratch is not None else (x, x)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -493,8 +495,9 @@ def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     and ``rows_linear`` for a few rows where it beats cuBLAS."""
     if one_row(x, weight):
         return gemv(x, weight, bias)
-    if few_rows(x, weight):
-        return rows_linear(x, weight, bias)
+    tiles = few_rows(x, weight)
+    if tiles:
+        return rows_linear(x, weight, bias, tiles=tiles)
     return torch.nn.functional.linear(x, weight, bias)
 
 
