@@ -17,8 +17,9 @@ Sections:
          shared-prefix workload at its defaults, 64 system prompts of 2048 tokens x 16
          questions of 128 tokens, 256 new, all at once.
        Every engine's pool holds 80k tokens at full size (--kv-tokens changes it; 0 sizes it
-       from free memory). The round-robin runs reuse the dp=2 engine with its router switched to round_robin
-       (caches flushed between runs); every run starts from empty caches.
+       from free memory). The round-robin runs reuse the dp=2 engine with its router
+       switched to round_robin (caches flushed between runs); every run starts from empty
+       caches.
   tp   decode at batch 1 (512-token prompt, 256 new tokens, greedy): tp_size=1 vs tp_size=2
        (peer-to-peer all-reduce for decode) vs tp_size=2 with NCCL only, all with CUDA graphs
        (whether the tp=2 graphs were captured is reported); greedy tokens and logprobs of
@@ -242,21 +243,30 @@ def _shared(rng: random.Random, run: Run, w: dict) -> list[list[int]]:
     return shared
 
 
-def workloads(run: Run) -> dict:
-    rng = random.Random(3)
-    w = SHARED[run.size]
-    shared = _shared(rng, run, w)
-    p = PRESSURE[run.size]
+def _pressure(rng: random.Random, run: Run, p: dict) -> list[list[list[int]]]:
+    """Rounds of one question per system prompt, each round shuffled."""
     psys = [[rng.randrange(100, run.vocab_hi) for _ in range(p["system"])] for _ in range(p["groups"])]
-    pressure = []
+    rounds = []
     for _ in range(p["rounds"]):
         rnd = [s + [rng.randrange(100, run.vocab_hi) for _ in range(p["question"])] for s in psys]
         rng.shuffle(rnd)
-        pressure.append(rnd)
-    b = BENCH_SHARED[run.size]
-    loads = {"shared_prefix": ([shared], w["new"], w), "prefix_pressure": (pressure, p["new"], p),
-             "bench_shared_prefix": ([_shared(random.Random(4), run, b)], b["new"], b)}
-    return {name: loads[name] for name in run.args.dp_workloads.split(",")}
+        rounds.append(rnd)
+    return rounds
+
+
+def workloads(run: Run) -> dict:
+    """name -> (rounds of prompts, new tokens, spec), for the names --dp-workloads asks."""
+    w, p, b = SHARED[run.size], PRESSURE[run.size], BENCH_SHARED[run.size]
+
+    def pressure():  # (drawn after shared_prefix's prompts from one generator, as always)
+        rng = random.Random(3)
+        _shared(rng, run, w)
+        return _pressure(rng, run, p)
+
+    build = {"shared_prefix": lambda: ([_shared(random.Random(3), run, w)], w["new"], w),
+             "prefix_pressure": lambda: (pressure(), p["new"], p),
+             "bench_shared_prefix": lambda: ([_shared(random.Random(4), run, b)], b["new"], b)}
+    return {name: build[name]() for name in run.args.dp_workloads.split(",")}
 
 
 def dp_section(run: Run, res: dict) -> None:
