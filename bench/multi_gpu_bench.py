@@ -28,6 +28,9 @@ Sections:
        peer kernel vs NCCL, inside CUDA graphs on both GPUs.
   tpprofile  a tp=2 batch-1 decode under torch.profiler: kernel time per step by family on
        each GPU against the wall time per step.
+  replicas  (one GPU) the shared-prefix workloads named in --dp-workloads, cascade attention
+       off and on: the whole workload, and the share one dp=2 replica serves under cache-aware
+       routing (half the groups) and under round robin (every other request).
 
 --device cpu runs the same logic with tiny shapes on CPU workers (a smoke test of the script).
 """
@@ -128,6 +131,7 @@ class Run:
         if kv:  # (0: the engine sizes the pool from free memory)
             kw.setdefault("kv_cache_tokens", kv)
         kw.setdefault("stream_interval", self.args.stream_interval)
+        kw.setdefault("cascade_attention", self.args.cascade == "on")
         t = time.perf_counter()
         # built-in plugins only: the figures are radixd's own, whatever else is installed
         pm = make_plugin_manager(load_entry_points=False)
@@ -234,13 +238,16 @@ def best_of(loop, eng, rounds, new, reps: int) -> dict:
 # ----------------------------------------------------------------------------- sections
 
 
-def _shared(rng: random.Random, run: Run, w: dict) -> list[list[int]]:
-    """Every group's prompts (system prompt + a question), all at once, groups interleaved."""
+def _shared(rng: random.Random, run: Run, w: dict, groups: list[int] | None = None) -> list[list[int]]:
+    """Every group's prompts (system prompt + a question), all at once, groups interleaved;
+    ``groups`` (if given) receives each prompt's group."""
     systems = [[rng.randrange(100, run.vocab_hi) for _ in range(w["system"])] for _ in range(w["groups"])]
-    shared = [s + [rng.randrange(100, run.vocab_hi) for _ in range(w["question"])]
-              for s in systems for _ in range(w["per_group"])]
+    shared = [(g, s + [rng.randrange(100, run.vocab_hi) for _ in range(w["question"])])
+              for g, s in enumerate(systems) for _ in range(w["per_group"])]
     rng.shuffle(shared)
-    return shared
+    if groups is not None:
+        groups[:] = [g for g, _ in shared]
+    return [p for _, p in shared]
 
 
 def _pressure(rng: random.Random, run: Run, p: dict) -> list[list[list[int]]]:
@@ -267,6 +274,47 @@ def workloads(run: Run) -> dict:
              "prefix_pressure": lambda: (pressure(), p["new"], p),
              "bench_shared_prefix": lambda: ([_shared(random.Random(4), run, b)], b["new"], b)}
     return {name: build[name]() for name in run.args.dp_workloads.split(",")}
+
+
+def replicas_section(run: Run, res: dict) -> None:
+    """One GPU: the share of a dp=2 run that one replica serves under each router, cascade
+    attention off and on. Cache-aware routing keeps a group's requests together (replica 0:
+    the even groups), round robin deals every other request. Each share runs alone from
+    empty caches (a dp=2 replica runs alone on its GPU, but the two replicas share one
+    process's host loop, which this does not)."""
+    names = [n for n in run.args.dp_workloads.split(",") if n in ("shared_prefix", "bench_shared_prefix")]
+    specs = {"shared_prefix": (SHARED[run.size], 3), "bench_shared_prefix": (BENCH_SHARED[run.size], 4)}
+    loop = asyncio.new_event_loop()
+    warm = [[5, 6, 7, 8, 9] * 4] * 2
+
+    def shares(eng, cascade: bool):
+        loop.run_until_complete(run_batch(eng, warm, 4))
+        for name in names:
+            w, seed = specs[name]
+            groups: list[int] = []
+            prompts = _shared(random.Random(seed), run, w, groups)
+            parts = {"whole": prompts,
+                     "cache_aware_share": [p for p, g in zip(prompts, groups, strict=True) if g % 2 == 0],
+                     "round_robin_share": prompts[0::2]}
+            out = res.setdefault(name, {"workload": w}).setdefault("cascade" if cascade else "plain", {})
+            for part, ps in parts.items():
+                out[part] = best_of(loop, eng, [ps], w["new"], 1)
+                run.log(f"replicas {name} cascade={cascade} {part}: {json.dumps(out[part])}")
+                run.save()
+            out["cache_aware_over_round_robin"] = round(
+                out["round_robin_share"]["seconds"] / out["cache_aware_share"]["seconds"], 3)
+            run.log(f"replicas {name} cascade={cascade}: cache_aware/round_robin (share time) "
+                    f"{out['cache_aware_over_round_robin']}x")
+
+    try:
+        for cascade in (False, True):
+            run.with_engine(loop, lambda eng, c=cascade: shares(eng, c), cascade_attention=cascade)
+    finally:
+        loop.close()
+    for name in names:
+        r = res[name]
+        r["cascade_over_plain_whole"] = round(r["plain"]["whole"]["seconds"] / r["cascade"]["whole"]["seconds"], 3)
+        run.log(f"replicas {name}: cascade/plain on the whole workload {r['cascade_over_plain_whole']}x")
 
 
 def dp_section(run: Run, res: dict) -> None:
@@ -472,7 +520,9 @@ def profile_decode(loop, eng, run: Run, tp: int, ProfilerActivity, profile) -> d
     return out
 
 
-SECTIONS = {"dp": dp_section, "tp": tp_section, "allreduce": allreduce_section, "tpprofile": tpprofile_section}
+SECTIONS = {"dp": dp_section, "tp": tp_section, "allreduce": allreduce_section, "tpprofile": tpprofile_section,
+            "replicas": replicas_section}
+ONE_GPU_SECTIONS = {"replicas"}
 
 
 def main() -> int:
@@ -489,6 +539,8 @@ def main() -> int:
     ap.add_argument("--dp-workloads", default="shared_prefix,prefix_pressure",
                     help="dp section: some of shared_prefix, prefix_pressure, bench_shared_prefix (radixd "
                          "bench's shared-prefix workload at its defaults)")
+    ap.add_argument("--cascade", choices=["on", "off"], default="on",
+                    help="cascade attention in the dp and tp sections' engines (the config's default: on)")
     ap.add_argument("--kv-tokens", type=int, default=None,
                     help="KV pool tokens per engine (replica) in every section (default: prefix_pressure's, "
                          "80k at full size; 0: sized from free memory)")
@@ -501,7 +553,7 @@ def main() -> int:
     faulthandler.dump_traceback_later(args.max_seconds, exit=True, file=stacks)
     run.log(f"== multi_gpu_bench {time.strftime('%Y-%m-%d %H:%M:%S')} {json.dumps(run.results['env'])}")
     run.save()
-    if not run.cpu and torch.cuda.device_count() < 2:
+    if not run.cpu and torch.cuda.device_count() < 2 and not set(args.sections.split(",")) <= ONE_GPU_SECTIONS:
         run.results["error"] = f"needs 2 CUDA devices, sees {torch.cuda.device_count()}"
         run.log(run.results["error"])
         run.save()

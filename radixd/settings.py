@@ -52,6 +52,7 @@ class ModelSection:
     device: str = _f("auto", choices=DEVICES)
     attention_backend: str = _f("auto", choices=ATTENTION_BACKENDS)
     cuda_graphs: bool = _f(True)
+    cascade_attention: bool = _f(True)
     cache_dir: str = _f("")
     max_context_len: int = _f(0, min=0)
 
@@ -210,6 +211,7 @@ class Settings:
             device=m.device,
             attention_backend=m.attention_backend,
             cuda_graphs=m.cuda_graphs,
+            cascade_attention=m.cascade_attention,
             mem_fraction=mem.mem_fraction,
             cache_dir=m.cache_dir or None,
             kv_cache_bytes=mem.kv_cache_bytes or None,

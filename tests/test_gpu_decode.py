@@ -88,3 +88,34 @@ async def test_few_row_kernel_decode_matches_cublas_and_torch(tiny_models, monke
         rows = await greedy_runs(tiny_models["llama"], prompts, max_new, cuda_graphs=True)
         assert calls and True in calls and False in calls  # the gate/up (SiLU) and the plain projections
         assert_same_greedy(rows, cublas)
+
+
+async def test_cascade_decode_matches_plain_decode_with_graphs_and_eager(tiny_models):
+    """Eleven requests: eight share a 300-token system prompt (one cascade item), three do
+    not; as they finish the batch shrinks through buckets. Cascade (graph replays and eager)
+    gives the tokens and logprobs of decoding every request alone, and of the torch backend."""
+    from radixd.core.cuda_graph import DecodeGraphs
+
+    system = [(7 * i) % 250 + 2 for i in range(300)]
+    prompts = [system + list(range(3 + i, 10 + 2 * i)) for i in range(8)]
+    prompts += [list(range(5 + i, 40 + 9 * i)) for i in range(3)]
+    max_new = [6 + 3 * i for i in range(11)]
+    replays = []
+    real_run = DecodeGraphs.run
+
+    def counted(self, batch, prev, stager):
+        replays.append(batch.shared is not None and batch.batch_size in self.cascade_graphs)
+        return real_run(self, batch, prev, stager)
+
+    DecodeGraphs.run = counted
+    try:
+        cascade = await greedy_runs(tiny_models["llama"], prompts, max_new, cuda_graphs=True)
+    finally:
+        DecodeGraphs.run = real_run
+    assert any(replays) and not all(replays)  # cascade graphs replayed, and plain ones
+    eager = await greedy_runs(tiny_models["llama"], prompts, max_new, cuda_graphs=False)
+    plain = await greedy_runs(tiny_models["llama"], prompts, max_new, cuda_graphs=True, cascade_attention=False)
+    ref = await greedy_runs(tiny_models["llama"], prompts, max_new, attention_backend="torch", cuda_graphs=False)
+    assert_same_greedy(cascade, plain)
+    assert_same_greedy(eager, plain)
+    assert_same_greedy(cascade, ref)

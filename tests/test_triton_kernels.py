@@ -72,6 +72,80 @@ def test_decode_matches_reference(heads, kv_heads, dim, seq_lens, splits):
         assert rel_err(out[b], ref) < TOL
 
 
+def make_shared_pool(kv_heads, dim, dtype, groups, seed):
+    """A pool whose table rows share prefixes: ``groups`` lists (shared length, [own lengths]);
+    each group's rows point at the same slots for the shared part, then at their own."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(s + sum(own) for s, own in groups) + 7
+    kb = torch.randn(total, kv_heads, dim, generator=g).to(DEV, dtype)
+    vb = torch.randn(total, kv_heads, dim, generator=g).to(DEV, dtype)
+    perm = (torch.randperm(total - 1, generator=g) + 1).tolist()
+    n_rows = sum(len(own) for _, own in groups)
+    width = max(s + max(own) for s, own in groups) + 3
+    table = torch.zeros(n_rows + 1, width, dtype=torch.int64)
+    rows, seq_lens = [], []
+    for shared, own in groups:
+        prefix = [perm.pop() for _ in range(shared)]
+        for n in own:
+            r = len(rows) + 1
+            table[r, : shared + n] = torch.tensor(prefix + [perm.pop() for _ in range(n)])
+            rows.append(r)
+            seq_lens.append(shared + n)
+    return kb, vb, table.to(DEV), rows, seq_lens
+
+
+CASCADE_GROUPS = {
+    # (kv heads, heads, dim): (shared length, own lengths of its members) per group; a group
+    # of one is a request in no item
+    "small": (2, 4, 32, [(128, [1, 5, 70]), (64, [3, 3]), (0, [40]), (200, [1, 9])]),
+    "real": (8, 32, 128, [(2048, [1, 128, 300, 17]), (1024, [64] * 20), (0, [700]), (512, [1, 2])]),
+}
+
+
+@pytest.mark.parametrize("case", ["real"] if GPU else ["small"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_cascade_decode_matches_plain_decode(case, splits):
+    """Each item's members read the shared prefix once; every request's output equals plain
+    split-KV decoding of its whole sequence (and the float64 reference)."""
+    from radixd.core.attention.triton_kernels import cascade_decode_attention, prefix_members
+
+    kv_heads, heads, dim, groups = CASCADE_GROUPS[case]
+    dtype = torch.bfloat16 if GPU else torch.float32
+    kb, vb, table, rows, seq_lens = make_shared_pool(kv_heads, dim, dtype, groups, seed=splits)
+    B = len(rows)
+    per_item = prefix_members(heads // kv_heads)
+    shares = [0] * B
+    items = []  # (row, shared length, members)
+    b = 0
+    for shared, own in groups:
+        mem = list(range(b, b + len(own)))
+        b += len(own)
+        if shared and len(mem) > 1:
+            for k in range(0, len(mem), per_item):  # a group larger than an item: several items
+                items.append((rows[mem[k]], shared, mem[k : k + per_item]))
+            for m in mem:
+                shares[m] = shared
+    n_slots = len(items) + 3  # unused item slots (length 0) must be skipped
+    members = torch.full((per_item, n_slots), -1, dtype=torch.int64)
+    for i, (_, _, mem) in enumerate(items):
+        members[: len(mem), i] = torch.tensor(mem)
+    item_rows = torch.tensor([r for r, _, _ in items] + [0] * 3, device=DEV)
+    item_lens = torch.tensor([n for _, n, _ in items] + [0] * 3, device=DEV)
+    q = torch.randn(B, heads, dim, device=DEV).to(dtype)
+    rows_t, lens_t = torch.tensor(rows, device=DEV), torch.tensor(seq_lens, device=DEV)
+    scale = dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    cascade_decode_attention(q, kb, vb, table, rows_t, lens_t, scale, torch.tensor(shares, device=DEV), item_rows,
+                             item_lens, members.to(DEV), num_splits=splits, prefix_splits=4, out=out)
+    assert not out.isnan().any()
+    plain = decode_attention(q, kb, vb, table, rows_t, lens_t, scale, num_splits=splits)
+    for b in range(B):
+        idx = table[rows[b], : seq_lens[b]]
+        ref = ref_attention(q[b][None], kb, vb, idx, torch.tensor([seq_lens[b] - 1], device=DEV), scale)[0]
+        assert rel_err(out[b], ref) < TOL, b
+        assert rel_err(out[b], plain[b].double()) < TOL, b
+
+
 EXTEND_TILES = [None, (16, 16, 4, 2, False), (16, 16, 4, 2, True)] + (list(triton_kernels.EXTEND_CONFIGS) if GPU else [])
 
 
@@ -124,6 +198,35 @@ async def test_engine_with_triton_backend_matches_transformers(tiny_models, arch
             assert_greedy_matches(path, p, got, 6)
     finally:
         await eng.stop()
+
+
+async def test_engine_decodes_shared_prefixes_in_cascade(tiny_models):
+    """Requests sharing a 260-token system prompt decode in cascade (one item, the prefix read
+    once per step); their greedy tokens equal transformers' (fp32)."""
+    import asyncio
+    import random
+
+    from test_engine import assert_greedy_matches, collect
+
+    from radixd import Engine
+
+    path = tiny_models["llama"]
+    rng = random.Random(3)
+    system = [rng.randrange(2, 256) for _ in range(260)]
+    ps = [system + [rng.randrange(2, 256) for _ in range(5 + i)] for i in range(3)]
+    eng = Engine(model=str(path), kv_cache_tokens=2048, attention_backend="triton", dtype="float32")
+    items = []
+    eng.step_hook = lambda step: (eng.check_accounting(), step.batch.shared and items.append(step.batch.shared))
+    try:
+        outs = await asyncio.gather(*(collect(eng, p, 5) for p in ps))
+    finally:
+        await eng.stop()
+    assert items, "no decode step ran in cascade"
+    # one item of every request in the step (the prefix rounded down to whole 64-token chunks)
+    assert all(sh.item_lens == [256] and sorted(sh.members[0]) == list(range(len(sh.shares))) for sh in items)
+    assert any(len(sh.shares) == 3 for sh in items)
+    for p, got in zip(ps, outs, strict=True):
+        assert_greedy_matches(path, p, got, 5)
 
 
 # ------------------------------------------------------------------------ fused element-wise ops

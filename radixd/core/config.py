@@ -40,6 +40,9 @@ class EngineConfig:
     mem_fraction: float = 0.85
     # Capture decode steps as CUDA graphs (batch-size buckets up to max_running_requests).
     cuda_graphs: bool = True
+    # Decode requests that share a cached prefix read its KV once for all of them (two-level
+    # "cascade" attention; the triton backend).
+    cascade_attention: bool = True
 
     # Radix cache.
     radix_cache: bool = True
@@ -146,6 +149,8 @@ class EngineConfig:
             raise ConfigError("stream_interval", self.stream_interval, "an integer >= 1")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError("cuda_graphs", self.cuda_graphs, "true or false")
+        if not isinstance(self.cascade_attention, bool):
+            raise ConfigError("cascade_attention", self.cascade_attention, "true or false")
         if not isinstance(self.radix_cache, bool):
             raise ConfigError("radix_cache", self.radix_cache, "true or false")
         self._check_tiers()

@@ -1,11 +1,14 @@
 """CUDA graphs of the decode forward pass, one per batch-size bucket.
 
-Each graph reads static device buffers: one [5, bucket] int64 block per bucket (token ids,
-positions, output slots, table rows, sequence lengths). A replay fills the block on the host
-in page-locked memory, padding the bucket with dummy requests (row 0, length 1, writing into
-the pool's padding slot 0), copies it with one transfer, writes the new slots into the
-table and the previous step's picks into the token ids from the block on the device, and
-returns the real rows' logits.
+Each graph reads static device buffers: one int64 block per bucket, [5, bucket] (token ids,
+positions, output slots, table rows, sequence lengths), with cascade attention followed by
+the shared-prefix items' rows (each request's shared length, the items' table rows and
+lengths, their members). A replay fills the block on the host in page-locked memory,
+padding the bucket with dummy requests (row 0, length 1, writing into the pool's padding
+slot 0), copies it with one transfer, writes the new slots into the table and the previous
+step's picks into the token ids from the block on the device, and returns the real rows'
+logits. With cascade attention each bucket (of two or more) has a second graph, replayed
+for batches with shared-prefix items (``ForwardBatch.shared``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from radixd.core.forward_batch import ForwardBatch
 
 IDS, POS, LOC, ROW, LEN = range(5)  # the rows of a bucket's input block
+SHARE, IROW, ILEN, MEM = range(5, 9)  # cascade: the items' rows (MEM: the first of M member rows)
 
 
 def buckets_up_to(max_batch: int) -> list[int]:
@@ -37,12 +41,16 @@ class DecodeGraphs:
         self.pool = pool
         self.buckets = buckets_up_to(max_batch)
         dev = pool.device
-        # Per bucket: the rows IDS, POS, LOC, ROW, LEN.
-        self.inputs = {bs: torch.zeros(5, bs, dtype=torch.int64, device=dev) for bs in self.buckets}
+        self.members = getattr(attn, "cascade_members", 0)
+        # Per bucket: the rows IDS, POS, LOC, ROW, LEN (and SHARE, IROW, ILEN, M x MEM).
+        height = MEM + self.members if self.members else 5
+        self.inputs = {bs: torch.zeros(height, bs, dtype=torch.int64, device=dev) for bs in self.buckets}
         for block in self.inputs.values():
             block[LEN].fill_(1)
+            block[MEM:].fill_(-1)
         self.logits_idx = torch.arange(self.buckets[-1], dtype=torch.int64, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.cascade_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Warm-up and capture on one stream: what a kernel makes on first use for its stream
         # (rows_linear's split-K scratch) exists before capture.
         self.stream = torch.cuda.Stream(dev)
@@ -50,9 +58,15 @@ class DecodeGraphs:
             self.warm_up()
             self.capture()
 
-    def _bucket_args(self, bs: int) -> tuple:
+    def _variants(self) -> list[tuple[int, bool]]:
+        """(bucket, cascade) of every graph, largest bucket first."""
+        return [(bs, c) for bs in reversed(self.buckets) for c in (False, True)
+                if not c or (self.members and bs >= 2)]
+
+    def _bucket_args(self, bs: int, cascade: bool = False) -> tuple:
         block = self.inputs[bs]
-        self.attn.set_decode(block[ROW], block[LEN], block[LOC])
+        shared = (block[SHARE], block[IROW], block[ILEN], block[MEM:]) if cascade else None
+        self.attn.set_decode(block[ROW], block[LEN], block[LOC], shared)
         return (block[IDS], block[POS], self.attn, self.logits_idx[:bs])
 
     @torch.inference_mode()
@@ -63,8 +77,8 @@ class DecodeGraphs:
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
-            for bs in reversed(self.buckets):
-                args = self._bucket_args(bs)
+            for bs, cascade in self._variants():
+                args = self._bucket_args(bs, cascade)
                 for _ in range(2):
                     self.model(*args)
         torch.cuda.current_stream(dev).wait_stream(stream)
@@ -77,12 +91,12 @@ class DecodeGraphs:
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
-            for bs in reversed(self.buckets):
-                args = self._bucket_args(bs)
+            for bs, cascade in self._variants():
+                args = self._bucket_args(bs, cascade)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=mempool, stream=stream, capture_error_mode=self.capture_error_mode):
                     out = self.model(*args)
-                self.graphs[bs] = (graph, out)
+                (self.cascade_graphs if cascade else self.graphs)[bs] = (graph, out)
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
 
@@ -96,10 +110,12 @@ class DecodeGraphs:
         step's picks for the batch's placeholders; ``stager``: this step's pinned arena."""
         b = batch.batch_size
         bs = self.buckets[bisect.bisect_left(self.buckets, b)]
-        block = self.inputs[bs]
-        staged = stager.host((5, bs), torch.int64)
+        shared = batch.shared if bs in self.cascade_graphs else None
+        height = self.inputs[bs].shape[0] if shared is not None else 5
+        block = self.inputs[bs][:height]
+        staged = stager.host((height, bs), torch.int64)
         if staged is None:
-            staged = torch.empty(5, bs, dtype=torch.int64)
+            staged = torch.empty(height, bs, dtype=torch.int64)
         staged[IDS, :b] = batch.input_ids
         staged[POS, :b] = batch.positions
         staged[LOC, :b] = batch.out_cache_loc
@@ -108,6 +124,8 @@ class DecodeGraphs:
         if bs > b:
             staged[:LEN, b:] = 0
             staged[LEN, b:] = 1
+        if shared is not None:
+            self._stage_items(staged, shared, b)
         block.copy_(staged, non_blocking=True)
         n_ph = len(batch.placeholder_pos)
         if n_ph and batch.placeholder_pos == batch.placeholder_src == list(range(n_ph)):
@@ -117,8 +135,21 @@ class DecodeGraphs:
             block[IDS][pos] = prev.tokens[src]
         if batch.write_new_slots:
             self.pool.req_to_token[block[ROW, :b], block[POS, :b]] = block[LOC, :b]
-        graph, out = self.graphs[bs]
+        graph, out = (self.cascade_graphs if shared is not None else self.graphs)[bs]
         graph.replay()
         if len(batch.sample_indices) == b:
             return out[:b]
         return out[:b].index_select(0, stager.to_device(batch.sample_indices))
+
+    def _stage_items(self, staged: torch.Tensor, shared, b: int) -> None:
+        """The shared-prefix items' rows of the host block (unused item slots: length 0)."""
+        n = len(shared.item_lens)
+        staged[SHARE:].zero_()
+        staged[MEM:].fill_(-1)
+        staged[SHARE, :b] = torch.tensor(shared.shares, dtype=torch.int64)
+        staged[IROW, :n] = torch.tensor(shared.item_rows, dtype=torch.int64)
+        staged[ILEN, :n] = torch.tensor(shared.item_lens, dtype=torch.int64)
+        cols = [i for i, mem in enumerate(shared.members) for _ in mem]
+        slots = [j for mem in shared.members for j in range(len(mem))]
+        staged[MEM + torch.tensor(slots), torch.tensor(cols)] = torch.tensor(
+            [x for mem in shared.members for x in mem], dtype=torch.int64)

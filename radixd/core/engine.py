@@ -193,6 +193,7 @@ class Replica:
         self.scheduler = Scheduler(config, allocator=self.allocator, rows=self.rows, cache=self.cache,
                                    policy=policy, eos_token_ids=eos_token_ids, context_len=context_len,
                                    tiers=tiers, vocab_size=vocab_size)
+        self.scheduler.cascade_members = getattr(worker, "cascade_members", 0)
         device = worker.device
         self.executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix=f"radixd-worker-{device}", initializer=bind_device, initargs=(device,))
@@ -273,7 +274,7 @@ class Engine:
         kw = dict(model_path=self.model_path, model_cfg=self.model_cfg, dtype=self.dtype,
                   load_format=self.config.load_format, attention_backend=backend, kv_slots=self._kv_slots,
                   max_rows=self.config.max_running_requests, max_context_len=self.context_len,
-                  cuda_graphs=self.config.cuda_graphs)
+                  cuda_graphs=self.config.cuda_graphs, cascade_attention=self.config.cascade_attention)
         if len(devices) > 1:
             from radixd.core.tensor_parallel import TPWorker
 

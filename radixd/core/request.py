@@ -61,6 +61,7 @@ class Request:
     kv_len: int = 0
     cached_len: int = 0
     last_node: TreeNode | None = None
+    share_chain: list[int] | None = None  # cascade.chain of slots[:cached_len] (None: recompute)
     pending_writes: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     finish_reason: str | None = None
     aborted: bool = False

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from radixd.core import cascade
 from radixd.core.config import EngineConfig
 from radixd.core.forward_batch import ForwardBatch, SamplingBatch, StepOutput
 from radixd.core.kv_pool import RowAllocator, SlotAllocator
@@ -78,6 +79,9 @@ class Scheduler:
         self.context_len = context_len
         self.vocab_size = vocab_size  # the logits' width (grammar masks)
         self.reserve_ratio = config.schedule_conservativeness
+        # Requests per shared-prefix item of a decode batch; 0: no cascade plan (set by the
+        # engine when its attention backend decodes in cascade).
+        self.cascade_members = 0
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished: list[Request] = []  # finished this step, for the engine to report
@@ -218,6 +222,7 @@ class Scheduler:
         r.row = self.rows.alloc()
         r.slots = match.slots
         r.kv_len = r.cached_len = hit
+        r.share_chain = None
         r.last_node = match.node
         r.pending_writes.append((0, match.slots))
         if r.cached_tokens is None:
@@ -367,6 +372,8 @@ class Scheduler:
             prompt_lp_pos=lp_pos,
             prompt_lp_target=lp_target,
         )
+        if self.cascade_members and decoding == len(plan) >= 2:
+            batch.shared = self._shared_prefixes(reqs, rows)
         batch.wait_events, self._load_events = self._load_events, []
         self.stats.steps += 1
         step = ScheduledStep(batch, reqs, sampled, pick_index=slots_of)
@@ -374,6 +381,15 @@ class Scheduler:
         step.prompt_lp_reqs = lp_reqs
         batch.placeholder_pos = ph_pos
         return step
+
+    def _shared_prefixes(self, reqs: list[Request], rows: list[int]) -> cascade.SharedPrefixes | None:
+        """Which requests of a decode batch read the same cached prefix (cascade decoding)."""
+        chains = []
+        for r in reqs:
+            if r.share_chain is None:
+                r.share_chain = cascade.chain(r.slots, r.cached_len)
+            chains.append(r.share_chain)
+        return cascade.plan(chains, rows, self.cascade_members)
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         # The requests' constant inputs (each computed once per request, see
@@ -512,6 +528,7 @@ class Scheduler:
                 self.cache.lock(match.node)
                 self.cache.unlock(r.last_node)
                 r.slots, r.last_node = match.slots, match.node
+                r.share_chain = None
                 r.pending_writes = [(0, match.slots)]  # the table row is rewritten on resume
         for r, invalid in uncached:
             self.cache.drop_unlocked_path(invalid, stop=r.last_node)
@@ -553,6 +570,7 @@ class Scheduler:
         r.slots = match.slots
         r.cached_len = r.kv_len
         r.last_node = match.node
+        r.share_chain = None
 
     def _release(self, r: Request) -> None:
         if r.row is None:
@@ -569,6 +587,7 @@ class Scheduler:
         r.last_node = None
         r.slots = torch.empty(0, dtype=torch.int64)
         r.kv_len = r.cached_len = 0
+        r.share_chain = None
         r.pending_writes.clear()
 
     def _preempt(self, r: Request) -> None:

@@ -173,7 +173,7 @@ class TPWorker:
 
     def __init__(self, *, devices: list[torch.device], model_path, model_cfg: ModelConfig, dtype: torch.dtype,
                  attention_backend: str, load_format: str, kv_slots, max_rows: int, max_context_len: int,
-                 cuda_graphs: bool = False, peer_all_reduce: bool = True):
+                 cuda_graphs: bool = False, cascade_attention: bool = False, peer_all_reduce: bool = True):
         tp = len(devices)
         self.devices = devices
         self.device = devices[0]
@@ -204,8 +204,10 @@ class TPWorker:
                 self.shards.append(ModelWorker(model_path=None, model=model, model_cfg=part_cfg, device=dev,
                                                dtype=dtype, attention_backend=attention_backend,
                                                kv_slots=lambda _free: num_slots, max_rows=max_rows,
-                                               max_context_len=max_context_len, cuda_graphs=cuda_graphs))
+                                               max_context_len=max_context_len, cuda_graphs=cuda_graphs,
+                                               cascade_attention=cascade_attention))
         self.pool = self.shards[0].pool
+        self.cascade_members = self.shards[0].cascade_members
         self.model = self.shards[0].model
         self.group = None if self.cuda else ThreadSum(tp)
         comms = self._init_nccl() if self.cuda else [None] * tp

@@ -35,6 +35,7 @@ class ModelWorker:
         max_rows: int,
         max_context_len: int,
         cuda_graphs: bool = False,
+        cascade_attention: bool = False,
         model: torch.nn.Module | None = None,
     ):
         """``model``: already built on ``device`` (a tensor-parallel shard; ``model_cfg`` is
@@ -66,7 +67,10 @@ class ModelWorker:
             num_heads=model_cfg.num_heads,
             head_dim=model_cfg.head_dim,
             scale=model_cfg.head_dim**-0.5,
+            cascade=cascade_attention,
         )
+        # requests per shared-prefix item of a decode batch (0: no cascade decoding)
+        self.cascade_members = getattr(self.attn, "cascade_members", 0)
         self.stager = Stager(device)
         self.graphs = None
         self.max_rows = max_rows

@@ -33,7 +33,10 @@ class AttentionBackend(Protocol):
         where it has not: the caller projects and calls ``forward``."""
 
 
-def make_backend(name: str, pool: KVPool, *, num_heads: int, head_dim: int, scale: float) -> AttentionBackend:
+def make_backend(name: str, pool: KVPool, *, num_heads: int, head_dim: int, scale: float,
+                 cascade: bool = False) -> AttentionBackend:
+    """``cascade``: decode batches whose requests share a cached prefix read it once per
+    item (``ForwardBatch.shared``; the ``triton`` backend; ``torch`` attends per request)."""
     if name == "torch":
         from radixd.core.attention.torch_backend import TorchAttention
 
@@ -41,5 +44,5 @@ def make_backend(name: str, pool: KVPool, *, num_heads: int, head_dim: int, scal
     if name == "triton":
         from radixd.core.attention.triton_backend import TritonAttention
 
-        return TritonAttention(pool, num_heads=num_heads, head_dim=head_dim, scale=scale)
+        return TritonAttention(pool, num_heads=num_heads, head_dim=head_dim, scale=scale, cascade=cascade)
     raise ValueError(f"attention backend {name!r} is not available (available: 'torch', 'triton')")

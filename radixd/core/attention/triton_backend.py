@@ -13,12 +13,18 @@ import torch
 import triton
 
 from radixd.core import triton_ops
-from radixd.core.attention.triton_kernels import decode_attention, extend_attention
+from radixd.core.attention.triton_kernels import (
+    cascade_decode_attention,
+    decode_attention,
+    extend_attention,
+    prefix_members,
+)
 from radixd.core.forward_batch import ForwardBatch
 from radixd.core.kv_pool import KVPool
 from radixd.core.triton_ops import gemv_rope_store, one_row, rope_store
 
 MIN_SPLITS, MAX_SPLITS = 1, 32
+PREFIX_SPLITS = 8  # cascade: splits of each shared prefix (an item's members share each split's reads)
 
 
 def decode_splits(batch: int, kv_heads: int, processors: int) -> int:
@@ -32,15 +38,19 @@ def decode_splits(batch: int, kv_heads: int, processors: int) -> int:
 
 
 class TritonAttention:
-    def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float):
+    def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float, cascade: bool = False):
         self.pool = pool
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
         dev = pool.device
         self.processors = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
-        self.num_splits = MAX_SPLITS
+        self.num_splits = MAX_SPLITS + PREFIX_SPLITS
         self.decode = False
+        self.shared = None
+        # Requests per shared-prefix item when decoding in cascade (ForwardBatch.shared);
+        # 0: cascade off (the scheduler then plans no items).
+        self.cascade_members = prefix_members(num_heads // pool.k_buffers[0].shape[1]) if cascade else 0
         self._mid: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _scratch(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,12 +66,17 @@ class TritonAttention:
         mid_o, mid_lse = self._mid[have]
         return mid_o[:batch], mid_lse[:batch]
 
-    def set_decode(self, rows: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
+    def set_decode(self, rows: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
+                   shared: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Decode steps read these device tensors; ``shared``: (shares [B], item rows [N],
+        item lengths [N], members [M, N]) to decode in cascade (``cascade_decode_attention``)."""
         self.decode = True
         self.rows, self.seq_lens, self.out_cache_loc = rows, seq_lens, out_cache_loc
+        self.shared = shared
         self.splits = decode_splits(rows.numel(), self.pool.k_buffers[0].shape[1], self.processors)
+        parts = self.splits + (PREFIX_SPLITS if shared is not None else 0)
         mid_o, mid_lse = self._scratch(rows.numel())
-        self.mid_o, self.mid_lse = mid_o[:, :, : self.splits], mid_lse[:, :, : self.splits]
+        self.mid_o, self.mid_lse = mid_o[:, :, :parts], mid_lse[:, :, :parts]
 
     def begin(self, batch: ForwardBatch, stage=None) -> None:
         stage = stage or (lambda t: torch.as_tensor(t, dtype=torch.int64).to(self.pool.device))
@@ -69,7 +84,7 @@ class TritonAttention:
         seq_lens = stage(batch.seq_lens)
         loc = stage(batch.out_cache_loc)
         if all(e == 1 for e in batch.extend_lens):
-            self.set_decode(rows, seq_lens, loc)
+            self.set_decode(rows, seq_lens, loc, self._stage_shared(batch, stage))
             return
         self.decode = False
         self.rows, self.out_cache_loc = rows, loc
@@ -80,6 +95,15 @@ class TritonAttention:
             starts.append(starts[-1] + e)
         self.q_starts = stage(starts)
         self.max_extend = max(batch.extend_lens)
+
+    def _stage_shared(self, batch: ForwardBatch, stage) -> tuple[torch.Tensor, ...] | None:
+        sh = batch.shared
+        if sh is None or not self.cascade_members:
+            return None
+        members = torch.full((self.cascade_members, len(sh.item_lens)), -1, dtype=torch.int64)
+        for i, mem in enumerate(sh.members):
+            members[: len(mem), i] = torch.tensor(mem, dtype=torch.int64)
+        return stage(sh.shares), stage(sh.item_rows), stage(sh.item_lens), stage(members)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 positions: torch.Tensor, rotary) -> torch.Tensor:
@@ -104,6 +128,12 @@ class TritonAttention:
         return self._decode(q, layer)
 
     def _decode(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.shared is not None:
+            shares, item_rows, item_lens, members = self.shared
+            return cascade_decode_attention(
+                q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token, self.rows,
+                self.seq_lens, self.scale, shares, item_rows, item_lens, members, num_splits=self.splits,
+                prefix_splits=PREFIX_SPLITS, mid_o=self.mid_o, mid_lse=self.mid_lse)
         return decode_attention(q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token,
                                 self.rows, self.seq_lens, self.scale, num_splits=self.splits, mid_o=self.mid_o,
                                 mid_lse=self.mid_lse)

@@ -18,23 +18,29 @@ import triton
 import triton.language as tl
 
 DECODE_CONFIG = (64, 4, 3)  # stage 1: tokens per tile, warps, pipeline stages
+PREFIX_CONFIG = (64, 4, 3)  # cascade's shared level: tokens per tile, warps, pipeline stages
+PREFIX_PROGRAMS = 64        # programs per (KV head, split) walking the shared-prefix items
 
 
 @triton.jit
 def _decode_stage1(
-    Q, K, V, Table, Rows, SeqLens, MidO, MidLse, scale,
+    Q, K, V, Table, Rows, SeqLens, Starts, MidO, MidLse, scale,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_tr,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+    HAS_START: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     row = tl.load(Rows + b)
     seq_len = tl.load(SeqLens + b)
-    split_len = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N  # whole tiles per split
-    start = sp * split_len
+    first = 0
+    if HAS_START:  # (cascade: the shared prefix before ``first`` is attended by _prefix_stage)
+        first = tl.load(Starts + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, SPLITS), BLOCK_N) * BLOCK_N  # whole tiles per split
+    start = first + sp * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_H)
@@ -70,20 +76,25 @@ def _decode_stage1(
     lse = tl.where(has, m + tl.log(tl.where(has, lsum, 1.0)), float("-inf"))
     tl.store(MidO + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + offs_d[None, :],
              out.to(MidO.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
-    if SPLITS > 1:  # (one split: MidO is the output itself, nothing to merge)
+    if WRITE_LSE:  # (one split: MidO is the output itself, nothing to merge)
         tl.store(MidLse + b * stride_lb + heads * stride_lh + sp, lse, mask=mask_g)
 
 
 @triton.jit
 def _decode_stage2(
-    MidO, MidLse, Out,
+    MidO, MidLse, Out, Shares,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    PREFIX_SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < SPLITS
+    if PREFIX_SPLITS > 0:  # a request in a shared-prefix item also has the prefix's partials
+        parts = tl.where(tl.load(Shares + b) > 0, SPLITS + PREFIX_SPLITS, SPLITS)
+        mask_s = offs_s < parts
+    else:
+        mask_s = offs_s < SPLITS
     lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
     mx = tl.max(lse, 0)
     w = tl.where(mask_s & (lse > float("-inf")), tl.exp(lse - mx), 0.0)
@@ -120,19 +131,144 @@ def decode_attention(
     block_d = triton.next_power_of_2(D)
     block_n, warps, stages = config if config is not None else DECODE_CONFIG
     _decode_stage1[(B, Hkv, num_splits)](
-        q, k_buf, v_buf, table, rows, seq_lens, mid_o, mid_lse, scale,
+        q, k_buf, v_buf, table, rows, seq_lens, seq_lens, mid_o, mid_lse, scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, num_warps=warps, num_stages=stages,
+        HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, HAS_START=False, WRITE_LSE=num_splits > 1,
+        num_warps=warps, num_stages=stages,
     )
     if num_splits == 1:
         return out
     _decode_stage2[(B, H)](
-        mid_o, mid_lse, out,
+        mid_o, mid_lse, out, seq_lens,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+        PREFIX_SPLITS=0,
+    )
+    return out
+
+
+def prefix_members(group: int) -> int:
+    """Requests per shared-prefix item: their query heads of one KV head make one tile of
+    (about) 64 rows against each K/V tile of the prefix."""
+    return max(1, 64 // group)
+
+
+@triton.jit
+def _prefix_stage(
+    Q, K, V, Table, ItemRows, ItemLens, Members, MidO, MidLse, scale, n_items,
+    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, stride_m,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    GROUP: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, SLOT0: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+):
+    """Cascade decoding, the shared level: the requests of one item share the KV of their
+    first ``ItemLens[i]`` positions (the same pool slots), so each K/V tile of it is read
+    once for all of them: a tile of (member, query head) rows against it. Partials go to
+    split slot ``SLOT0 + sp`` of each member, merged with its own suffix's by stage 2."""
+    p = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    offs_r = tl.arange(0, BLOCK_R)
+    member = offs_r // GROUP
+    heads = kvh * GROUP + offs_r % GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    for it in range(p, n_items, PROGRAMS):  # item slots past the last real one have length 0
+        length = tl.load(ItemLens + it)
+        if length > 0:
+            row = tl.load(ItemRows + it)
+            b = tl.load(Members + member * stride_m + it, mask=member < MEMBERS, other=-1)
+            valid = b >= 0
+            q = tl.load(Q + b[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                        mask=valid[:, None] & mask_d[None, :], other=0.0)
+            split_len = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+            start = sp * split_len
+            end = tl.minimum(start + split_len, length)
+            m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+            lsum = tl.zeros([BLOCK_R], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+            for n0 in range(start, end, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                mask_n = offs_n < end
+                slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0)
+                k = tl.load(K + slots[None, :] * stride_kn + kvh * stride_kh + offs_d[:, None],
+                            mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+                qk = tl.dot(q, k) * scale
+                qk = tl.where(valid[:, None] & mask_n[None, :], qk, float("-inf"))
+                m_new = tl.maximum(m, tl.max(qk, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                pr = tl.exp(qk - m_safe[:, None])
+                alpha = tl.exp(m - m_safe)
+                lsum = lsum * alpha + tl.sum(pr, 1)
+                v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :],
+                            mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+                m = m_new
+            has = lsum > 0
+            out = acc / tl.where(has, lsum, 1.0)[:, None]
+            lse = tl.where(has, m + tl.log(tl.where(has, lsum, 1.0)), float("-inf"))
+            slot = SLOT0 + sp
+            tl.store(MidO + b[:, None] * stride_ob + heads[:, None] * stride_oh + slot * stride_os + offs_d[None, :],
+                     out, mask=valid[:, None] & mask_d[None, :])
+            tl.store(MidLse + b * stride_lb + heads * stride_lh + slot, lse, mask=valid)
+
+
+def cascade_decode_attention(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, table: torch.Tensor,
+    rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, shares: torch.Tensor,
+    item_rows: torch.Tensor, item_lens: torch.Tensor, members: torch.Tensor, *,
+    num_splits: int, prefix_splits: int, out: torch.Tensor | None = None,
+    mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """Decode attention in two levels (cascade): the prefix shared by the requests of an
+    item is read once for all of them, each request's own rest (from ``shares[b]``, 0 for a
+    request in no item) by itself; stage 2 merges both levels' partials.
+
+    ``shares`` [B]: the shared length of each request's item (0: none). Items (up to N):
+    ``item_rows`` [N] (the table row of any member), ``item_lens`` [N] (0: unused slot),
+    ``members`` [M, N] (batch indices, -1 padding; M = ``prefix_members(group)``). Launch
+    shapes depend only on B and N: capturable in a CUDA graph. ``mid_o``/``mid_lse`` need
+    ``num_splits + prefix_splits`` split slots."""
+    B, H, D = q.shape
+    Hkv = k_buf.shape[1]
+    group = H // Hkv
+    n_items = item_lens.numel()
+    parts = num_splits + prefix_splits
+    if out is None:
+        out = torch.empty_like(q)
+    if mid_o is None:
+        mid_o = torch.empty((B, H, parts, D), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((B, H, parts), dtype=torch.float32, device=q.device)
+    assert mid_o.shape[2] >= parts and members.shape[0] == prefix_members(group)
+    block_d = triton.next_power_of_2(D)
+    block_n, warps, stages = config if config is not None else DECODE_CONFIG
+    common = (k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), table.stride(0))
+    mids = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
+    _decode_stage1[(B, Hkv, num_splits)](
+        q, k_buf, v_buf, table, rows, seq_lens, shares, mid_o, mid_lse, scale,
+        q.stride(0), q.stride(1), *common, *mids,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, HAS_START=True, WRITE_LSE=True,
+        num_warps=warps, num_stages=stages,
+    )
+    members_n = prefix_members(group)
+    programs = min(n_items, PREFIX_PROGRAMS)
+    _prefix_stage[(programs, Hkv, prefix_splits)](
+        q, k_buf, v_buf, table, item_rows, item_lens, members, mid_o, mid_lse, scale, n_items,
+        q.stride(0), q.stride(1), *common, members.stride(0), *mids,
+        GROUP=group, MEMBERS=members_n, BLOCK_R=max(16, triton.next_power_of_2(members_n * group)),
+        BLOCK_N=PREFIX_CONFIG[0], HEAD_DIM=D, BLOCK_D=block_d, SPLITS=prefix_splits, SLOT0=num_splits,
+        PROGRAMS=programs, num_warps=PREFIX_CONFIG[1], num_stages=PREFIX_CONFIG[2],
+    )
+    _decode_stage2[(B, H)](
+        mid_o, mid_lse, out, shares, *mids, out.stride(0), out.stride(1),
+        HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(parts),
+        PREFIX_SPLITS=prefix_splits,
     )
     return out
 

@@ -1,0 +1,57 @@
+"""Cascade decoding's plan: which requests of a decode batch share a prefix of KV slots."""
+
+from __future__ import annotations
+
+import torch
+
+from radixd.core import cascade
+from radixd.core.cascade import CHUNK, chain, plan
+
+
+def chains_for(prefixes: list[tuple[int, int]], seed: int = 0) -> list[list[int]]:
+    """Chains of requests given as (prefix id, shared chunks); distinct slots elsewhere."""
+    out = []
+    for k, (pid, n) in enumerate(prefixes):
+        out.append([1000 * pid + i for i in range(n)] + [10**6 + 100 * k + i for i in range(3)])
+    return out
+
+
+def test_chain_takes_the_last_slot_of_each_whole_chunk():
+    slots = torch.arange(1000, 1000 + 300)
+    assert chain(slots, 300) == [1000 + CHUNK - 1 + CHUNK * i for i in range(300 // CHUNK)]
+    assert chain(slots, CHUNK - 1) == []
+
+
+def test_requests_sharing_a_prefix_form_one_item_each_group():
+    chains = chains_for([(1, 32), (2, 32), (1, 32), (2, 32), (1, 32), (3, 32)])
+    sh = plan(chains, rows=[10, 11, 12, 13, 14, 15], per_item=16)
+    assert sh is not None
+    got = sorted(zip(sh.item_lens, map(sorted, sh.members)))
+    assert got == [(32 * CHUNK, [0, 2, 4]), (32 * CHUNK, [1, 3])]
+    assert sh.shares == [32 * CHUNK] * 5 + [0]  # prefix 3 has one request: no item
+    for row, mem in zip(sh.item_rows, sh.members, strict=True):
+        assert row in [10 + b for b in mem]
+
+
+def test_items_hold_at_most_per_item_requests():
+    chains = chains_for([(1, 8)] * 7)
+    sh = plan(chains, rows=list(range(7)), per_item=3)
+    assert sorted(len(m) for m in sh.members) == [3, 3]  # the seventh is alone: no item
+    assert all(len(m) >= 2 for m in sh.members)
+    assert sum(s > 0 for s in sh.shares) == sum(len(m) for m in sh.members)
+
+
+def test_short_or_absent_sharing_plans_nothing():
+    assert plan(chains_for([(1, cascade.MIN_CHUNKS - 1)] * 4), rows=[0, 1, 2, 3], per_item=16) is None
+    assert plan(chains_for([(1, 8), (2, 8), (3, 8)]), rows=[0, 1, 2], per_item=16) is None
+    assert plan(chains_for([(1, 8)]), rows=[0], per_item=16) is None
+
+
+def test_a_member_never_shortens_its_items_prefix():
+    # requests 0 and 1 share 10 chunks; request 2 shares only the first 5 of them
+    a = list(range(10)) + [50]
+    b = list(range(10)) + [60]
+    c = list(range(5)) + [70, 71, 72, 73, 74, 75]
+    sh = plan([a, b, c], rows=[0, 1, 2], per_item=16)
+    assert sh.item_lens == [10 * CHUNK] and sorted(sh.members[0]) == [0, 1]
+    assert sh.shares == [10 * CHUNK, 10 * CHUNK, 0]
