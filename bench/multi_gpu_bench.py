@@ -197,9 +197,9 @@ async def run_batch(eng: Engine, prompts: list[list[int]], new: int, logprobs: b
     return {"t0": t0, "end": max(ends), "firsts": firsts, "ends": ends, "tokens": toks, "logprobs": lps}
 
 
-def cache_counts(eng: Engine) -> tuple[int, int]:
+def cache_counts(eng: Engine) -> tuple[int, int, int]:
     st = eng.stats()
-    return st["cache_queried_tokens"], st["cache_hit_tokens"]
+    return st["cache_queried_tokens"], st["cache_hit_tokens"], st["steps"]
 
 
 def measure(loop, eng: Engine, rounds: list[list[list[int]]], new: int) -> dict:
@@ -212,7 +212,7 @@ def measure(loop, eng: Engine, rounds: list[list[list[int]]], new: int) -> dict:
         raise RuntimeError("the cache is still in use 5 s after the previous run")
     if eng.router is not None:
         eng.router.clear()
-    q0, h0 = cache_counts(eng)
+    q0, h0, s0 = cache_counts(eng)
     routed0 = list(eng.router.routed) if eng.router is not None else None
     t = time.perf_counter()
     n = 0
@@ -220,10 +220,11 @@ def measure(loop, eng: Engine, rounds: list[list[list[int]]], new: int) -> dict:
         loop.run_until_complete(run_batch(eng, prompts, new))
         n += len(prompts)
     secs = time.perf_counter() - t
-    q1, h1 = cache_counts(eng)
+    q1, h1, s1 = cache_counts(eng)
     eng.check_accounting()
     res = {"seconds": round(secs, 3), "requests": n, "out_tok_s": round(n * new / secs, 1),
-           "hit_rate": round((h1 - h0) / (q1 - q0), 4) if q1 > q0 else 0.0}
+           "hit_rate": round((h1 - h0) / (q1 - q0), 4) if q1 > q0 else 0.0, "steps": s1 - s0,
+           "ms_per_step": round(1e3 * secs / max(1, s1 - s0), 2)}
     if routed0 is not None:
         res["routed"] = [a - b for a, b in zip(eng.router.routed, routed0, strict=True)]
     return res
