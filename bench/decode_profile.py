@@ -238,6 +238,7 @@ def section_cascade(eng, ctx) -> dict:
         case = {"plain_us": round(plain * 1e6, 1), "plain_fraction_of_copy": round(whole / plain / ctx["copy"], 3),
                 "distinct_MB": round(distinct / 1e6, 1), "cascade": []}
         shares_t = torch.tensor(shares, device="cuda")
+        parts_t = {ps: torch.full((B,), ps, device="cuda") for ps in (1, 2, 4, 8)}
         mem_t = members.cuda()
         default = tk.PREFIX_CONFIG
         for psplits in (1, 2, 4, 8):
@@ -245,8 +246,8 @@ def section_cascade(eng, ctx) -> dict:
                 tk.PREFIX_CONFIG = conf
                 try:
                     t = time_graph(lambda ps=psplits: [tk.cascade_decode_attention(
-                        q, kb, vb, table, rows, lens, D**-0.5, shares_t, item_rows, item_lens, mem_t,
-                        num_splits=splits, prefix_splits=ps) for _ in range(8)], reps=20) / 8
+                        q, kb, vb, table, rows, lens, D**-0.5, shares_t, parts_t[ps], item_rows, item_lens, mem_t,
+                        num_splits=splits, prefix_splits=8) for _ in range(8)], reps=20) / 8
                 except Exception as exc:  # (a tile that does not fit)
                     case["cascade"].append({"prefix_splits": psplits, "config": conf, "error": repr(exc)[:80]})
                     continue

@@ -135,8 +135,14 @@ def test_cascade_decode_matches_plain_decode(case, splits):
     rows_t, lens_t = torch.tensor(rows, device=DEV), torch.tensor(seq_lens, device=DEV)
     scale = dim**-0.5
     out = torch.full_like(q, float("nan"))
-    cascade_decode_attention(q, kb, vb, table, rows_t, lens_t, scale, torch.tensor(shares, device=DEV), item_rows,
-                             item_lens, members.to(DEV), num_splits=splits, prefix_splits=4, out=out)
+    # items read in 1 to 4 splits (the grid's 4): each item's split count from its first member
+    parts = [0] * B
+    for i, (_, _, mem) in enumerate(items):
+        for m in mem:
+            parts[m] = 1 + i % 4
+    cascade_decode_attention(q, kb, vb, table, rows_t, lens_t, scale, torch.tensor(shares, device=DEV),
+                             torch.tensor(parts, device=DEV), item_rows, item_lens, members.to(DEV),
+                             num_splits=splits, prefix_splits=4, out=out)
     assert not out.isnan().any()
     plain = decode_attention(q, kb, vb, table, rows_t, lens_t, scale, num_splits=splits)
     for b in range(B):

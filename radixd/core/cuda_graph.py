@@ -2,8 +2,8 @@
 
 Each graph reads static device buffers: one int64 block per bucket, [5, bucket] (token ids,
 positions, output slots, table rows, sequence lengths), with cascade attention followed by
-the shared-prefix items' rows (each request's shared length, the items' table rows and
-lengths, their members). A replay fills the block on the host in page-locked memory,
+the shared-prefix items' rows (each request's shared length and its item's split count, the
+items' table rows and lengths, their members). A replay fills the block on the host in page-locked memory,
 padding the bucket with dummy requests (row 0, length 1, writing into the pool's padding
 slot 0), copies it with one transfer, writes the new slots into the table and the previous
 step's picks into the token ids from the block on the device, and returns the real rows'
@@ -20,7 +20,7 @@ import torch
 from radixd.core.forward_batch import ForwardBatch
 
 IDS, POS, LOC, ROW, LEN = range(5)  # the rows of a bucket's input block
-SHARE, IROW, ILEN, MEM = range(5, 9)  # cascade: the items' rows (MEM: the first of M member rows)
+SHARE, PARTS, IROW, ILEN, MEM = range(5, 10)  # cascade's rows (MEM: the first of M member rows)
 
 
 def buckets_up_to(max_batch: int) -> list[int]:
@@ -42,7 +42,7 @@ class DecodeGraphs:
         self.buckets = buckets_up_to(max_batch)
         dev = pool.device
         self.members = getattr(attn, "cascade_members", 0)
-        # Per bucket: the rows IDS, POS, LOC, ROW, LEN (and SHARE, IROW, ILEN, M x MEM).
+        # Per bucket: the rows IDS, POS, LOC, ROW, LEN (and SHARE, PARTS, IROW, ILEN, M x MEM).
         height = MEM + self.members if self.members else 5
         self.inputs = {bs: torch.zeros(height, bs, dtype=torch.int64, device=dev) for bs in self.buckets}
         for block in self.inputs.values():
@@ -65,7 +65,7 @@ class DecodeGraphs:
 
     def _bucket_args(self, bs: int, cascade: bool = False) -> tuple:
         block = self.inputs[bs]
-        shared = (block[SHARE], block[IROW], block[ILEN], block[MEM:]) if cascade else None
+        shared = (block[SHARE], block[PARTS], block[IROW], block[ILEN], block[MEM:]) if cascade else None
         self.attn.set_decode(block[ROW], block[LEN], block[LOC], shared)
         return (block[IDS], block[POS], self.attn, self.logits_idx[:bs])
 
@@ -147,6 +147,8 @@ class DecodeGraphs:
         staged[SHARE:].zero_()
         staged[MEM:].fill_(-1)
         staged[SHARE, :b] = torch.tensor(shared.shares, dtype=torch.int64)
+        splits = self.attn.prefix_splits(n)
+        staged[PARTS, :b] = torch.tensor([splits if x else 0 for x in shared.shares], dtype=torch.int64)
         staged[IROW, :n] = torch.tensor(shared.item_rows, dtype=torch.int64)
         staged[ILEN, :n] = torch.tensor(shared.item_lens, dtype=torch.int64)
         cols = [i for i, mem in enumerate(shared.members) for _ in mem]

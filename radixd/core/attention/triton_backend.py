@@ -24,7 +24,7 @@ from radixd.core.kv_pool import KVPool
 from radixd.core.triton_ops import gemv_rope_store, one_row, rope_store
 
 MIN_SPLITS, MAX_SPLITS = 1, 32
-PREFIX_SPLITS = 8  # cascade: splits of each shared prefix (an item's members share each split's reads)
+PREFIX_SPLITS = 8  # cascade: the most splits a shared prefix is read in (the grid's)
 
 
 def decode_splits(batch: int, kv_heads: int, processors: int) -> int:
@@ -66,10 +66,18 @@ class TritonAttention:
         mid_o, mid_lse = self._mid[have]
         return mid_o[:batch], mid_lse[:batch]
 
+    def prefix_splits(self, items: int) -> int:
+        """Splits each shared prefix is read in, for a step with ``items`` items: like
+        ``decode_splits`` with an item in place of a request (on an H200, 256 x 2308-token
+        requests in 32 groups: 200 us in 1 split, 258 in 8; in 8 groups of 8 requests: 120
+        us in 1, 76 in 4; ``bench/decode_profile.py --sections cascade``)."""
+        return min(PREFIX_SPLITS, decode_splits(items, self.pool.k_buffers[0].shape[1], self.processors))
+
     def set_decode(self, rows: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
                    shared: tuple[torch.Tensor, ...] | None = None) -> None:
-        """Decode steps read these device tensors; ``shared``: (shares [B], item rows [N],
-        item lengths [N], members [M, N]) to decode in cascade (``cascade_decode_attention``)."""
+        """Decode steps read these device tensors; ``shared``: (shares [B], prefix parts [B],
+        item rows [N], item lengths [N], members [M, N]) to decode in cascade
+        (``cascade_decode_attention``)."""
         self.decode = True
         self.rows, self.seq_lens, self.out_cache_loc = rows, seq_lens, out_cache_loc
         self.shared = shared
@@ -103,7 +111,9 @@ class TritonAttention:
         members = torch.full((self.cascade_members, len(sh.item_lens)), -1, dtype=torch.int64)
         for i, mem in enumerate(sh.members):
             members[: len(mem), i] = torch.tensor(mem, dtype=torch.int64)
-        return stage(sh.shares), stage(sh.item_rows), stage(sh.item_lens), stage(members)
+        splits = self.prefix_splits(len(sh.item_lens))
+        parts = [splits if n else 0 for n in sh.shares]
+        return stage(sh.shares), stage(parts), stage(sh.item_rows), stage(sh.item_lens), stage(members)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 positions: torch.Tensor, rotary) -> torch.Tensor:
@@ -129,10 +139,10 @@ class TritonAttention:
 
     def _decode(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         if self.shared is not None:
-            shares, item_rows, item_lens, members = self.shared
+            shares, parts, item_rows, item_lens, members = self.shared
             return cascade_decode_attention(
                 q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token, self.rows,
-                self.seq_lens, self.scale, shares, item_rows, item_lens, members, num_splits=self.splits,
+                self.seq_lens, self.scale, shares, parts, item_rows, item_lens, members, num_splits=self.splits,
                 prefix_splits=PREFIX_SPLITS, mid_o=self.mid_o, mid_lse=self.mid_lse)
         return decode_attention(q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token,
                                 self.rows, self.seq_lens, self.scale, num_splits=self.splits, mid_o=self.mid_o,

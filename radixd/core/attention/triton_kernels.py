@@ -82,7 +82,7 @@ def _decode_stage1(
 
 @triton.jit
 def _decode_stage2(
-    MidO, MidLse, Out, Shares,
+    MidO, MidLse, Out, PrefixParts,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
     PREFIX_SPLITS: tl.constexpr,
@@ -91,8 +91,7 @@ def _decode_stage2(
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     if PREFIX_SPLITS > 0:  # a request in a shared-prefix item also has the prefix's partials
-        parts = tl.where(tl.load(Shares + b) > 0, SPLITS + PREFIX_SPLITS, SPLITS)
-        mask_s = offs_s < parts
+        mask_s = offs_s < SPLITS + tl.load(PrefixParts + b)
     else:
         mask_s = offs_s < SPLITS
     lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
@@ -158,7 +157,7 @@ def prefix_members(group: int) -> int:
 
 @triton.jit
 def _prefix_stage(
-    Q, K, V, Table, ItemRows, ItemLens, Members, MidO, MidLse, scale, n_items,
+    Q, K, V, Table, ItemRows, ItemLens, Members, PrefixParts, MidO, MidLse, scale, n_items,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, stride_m,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -168,7 +167,9 @@ def _prefix_stage(
     """Cascade decoding, the shared level: the requests of one item share the KV of their
     first ``ItemLens[i]`` positions (the same pool slots), so each K/V tile of it is read
     once for all of them: a tile of (member, query head) rows against it. Partials go to
-    split slot ``SLOT0 + sp`` of each member, merged with its own suffix's by stage 2."""
+    split slot ``SLOT0 + sp`` of each member, merged with its own suffix's by stage 2. An item
+    is read in ``PrefixParts[member]`` splits (at most SPLITS, the grid's; programs past them
+    have nothing to do)."""
     p = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -179,13 +180,14 @@ def _prefix_stage(
     mask_d = offs_d < HEAD_DIM
     for it in range(p, n_items, PROGRAMS):  # item slots past the last real one have length 0
         length = tl.load(ItemLens + it)
-        if length > 0:
+        nsplits = tl.load(PrefixParts + tl.maximum(tl.load(Members + it), 0))
+        if (length > 0) & (sp < nsplits):
             row = tl.load(ItemRows + it)
             b = tl.load(Members + member * stride_m + it, mask=member < MEMBERS, other=-1)
             valid = b >= 0
             q = tl.load(Q + b[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                         mask=valid[:, None] & mask_d[None, :], other=0.0)
-            split_len = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+            split_len = tl.cdiv(tl.cdiv(length, nsplits), BLOCK_N) * BLOCK_N
             start = sp * split_len
             end = tl.minimum(start + split_len, length)
             m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
@@ -219,7 +221,7 @@ def _prefix_stage(
 
 def cascade_decode_attention(
     q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, table: torch.Tensor,
-    rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, shares: torch.Tensor,
+    rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, shares: torch.Tensor, prefix_parts: torch.Tensor,
     item_rows: torch.Tensor, item_lens: torch.Tensor, members: torch.Tensor, *,
     num_splits: int, prefix_splits: int, out: torch.Tensor | None = None,
     mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None,
@@ -229,11 +231,13 @@ def cascade_decode_attention(
     item is read once for all of them, each request's own rest (from ``shares[b]``, 0 for a
     request in no item) by itself; stage 2 merges both levels' partials.
 
-    ``shares`` [B]: the shared length of each request's item (0: none). Items (up to N):
-    ``item_rows`` [N] (the table row of any member), ``item_lens`` [N] (0: unused slot),
-    ``members`` [M, N] (batch indices, -1 padding; M = ``prefix_members(group)``). Launch
-    shapes depend only on B and N: capturable in a CUDA graph. ``mid_o``/``mid_lse`` need
-    ``num_splits + prefix_splits`` split slots."""
+    ``shares`` [B]: the shared length of each request's item (0: in no item);
+    ``prefix_parts`` [B]: the splits its item's prefix is read in (1 to ``prefix_splits``; 0:
+    in no item). Items (up to N): ``item_rows`` [N] (the table row of any member),
+    ``item_lens`` [N] (0: unused slot), ``members`` [M, N] (batch indices, -1 padding; M =
+    ``prefix_members(group)``). Launch shapes depend only on B, N and ``prefix_splits``:
+    capturable in a CUDA graph (the split counts are read on the device). ``mid_o`` and
+    ``mid_lse`` need ``num_splits + prefix_splits`` split slots."""
     B, H, D = q.shape
     Hkv = k_buf.shape[1]
     group = H // Hkv
@@ -259,14 +263,14 @@ def cascade_decode_attention(
     members_n = prefix_members(group)
     programs = min(n_items, PREFIX_PROGRAMS)
     _prefix_stage[(programs, Hkv, prefix_splits)](
-        q, k_buf, v_buf, table, item_rows, item_lens, members, mid_o, mid_lse, scale, n_items,
+        q, k_buf, v_buf, table, item_rows, item_lens, members, prefix_parts, mid_o, mid_lse, scale, n_items,
         q.stride(0), q.stride(1), *common, members.stride(0), *mids,
         GROUP=group, MEMBERS=members_n, BLOCK_R=max(16, triton.next_power_of_2(members_n * group)),
         BLOCK_N=PREFIX_CONFIG[0], HEAD_DIM=D, BLOCK_D=block_d, SPLITS=prefix_splits, SLOT0=num_splits,
         PROGRAMS=programs, num_warps=PREFIX_CONFIG[1], num_stages=PREFIX_CONFIG[2],
     )
     _decode_stage2[(B, H)](
-        mid_o, mid_lse, out, shares, *mids, out.stride(0), out.stride(1),
+        mid_o, mid_lse, out, prefix_parts, *mids, out.stride(0), out.stride(1),
         HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(parts),
         PREFIX_SPLITS=prefix_splits,
     )
