@@ -16,6 +16,11 @@
 #             the one-row fusions per shape (PROFILE=sections to choose others)
 #   tp dp     bench/multi_gpu_bench.py's sections (two GPUs); MULTI_ARGS adds options (e.g.
 #             "--dp-workloads bench_shared_prefix --kv-tokens 0"), MAX_SECONDS its time limit
+#   cascade   (one GPU) cascade decode attention: bench/decode_profile.py --sections cascade
+#             (plain vs cascade kernels on groups sharing a prefix), then multi_gpu_bench.py
+#             --sections replicas on `radixd bench`'s shared-prefix workload (pools from free
+#             memory): cascade off/on, the whole workload and one dp=2 replica's share under
+#             cache-aware routing and under round robin
 set -u
 OUT=$1
 shift
@@ -54,6 +59,12 @@ for part in $PARTS; do
     python3 bench/multi_gpu_bench.py --out "$W/$part" --sections "$part" --stream-interval $interval \
         --max-seconds "${MAX_SECONDS:-280}" ${MULTI_ARGS:-} > "$W/$part.log" 2>&1
     tail -4 "$W/$part.log" | cut -c1-600 ;;
+  cascade)
+    python3 bench/decode_profile.py --out "$W/cascade" --sections cascade > "$W/cascade_profile.log" 2>&1
+    grep '^cascade' "$W/cascade_profile.log" | cut -c1-400
+    python3 bench/multi_gpu_bench.py --out "$W/replicas" --sections replicas --dp-workloads bench_shared_prefix \
+        --kv-tokens 0 --stream-interval 8 --max-seconds "${MAX_SECONDS:-280}" > "$W/replicas.log" 2>&1
+    grep '^replicas' "$W/replicas.log" | tail -3 | cut -c1-400 ;;
   *) echo "unknown part: $part" ;;
   esac
   echo "-- $part: $(( $(date +%s) - start )) s"
