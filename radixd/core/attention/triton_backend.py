@@ -45,12 +45,12 @@ class TritonAttention:
         self.scale = scale
         dev = pool.device
         self.processors = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
-        self.num_splits = MAX_SPLITS + PREFIX_SPLITS
         self.decode = False
         self.shared = None
         # Requests per shared-prefix item when decoding in cascade (ForwardBatch.shared);
         # 0: cascade off (the scheduler then plans no items).
         self.cascade_members = prefix_members(num_heads // pool.k_buffers[0].shape[1]) if cascade else 0
+        self.num_splits = MAX_SPLITS + (PREFIX_SPLITS if cascade else 0)  # partials' slots per request
         self._mid: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _scratch(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
