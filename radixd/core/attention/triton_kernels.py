@@ -23,6 +23,39 @@ PREFIX_PROGRAMS = 64        # programs per (KV head, split) walking the shared-p
 
 
 @triton.jit
+def _attend_span(q, rows_ok, K, V, Table, row, kvh, start, end, scale,
+                 stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A tile of query rows (``rows_ok``: the real ones) of one KV head over the keys at
+    positions ``[start, end)`` of table row ``row``, online softmax: (normalised output,
+    log-sum-exp; -inf for a span with no key)."""
+    m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    lsum = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0)
+        k = tl.load(K + slots[None, :] * stride_kn + kvh * stride_kh + offs_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        qk = tl.dot(q, k) * scale
+        qk = tl.where(rows_ok[:, None] & mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(qk - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        lsum = lsum * alpha + tl.sum(p, 1)
+        v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    has = lsum > 0
+    out = acc / tl.where(has, lsum, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log(tl.where(has, lsum, 1.0)), float("-inf"))
+    return out, lse
+
+
+@triton.jit
 def _decode_stage1(
     Q, K, V, Table, Rows, SeqLens, Starts, MidO, MidLse, scale,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_tr,
@@ -51,29 +84,9 @@ def _decode_stage1(
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)
 
-    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    lsum = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0)
-        k = tl.load(K + slots[None, :] * stride_kn + kvh * stride_kh + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-        qk = tl.dot(q, k) * scale
-        qk = tl.where(mask_g[:, None] & mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(qk - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        lsum = lsum * alpha + tl.sum(p, 1)
-        v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
-    has = lsum > 0
-    out = acc / tl.where(has, lsum, 1.0)[:, None]
-    lse = tl.where(has, m + tl.log(tl.where(has, lsum, 1.0)), float("-inf"))
+    out, lse = _attend_span(q, mask_g, K, V, Table, row, kvh, start, end, scale,
+                            stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
+                            BLOCK_H, BLOCK_N, BLOCK_D)
     tl.store(MidO + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + offs_d[None, :],
              out.to(MidO.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
     if WRITE_LSE:  # (one split: MidO is the output itself, nothing to merge)
@@ -190,29 +203,9 @@ def _prefix_stage(
             split_len = tl.cdiv(tl.cdiv(length, nsplits), BLOCK_N) * BLOCK_N
             start = sp * split_len
             end = tl.minimum(start + split_len, length)
-            m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-            lsum = tl.zeros([BLOCK_R], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-            for n0 in range(start, end, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                mask_n = offs_n < end
-                slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0)
-                k = tl.load(K + slots[None, :] * stride_kn + kvh * stride_kh + offs_d[:, None],
-                            mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-                qk = tl.dot(q, k) * scale
-                qk = tl.where(valid[:, None] & mask_n[None, :], qk, float("-inf"))
-                m_new = tl.maximum(m, tl.max(qk, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                pr = tl.exp(qk - m_safe[:, None])
-                alpha = tl.exp(m - m_safe)
-                lsum = lsum * alpha + tl.sum(pr, 1)
-                v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :],
-                            mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-                m = m_new
-            has = lsum > 0
-            out = acc / tl.where(has, lsum, 1.0)[:, None]
-            lse = tl.where(has, m + tl.log(tl.where(has, lsum, 1.0)), float("-inf"))
+            out, lse = _attend_span(q, valid, K, V, Table, row, kvh, start, end, scale,
+                                    stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
+                                    BLOCK_R, BLOCK_N, BLOCK_D)
             slot = SLOT0 + sp
             tl.store(MidO + b[:, None] * stride_ob + heads[:, None] * stride_oh + slot * stride_os + offs_d[None, :],
                      out, mask=valid[:, None] & mask_d[None, :])
