@@ -203,6 +203,16 @@ def section_cascade(eng, ctx) -> dict:
     split-KV decoding (every request reads its whole sequence) against cascade decoding
     (each group's prefix read once per item), swept over the shared level's splits and
     tiles; 8 calls per CUDA graph. Bytes: the distinct KV a step must read (each prefix once)."""
+    res = {}
+    for B, G, P, own in CASCADE_CASES:
+        case = _cascade_case(eng, ctx, B, G, P, own)
+        res[f"B{B}_G{G}_P{P}_own{own}"] = case
+        print(f"cascade B{B} G{G}", json.dumps({k: v for k, v in case.items() if k != "cascade"}), flush=True)
+        torch.cuda.empty_cache()
+    return res
+
+
+def _cascade_case(eng, ctx, B: int, G: int, P: int, own: int) -> dict:
     from radixd.core.attention import triton_kernels as tk
     from radixd.core.attention.triton_backend import decode_splits
 
@@ -210,58 +220,51 @@ def section_cascade(eng, ctx) -> dict:
     H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     procs = torch.cuda.get_device_properties(0).multi_processor_count
     per_item = tk.prefix_members(H // Hkv)
-    res = {}
-    for B, G, P, own in CASCADE_CASES:
-        slots = G * P + B * own + 1
-        kb = torch.randn(slots, Hkv, D, device="cuda", dtype=torch.bfloat16)
-        vb = torch.randn_like(kb)
-        perm = torch.randperm(slots - 1, device="cuda") + 1
-        prefixes = perm[: G * P].view(G, P)
-        group = torch.arange(B, device="cuda") % G
-        table = torch.cat((prefixes[group], perm[G * P :].view(B, own)), 1)
-        items, shares = [], [P] * B
-        for g in range(G):
-            mem = [b for b in range(B) if b % G == g]
-            items += [(mem[0], mem[k : k + per_item]) for k in range(0, len(mem), per_item)]
-        members = torch.full((per_item, B), -1, dtype=torch.int64)
-        for i, (_, mem) in enumerate(items):
-            members[: len(mem), i] = torch.tensor(mem)
-        item_rows = torch.tensor([r for r, _ in items] + [0] * (B - len(items)), device="cuda")
-        item_lens = torch.tensor([P] * len(items) + [0] * (B - len(items)), device="cuda")
-        q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
-        rows, lens = torch.arange(B, device="cuda"), torch.full((B,), P + own, device="cuda")
-        splits = decode_splits(B, Hkv, procs)
-        distinct = 2 * (G * P + B * own) * Hkv * D * 2
-        whole = 2 * B * (P + own) * Hkv * D * 2
-        plain = time_graph(lambda: [tk.decode_attention(q, kb, vb, table, rows, lens, D**-0.5, num_splits=splits)
-                                    for _ in range(8)], reps=20) / 8
-        case = {"plain_us": round(plain * 1e6, 1), "plain_fraction_of_copy": round(whole / plain / ctx["copy"], 3),
-                "distinct_MB": round(distinct / 1e6, 1), "cascade": []}
-        shares_t = torch.tensor(shares, device="cuda")
-        parts_t = {ps: torch.full((B,), ps, device="cuda") for ps in (1, 2, 4, 8)}
-        mem_t = members.cuda()
-        default = tk.PREFIX_CONFIG
-        for psplits in (1, 2, 4, 8):
-            for conf in [(64, 4, 3), (32, 4, 3), (64, 8, 3), (128, 8, 2), (64, 4, 2)]:
-                tk.PREFIX_CONFIG = conf
-                try:
-                    t = time_graph(lambda ps=psplits: [tk.cascade_decode_attention(
-                        q, kb, vb, table, rows, lens, D**-0.5, shares_t, parts_t[ps], item_rows, item_lens, mem_t,
-                        num_splits=splits, prefix_splits=8) for _ in range(8)], reps=20) / 8
-                except Exception as exc:  # (a tile that does not fit)
-                    case["cascade"].append({"prefix_splits": psplits, "config": conf, "error": repr(exc)[:80]})
-                    continue
-                finally:
-                    tk.PREFIX_CONFIG = default
-                case["cascade"].append({"prefix_splits": psplits, "config": conf, "us": round(t * 1e6, 1),
-                                        "fraction_of_copy": round(distinct / t / ctx["copy"], 3)})
-        ok = sorted((c for c in case["cascade"] if "us" in c), key=lambda c: c["us"])
-        case["best"] = ok[:4]
-        res[f"B{B}_G{G}_P{P}_own{own}"] = case
-        print(f"cascade B{B} G{G}", json.dumps({k: v for k, v in case.items() if k != "cascade"}), flush=True)
-        del kb, vb
-        torch.cuda.empty_cache()
-    return res
+    slots = G * P + B * own + 1
+    kb = torch.randn(slots, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    vb = torch.randn_like(kb)
+    perm = torch.randperm(slots - 1, device="cuda") + 1
+    prefixes = perm[: G * P].view(G, P)
+    group = torch.arange(B, device="cuda") % G
+    table = torch.cat((prefixes[group], perm[G * P :].view(B, own)), 1)
+    items = []
+    for g in range(G):
+        mem = [b for b in range(B) if b % G == g]
+        items += [(mem[0], mem[k : k + per_item]) for k in range(0, len(mem), per_item)]
+    members = torch.full((per_item, B), -1, dtype=torch.int64)
+    for i, (_, mem) in enumerate(items):
+        members[: len(mem), i] = torch.tensor(mem)
+    item_rows = torch.tensor([r for r, _ in items] + [0] * (B - len(items)), device="cuda")
+    item_lens = torch.tensor([P] * len(items) + [0] * (B - len(items)), device="cuda")
+    q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+    rows, lens = torch.arange(B, device="cuda"), torch.full((B,), P + own, device="cuda")
+    splits = decode_splits(B, Hkv, procs)
+    distinct = 2 * (G * P + B * own) * Hkv * D * 2
+    whole = 2 * B * (P + own) * Hkv * D * 2
+    plain = time_graph(lambda: [tk.decode_attention(q, kb, vb, table, rows, lens, D**-0.5, num_splits=splits)
+                                for _ in range(8)], reps=20) / 8
+    case = {"plain_us": round(plain * 1e6, 1), "plain_fraction_of_copy": round(whole / plain / ctx["copy"], 3),
+            "distinct_MB": round(distinct / 1e6, 1), "cascade": []}
+    shares = torch.full((B,), P, device="cuda")
+    mem_t = members.cuda()
+    default = tk.PREFIX_CONFIG
+    for psplits in (1, 2, 4, 8):
+        parts = torch.full((B,), psplits, device="cuda")
+        for conf in [(64, 4, 3), (32, 4, 3), (64, 8, 3), (128, 8, 2), (64, 4, 2)]:
+            tk.PREFIX_CONFIG = conf
+            try:
+                t = time_graph(lambda parts=parts: [tk.cascade_decode_attention(
+                    q, kb, vb, table, rows, lens, D**-0.5, shares, parts, item_rows, item_lens, mem_t,
+                    num_splits=splits, prefix_splits=8) for _ in range(8)], reps=20) / 8
+            except Exception as exc:  # (a tile that does not fit)
+                case["cascade"].append({"prefix_splits": psplits, "config": conf, "error": repr(exc)[:80]})
+                continue
+            finally:
+                tk.PREFIX_CONFIG = default
+            case["cascade"].append({"prefix_splits": psplits, "config": conf, "us": round(t * 1e6, 1),
+                                    "fraction_of_copy": round(distinct / t / ctx["copy"], 3)})
+    case["best"] = sorted((c for c in case["cascade"] if "us" in c), key=lambda c: c["us"])[:4]
+    return case
 
 
 def section_gemv(eng, ctx) -> dict:

@@ -26,7 +26,7 @@ def test_requests_sharing_a_prefix_form_one_item_each_group():
     chains = chains_for([(1, 32), (2, 32), (1, 32), (2, 32), (1, 32), (3, 32)])
     sh = plan(chains, rows=[10, 11, 12, 13, 14, 15], per_item=16)
     assert sh is not None
-    got = sorted(zip(sh.item_lens, map(sorted, sh.members)))
+    got = sorted(zip(sh.item_lens, map(sorted, sh.members), strict=True))
     assert got == [(32 * CHUNK, [0, 2, 4]), (32 * CHUNK, [1, 3])]
     assert sh.shares == [32 * CHUNK] * 5 + [0]  # prefix 3 has one request: no item
     for row, mem in zip(sh.item_rows, sh.members, strict=True):
