@@ -3,11 +3,11 @@
 Each graph reads static device buffers: one int64 block per bucket, [5, bucket] (token ids,
 positions, output slots, table rows, sequence lengths), with cascade attention followed by
 the shared-prefix items' rows (each request's shared length and its item's split count, the
-items' table rows and lengths, their members). A replay fills the block on the host in page-locked memory,
-padding the bucket with dummy requests (row 0, length 1, writing into the pool's padding
-slot 0), copies it with one transfer, writes the new slots into the table and the previous
-step's picks into the token ids from the block on the device, and returns the real rows'
-logits. With cascade attention each bucket (of two or more) has a second graph, replayed
+items' table rows and lengths, their members). A replay fills the block on the host in
+page-locked memory, padding the bucket with dummy requests (row 0, length 1, writing into
+the pool's padding slot 0), copies it with one transfer, writes the new slots into the
+table and the previous step's picks into the token ids from the block on the device, and
+returns the real rows' logits. With cascade attention each bucket (of two or more) has a second graph, replayed
 for batches with shared-prefix items (``ForwardBatch.shared``).
 """
 
