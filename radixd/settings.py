@@ -109,6 +109,8 @@ class SchedulerSection:
     overlap: bool = _f(True)
     stream_interval: int = _f(1, min=1)
     seed: int = _f(0, min=0)
+    gc_freeze: bool = _f(True)
+    gc_threshold: int = _f(10000, min=0)
 
 
 @dataclass(frozen=True)
@@ -231,6 +233,8 @@ class Settings:
             schedule_conservativeness=s.schedule_conservativeness,
             overlap_schedule=s.overlap,
             stream_interval=s.stream_interval,
+            gc_freeze=s.gc_freeze,
+            gc_threshold=s.gc_threshold,
             seed=s.seed,
             dp_size=self.parallel.dp_size,
             tp_size=self.parallel.tp_size,

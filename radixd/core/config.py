@@ -83,6 +83,10 @@ class EngineConfig:
     # Launch step N+1 before reading step N's picks (the device never waits for the host).
     overlap_schedule: bool = True
     stream_interval: int = 1  # tokens per streamed update of a request (1: every token)
+    # While running: start-up objects frozen out of the garbage collector's walks, and its
+    # youngest generation's threshold raised to at least this (0: Python's); see gc_control.
+    gc_freeze: bool = True
+    gc_threshold: int = 10000
     # Fraction of each running request's remaining max_new_tokens kept free when admitting.
     schedule_conservativeness: float = 0.3
 
@@ -145,6 +149,10 @@ class EngineConfig:
             raise ConfigError("mem_fraction", self.mem_fraction, "a number in (0, 1)")
         if not isinstance(self.overlap_schedule, bool):
             raise ConfigError("overlap_schedule", self.overlap_schedule, "true or false")
+        if not isinstance(self.gc_freeze, bool):
+            raise ConfigError("gc_freeze", self.gc_freeze, "true or false")
+        if isinstance(self.gc_threshold, bool) or not isinstance(self.gc_threshold, int) or self.gc_threshold < 0:
+            raise ConfigError("gc_threshold", self.gc_threshold, "an integer >= 0 (0: Python's own)")
         if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) or self.stream_interval < 1:
             raise ConfigError("stream_interval", self.stream_interval, "an integer >= 1")
         if not isinstance(self.cuda_graphs, bool):

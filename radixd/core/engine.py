@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from radixd.core import gc_control
 from radixd.core.config import EngineConfig
 from radixd.core.detokenizer import IncrementalDetokenizer
 from radixd.core.errors import ContextLengthExceeded, EngineStopped, InvalidRequest
@@ -456,6 +457,7 @@ class Engine:
         if not self._started:
             self._started = True
             self._stopping = False
+            gc_control.acquire(freeze=self.config.gc_freeze, threshold=self.config.gc_threshold)
             loop = asyncio.get_running_loop()
             for rep in self.replicas:
                 rep.wake = asyncio.Event()
@@ -473,6 +475,8 @@ class Engine:
                 rep.wake.set()
                 await rep.task
                 rep.task = None
+        if self._started:
+            gc_control.release()
         self._started = False
         for rep in self.replicas:
             rep.executor.shutdown(wait=True)
@@ -914,7 +918,8 @@ class Engine:
         """Counters summed over the replicas; with dp_size > 1 also each replica's own
         (``replicas``) and the router's (``routing``)."""
         per = [_replica_stats(rep) for rep in self.replicas]
-        engine_wide = {"inflight": self.num_inflight, "slow_consumer_aborts": self.slow_consumer_aborts}
+        engine_wide = {"inflight": self.num_inflight, "slow_consumer_aborts": self.slow_consumer_aborts,
+                       "gc": gc_control.pauses()}
         if len(per) == 1:
             return {**per[0], **engine_wide, "cache_tiers": self._tier_stats()}
         out = {**engine_wide}
