@@ -132,6 +132,9 @@ class Run:
             kw.setdefault("kv_cache_tokens", kv)
         kw.setdefault("stream_interval", self.args.stream_interval)
         kw.setdefault("cascade_attention", self.args.cascade == "on")
+        if self.args.gc == "off":  # Python's collector as it is (the engine's default tunes it)
+            kw.setdefault("gc_freeze", False)
+            kw.setdefault("gc_threshold", 0)
         t = time.perf_counter()
         # built-in plugins only: the figures are radixd's own, whatever else is installed
         pm = make_plugin_manager(load_entry_points=False)
@@ -214,17 +217,24 @@ def measure(loop, eng: Engine, rounds: list[list[list[int]]], new: int) -> dict:
         eng.router.clear()
     q0, h0, s0 = cache_counts(eng)
     routed0 = list(eng.router.routed) if eng.router is not None else None
-    t = time.perf_counter()
+    gc0 = eng.stats()["gc"]
+    t, cpu = time.perf_counter(), time.thread_time()  # (this thread runs the event loop)
     n = 0
     for prompts in rounds:
         loop.run_until_complete(run_batch(eng, prompts, new))
         n += len(prompts)
-    secs = time.perf_counter() - t
+    secs, cpu = time.perf_counter() - t, time.thread_time() - cpu
+    gc1 = eng.stats()["gc"]
     q1, h1, s1 = cache_counts(eng)
     eng.check_accounting()
     res = {"seconds": round(secs, 3), "requests": n, "out_tok_s": round(n * new / secs, 1),
            "hit_rate": round((h1 - h0) / (q1 - q0), 4) if q1 > q0 else 0.0, "steps": s1 - s0,
-           "ms_per_step": round(1e3 * secs / max(1, s1 - s0), 2)}
+           "ms_per_step": round(1e3 * secs / max(1, s1 - s0), 2),
+           # how busy the one event loop was, and what the garbage collector took of it
+           "loop_cpu_share": round(cpu / secs, 3),
+           "gc_full_collections": gc1["full_collections"] - gc0["full_collections"],
+           "gc_pause_s": round(gc1["pause_seconds"] - gc0["pause_seconds"], 3),
+           "gc_max_pause_s": gc1["max_pause_seconds"]}
     if routed0 is not None:
         res["routed"] = [a - b for a, b in zip(eng.router.routed, routed0, strict=True)]
     return res
@@ -504,8 +514,8 @@ def profile_decode(loop, eng, run: Run, tp: int, ProfilerActivity, profile) -> d
         if str(getattr(ev, "device_type", "")).split(".")[-1] != "CUDA":
             continue
         name = ev.name
-        key = ("gemm/gemv" if any(x in name.lower() for x in ("gemm", "gemv", "cutlass", "sm90", "nvjet", "cublas"))
-               else name[:48])
+        key = ("cublas gemm" if any(x in name.lower() for x in ("gemm", "cutlass", "sm90", "nvjet", "cublas"))
+               else name[:48])  # (radixd's Triton kernels by name: _gemv_kernel, ...)
         fam = per_dev.setdefault(ev.device_index, {}).setdefault(key, [0.0, 0])
         fam[0] += ev.device_time
         fam[1] += 1
@@ -540,6 +550,8 @@ def main() -> int:
     ap.add_argument("--dp-workloads", default="shared_prefix,prefix_pressure",
                     help="dp section: some of shared_prefix, prefix_pressure, bench_shared_prefix (radixd "
                          "bench's shared-prefix workload at its defaults)")
+    ap.add_argument("--gc", choices=["on", "off"], default="on",
+                    help="off: leave Python's garbage collector untuned (engine gc_freeze/gc_threshold)")
     ap.add_argument("--cascade", choices=["on", "off"], default="on",
                     help="cascade attention in the dp and tp sections' engines (the config's default: on)")
     ap.add_argument("--kv-tokens", type=int, default=None,
