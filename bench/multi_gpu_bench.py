@@ -205,7 +205,73 @@ def cache_counts(eng: Engine) -> tuple[int, int, int]:
     return st["cache_queried_tokens"], st["cache_hit_tokens"], st["steps"]
 
 
-def measure(loop, eng: Engine, rounds: list[list[list[int]]], new: int) -> dict:
+class Timeline:
+    """Each replica's steps seen from the host: a wrapper around its worker's ``launch`` and
+    ``resolve`` records when a step was launched and when its picks were back (resolves come
+    in launch order), with its tokens and requests. With overlap scheduling the device runs
+    step i from about max(launch_i, back_{i-1}) to back_i; a launch after back_{i-1} left it
+    idle in between."""
+
+    def __init__(self, eng: Engine):
+        self.steps: list[list[list]] = [[] for _ in eng.replicas]
+        self._saved = []
+        for rep, steps in zip(eng.replicas, self.steps, strict=True):
+            w = rep.worker
+            self._saved.append((w, w.launch, w.resolve))
+            w.launch = self._launch(w.launch, steps)
+            w.resolve = self._resolve(w.resolve, steps)
+
+    @staticmethod
+    def _launch(fn, steps):
+        def launch(batch, prev=None):
+            out = fn(batch, prev)
+            steps.append([time.perf_counter(), None, batch.num_tokens, batch.batch_size])
+            return out
+        return launch
+
+    @staticmethod
+    def _resolve(fn, steps):
+        pending = iter(steps)  # (a list iterator sees items appended later)
+
+        def resolve(picks):
+            out = fn(picks)
+            next(pending)[1] = time.perf_counter()
+            return out
+        return resolve
+
+    def close(self) -> None:
+        for w, launch, resolve in self._saved:
+            w.launch, w.resolve = launch, resolve
+
+    def summary(self, t0: float) -> list[dict]:
+        out = []
+        for steps in self.steps:
+            done = [s for s in steps if s[1] is not None]
+            if not done:
+                out.append({})
+                continue
+            dec = [0, 0.0]
+            mix = [0, 0.0, 0]
+            idle, prev = 0.0, None
+            for launched, back, tokens, reqs in done:
+                start = launched if prev is None else max(launched, prev)
+                if prev is not None and launched > prev:
+                    idle += launched - prev
+                acc = dec if tokens == reqs else mix
+                acc[0] += 1
+                acc[1] += back - start
+                if acc is mix:
+                    mix[2] += tokens
+                prev = back
+            out.append({"end_s": round(done[-1][1] - t0, 3), "first_launch_s": round(done[0][0] - t0, 3),
+                        "decode_steps": dec[0], "decode_s": round(dec[1], 3),
+                        "decode_ms_per_step": round(1e3 * dec[1] / max(1, dec[0]), 2),
+                        "prefill_steps": mix[0], "prefill_s": round(mix[1], 3), "prefill_tokens": mix[2],
+                        "idle_s": round(idle, 3)})
+        return out
+
+
+def measure(loop, eng: Engine, rounds: list[list[list[int]]], new: int, timeline: bool = False) -> dict:
     """Run the rounds one after the other from empty caches: output tokens/s and hit rate."""
     for _ in range(500):  # a request may be released a step after its last output
         if eng.flush_cache():
@@ -218,11 +284,16 @@ def measure(loop, eng: Engine, rounds: list[list[list[int]]], new: int) -> dict:
     q0, h0, s0 = cache_counts(eng)
     routed0 = list(eng.router.routed) if eng.router is not None else None
     gc0 = eng.stats()["gc"]
+    tl = Timeline(eng) if timeline else None
     t, cpu = time.perf_counter(), time.thread_time()  # (this thread runs the event loop)
     n = 0
-    for prompts in rounds:
-        loop.run_until_complete(run_batch(eng, prompts, new))
-        n += len(prompts)
+    try:
+        for prompts in rounds:
+            loop.run_until_complete(run_batch(eng, prompts, new))
+            n += len(prompts)
+    finally:
+        if tl is not None:
+            tl.close()
     secs, cpu = time.perf_counter() - t, time.thread_time() - cpu
     gc1 = eng.stats()["gc"]
     q1, h1, s1 = cache_counts(eng)
@@ -237,11 +308,13 @@ def measure(loop, eng: Engine, rounds: list[list[list[int]]], new: int) -> dict:
            "gc_max_pause_s": gc1["max_pause_seconds"]}
     if routed0 is not None:
         res["routed"] = [a - b for a, b in zip(eng.router.routed, routed0, strict=True)]
+    if tl is not None:
+        res["timeline"] = tl.summary(t)
     return res
 
 
-def best_of(loop, eng, rounds, new, reps: int) -> dict:
-    runs = [measure(loop, eng, rounds, new) for _ in range(reps)]
+def best_of(loop, eng, rounds, new, reps: int, timeline: bool = False) -> dict:
+    runs = [measure(loop, eng, rounds, new, timeline) for _ in range(reps)]
     best = max(runs, key=lambda r: r["out_tok_s"])
     return {**best, "runs_out_tok_s": [r["out_tok_s"] for r in runs]}
 
@@ -309,7 +382,7 @@ def replicas_section(run: Run, res: dict) -> None:
                      "round_robin_share": prompts[0::2]}
             out = res.setdefault(name, {"workload": w}).setdefault("cascade" if cascade else "plain", {})
             for part, ps in parts.items():
-                out[part] = best_of(loop, eng, [ps], w["new"], 1)
+                out[part] = best_of(loop, eng, [ps], w["new"], 1, run.args.timeline)
                 run.log(f"replicas {name} cascade={cascade} {part}: {json.dumps(out[part])}")
                 run.save()
             out["cache_aware_over_round_robin"] = round(
@@ -340,7 +413,7 @@ def dp_section(run: Run, res: dict) -> None:
         for name, (rounds, new, _) in loads.items():
             # one GPU under prefix_pressure recomputes most prefixes (about 40 s on an
             # H200): one run keeps the whole call under 4 minutes
-            r = best_of(loop, eng, rounds, new, 1 if name == "prefix_pressure" else reps)
+            r = best_of(loop, eng, rounds, new, 1 if name == "prefix_pressure" else reps, run.args.timeline)
             res.setdefault(name, {})["one_gpu"] = r
             run.log(f"dp {name} one_gpu: {json.dumps(r)}")
             run.save()
@@ -350,7 +423,7 @@ def dp_section(run: Run, res: dict) -> None:
         for name, (rounds, new, _) in loads.items():
             for policy in ("cache_aware", "round_robin"):
                 eng.router.policy = policy
-                r = best_of(loop, eng, rounds, new, reps)
+                r = best_of(loop, eng, rounds, new, reps, run.args.timeline)
                 res[name][f"dp2_{policy}"] = r
                 run.log(f"dp {name} dp2 {policy}: {json.dumps(r)}")
                 run.save()
@@ -550,6 +623,10 @@ def main() -> int:
     ap.add_argument("--dp-workloads", default="shared_prefix,prefix_pressure",
                     help="dp section: some of shared_prefix, prefix_pressure, bench_shared_prefix (radixd "
                          "bench's shared-prefix workload at its defaults)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="dp/replicas runs: each replica's steps from the host (decode vs prefill time, idle)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval (seconds) for the run (Python's default 0.005)")
     ap.add_argument("--gc", choices=["on", "off"], default="on",
                     help="off: leave Python's garbage collector untuned (engine gc_freeze/gc_threshold)")
     ap.add_argument("--cascade", choices=["on", "off"], default="on",
@@ -561,6 +638,8 @@ def main() -> int:
                     help="dump every thread's stack to OUT/stacks.txt and exit after this long (a hang, "
                          "e.g. in NCCL, still leaves the results so far)")
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     run = Run(args)
     stacks = open(run.out / "stacks.txt", "w")
     faulthandler.dump_traceback_later(args.max_seconds, exit=True, file=stacks)
