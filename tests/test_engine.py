@@ -11,6 +11,7 @@ import torch
 from conftest import hf_greedy
 
 from radixd import Engine, SamplingParams
+from radixd.core.errors import InvalidRequest
 
 ARCHS = ["llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3"]
 TIE = 1e-4  # logits closer than this are a tie in fp32: either token is a correct greedy pick
@@ -339,3 +340,14 @@ async def test_overlap_schedule_launches_ahead_and_matches_sync(tiny_models):
         finally:
             await eng.stop()
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("ids", [[5, -1], [5, "VOCAB"], [True, 5], [5, 1.0], [5, "6"], [5, None]])
+def test_bad_token_ids_rejected(tiny_models, ids):
+    eng = make_engine(tiny_models["llama"])
+    vocab = eng.model_cfg.vocab_size
+    ids = [vocab if t == "VOCAB" else t for t in ids]
+    with pytest.raises(InvalidRequest, match=rf"input_ids.*\[0, {vocab}\)"):
+        eng.validate(None, ids, SamplingParams(max_new_tokens=2))
+    assert eng.validate(None, [0, vocab - 1], SamplingParams(max_new_tokens=2)) == [0, vocab - 1]
+    assert eng.validate(None, (3, 4), SamplingParams(max_new_tokens=2)) == [3, 4]
