@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from radixd.core import cascade
-from radixd.core.cascade import CHUNK, chain, plan
+from radixd.core.cascade import CHUNK, SharedPrefixes, chain, plan
 
 
 def chains_for(prefixes: list[tuple[int, int]], seed: int = 0) -> list[list[int]]:
@@ -55,3 +55,11 @@ def test_a_member_never_shortens_its_items_prefix():
     sh = plan([a, b, c], rows=[0, 1, 2], per_item=16)
     assert sh.item_lens == [10 * CHUNK] and sorted(sh.members[0]) == [0, 1]
     assert sh.shares == [10 * CHUNK, 10 * CHUNK, 0]
+
+
+def test_members_matrix_and_parts():
+    sh = SharedPrefixes(shares=[256, 0, 256, 320, 320], item_rows=[4, 7], item_lens=[256, 320],
+                        members=[[0, 2], [3, 4]])
+    assert sh.parts(5) == [5, 0, 5, 5, 5]
+    out = sh.fill_members(torch.full((3, 4), 99, dtype=torch.int64))
+    assert out.tolist() == [[0, 3, -1, -1], [2, 4, -1, -1], [-1, -1, -1, -1]]

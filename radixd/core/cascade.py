@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 CHUNK = 64         # shared lengths are multiples of this many tokens
 MIN_CHUNKS = 4     # a shared prefix shorter than this many chunks is not worth a second level
 
@@ -28,6 +30,20 @@ class SharedPrefixes:
     item_rows: list[int]       # [N] a member's table row (the prefix's slots are read from it)
     item_lens: list[int]       # [N] the shared length
     members: list[list[int]]   # [N] the members' batch indices (at most ``per_item`` each)
+
+    def parts(self, splits: int) -> list[int]:
+        """[B] the kernel's prefix split count of each request: ``splits`` in an item, 0 not."""
+        return [splits if n else 0 for n in self.shares]
+
+    def fill_members(self, out: torch.Tensor) -> torch.Tensor:
+        """The kernel's ``members`` matrix into ``out`` [M, >= N] (int64, M member slots per
+        item): item i's members down column i, -1 in every other place."""
+        out.fill_(-1)
+        slots = [j for mem in self.members for j in range(len(mem))]
+        cols = [i for i, mem in enumerate(self.members) for _ in mem]
+        out[torch.tensor(slots, dtype=torch.int64), torch.tensor(cols, dtype=torch.int64)] = torch.tensor(
+            [x for mem in self.members for x in mem], dtype=torch.int64)
+        return out
 
 
 def chain(slots, cached_len: int) -> list[int]:

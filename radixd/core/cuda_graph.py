@@ -144,14 +144,9 @@ class DecodeGraphs:
     def _stage_items(self, staged: torch.Tensor, shared, b: int) -> None:
         """The shared-prefix items' rows of the host block (unused item slots: length 0)."""
         n = len(shared.item_lens)
-        staged[SHARE:].zero_()
-        staged[MEM:].fill_(-1)
+        staged[SHARE:MEM].zero_()
         staged[SHARE, :b] = torch.tensor(shared.shares, dtype=torch.int64)
-        splits = self.attn.prefix_splits(n)
-        staged[PARTS, :b] = torch.tensor([splits if x else 0 for x in shared.shares], dtype=torch.int64)
+        staged[PARTS, :b] = torch.tensor(shared.parts(self.attn.prefix_splits(n)), dtype=torch.int64)
         staged[IROW, :n] = torch.tensor(shared.item_rows, dtype=torch.int64)
         staged[ILEN, :n] = torch.tensor(shared.item_lens, dtype=torch.int64)
-        cols = [i for i, mem in enumerate(shared.members) for _ in mem]
-        slots = [j for mem in shared.members for j in range(len(mem))]
-        staged[MEM + torch.tensor(slots), torch.tensor(cols)] = torch.tensor(
-            [x for mem in shared.members for x in mem], dtype=torch.int64)
+        shared.fill_members(staged[MEM:])

@@ -108,11 +108,9 @@ class TritonAttention:
         sh = batch.shared
         if sh is None or not self.cascade_members:
             return None
-        members = torch.full((self.cascade_members, len(sh.item_lens)), -1, dtype=torch.int64)
-        for i, mem in enumerate(sh.members):
-            members[: len(mem), i] = torch.tensor(mem, dtype=torch.int64)
-        splits = self.prefix_splits(len(sh.item_lens))
-        parts = [splits if n else 0 for n in sh.shares]
+        n = len(sh.item_lens)
+        members = sh.fill_members(torch.empty((self.cascade_members, n), dtype=torch.int64))
+        parts = sh.parts(self.prefix_splits(n))
         return stage(sh.shares), stage(parts), stage(sh.item_rows), stage(sh.item_lens), stage(members)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
