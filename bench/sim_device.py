@@ -1,0 +1,152 @@
+"""How long the host loop leaves a device idle, without a device: the engine on CPU with each
+replica's worker replaced by a simulated device.
+
+The simulated device takes ``--step-ms`` per step plus ``--token-us`` per token of the batch,
+one step after another, like a GPU stream: ``launch`` spends ``--launch-us`` of Python (the
+GIL held, as the real launch's batch staging does) and returns at once; ``resolve`` sleeps
+until the step's simulated end (the GIL released, as a CUDA wait does). A launch that comes
+after the device finished the previous step leaves it idle for the difference. Everything
+else is the real engine: validation, routing, scheduling, cascade planning, streaming to one
+consumer task per request, the garbage collector.
+
+Workload: ``radixd bench``'s shared-prefix burst (groups x per-group requests, a system
+prompt + a question each, greedy, ``ignore_eos``), all submitted at once.
+
+    python3 bench/sim_device.py --dp 2 --routing cache_aware --gc on --out DIR
+
+Reported per run: wall seconds, device busy seconds (the most loaded replica), device idle
+seconds and the longest idle gap (summed over replicas), garbage collections and their pauses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from loop_overhead import checkpoint  # noqa: E402
+
+from radixd import Engine, SamplingParams  # noqa: E402
+from radixd.core.forward_batch import StepOutput  # noqa: E402
+from radixd.plugins import make_plugin_manager  # noqa: E402
+
+
+class SimDevice:
+    """One replica's device: steps run back to back, each ``step_s + token_s * tokens`` long."""
+
+    def __init__(self, vocab: int, step_s: float, token_s: float, launch_s: float):
+        self.vocab, self.step_s, self.token_s, self.launch_s = vocab, step_s, token_s, launch_s
+        self.free_at = 0.0   # when the device finishes what it was given
+        self.busy = 0.0
+        self.idle: list[float] = []
+        self.calls = 0
+
+    def launch(self, batch, prev=None):
+        t = time.perf_counter()
+        while time.perf_counter() - t < self.launch_s:  # Python work, GIL held
+            pass
+        self.calls += 1
+        now = time.perf_counter()
+        if self.free_at and now > self.free_at:
+            self.idle.append(now - self.free_at)
+        dur = self.step_s + self.token_s * batch.num_tokens
+        self.free_at = max(now, self.free_at) + dur
+        self.busy += dur
+        n = len(batch.sample_indices)
+        return [2 + (self.calls * 7 + 13 * i) % (self.vocab - 2) for i in range(n)], self.free_at
+
+    @staticmethod
+    def resolve(launched):
+        if launched is None:
+            return StepOutput(next_tokens=[])
+        picks, end = launched
+        wait = end - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)  # (releases the GIL, as a CUDA wait does)
+        return StepOutput(next_tokens=picks)
+
+
+def prompts(a) -> list[list[int]]:
+    rng = random.Random(4)
+    systems = [[rng.randrange(100, 500) for _ in range(a.system)] for _ in range(a.groups)]
+    out = [s + [rng.randrange(100, 500) for _ in range(a.question)] for s in systems for _ in range(a.per_group)]
+    rng.shuffle(out)
+    return out
+
+
+async def run(path: str, a) -> dict:
+    kw = dict(dp_size=a.dp, routing=a.routing) if a.dp > 1 else {}
+    if a.gc == "off":
+        kw.update(gc_freeze=False, gc_threshold=0)
+    eng = Engine(model=path, tokenizer="none", load_format="dummy", device="cpu", dtype="float32",
+                 attention_backend="torch", cuda_graphs=False, plugin_manager=make_plugin_manager(load_entry_points=False),
+                 max_running_requests=a.max_running, max_prefill_tokens=16384, chunked_prefill_size=8192,
+                 kv_cache_tokens=400_000, stream_interval=a.stream_interval, **kw)
+    devs = []
+    for rep in eng.replicas:
+        d = SimDevice(eng.model_cfg.vocab_size, a.step_ms / 1e3, a.token_us / 1e6, a.launch_us / 1e6)
+        rep.worker.launch, rep.worker.resolve = d.launch, d.resolve
+        devs.append(d)
+    params = SamplingParams(max_new_tokens=a.new, temperature=0.0, ignore_eos=True)
+
+    async def consume(ids):
+        async for _ in eng.generate(input_ids=ids, params=params):
+            pass
+
+    work = prompts(a)
+    async with eng:
+        for d in devs:
+            d.free_at, d.busy, d.idle = 0.0, 0.0, []
+        gc0 = eng.stats()["gc"]
+        t = time.perf_counter()
+        await asyncio.gather(*(consume(p) for p in work))
+        wall = time.perf_counter() - t
+        gc1 = eng.stats()["gc"]
+    idle = [g for d in devs for g in d.idle]
+    return {"dp": a.dp, "routing": a.routing if a.dp > 1 else None, "gc": a.gc, "wall_s": round(wall, 3),
+            "device_busy_s": round(max(d.busy for d in devs), 3), "device_idle_s": round(sum(idle), 3),
+            "idle_gaps": len(idle), "longest_gap_ms": round(1e3 * max(idle, default=0.0), 1),
+            "gc_full_collections": gc1["full_collections"] - gc0["full_collections"],
+            "gc_pause_s": round(gc1["pause_seconds"] - gc0["pause_seconds"], 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--routing", choices=["cache_aware", "round_robin"], default="cache_aware")
+    ap.add_argument("--gc", choices=["on", "off"], default="on", help="the engine's gc_freeze/gc_threshold, or none")
+    ap.add_argument("--groups", type=int, default=64)
+    ap.add_argument("--per-group", type=int, default=16)
+    ap.add_argument("--system", type=int, default=2048)
+    ap.add_argument("--question", type=int, default=128)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--max-running", type=int, default=256)
+    ap.add_argument("--stream-interval", type=int, default=8)
+    ap.add_argument("--step-ms", type=float, default=16.0, help="simulated device time per step")
+    ap.add_argument("--token-us", type=float, default=25.0, help="simulated device time per batch token")
+    ap.add_argument("--launch-us", type=float, default=1000.0, help="Python time of a launch (GIL held)")
+    ap.add_argument("--out", default=None, help="append the result as a JSON line to DIR/sim_device.jsonl")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    res = asyncio.run(run(checkpoint(False), a))
+    res["args"] = vars(a)
+    print(json.dumps(res), flush=True)
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        with open(Path(a.out) / "sim_device.jsonl", "a") as f:
+            f.write(json.dumps(res) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
