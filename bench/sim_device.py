@@ -14,6 +14,8 @@ prompt + a question each, greedy, ``ignore_eos``), all submitted at once.
 
     python3 bench/sim_device.py --dp 2 --routing cache_aware --gc on --out DIR
 
+``--submit-only`` times only the submission of the burst (validation, routing, queueing).
+
 Reported per run: wall seconds, device busy seconds (the most loaded replica), device idle
 seconds and the longest idle gap (summed over replicas), garbage collections and their pauses.
 """
@@ -104,6 +106,14 @@ async def run(path: str, a) -> dict:
             pass
 
     work = prompts(a)
+    if a.submit_only:  # the host cost of admitting the burst: validation, routing, queueing
+        t = time.perf_counter()
+        for p in work:
+            eng.submit(input_ids=p, params=params)
+        secs = time.perf_counter() - t
+        eng.abort_all()
+        return {"dp": a.dp, "routing": a.routing if a.dp > 1 else None, "requests": len(work),
+                "submit_s": round(secs, 3), "us_per_request": round(1e6 * secs / len(work), 1)}
     async with eng:
         for d in devs:
             d.free_at, d.busy, d.idle = 0.0, 0.0, []
@@ -135,6 +145,7 @@ def main() -> int:
     ap.add_argument("--step-ms", type=float, default=16.0, help="simulated device time per step")
     ap.add_argument("--token-us", type=float, default=25.0, help="simulated device time per batch token")
     ap.add_argument("--launch-us", type=float, default=1000.0, help="Python time of a launch (GIL held)")
+    ap.add_argument("--submit-only", action="store_true", help="time submitting the burst, nothing else")
     ap.add_argument("--out", default=None, help="append the result as a JSON line to DIR/sim_device.jsonl")
     a = ap.parse_args()
     torch.set_num_threads(1)
