@@ -264,23 +264,6 @@ def _cascade_case(eng, ctx, B: int, G: int, P: int, own: int) -> dict:
             case["cascade"].append({"prefix_splits": psplits, "config": conf, "us": round(t * 1e6, 1),
                                     "fraction_of_copy": round(distinct / t / ctx["copy"], 3)})
     case["best"] = sorted((c for c in case["cascade"] if "us" in c), key=lambda c: c["us"])[:4]
-    # the shared level's grid: programs per processor walking its units (default tiles)
-    case["grid"] = []
-    per_sm = tk.PREFIX_PROGRAMS_PER_SM
-    try:
-        for psplits in (1, 2, 4, 8):
-            parts = torch.full((B,), psplits, device="cuda")
-            for n in (2, 3, 4, 6):
-                tk.PREFIX_PROGRAMS_PER_SM = n
-                tk.prefix_programs.cache_clear()
-                t = time_graph(lambda parts=parts: [tk.cascade_decode_attention(
-                    q, kb, vb, table, rows, lens, D**-0.5, shares, parts, item_rows, item_lens, mem_t,
-                    num_splits=splits, prefix_splits=8) for _ in range(8)], reps=20) / 8
-                case["grid"].append({"prefix_splits": psplits, "programs_per_sm": n, "us": round(t * 1e6, 1)})
-    finally:
-        tk.PREFIX_PROGRAMS_PER_SM = per_sm
-        tk.prefix_programs.cache_clear()
-    print(f"cascade grid B{B} G{G}", json.dumps(case["grid"]), flush=True)
     return case
 
 
