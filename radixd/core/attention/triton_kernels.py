@@ -13,24 +13,13 @@ They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 DECODE_CONFIG = (64, 4, 3)  # stage 1: tokens per tile, warps, pipeline stages
 PREFIX_CONFIG = (64, 4, 3)  # cascade's shared level: tokens per tile, warps, pipeline stages
-PREFIX_PROGRAMS_PER_SM = 2  # cascade's shared level: programs walking its units, per processor
-
-
-@functools.cache
-def prefix_programs(device: torch.device) -> int:
-    """The shared level's grid on ``device``: about what runs at once (its tiles fit two
-    programs per processor); a few on CPU (the interpreter runs them one by one)."""
-    if device.type != "cuda":
-        return 4
-    return PREFIX_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+PREFIX_PROGRAMS = 64        # programs per (KV head, split) walking the shared-prefix items
 
 
 @triton.jit
@@ -186,56 +175,41 @@ def _prefix_stage(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, SLOT0: tl.constexpr,
-    KV_HEADS: tl.constexpr, BLOCK_I: tl.constexpr, PROGRAMS: tl.constexpr,
+    PROGRAMS: tl.constexpr,
 ):
     """Cascade decoding, the shared level: the requests of one item share the KV of their
     first ``ItemLens[i]`` positions (the same pool slots), so each K/V tile of it is read
     once for all of them: a tile of (member, query head) rows against it. Partials go to
-    split slot ``SLOT0 + sp`` of each member, merged with its own suffix's by stage 2.
-
-    The work is a list of units (item, KV head, split): item i has ``KV_HEADS x
-    PrefixParts[its first member]`` of them (at most SPLITS splits; none for an unused item
-    slot, length 0). Every program counts them the same way and takes units ``pid``, ``pid +
-    PROGRAMS``, ...: the grid is fixed (a CUDA graph replays it for any items), and no
-    program is spent on an absent split or item."""
-    pid = tl.program_id(0)
-    offs_i = tl.arange(0, BLOCK_I)
-    mask_i = offs_i < n_items
-    lens = tl.load(ItemLens + offs_i, mask=mask_i, other=0)
-    first = tl.maximum(tl.load(Members + offs_i, mask=mask_i, other=0), 0)
-    parts = tl.load(PrefixParts + first, mask=mask_i & (lens > 0), other=0)
-    parts = tl.minimum(parts, SPLITS)
-    units = parts * KV_HEADS
-    ends = tl.cumsum(units, 0)   # each item's units end here (exclusive)
-    total = tl.sum(units, 0)
+    split slot ``SLOT0 + sp`` of each member, merged with its own suffix's by stage 2. An item
+    is read in ``PrefixParts[member]`` splits (at most SPLITS, the grid's; programs past them
+    have nothing to do)."""
+    p = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
     offs_r = tl.arange(0, BLOCK_R)
     member = offs_r // GROUP
+    heads = kvh * GROUP + offs_r % GROUP
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    for u in range(pid, total, PROGRAMS):
-        it = tl.sum((ends <= u).to(tl.int32), 0)      # the item whose units hold u
-        pick = offs_i == it
-        nsplits = tl.sum(tl.where(pick, parts, 0), 0)
-        r = u - tl.sum(tl.where(pick, ends - units, 0), 0)
-        kvh = r // nsplits
-        sp = r % nsplits
-        length = tl.sum(tl.where(pick, lens, 0), 0)
-        row = tl.load(ItemRows + it)
-        heads = kvh * GROUP + offs_r % GROUP
-        b = tl.load(Members + member * stride_m + it, mask=member < MEMBERS, other=-1)
-        valid = b >= 0
-        q = tl.load(Q + b[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=valid[:, None] & mask_d[None, :], other=0.0)
-        split_len = tl.cdiv(tl.cdiv(length, nsplits), BLOCK_N) * BLOCK_N
-        start = sp * split_len
-        end = tl.minimum(start + split_len, length)
-        out, lse = _attend_span(q, valid, K, V, Table, row, kvh, start, end, scale,
-                                stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                                BLOCK_R, BLOCK_N, BLOCK_D)
-        slot = SLOT0 + sp
-        tl.store(MidO + b[:, None] * stride_ob + heads[:, None] * stride_oh + slot * stride_os + offs_d[None, :],
-                 out, mask=valid[:, None] & mask_d[None, :])
-        tl.store(MidLse + b * stride_lb + heads * stride_lh + slot, lse, mask=valid)
+    for it in range(p, n_items, PROGRAMS):  # item slots past the last real one have length 0
+        length = tl.load(ItemLens + it)
+        nsplits = tl.load(PrefixParts + tl.maximum(tl.load(Members + it), 0))
+        if (length > 0) & (sp < nsplits):
+            row = tl.load(ItemRows + it)
+            b = tl.load(Members + member * stride_m + it, mask=member < MEMBERS, other=-1)
+            valid = b >= 0
+            q = tl.load(Q + b[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                        mask=valid[:, None] & mask_d[None, :], other=0.0)
+            split_len = tl.cdiv(tl.cdiv(length, nsplits), BLOCK_N) * BLOCK_N
+            start = sp * split_len
+            end = tl.minimum(start + split_len, length)
+            out, lse = _attend_span(q, valid, K, V, Table, row, kvh, start, end, scale,
+                                    stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
+                                    BLOCK_R, BLOCK_N, BLOCK_D)
+            slot = SLOT0 + sp
+            tl.store(MidO + b[:, None] * stride_ob + heads[:, None] * stride_oh + slot * stride_os + offs_d[None, :],
+                     out, mask=valid[:, None] & mask_d[None, :])
+            tl.store(MidLse + b * stride_lb + heads * stride_lh + slot, lse, mask=valid)
 
 
 def cascade_decode_attention(
@@ -280,16 +254,14 @@ def cascade_decode_attention(
         num_warps=warps, num_stages=stages,
     )
     members_n = prefix_members(group)
-    programs = min(n_items * Hkv * prefix_splits, prefix_programs(q.device))
-    if programs:
-        _prefix_stage[(programs,)](
-            q, k_buf, v_buf, table, item_rows, item_lens, members, prefix_parts, mid_o, mid_lse, scale, n_items,
-            q.stride(0), q.stride(1), *common, members.stride(0), *mids,
-            GROUP=group, MEMBERS=members_n, BLOCK_R=max(16, triton.next_power_of_2(members_n * group)),
-            BLOCK_N=PREFIX_CONFIG[0], HEAD_DIM=D, BLOCK_D=block_d, SPLITS=prefix_splits, SLOT0=num_splits,
-            KV_HEADS=Hkv, BLOCK_I=triton.next_power_of_2(n_items), PROGRAMS=programs,
-            num_warps=PREFIX_CONFIG[1], num_stages=PREFIX_CONFIG[2],
-        )
+    programs = min(n_items, PREFIX_PROGRAMS)
+    _prefix_stage[(programs, Hkv, prefix_splits)](
+        q, k_buf, v_buf, table, item_rows, item_lens, members, prefix_parts, mid_o, mid_lse, scale, n_items,
+        q.stride(0), q.stride(1), *common, members.stride(0), *mids,
+        GROUP=group, MEMBERS=members_n, BLOCK_R=max(16, triton.next_power_of_2(members_n * group)),
+        BLOCK_N=PREFIX_CONFIG[0], HEAD_DIM=D, BLOCK_D=block_d, SPLITS=prefix_splits, SLOT0=num_splits,
+        PROGRAMS=programs, num_warps=PREFIX_CONFIG[1], num_stages=PREFIX_CONFIG[2],
+    )
     _decode_stage2[(B, H)](
         mid_o, mid_lse, out, prefix_parts, *mids, out.stride(0), out.stride(1),
         HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(parts),
