@@ -63,14 +63,19 @@ def replica_seconds(groups: int, per_group: int, system: int, question: int, new
             "decode_attention_s": round(attention, 3), "total_s": round(prefill + linear + attention, 3)}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The shared-prefix burst (``radixd bench``'s defaults) and the running requests per replica."""
     ap.add_argument("--groups", type=int, default=64)
     ap.add_argument("--per-group", type=int, default=16)
     ap.add_argument("--system", type=int, default=2048)
     ap.add_argument("--question", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--max-running", type=int, default=256)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(ap)
     ap.add_argument("--copy-tbps", type=float, default=4.09, help="device copy bandwidth, TB/s")
     ap.add_argument("--matmul-tflops", type=float, default=757.0, help="bf16 matmul rate, TFLOP/s")
     a = ap.parse_args()

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from dp_bound import add_workload_args  # noqa: E402
 from loop_overhead import checkpoint  # noqa: E402
 
 from radixd import Engine, SamplingParams  # noqa: E402
@@ -135,12 +136,7 @@ def main() -> int:
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--routing", choices=["cache_aware", "round_robin"], default="cache_aware")
     ap.add_argument("--gc", choices=["on", "off"], default="on", help="the engine's gc_freeze/gc_threshold, or none")
-    ap.add_argument("--groups", type=int, default=64)
-    ap.add_argument("--per-group", type=int, default=16)
-    ap.add_argument("--system", type=int, default=2048)
-    ap.add_argument("--question", type=int, default=128)
-    ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--max-running", type=int, default=256)
+    add_workload_args(ap)
     ap.add_argument("--stream-interval", type=int, default=8)
     ap.add_argument("--step-ms", type=float, default=16.0, help="simulated device time per step")
     ap.add_argument("--token-us", type=float, default=25.0, help="simulated device time per batch token")
