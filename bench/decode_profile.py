@@ -96,7 +96,7 @@ def section_step(eng, ctx) -> dict:
     p = [[1000 + i for i in range(512)]]
     loop.run_until_complete(_gen(eng, p, 64))
     out = {}
-    for bs in (1, 64):
+    for bs in ctx["batches"]:
         with bucket_state(eng, bs) as g:
             graph, _ = g.graphs[bs]
             t = gpu_bench.median_time(graph.replay, reps=50)
@@ -115,7 +115,7 @@ async def _gen(eng, prompts, new):
 
 
 def section_kernels(eng, ctx) -> dict:
-    return {f"b{bs}": _kernel_families(eng, bs) for bs in (1, 64)}
+    return {f"b{bs}": _kernel_families(eng, bs) for bs in ctx["batches"]}
 
 
 def _kernel_families(eng, bs: int) -> dict:
@@ -532,6 +532,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="llama3-8b", choices=sorted(gpu_bench.SHAPES))
     ap.add_argument("--sections", default="step,kernels,gemv,extend")
+    ap.add_argument("--batches", default="1,64", help="step and kernels sections: decode batch sizes")
     ap.add_argument("--rows-m", default="", help=f"rows section: row counts (default {','.join(map(str, ROWS_M))})")
     ap.add_argument("--rows-shapes", default="", help="rows section: some of qkv,o,gate_up_silu,down,lm_head")
     ap.add_argument("--rows-tiles", default="", help="rows section: JSON list of [rows, K step, warps, stages, splits]")
@@ -547,7 +548,8 @@ def main() -> int:
            "rows_write": args.rows_write}
     gpu_bench.ceilings(None, ctx)
     ctx["copy"] = ctx["copy_Bps"]
-    eng = gpu_bench.engine(gpu_bench.checkpoint_dir(args.model), max_running_requests=64)
+    ctx["batches"] = [int(b) for b in args.batches.split(",")]
+    eng = gpu_bench.engine(gpu_bench.checkpoint_dir(args.model), max_running_requests=max(64, *ctx["batches"]))
     ctx["kv_per_tok"] = gpu_bench.pool_kv_bytes_per_token(eng)
     summary = {"copy_TBps": round(ctx["copy"] / 1e12, 3), "model": args.model}
     fns = {"step": section_step, "kernels": section_kernels, "attn": section_attn, "gemv": section_gemv,
