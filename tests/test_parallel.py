@@ -349,7 +349,7 @@ def test_multi_gpu_bench_runs_on_cpu(tmp_path):
 
     script = Path(__file__).resolve().parent.parent / "bench" / "multi_gpu_bench.py"
     r = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--device", "cpu",
-                        "--dp-workloads", "shared_prefix,prefix_pressure,bench_shared_prefix"],
+                        "--dp-workloads", "shared_prefix,prefix_pressure,bench_shared_prefix", "--timeline"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "multi_gpu.json").read_text())
@@ -360,6 +360,12 @@ def test_multi_gpu_bench_runs_on_cpu(tmp_path):
         for run in ("one_gpu", "dp2_cache_aware", "dp2_round_robin"):
             assert c[run]["out_tok_s"] > 0 and 0.0 <= c[run]["hit_rate"] <= 1.0
         assert sum(c["dp2_cache_aware"]["routed"]) == c["dp2_cache_aware"]["requests"]
+        for run in ("dp2_cache_aware", "dp2_round_robin"):  # each replica's steps, seen from the host
+            tl = c[run]["timeline"]
+            assert len(tl) == 2 and sum(t["decode_steps"] + t["prefill_steps"] for t in tl) == c[run]["steps"]
+            assert all(0 <= t["first_launch_s"] <= t["end_s"] <= c[run]["seconds"] + 0.01 and t["idle_s"] >= 0
+                       for t in tl)
+            assert c[run]["loop_cpu_share"] > 0 and c[run]["gc_full_collections"] >= 0
         assert c["dp2_over_one_gpu"] > 0 and "cache_aware_over_round_robin" in c
     # cache-aware keeps each prefix on one replica: never fewer hits than round robin
     assert dp["shared_prefix"]["dp2_cache_aware"]["hit_rate"] >= dp["shared_prefix"]["dp2_round_robin"]["hit_rate"]
