@@ -206,26 +206,37 @@ def cache_counts(eng: Engine) -> tuple[int, int, int]:
 
 
 class Timeline:
-    """Each replica's steps seen from the host: a wrapper around its worker's ``launch`` and
-    ``resolve`` records when a step was launched and when its picks were back (resolves come
-    in launch order), with its tokens and requests. With overlap scheduling the device runs
-    step i from about max(launch_i, back_{i-1}) to back_i; a launch after back_{i-1} left it
-    idle in between."""
+    """Each replica's steps: a wrapper around its worker's ``launch`` and ``resolve`` records
+    when the host launched a step and when its picks were back (resolves come in launch
+    order), its tokens and requests, and on CUDA an event on the worker's stream before and
+    after the launch. The device's time on step i runs from the first event to the second
+    (host gaps inside the launch included); the time from step i-1's second event to step i's
+    first is time the stream had nothing to run: the device waiting for the host."""
 
     def __init__(self, eng: Engine):
         self.steps: list[list[list]] = [[] for _ in eng.replicas]
         self._saved = []
         for rep, steps in zip(eng.replicas, self.steps, strict=True):
             w = rep.worker
+            dev = getattr(w, "device", None)
+            cuda = dev is not None and torch.device(dev).type == "cuda"
             self._saved.append((w, w.launch, w.resolve))
-            w.launch = self._launch(w.launch, steps)
+            w.launch = self._launch(w.launch, steps, torch.device(dev) if cuda else None)
             w.resolve = self._resolve(w.resolve, steps)
 
     @staticmethod
-    def _launch(fn, steps):
+    def _launch(fn, steps, dev):
+        def event():
+            if dev is None:
+                return None
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(dev))
+            return ev
+
         def launch(batch, prev=None):
+            t, ev0 = time.perf_counter(), event()
             out = fn(batch, prev)
-            steps.append([time.perf_counter(), None, batch.num_tokens, batch.batch_size])
+            steps.append([t, None, batch.num_tokens, batch.batch_size, ev0, event(), time.perf_counter()])
             return out
         return launch
 
@@ -244,30 +255,36 @@ class Timeline:
             w.launch, w.resolve = launch, resolve
 
     def summary(self, t0: float) -> list[dict]:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         out = []
         for steps in self.steps:
             done = [s for s in steps if s[1] is not None]
             if not done:
                 out.append({})
                 continue
-            dec = [0, 0.0]
-            mix = [0, 0.0, 0]
-            idle, prev = 0.0, None
-            for launched, back, tokens, reqs in done:
-                start = launched if prev is None else max(launched, prev)
-                if prev is not None and launched > prev:
-                    idle += launched - prev
+            dec, mix = [0, 0.0], [0, 0.0, 0]
+            launch_s = 0.0
+            idle, prev_end = 0.0, None
+            for launched, _, tokens, reqs, ev0, ev1, returned in done:
+                launch_s += returned - launched
                 acc = dec if tokens == reqs else mix
                 acc[0] += 1
-                acc[1] += back - start
+                if ev0 is not None:
+                    acc[1] += ev0.elapsed_time(ev1) / 1e3
+                    if prev_end is not None:
+                        idle += prev_end.elapsed_time(ev0) / 1e3
+                    prev_end = ev1
                 if acc is mix:
                     mix[2] += tokens
-                prev = back
-            out.append({"end_s": round(done[-1][1] - t0, 3), "first_launch_s": round(done[0][0] - t0, 3),
-                        "decode_steps": dec[0], "decode_s": round(dec[1], 3),
-                        "decode_ms_per_step": round(1e3 * dec[1] / max(1, dec[0]), 2),
-                        "prefill_steps": mix[0], "prefill_s": round(mix[1], 3), "prefill_tokens": mix[2],
-                        "idle_s": round(idle, 3)})
+            row = {"end_s": round(done[-1][1] - t0, 3), "first_launch_s": round(done[0][0] - t0, 3),
+                   "decode_steps": dec[0], "prefill_steps": mix[0], "prefill_tokens": mix[2],
+                   "host_launch_ms_per_step": round(1e3 * launch_s / len(done), 3)}
+            if done[0][4] is not None:  # the device's side (CUDA events)
+                row |= {"device_decode_s": round(dec[1], 3),
+                        "device_decode_ms_per_step": round(1e3 * dec[1] / max(1, dec[0]), 2),
+                        "device_prefill_s": round(mix[1], 3), "device_idle_s": round(idle, 3)}
+            out.append(row)
         return out
 
 
