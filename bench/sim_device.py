@@ -17,7 +17,8 @@ prompt + a question each, greedy, ``ignore_eos``), all submitted at once.
 ``--submit-only`` times only the submission of the burst (validation, routing, queueing).
 
 Reported per run: wall seconds, device busy seconds (the most loaded replica), device idle
-seconds and the longest idle gap (summed over replicas), garbage collections and their pauses.
+seconds and the longest idle gap (summed over replicas), the event loop thread's CPU time
+(per step, all replicas' steps), garbage collections and their pauses.
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ async def run(path: str, a) -> dict:
     for rep in eng.replicas:
         d = SimDevice(eng.model_cfg.vocab_size, a.step_ms / 1e3, a.token_us / 1e6, a.launch_us / 1e6)
         rep.worker.launch, rep.worker.resolve = d.launch, d.resolve
+        # plan cascade items each decode step, as with a triton backend (the simulated device
+        # ignores them)
+        rep.scheduler.cascade_members = a.cascade_members
         devs.append(d)
     params = SamplingParams(max_new_tokens=a.new, temperature=0.0, ignore_eos=True)
 
@@ -118,15 +122,16 @@ async def run(path: str, a) -> dict:
     async with eng:
         for d in devs:
             d.free_at, d.busy, d.idle = 0.0, 0.0, []
-        gc0 = eng.stats()["gc"]
-        t = time.perf_counter()
+        gc0, steps0 = eng.stats()["gc"], eng.stats()["steps"]
+        t, cpu = time.perf_counter(), time.thread_time()  # (this thread runs the event loop)
         await asyncio.gather(*(consume(p) for p in work))
-        wall = time.perf_counter() - t
-        gc1 = eng.stats()["gc"]
+        wall, cpu = time.perf_counter() - t, time.thread_time() - cpu
+        gc1, steps = eng.stats()["gc"], eng.stats()["steps"] - steps0
     idle = [g for d in devs for g in d.idle]
     return {"dp": a.dp, "routing": a.routing if a.dp > 1 else None, "gc": a.gc, "wall_s": round(wall, 3),
             "device_busy_s": round(max(d.busy for d in devs), 3), "device_idle_s": round(sum(idle), 3),
             "idle_gaps": len(idle), "longest_gap_ms": round(1e3 * max(idle, default=0.0), 1),
+            "steps": steps, "loop_cpu_s": round(cpu, 3), "loop_cpu_ms_per_step": round(1e3 * cpu / max(1, steps), 3),
             "gc_full_collections": gc1["full_collections"] - gc0["full_collections"],
             "gc_pause_s": round(gc1["pause_seconds"] - gc0["pause_seconds"], 3)}
 
@@ -141,6 +146,8 @@ def main() -> int:
     ap.add_argument("--step-ms", type=float, default=16.0, help="simulated device time per step")
     ap.add_argument("--token-us", type=float, default=25.0, help="simulated device time per batch token")
     ap.add_argument("--launch-us", type=float, default=1000.0, help="Python time of a launch (GIL held)")
+    ap.add_argument("--cascade-members", type=int, default=16,
+                    help="plan cascade items of up to N requests each decode step (Llama-3-8B: 16; 0: none)")
     ap.add_argument("--submit-only", action="store_true", help="time submitting the burst, nothing else")
     ap.add_argument("--out", default=None, help="append the result as a JSON line to DIR/sim_device.jsonl")
     a = ap.parse_args()

@@ -63,3 +63,22 @@ def test_members_matrix_and_parts():
     assert sh.parts(5) == [5, 0, 5, 5, 5]
     out = sh.fill_members(torch.full((3, 4), 99, dtype=torch.int64))
     assert out.tolist() == [[0, 3, -1, -1], [2, 4, -1, -1], [-1, -1, -1, -1]]
+
+
+def test_scheduler_reuses_the_plan_while_its_inputs_hold():
+    from types import SimpleNamespace
+
+    from radixd.core.scheduler import Scheduler
+
+    sched = SimpleNamespace(cascade_members=16, _last_plan=None)
+    chain_a = list(range(100, 105))
+    reqs = [SimpleNamespace(share_chain=chain_a), SimpleNamespace(share_chain=list(chain_a)),
+            SimpleNamespace(share_chain=[1, 2, 3, 4, 5])]
+    first = Scheduler._shared_prefixes(sched, reqs, [0, 1, 2])
+    assert first is not None and first.members == [[0, 1]]
+    assert Scheduler._shared_prefixes(sched, reqs, [0, 1, 2]) is first          # nothing changed
+    assert Scheduler._shared_prefixes(sched, reqs, [0, 1, 5]) is not first      # a row moved
+    reqs[2].share_chain = list(chain_a)                                          # a chain changed
+    again = Scheduler._shared_prefixes(sched, reqs, [0, 1, 5])
+    assert again.members == [[0, 1, 2]] and again.item_rows == [0]
+    assert Scheduler._shared_prefixes(sched, reqs[:2], [0, 1]).members == [[0, 1]]  # fewer requests

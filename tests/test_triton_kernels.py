@@ -231,6 +231,8 @@ async def test_engine_decodes_shared_prefixes_in_cascade(tiny_models):
     # one item of every request in the step (the prefix rounded down to whole 64-token chunks)
     assert all(sh.item_lens == [256] and sorted(sh.members[0]) == list(range(len(sh.shares))) for sh in items)
     assert any(len(sh.shares) == 3 for sh in items)
+    # the same requests decoding step after step reuse one plan (built once, not per step)
+    assert len({id(sh) for sh in items}) < len(items)
     for p, got in zip(ps, outs, strict=True):
         assert_greedy_matches(path, p, got, 5)
 

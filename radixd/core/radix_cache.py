@@ -325,8 +325,15 @@ class RadixCache:
 
 
 def _common_len(node_key: tuple[int, ...], key: Sequence[int], offset: int) -> int:
+    """Tokens ``node_key`` shares with ``key[offset:]``: compared a chunk at a time at C speed
+    (edges run to thousands of tokens), then token by token inside the first differing chunk."""
     n = min(len(node_key), len(key) - offset)
     i = 0
+    while i + _CHUNK <= n and tuple(key[offset + i : offset + i + _CHUNK]) == node_key[i : i + _CHUNK]:
+        i += _CHUNK
     while i < n and node_key[i] == key[offset + i]:
         i += 1
     return i
+
+
+_CHUNK = 64

@@ -82,6 +82,7 @@ class Scheduler:
         # Requests per shared-prefix item of a decode batch; 0: no cascade plan (set by the
         # engine when its attention backend decodes in cascade).
         self.cascade_members = 0
+        self._last_plan: tuple | None = None  # (requests, chains, rows, plan) of the last decode step
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished: list[Request] = []  # finished this step, for the engine to report
@@ -164,8 +165,11 @@ class Scheduler:
                     planned += n
 
         # 3. Admit waiting requests in the policy's order.
-        ready = [r for r in self.waiting if not self._blocked(r)] if self.waiting else []
-        if ready and budget > 0:
+        # (no room for another request: the policy's ranking, which can walk every waiting
+        # prompt, would be thrown away)
+        room = self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests
+        ready = [r for r in self.waiting if not self._blocked(r)] if room else []
+        if ready:
             # requests computing prompt tokens this step (their final chunk included): later
             # requests sharing those tokens should wait a step and read them from the cache
             prefilling = [r for r, n in plan if n > 1 or r.kv_len + n < r.seq_len]
@@ -389,7 +393,14 @@ class Scheduler:
             if r.share_chain is None:
                 r.share_chain = cascade.chain(r.slots, r.cached_len)
             chains.append(r.share_chain)
-        return cascade.plan(chains, rows, self.cascade_members)
+        # while the same requests decode in the same order with the same chains and rows (step
+        # after step), the plan is the same: compared at C speed (identity first), not rebuilt
+        last = self._last_plan
+        if last is not None and last[0] == reqs and last[1] == chains and last[2] == rows:
+            return last[3]
+        shared = cascade.plan(chains, rows, self.cascade_members)
+        self._last_plan = (list(reqs), chains, list(rows), shared)
+        return shared
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         # The requests' constant inputs (each computed once per request, see
