@@ -33,6 +33,8 @@ import torch
 
 from radixd.core.kv_pool import SlotAllocator
 
+_CHUNK = 64  # tokens of an edge compared at once (as tuples, at C speed)
+
 
 class TreeNode:
     __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "namespace", "hits", "backed")
@@ -334,6 +336,3 @@ def _common_len(node_key: tuple[int, ...], key: Sequence[int], offset: int) -> i
     while i < n and node_key[i] == key[offset + i]:
         i += 1
     return i
-
-
-_CHUNK = 64
