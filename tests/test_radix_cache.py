@@ -526,3 +526,27 @@ def test_reset_refuses_while_locked_then_frees_everything():
     assert set(cache._roots) <= {0}
     assert sorted(alloc.free_slots().tolist()) == list(range(1, alloc.total + 1))
     cache.check()
+
+
+def test_common_len_matches_token_by_token_comparison():
+    """Edges are compared a chunk at a time; the result is the plain token-by-token one for
+    mismatches inside a chunk, on its boundaries, past the key's end, and lists or tuples."""
+    import random
+
+    from radixd.core.radix_cache import _CHUNK, _common_len
+
+    def plain(edge, key, off):
+        n = 0
+        while n < min(len(edge), len(key) - off) and edge[n] == key[off + n]:
+            n += 1
+        return n
+
+    rng = random.Random(0)
+    edge = tuple(rng.randrange(50) for _ in range(3 * _CHUNK + 5))
+    for cut in (0, 1, _CHUNK - 1, _CHUNK, _CHUNK + 1, 2 * _CHUNK, len(edge) - 1, len(edge), None):
+        for off in (0, 7):
+            key = [9999] * off + list(edge)
+            if cut is not None and cut < len(edge):
+                key[off + cut] = -1  # the first difference at ``cut``
+            for k in (key, tuple(key), key[: off + len(edge) // 2]):  # and a key ending early
+                assert _common_len(edge, k, off) == plain(edge, k, off), (cut, off, len(k))
