@@ -61,7 +61,9 @@ class Request:
     kv_len: int = 0
     cached_len: int = 0
     last_node: TreeNode | None = None
-    share_chain: list[int] | None = None  # cascade.chain of slots[:cached_len] (None: recompute)
+    # cascade.chain of slots[:cached_len], kept by the scheduler; dropped whenever ``slots`` is
+    # replaced (appended decode slots lie past cached_len and leave it valid)
+    share_chain: list[int] | None = None
     pending_writes: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     finish_reason: str | None = None
     aborted: bool = False
@@ -83,6 +85,7 @@ class Request:
     def slots(self, value: torch.Tensor) -> None:
         self._slots = value
         self._slot_tail = []
+        self.share_chain = None
 
     def append_slot(self, slot: int) -> None:
         """One more slot at the end of ``slots`` (a decode step's)."""

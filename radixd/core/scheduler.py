@@ -226,7 +226,6 @@ class Scheduler:
         r.row = self.rows.alloc()
         r.slots = match.slots
         r.kv_len = r.cached_len = hit
-        r.share_chain = None
         r.last_node = match.node
         r.pending_writes.append((0, match.slots))
         if r.cached_tokens is None:
@@ -539,7 +538,6 @@ class Scheduler:
                 self.cache.lock(match.node)
                 self.cache.unlock(r.last_node)
                 r.slots, r.last_node = match.slots, match.node
-                r.share_chain = None
                 r.pending_writes = [(0, match.slots)]  # the table row is rewritten on resume
         for r, invalid in uncached:
             self.cache.drop_unlocked_path(invalid, stop=r.last_node)
@@ -581,7 +579,6 @@ class Scheduler:
         r.slots = match.slots
         r.cached_len = r.kv_len
         r.last_node = match.node
-        r.share_chain = None
 
     def _release(self, r: Request) -> None:
         if r.row is None:
@@ -598,7 +595,6 @@ class Scheduler:
         r.last_node = None
         r.slots = torch.empty(0, dtype=torch.int64)
         r.kv_len = r.cached_len = 0
-        r.share_chain = None
         r.pending_writes.clear()
 
     def _preempt(self, r: Request) -> None:
