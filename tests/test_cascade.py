@@ -72,8 +72,8 @@ def test_scheduler_reuses_the_plan_while_its_inputs_hold():
 
     sched = SimpleNamespace(cascade_members=16, _last_plan=None)
     chain_a = list(range(100, 105))
-    reqs = [SimpleNamespace(share_chain=chain_a), SimpleNamespace(share_chain=list(chain_a)),
-            SimpleNamespace(share_chain=[1, 2, 3, 4, 5])]
+    reqs = [SimpleNamespace(share_chain=c, cached_len=5 * CHUNK)  # (chains of five whole chunks)
+            for c in (chain_a, list(chain_a), [1, 2, 3, 4, 5])]
     first = Scheduler._shared_prefixes(sched, reqs, [0, 1, 2])
     assert first is not None and first.members == [[0, 1]]
     assert Scheduler._shared_prefixes(sched, reqs, [0, 1, 2]) is first          # nothing changed
@@ -82,3 +82,19 @@ def test_scheduler_reuses_the_plan_while_its_inputs_hold():
     again = Scheduler._shared_prefixes(sched, reqs, [0, 1, 5])
     assert again.members == [[0, 1, 2]] and again.item_rows == [0]
     assert Scheduler._shared_prefixes(sched, reqs[:2], [0, 1]).members == [[0, 1]]  # fewer requests
+
+
+def test_chain_follows_cached_len_when_slots_stay():
+    """A rolled-back decode step lowers cached_len without replacing the slots: the chain is
+    recomputed for the shorter cached prefix."""
+    from types import SimpleNamespace
+
+    from radixd.core.scheduler import Scheduler
+
+    sched = SimpleNamespace(cascade_members=16, _last_plan=None)
+    slots = torch.arange(1000, 1000 + 5 * CHUNK)
+    reqs = [SimpleNamespace(share_chain=None, slots=slots, cached_len=5 * CHUNK) for _ in range(2)]
+    assert Scheduler._shared_prefixes(sched, reqs, [0, 1]).item_lens == [5 * CHUNK]
+    for r in reqs:
+        r.cached_len = 5 * CHUNK - 1  # one token less: four whole chunks
+    assert Scheduler._shared_prefixes(sched, reqs, [0, 1]).item_lens == [4 * CHUNK]

@@ -389,7 +389,9 @@ class Scheduler:
         """Which requests of a decode batch read the same cached prefix (cascade decoding)."""
         chains = []
         for r in reqs:
-            if r.share_chain is None:
+            # (a chain has a slot per whole chunk of the cached prefix: a rolled-back decode
+            # step can lower cached_len without replacing the slots)
+            if r.share_chain is None or len(r.share_chain) != r.cached_len // cascade.CHUNK:
                 r.share_chain = cascade.chain(r.slots, r.cached_len)
             chains.append(r.share_chain)
         # while the same requests decode in the same order with the same chains and rows (step
