@@ -143,7 +143,7 @@ def decode_attention(
     block_d = triton.next_power_of_2(D)
     block_n, warps, stages = config if config is not None else DECODE_CONFIG
     _decode_stage1[(B, Hkv, num_splits)](
-        q, k_buf, v_buf, table, rows, seq_lens, seq_lens, mid_o, mid_lse, scale,
+        q, k_buf, v_buf, table, rows, seq_lens, seq_lens, mid_o, mid_lse, scale,  # (Starts: unread)
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
@@ -153,7 +153,7 @@ def decode_attention(
     if num_splits == 1:
         return out
     _decode_stage2[(B, H)](
-        mid_o, mid_lse, out, seq_lens,
+        mid_o, mid_lse, out, seq_lens,  # (PrefixParts: unread without prefix splits)
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
