@@ -98,3 +98,21 @@ def test_chain_follows_cached_len_when_slots_stay():
     for r in reqs:
         r.cached_len = 5 * CHUNK - 1  # one token less: four whole chunks
     assert Scheduler._shared_prefixes(sched, reqs, [0, 1]).item_lens == [4 * CHUNK]
+
+
+def test_graph_block_rows_of_items():
+    """A cascade graph's host block: each request's share and split count, each item's row
+    and length, the members matrix; unused places zero (members -1)."""
+    from types import SimpleNamespace
+
+    from radixd.core.attention.triton_backend import TritonAttention
+    from radixd.core.cuda_graph import ILEN, IROW, MEM, PARTS, SHARE, DecodeGraphs
+
+    attn = SimpleNamespace(prefix_splits=lambda n: 3)
+    attn.item_rows = lambda sh: TritonAttention.item_rows(attn, sh)
+    sh = SharedPrefixes(shares=[256, 0, 256], item_rows=[7], item_lens=[256], members=[[0, 2]])
+    staged = torch.full((MEM + 2, 4), 99, dtype=torch.int64)
+    DecodeGraphs._stage_items(SimpleNamespace(attn=attn), staged, sh)
+    assert staged[SHARE].tolist() == [256, 0, 256, 0] and staged[PARTS].tolist() == [3, 0, 3, 0]
+    assert staged[IROW].tolist() == [7, 0, 0, 0] and staged[ILEN].tolist() == [256, 0, 0, 0]
+    assert staged[MEM:].tolist() == [[0, -1, -1, -1], [2, -1, -1, -1]]

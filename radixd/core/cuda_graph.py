@@ -125,7 +125,7 @@ class DecodeGraphs:
             staged[:LEN, b:] = 0
             staged[LEN, b:] = 1
         if shared is not None:
-            self._stage_items(staged, shared, b)
+            self._stage_items(staged, shared)
         block.copy_(staged, non_blocking=True)
         n_ph = len(batch.placeholder_pos)
         if n_ph and batch.placeholder_pos == batch.placeholder_src == list(range(n_ph)):
@@ -141,12 +141,9 @@ class DecodeGraphs:
             return out[:b]
         return out[:b].index_select(0, stager.to_device(batch.sample_indices))
 
-    def _stage_items(self, staged: torch.Tensor, shared, b: int) -> None:
+    def _stage_items(self, staged: torch.Tensor, shared) -> None:
         """The shared-prefix items' rows of the host block (unused item slots: length 0)."""
-        n = len(shared.item_lens)
         staged[SHARE:MEM].zero_()
-        staged[SHARE, :b] = torch.tensor(shared.shares, dtype=torch.int64)
-        staged[PARTS, :b] = torch.tensor(shared.parts(self.attn.prefix_splits(n)), dtype=torch.int64)
-        staged[IROW, :n] = torch.tensor(shared.item_rows, dtype=torch.int64)
-        staged[ILEN, :n] = torch.tensor(shared.item_lens, dtype=torch.int64)
+        for r, values in zip((SHARE, PARTS, IROW, ILEN), self.attn.item_rows(shared), strict=True):
+            staged[r, : len(values)] = torch.tensor(values, dtype=torch.int64)
         shared.fill_members(staged[MEM:])

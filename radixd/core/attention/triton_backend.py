@@ -104,14 +104,17 @@ class TritonAttention:
         self.q_starts = stage(starts)
         self.max_extend = max(batch.extend_lens)
 
+    def item_rows(self, sh) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The kernel's per-request and per-item inputs of ``sh`` (a ``SharedPrefixes``):
+        shares [B], prefix split counts [B], item rows [N], item lengths [N]."""
+        return sh.shares, sh.parts(self.prefix_splits(len(sh.item_lens))), sh.item_rows, sh.item_lens
+
     def _stage_shared(self, batch: ForwardBatch, stage) -> tuple[torch.Tensor, ...] | None:
         sh = batch.shared
         if sh is None or not self.cascade_members:
             return None
-        n = len(sh.item_lens)
-        members = sh.fill_members(torch.empty((self.cascade_members, n), dtype=torch.int64))
-        parts = sh.parts(self.prefix_splits(n))
-        return stage(sh.shares), stage(parts), stage(sh.item_rows), stage(sh.item_lens), stage(members)
+        members = sh.fill_members(torch.empty((self.cascade_members, len(sh.item_lens)), dtype=torch.int64))
+        return (*map(stage, self.item_rows(sh)), stage(members))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 positions: torch.Tensor, rotary) -> torch.Tensor:
