@@ -16,8 +16,9 @@ prompt + a question each, greedy, ``ignore_eos``), all submitted at once.
 
 ``--submit-only`` times only the submission of the burst (validation, routing, queueing).
 
-Reported per run: wall seconds, device busy seconds (the most loaded replica), device idle
-seconds and the longest idle gap (summed over replicas), the event loop thread's CPU time
+Reported per run: wall seconds, device busy seconds (the most loaded replica), when each
+replica's first step was launched, the tokens of each replica's steps that computed prompt
+tokens, device idle seconds and the longest idle gap (summed over replicas), the event loop thread's CPU time
 (per step, all replicas' steps), garbage collections and their pauses.
 """
 
@@ -54,6 +55,11 @@ class SimDevice:
         self.busy = 0.0
         self.idle: list[float] = []
         self.calls = 0
+        self.first: float | None = None   # when the first step was launched
+        self.prefill_tokens = 0           # tokens of steps that computed prompt tokens
+
+    def reset(self) -> None:
+        self.free_at, self.busy, self.idle, self.first, self.prefill_tokens = 0.0, 0.0, [], None, 0
 
     def launch(self, batch, prev=None):
         t = time.perf_counter()
@@ -61,12 +67,16 @@ class SimDevice:
             pass
         self.calls += 1
         now = time.perf_counter()
+        if self.first is None:
+            self.first = t
+        n = len(batch.sample_indices)
+        if batch.num_tokens > n:
+            self.prefill_tokens += batch.num_tokens
         if self.free_at and now > self.free_at:
             self.idle.append(now - self.free_at)
         dur = self.step_s + self.token_s * batch.num_tokens
         self.free_at = max(now, self.free_at) + dur
         self.busy += dur
-        n = len(batch.sample_indices)
         return [2 + (self.calls * 7 + 13 * i) % (self.vocab - 2) for i in range(n)], self.free_at
 
     @staticmethod
@@ -121,7 +131,7 @@ async def run(path: str, a) -> dict:
                 "submit_s": round(secs, 3), "us_per_request": round(1e6 * secs / len(work), 1)}
     async with eng:
         for d in devs:
-            d.free_at, d.busy, d.idle = 0.0, 0.0, []
+            d.reset()
         gc0, steps0 = eng.stats()["gc"], eng.stats()["steps"]
         t, cpu = time.perf_counter(), time.thread_time()  # (this thread runs the event loop)
         await asyncio.gather(*(consume(p) for p in work))
@@ -130,7 +140,8 @@ async def run(path: str, a) -> dict:
     idle = [g for d in devs for g in d.idle]
     return {"dp": a.dp, "routing": a.routing if a.dp > 1 else None, "gc": a.gc, "wall_s": round(wall, 3),
             "device_busy_s": round(max(d.busy for d in devs), 3), "device_idle_s": round(sum(idle), 3),
-            "idle_gaps": len(idle), "longest_gap_ms": round(1e3 * max(idle, default=0.0), 1),
+            "first_launch_s": [round(d.first - t, 3) for d in devs],
+            "prefill_tokens": [d.prefill_tokens for d in devs], "idle_gaps": len(idle), "longest_gap_ms": round(1e3 * max(idle, default=0.0), 1),
             "steps": steps, "loop_cpu_s": round(cpu, 3), "loop_cpu_ms_per_step": round(1e3 * cpu / max(1, steps), 3),
             "gc_full_collections": gc1["full_collections"] - gc0["full_collections"],
             "gc_pause_s": round(gc1["pause_seconds"] - gc0["pause_seconds"], 3)}

@@ -120,6 +120,7 @@ class ParallelSection:
     peer_all_reduce: bool = _f(True)
     routing: str = _f("cache_aware", choices=ROUTING_POLICIES)
     routing_balance_threshold: int = _f(16, min=0)
+    routing_balance_ratio: float = _f(1.25, min=1.0)
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,7 @@ class Settings:
             peer_all_reduce=self.parallel.peer_all_reduce,
             routing=self.parallel.routing,
             routing_balance_threshold=self.parallel.routing_balance_threshold,
+            routing_balance_ratio=float(self.parallel.routing_balance_ratio),
             max_queued_requests=lim.max_queued_requests,
             max_n=lim.max_n,
             max_top_logprobs=lim.max_top_logprobs,

@@ -85,7 +85,7 @@ async def test_cache_aware_routing_spreads_unrelated_requests(tiny_models):
         served = await asyncio.gather(*(run(eng, tokens(40, 10 + i)) for i in range(8)))
         assert sorted(rep for rep, _ in served) == [0] * 4 + [1] * 4
         st = eng.stats()
-        assert st["routing"]["by_load"] == 8 and st["routing"]["by_prefix"] == 0
+        assert st["routing"]["by_room"] == 8 and st["routing"]["by_prefix"] == 0
         for per in st["replicas"]:
             assert per["cache_queried_tokens"] == 4 * 40
         assert_idle(eng)
@@ -117,7 +117,8 @@ async def test_round_robin_alternates(tiny_models):
             rep, _ = await run(eng, shared + tokens(4, i))
             order.append(rep)
         assert order == [0, 1, 0, 1, 0]
-        assert eng.stats()["routing"] == {"policy": "round_robin", "routed": [3, 2], "by_prefix": 0, "by_load": 0}
+        assert eng.stats()["routing"] == {"policy": "round_robin", "routed": [3, 2], "by_prefix": 0, "by_load": 0,
+                                             "by_room": 0}
     finally:
         await eng.stop()
 
@@ -203,6 +204,43 @@ def test_router_prefers_the_prefix_unless_too_busy():
         loads[first] += 1
     assert loads[first] - loads[1 - first] == 3
     assert router.pick(p + [8]) == 1 - first  # over the threshold: the least-loaded one
+
+
+def test_router_ratio_lets_a_busy_prefix_replica_keep_its_prefix():
+    """Over the threshold but within the ratio: the prefix wins; over both: the least loaded."""
+    loads = [0, 0]
+    router = Router(2, policy="cache_aware", balance_threshold=2, balance_ratio=1.5, capacity_tokens=4096,
+                    loads=lambda: loads)
+    p = tokens(64, 9)
+    first = router.pick(p)
+    loads[:] = [0, 0]
+    loads[first], loads[1 - first] = 14, 10     # 4 over (> 2) but 1.4x (<= 1.5x)
+    assert router.pick(p + [1]) == first
+    loads[first] = 16                           # 6 over and 1.6x
+    assert router.pick(p + [2]) == 1 - first
+    assert router.stats()["by_prefix"] == 1 and router.stats()["by_load"] == 1
+
+
+def test_router_keeps_a_bursts_groups_whole_and_balanced():
+    """A shuffled burst of 16 groups x 8 requests (a system prompt each): every group on one
+    replica, 8 groups each. New prefixes go to the replica that has fewer, whatever the
+    queues hold when each first arrives."""
+    rng = random.Random(5)  # (routing new prefixes by load split 4 of these groups)
+    systems = [tokens(96, 100 + g) for g in range(16)]
+    burst = [(g, systems[g] + [rng.randrange(1000) for _ in range(12)]) for g in range(16) for _ in range(8)]
+    rng.shuffle(burst)
+    loads = [0, 0]
+    router = Router(2, policy="cache_aware", balance_threshold=4, balance_ratio=1.25, capacity_tokens=1 << 20,
+                    loads=lambda: loads)
+    where: dict[int, set[int]] = {}
+    for g, ids in burst:
+        i = router.pick(ids)
+        loads[i] += 1
+        where.setdefault(g, set()).add(i)
+    assert all(len(reps) == 1 for reps in where.values()), where
+    assert loads == [64, 64]
+    st = router.stats()
+    assert st["by_room"] == 16 and st["by_prefix"] == 112 and st["by_load"] == 0
 
 
 # ------------------------------------------------------------------------ tensor parallel
@@ -320,8 +358,15 @@ def test_parallel_settings_are_checked(tiny_models):
     with pytest.raises(ConfigError) as e:
         settings_from_dict({"parallel": {"tp_size": 0}})
     assert e.value.key == "parallel.tp_size"
-    s = settings_from_dict({"parallel": {"dp_size": 2, "routing": "round_robin"}})
-    assert s.engine_config().dp_size == 2 and s.engine_config().routing == "round_robin"
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(routing_balance_ratio=0.5)
+    assert e.value.key == "routing_balance_ratio" and ">= 1" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        settings_from_dict({"parallel": {"routing_balance_ratio": 0.9}})
+    assert e.value.key == "parallel.routing_balance_ratio"
+    s = settings_from_dict({"parallel": {"dp_size": 2, "routing": "round_robin", "routing_balance_ratio": 2}})
+    cfg = s.engine_config()
+    assert cfg.dp_size == 2 and cfg.routing == "round_robin" and cfg.routing_balance_ratio == 2.0
     with pytest.raises(ConfigError) as e:  # 3 does not divide 2 KV heads
         make_engine(tiny_models["llama"], tp_size=3)
     assert e.value.key == "tp_size" and "KV heads (2)" in str(e.value)

@@ -68,10 +68,11 @@ class EngineConfig:
     # peer memory where the GPUs can address each other; NCCL for the rest (and when off).
     peer_all_reduce: bool = True
     # Which replica serves a request: "cache_aware" (the longest cached prefix unless that
-    # replica has more than ``routing_balance_threshold`` requests over the least-loaded one)
-    # or "round_robin".
+    # replica has more than ``routing_balance_threshold`` requests over the least-loaded one
+    # and more than ``routing_balance_ratio`` times its load; see router.py) or "round_robin".
     routing: str = "cache_aware"
     routing_balance_threshold: int = 16
+    routing_balance_ratio: float = 1.25
 
     # Scheduler.
     policy: str = "lpm"
@@ -124,6 +125,9 @@ class EngineConfig:
         _int_at_least("dp_size", self.dp_size, 1)
         _int_at_least("tp_size", self.tp_size, 1)
         _int_at_least("routing_balance_threshold", self.routing_balance_threshold, 0)
+        if (isinstance(self.routing_balance_ratio, bool) or not isinstance(self.routing_balance_ratio, int | float)
+                or not self.routing_balance_ratio >= 1.0):
+            raise ConfigError("routing_balance_ratio", self.routing_balance_ratio, "a number >= 1")
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("model", self.model, "a checkpoint directory, a .gguf file or 'default'")
         if self.kv_cache_bytes is not None:

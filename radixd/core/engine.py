@@ -257,6 +257,7 @@ class Engine:
         if config.dp_size > 1:
             self.router = Router(config.dp_size, policy=config.routing,
                                  balance_threshold=config.routing_balance_threshold,
+                                 balance_ratio=config.routing_balance_ratio,
                                  capacity_tokens=self.replicas[0].allocator.total,
                                  loads=lambda: [rep.load for rep in self.replicas])
         self.grammars = self._make_grammar_service()

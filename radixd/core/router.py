@@ -3,10 +3,15 @@
 ``cache_aware``: each replica has an approximate index of the prompts sent to it (hashes of
 their block-aligned prefixes, least recently used dropped beyond the replica's KV capacity).
 A request goes to the replica whose index holds the longest prefix of its prompt, unless that
-replica's load (requests waiting or running) exceeds the least-loaded replica's by more than
-the balance threshold; when no replica holds a prefix, it goes to the least-loaded replica
-(the one with the smallest index on a tie). The index is updated as requests are routed, so
-a burst of requests sharing a prefix follows the first one before its KV exists.
+replica is much busier than the least-loaded one: its load (requests waiting or running)
+exceeds the least-loaded replica's both by more than ``balance_threshold`` requests and by
+more than ``balance_ratio`` times; then it goes to the least-loaded replica. A prompt no
+replica holds a prefix of goes to the replica whose index is smallest (the most room for a
+new prefix; the least-loaded on a tie). Counting new prefixes rather than requests keeps
+the groups of a burst whole: when a prefix first arrives, how many of each earlier prefix's
+requests have arrived yet says little about the load they will bring. The index is updated
+as requests are routed, so a burst of requests sharing a prefix follows the first one
+before its KV exists.
 
 ``round_robin``: replicas in turn, whatever they hold (the baseline to compare against).
 """
@@ -63,14 +68,16 @@ class PrefixIndex:
 
 class Router:
     def __init__(self, num_replicas: int, *, policy: str, balance_threshold: int, capacity_tokens: int,
-                 loads: Callable[[], list[int]]):
+                 loads: Callable[[], list[int]], balance_ratio: float = 1.0):
         self.policy = policy
         self.balance_threshold = balance_threshold
+        self.balance_ratio = balance_ratio
         self.loads = loads
         self.indexes = [PrefixIndex(capacity_tokens // BLOCK) for _ in range(num_replicas)]
         self.routed = [0] * num_replicas
         self.by_prefix = 0    # requests sent where their prefix was
-        self.by_load = 0      # requests sent to the least-loaded replica
+        self.by_load = 0      # requests sent to the least-loaded replica, away from their prefix
+        self.by_room = 0      # requests with no prefix anywhere, sent to the smallest index
         self._next = 0
 
     def pick(self, ids: Sequence[int]) -> int:
@@ -86,15 +93,21 @@ class Router:
     def _cache_aware(self, ids: Sequence[int]) -> int:
         hashes = prefix_hashes(ids)
         loads = self.loads()
-        least = min(range(len(loads)), key=lambda i: (loads[i], len(self.indexes[i]), i))
-        matched = [index.match(hashes) for index in self.indexes]
+        indexes = self.indexes
+        matched = [index.match(hashes) for index in indexes]
         best = max(range(len(matched)), key=lambda i: (matched[i], -loads[i]))
-        if matched[best] > 0 and loads[best] - loads[least] <= self.balance_threshold:
-            choice = best
-            self.by_prefix += 1
+        if matched[best] == 0:
+            choice = min(range(len(loads)), key=lambda i: (len(indexes[i]), loads[i], i))
+            self.by_room += 1
         else:
-            choice = least
-            self.by_load += 1
+            least = min(range(len(loads)), key=lambda i: (loads[i], len(indexes[i]), i))
+            if (loads[best] - loads[least] > self.balance_threshold
+                    and loads[best] > self.balance_ratio * loads[least]):
+                choice = least
+                self.by_load += 1
+            else:
+                choice = best
+                self.by_prefix += 1
         self.indexes[choice].insert(hashes)
         return choice
 
@@ -104,4 +117,4 @@ class Router:
 
     def stats(self) -> dict:
         return {"policy": self.policy, "routed": list(self.routed), "by_prefix": self.by_prefix,
-                "by_load": self.by_load}
+                "by_load": self.by_load, "by_room": self.by_room}
