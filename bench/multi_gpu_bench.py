@@ -26,6 +26,8 @@ Sections:
        each tp=2 run against tp=1 on the same weights.
   allreduce  microseconds per all-reduce of a decode partial (batch 1 and 64): the peer-to-
        peer kernel vs NCCL, inside CUDA graphs on both GPUs.
+       --profile-window START,SECONDS adds one more dp=2 run per router with torch.profiler on
+       for that window: each GPU's kernel time per step by family against the wall time.
   tpprofile  a tp=2 batch-1 decode under torch.profiler: kernel time per step by family on
        each GPU against the wall time per step.
   replicas  (one GPU) the shared-prefix workloads named in --dp-workloads, cascade attention
@@ -288,8 +290,10 @@ class Timeline:
         return out
 
 
-def measure(loop, eng: Engine, rounds: list[list[list[int]]], new: int, timeline: bool = False) -> dict:
-    """Run the rounds one after the other from empty caches: output tokens/s and hit rate."""
+def measure(loop, eng: Engine, rounds: list[list[list[int]]], new: int, timeline: bool = False,
+            on_start=None) -> dict:
+    """Run the rounds one after the other from empty caches: output tokens/s and hit rate.
+    ``on_start(loop, timeline)``, if given, is called as the clock starts."""
     for _ in range(500):  # a request may be released a step after its last output
         if eng.flush_cache():
             break
@@ -303,6 +307,8 @@ def measure(loop, eng: Engine, rounds: list[list[list[int]]], new: int, timeline
     gc0 = eng.stats()["gc"]
     tl = Timeline(eng) if timeline else None
     t, cpu = time.perf_counter(), time.thread_time()  # (this thread runs the event loop)
+    if on_start is not None:
+        on_start(loop, tl)
     n = 0
     try:
         for prompts in rounds:
@@ -328,6 +334,73 @@ def measure(loop, eng: Engine, rounds: list[list[list[int]]], new: int, timeline
     if tl is not None:
         res["timeline"] = tl.summary(t)
     return res
+
+
+def _family(name: str) -> str:
+    low = name.lower()
+    if any(x in low for x in ("gemm", "cutlass", "sm90", "nvjet", "cublas")):
+        return "cublas gemm"
+    if low.startswith("memcpy") or low.startswith("memset"):
+        return name.split(" (")[0]
+    return name[:48]  # (radixd's Triton kernels by name: _gemv_kernel, ...)
+
+
+def profiled(loop, eng: Engine, rounds, new: int, start_s: float, window_s: float) -> dict:
+    """One more run of ``rounds`` with ``torch.profiler`` (CUDA activity) on from ``start_s``
+    into the run for ``window_s``: per device, its kernels' time per step of the window by
+    family, against the wall time per step (steps launched in the window, from a Timeline;
+    how many of them computed prompt tokens is reported with them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    with profile(activities=[ProfilerActivity.CUDA]):  # (the profiler's own start-up, outside the run)
+        torch.zeros(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    marks: list[float] = []
+    tls = []
+
+    def start():
+        prof.start()
+        marks.append(time.perf_counter())
+
+    def stop():
+        if len(marks) == 1:
+            marks.append(time.perf_counter())
+            prof.stop()
+
+    def on_start(lp, tl):
+        tls.append(tl)
+        lp.call_later(start_s, start)
+        lp.call_later(start_s + window_s, stop)
+
+    res = measure(loop, eng, rounds, new, True, on_start)
+    if len(marks) < 1:
+        return {"error": f"the run ended ({res['seconds']} s) before the window"}
+    stop()
+    t0, t1 = marks
+    out = {"run": {k: res[k] for k in ("seconds", "out_tok_s", "steps")}, "window_s": round(t1 - t0, 3)}
+    per_dev: dict[int, dict[str, list[float]]] = {}
+    for ev in prof.events():
+        if str(getattr(ev, "device_type", "")).split(".")[-1] != "CUDA":
+            continue
+        fam = per_dev.setdefault(ev.device_index, {}).setdefault(_family(ev.name), [0.0, 0])
+        fam[0] += ev.device_time
+        fam[1] += 1
+    devices = [torch.device(rep.worker.device).index for rep in eng.replicas]
+    for r, steps in enumerate(tls[0].steps):
+        inside = [s for s in steps if t0 <= s[0] <= t1]
+        n = max(1, len(inside))
+        fams = per_dev.get(devices[r], {})
+        total = sum(v[0] for v in fams.values())
+        rows = sorted(fams.items(), key=lambda kv: -kv[1][0])
+        out[f"replica{r}"] = {
+            "steps": len(inside), "prefill_steps": sum(1 for s in inside if s[2] != s[3]),
+            "batch": round(statistics.mean(s[3] for s in inside), 1) if inside else 0,
+            "wall_us_per_step": round(1e6 * (t1 - t0) / n, 1),
+            "kernel_us_per_step": round(total / n, 1),
+            "families": [{"name": k, "us_per_step": round(v[0] / n, 1), "launches_per_step": round(v[1] / n, 1)}
+                         for k, v in rows[:18]]}
+    return out
 
 
 def best_of(loop, eng, rounds, new, reps: int, timeline: bool = False) -> dict:
@@ -444,6 +517,18 @@ def dp_section(run: Run, res: dict) -> None:
                 res[name][f"dp2_{policy}"] = r
                 run.log(f"dp {name} dp2 {policy}: {json.dumps(r)}")
                 run.save()
+            if run.args.profile_window and not run.cpu:
+                start_s, window_s = run.args.profile_window
+                for policy in ("cache_aware", "round_robin"):
+                    eng.router.policy = policy
+                    try:
+                        r = profiled(loop, eng, rounds, new, start_s, window_s)
+                    except Exception as exc:  # (the throughput figures above stand)
+                        run.log(traceback.format_exc())
+                        r = {"error": repr(exc)}
+                    res[name][f"dp2_{policy}_profile"] = r
+                    run.log(f"dp {name} dp2 {policy} profile: {json.dumps(r)}")
+                    run.save()
 
     try:
         run.with_engine(loop, one_gpu)
@@ -642,6 +727,10 @@ def main() -> int:
                          "bench's shared-prefix workload at its defaults)")
     ap.add_argument("--timeline", action="store_true",
                     help="dp/replicas runs: each replica's steps from the host (decode vs prefill time, idle)")
+    ap.add_argument("--profile-window", type=lambda v: tuple(float(x) for x in v.split(",")), default=None,
+                    metavar="START,SECONDS",
+                    help="dp section (CUDA): one more dp=2 run per router with torch.profiler on for SECONDS "
+                         "from START seconds in: kernel time per step by family on each GPU")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval (seconds) for the run (Python's default 0.005)")
     ap.add_argument("--gc", choices=["on", "off"], default="on",
