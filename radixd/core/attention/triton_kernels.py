@@ -4,6 +4,9 @@ the request-to-token table (no copy of a request's KV).
 * ``decode_attention``: one new token per request. Split-KV flash decoding: stage 1 gives
   each (request, KV head, split) program a slice of the sequence and all query heads of the
   KV head's group (GQA) as one tile; stage 2 merges the splits with their log-sum-exp.
+* ``cascade_decode_attention``: the same with each shared prefix read once for the requests
+  of its item; with one split per request, the shared level runs first and stage 1 merges
+  its partials itself (no stage 2).
 * ``extend_attention``: a block of new tokens of one request attends to its cached prefix and
   to the new tokens themselves, causally (the new K/V are stored in the pool before).
 * ``build_kv_indices``: flattens the table rows of a batch into one slot array (CSR layout).
@@ -57,13 +60,16 @@ def _attend_span(q, rows_ok, K, V, Table, row, kvh, start, end, scale,
 
 @triton.jit
 def _decode_stage1(
-    Q, K, V, Table, Rows, SeqLens, Starts, MidO, MidLse, scale,
+    Q, K, V, Table, Rows, SeqLens, Starts, MidO, MidLse, Out, PrefixParts, scale,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_tr,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
-    HAS_START: tl.constexpr, WRITE_LSE: tl.constexpr,
+    HAS_START: tl.constexpr, WRITE_LSE: tl.constexpr, MERGE_PREFIX: tl.constexpr,
 ):
+    """``MERGE_PREFIX`` (cascade with one split): the shared level's ``PrefixParts[b]``
+    partials, in split slots ``SPLITS ...`` of ``MidO``/``MidLse``, are already there; they
+    are merged with this program's own span and the result goes to ``Out``."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -87,10 +93,27 @@ def _decode_stage1(
     out, lse = _attend_span(q, mask_g, K, V, Table, row, kvh, start, end, scale,
                             stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
                             BLOCK_H, BLOCK_N, BLOCK_D)
-    tl.store(MidO + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + offs_d[None, :],
-             out.to(MidO.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
-    if WRITE_LSE:  # (one split: MidO is the output itself, nothing to merge)
-        tl.store(MidLse + b * stride_lb + heads * stride_lh + sp, lse, mask=mask_g)
+    mask_gd = mask_g[:, None] & mask_d[None, :]
+    if MERGE_PREFIX:
+        for s in range(tl.load(PrefixParts + b)):
+            slot = SPLITS + s
+            lse_p = tl.load(MidLse + b * stride_lb + heads * stride_lh + slot, mask=mask_g, other=float("-inf"))
+            o_p = tl.load(MidO + b * stride_ob + heads[:, None] * stride_oh + slot * stride_os + offs_d[None, :],
+                          mask=mask_gd, other=0.0)
+            m = tl.maximum(lse, lse_p)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            w_own = tl.exp(lse - m_safe)
+            w_p = tl.exp(lse_p - m_safe)
+            tot = w_own + w_p
+            out = (out * w_own[:, None] + o_p * w_p[:, None]) / tl.where(tot > 0, tot, 1.0)[:, None]
+            lse = tl.where(tot > 0, m_safe + tl.log(tl.where(tot > 0, tot, 1.0)), float("-inf"))
+        tl.store(Out + b * stride_b + heads[:, None] * stride_h + offs_d[None, :], out.to(Out.dtype.element_ty),
+                 mask=mask_gd)
+    else:
+        tl.store(MidO + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + offs_d[None, :],
+                 out.to(MidO.dtype.element_ty), mask=mask_gd)
+        if WRITE_LSE:  # (one split: MidO is the output itself, nothing to merge)
+            tl.store(MidLse + b * stride_lb + heads * stride_lh + sp, lse, mask=mask_g)
 
 
 @triton.jit
@@ -143,12 +166,13 @@ def decode_attention(
     block_d = triton.next_power_of_2(D)
     block_n, warps, stages = config if config is not None else DECODE_CONFIG
     _decode_stage1[(B, Hkv, num_splits)](
-        q, k_buf, v_buf, table, rows, seq_lens, seq_lens, mid_o, mid_lse, scale,  # (Starts: unread)
+        q, k_buf, v_buf, table, rows, seq_lens, seq_lens, mid_o, mid_lse, out, seq_lens, scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),  # (Starts, Out, PrefixParts: unread without a start or a merge)
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, HAS_START=False, WRITE_LSE=num_splits > 1,
-        num_warps=warps, num_stages=stages,
+        MERGE_PREFIX=False, num_warps=warps, num_stages=stages,
     )
     if num_splits == 1:
         return out
@@ -222,7 +246,10 @@ def cascade_decode_attention(
 ) -> torch.Tensor:
     """Decode attention in two levels (cascade): the prefix shared by the requests of an
     item is read once for all of them, each request's own rest (from ``shares[b]``, 0 for a
-    request in no item) by itself; stage 2 merges both levels' partials.
+    request in no item) by itself; stage 2 merges both levels' partials, or, with one split
+    per request (``num_splits == 1``: large batches), the shared level runs first and stage 1
+    merges its partials as it writes each request's output (one launch and one round trip
+    of the partials fewer).
 
     ``shares`` [B]: the shared length of each request's item (0: in no item);
     ``prefix_parts`` [B]: the splits its item's prefix is read in (1 to ``prefix_splits``; 0:
@@ -246,13 +273,19 @@ def cascade_decode_attention(
     block_n, warps, stages = config if config is not None else DECODE_CONFIG
     common = (k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), table.stride(0))
     mids = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
-    _decode_stage1[(B, Hkv, num_splits)](
-        q, k_buf, v_buf, table, rows, seq_lens, shares, mid_o, mid_lse, scale,
-        q.stride(0), q.stride(1), *common, *mids,
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, HAS_START=True, WRITE_LSE=True,
-        num_warps=warps, num_stages=stages,
-    )
+    merge = num_splits == 1
+
+    def own_level():
+        _decode_stage1[(B, Hkv, num_splits)](
+            q, k_buf, v_buf, table, rows, seq_lens, shares, mid_o, mid_lse, out, prefix_parts, scale,
+            q.stride(0), q.stride(1), *common, *mids, out.stride(0), out.stride(1),
+            GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+            HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, HAS_START=True, WRITE_LSE=True,
+            MERGE_PREFIX=merge, num_warps=warps, num_stages=stages,
+        )
+
+    if not merge:
+        own_level()
     members_n = prefix_members(group)
     programs = min(n_items, PREFIX_PROGRAMS)
     _prefix_stage[(programs, Hkv, prefix_splits)](
@@ -262,6 +295,9 @@ def cascade_decode_attention(
         BLOCK_N=PREFIX_CONFIG[0], HEAD_DIM=D, BLOCK_D=block_d, SPLITS=prefix_splits, SLOT0=num_splits,
         PROGRAMS=programs, num_warps=PREFIX_CONFIG[1], num_stages=PREFIX_CONFIG[2],
     )
+    if merge:
+        own_level()
+        return out
     _decode_stage2[(B, H)](
         mid_o, mid_lse, out, prefix_parts, *mids, out.stride(0), out.stride(1),
         HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(parts),
