@@ -345,6 +345,27 @@ def _family(name: str) -> str:
     return name[:48]  # (radixd's Triton kernels by name: _gemv_kernel, ...)
 
 
+def _kernel_families(prof) -> dict[int, dict[str, list[float]]]:
+    """A profile's CUDA activity: per device index, per family, [microseconds, launches]."""
+    per_dev: dict[int, dict[str, list[float]]] = {}
+    for ev in prof.events():
+        if str(getattr(ev, "device_type", "")).split(".")[-1] != "CUDA":
+            continue
+        fam = per_dev.setdefault(ev.device_index, {}).setdefault(_family(ev.name), [0.0, 0])
+        fam[0] += ev.device_time
+        fam[1] += 1
+    return per_dev
+
+
+def _per_step(fams: dict[str, list[float]], steps: int, top: int) -> dict:
+    """One device's families over ``steps`` steps: all kernels' time per step, the ``top``
+    families' time and launches per step."""
+    rows = sorted(fams.items(), key=lambda kv: -kv[1][0])
+    return {"kernel_us_per_step": round(sum(v[0] for v in fams.values()) / steps, 1),
+            "families": [{"name": k, "us_per_step": round(v[0] / steps, 1),
+                          "launches_per_step": round(v[1] / steps, 1)} for k, v in rows[:top]]}
+
+
 def profiled(loop, eng: Engine, rounds, new: int, start_s: float, window_s: float) -> dict:
     """One more run of ``rounds`` with ``torch.profiler`` (CUDA activity) on from ``start_s``
     into the run for ``window_s``: per device, its kernels' time per step of the window by
@@ -379,27 +400,16 @@ def profiled(loop, eng: Engine, rounds, new: int, start_s: float, window_s: floa
     stop()
     t0, t1 = marks
     out = {"run": {k: res[k] for k in ("seconds", "out_tok_s", "steps")}, "window_s": round(t1 - t0, 3)}
-    per_dev: dict[int, dict[str, list[float]]] = {}
-    for ev in prof.events():
-        if str(getattr(ev, "device_type", "")).split(".")[-1] != "CUDA":
-            continue
-        fam = per_dev.setdefault(ev.device_index, {}).setdefault(_family(ev.name), [0.0, 0])
-        fam[0] += ev.device_time
-        fam[1] += 1
+    per_dev = _kernel_families(prof)
     devices = [torch.device(rep.worker.device).index for rep in eng.replicas]
     for r, steps in enumerate(tls[0].steps):
         inside = [s for s in steps if t0 <= s[0] <= t1]
         n = max(1, len(inside))
-        fams = per_dev.get(devices[r], {})
-        total = sum(v[0] for v in fams.values())
-        rows = sorted(fams.items(), key=lambda kv: -kv[1][0])
         out[f"replica{r}"] = {
             "steps": len(inside), "prefill_steps": sum(1 for s in inside if s[2] != s[3]),
             "batch": round(statistics.mean(s[3] for s in inside), 1) if inside else 0,
             "wall_us_per_step": round(1e6 * (t1 - t0) / n, 1),
-            "kernel_us_per_step": round(total / n, 1),
-            "families": [{"name": k, "us_per_step": round(v[0] / n, 1), "launches_per_step": round(v[1] / n, 1)}
-                         for k, v in rows[:18]]}
+            **_per_step(per_dev.get(devices[r], {}), n, 18)}
     return out
 
 
@@ -684,24 +694,10 @@ def profile_decode(loop, eng, run: Run, tp: int, ProfilerActivity, profile) -> d
         for d in range(tp):
             torch.cuda.synchronize(d)
     wall = (r["ends"][0] - r["firsts"][0]) / steps
-    per_dev: dict[int, dict[str, list[float]]] = {}
-    for ev in prof.events():
-        if str(getattr(ev, "device_type", "")).split(".")[-1] != "CUDA":
-            continue
-        name = ev.name
-        key = ("cublas gemm" if any(x in name.lower() for x in ("gemm", "cutlass", "sm90", "nvjet", "cublas"))
-               else name[:48])  # (radixd's Triton kernels by name: _gemv_kernel, ...)
-        fam = per_dev.setdefault(ev.device_index, {}).setdefault(key, [0.0, 0])
-        fam[0] += ev.device_time
-        fam[1] += 1
     out = {"wall_us_per_step": round(wall * 1e6, 1),
            "note": "kernel times per step include one 512-token prefill spread over the 65 steps"}
-    for dev, fams in sorted(per_dev.items()):
-        total = sum(v[0] for v in fams.values())
-        rows = sorted(fams.items(), key=lambda kv: -kv[1][0])
-        out[f"gpu{dev}"] = {"kernel_us_per_step": round(total / (steps + 1), 1),
-                            "families": [{"name": k, "us_per_step": round(v[0] / (steps + 1), 1),
-                                          "launches_per_step": round(v[1] / (steps + 1), 1)} for k, v in rows[:14]]}
+    for dev, fams in sorted(_kernel_families(prof).items()):
+        out[f"gpu{dev}"] = _per_step(fams, steps + 1, 14)
     run.log(f"tpprofile tp{tp}: {json.dumps(out)}")
     return out
 

@@ -108,7 +108,7 @@ class Router:
             else:
                 choice = best
                 self.by_prefix += 1
-        self.indexes[choice].insert(hashes)
+        indexes[choice].insert(hashes)
         return choice
 
     def clear(self) -> None:
