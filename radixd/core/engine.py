@@ -193,8 +193,8 @@ class Replica:
         self.tiers = tiers  # KVHierarchy over this replica's pool, or None
         self.scheduler = Scheduler(config, allocator=self.allocator, rows=self.rows, cache=self.cache,
                                    policy=policy, eos_token_ids=eos_token_ids, context_len=context_len,
-                                   tiers=tiers, vocab_size=vocab_size)
-        self.scheduler.cascade_members = getattr(worker, "cascade_members", 0)
+                                   tiers=tiers, vocab_size=vocab_size,
+                                   cascade_members=getattr(worker, "cascade_members", 0))
         device = worker.device
         self.executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix=f"radixd-worker-{device}", initializer=bind_device, initargs=(device,))
@@ -648,7 +648,7 @@ class Engine:
 
     def _make_requests(self, rep: Replica, rid: str, ids: list[int], params: SamplingParams) -> list[Request]:
         ns = rep.cache.default_namespace()
-        group = Group(size=params.n, namespace=ns, pending=params.n - 1) if params.n > 1 else None
+        group = Group(size=params.n, namespace=ns, followers_waiting=params.n - 1) if params.n > 1 else None
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         reqs = []
         for i in range(params.n):
@@ -737,8 +737,7 @@ class Engine:
         the device runs step N+1 while the loop reads step N's picks and streams them).
         False when the engine has stopped."""
         prev = rep.inflight
-        inflight = frozenset(prev[0].reqs) if prev else frozenset()
-        step = rep.scheduler.schedule(inflight)
+        step = rep.scheduler.schedule(prev[0] if prev else None)
         self._report_dropped(rep)
         if step is NEED_SYNC or (step is None and prev is not None):
             rep.inflight = None
@@ -763,9 +762,6 @@ class Engine:
 
     async def _run(self, loop: asyncio.AbstractEventLoop, rep: Replica, step: ScheduledStep, prev,
                    t0: float) -> bool:
-        if step.placeholder_reqs:
-            src = {r: i for i, r in enumerate(prev[0].sampled)}
-            step.batch.placeholder_src = [src[r] for r in step.placeholder_reqs]
         sb = step.batch.sampling
         if sb is not None and sb.allowed_future is not None:
             return await self._run_deferred(loop, rep, step, prev, t0)
@@ -852,7 +848,8 @@ class Engine:
             else:
                 text = detok.add(tok)
                 if detok.stopped:  # a stop string, even on the last allowed token
-                    reason = r.finish_reason = "stop"
+                    r.finish("stop")
+                    reason = r.finish_reason
             finished = reason is not None
             if finished and detok is not None and not detok.stopped:
                 text += detok.finish()
@@ -866,7 +863,7 @@ class Engine:
                 stream.prompt_lp_sent = True
             queue = stream.queue
             update = GenerateOutput(r.index, [tok], text, finished, reason, lp, len(r.prompt_ids),
-                                    len(r.output_ids) - r.pending, r.cached_tokens or 0, plp)
+                                    r.num_output, r.cached_tokens or 0, plp)
             if interval > 1:  # coalesce: send every ``interval`` tokens, and at the end
                 held = stream.held
                 if held is not None:
@@ -890,7 +887,7 @@ class Engine:
 
     def _report_dropped(self, rep: Replica) -> None:
         """Tell consumers of requests the scheduler dropped (aborts) that they ended."""
-        for r in rep.scheduler.finished:
+        for r in rep.scheduler.take_dropped():
             stream = self._streams.pop(r, None)
             if stream is not None:
                 stream.flush()
@@ -898,7 +895,6 @@ class Engine:
                     GenerateOutput(r.index, [], "", True, r.finish_reason, prompt_tokens=len(r.prompt_ids),
                                    completion_tokens=r.num_output, cached_tokens=r.cached_tokens or 0)
                 )
-        rep.scheduler.finished.clear()
 
     def _fail_all(self, rep: Replica, exc: Exception) -> None:
         """A replica's step failed outside the forward pass: fail what that replica holds."""

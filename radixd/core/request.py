@@ -37,7 +37,7 @@ class Group:
     size: int
     namespace: int
     prompt_node: TreeNode | None = None   # locked on the group's behalf until all have it
-    pending: int = 0                      # followers not yet admitted
+    followers_waiting: int = 0            # followers not yet admitted
     leader_gone: bool = False             # leader aborted before caching the prompt
 
 
@@ -54,7 +54,7 @@ class Request:
     group: Group | None = None
     state: State = State.WAITING
     output_ids: list[int] = field(default_factory=list)
-    pending: int = 0                      # trailing output ids still on the device (placeholders)
+    unresolved: int = 0                   # trailing output ids still on the device (placeholders)
     row: int | None = None
     _slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64), repr=False)
     _slot_tail: list[int] = field(default_factory=list, repr=False)  # appended, not yet in _slots
@@ -64,7 +64,7 @@ class Request:
     # cascade.chain of slots[:cached_len], kept by the scheduler; dropped whenever ``slots`` is
     # replaced (appended decode slots lie past cached_len and leave it valid)
     share_chain: list[int] | None = None
-    pending_writes: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    table_writes: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (start, slots) for the table row
     finish_reason: str | None = None
     aborted: bool = False
     cached_tokens: int | None = None      # prompt tokens served from the cache (first admission)
@@ -90,6 +90,13 @@ class Request:
     def append_slot(self, slot: int) -> None:
         """One more slot at the end of ``slots`` (a decode step's)."""
         self._slot_tail.append(slot)
+
+    def finish(self, reason: str) -> None:
+        """The one writer of ``finish_reason``: the first reason stays, except that a stop (a
+        stop string, or a grammar that completed) on the token that also reached the length
+        limit wins over "length"."""
+        if self.finish_reason is None or (self.finish_reason == "length" and reason == "stop"):
+            self.finish_reason = reason
 
     @property
     def seq(self) -> list[int]:
@@ -129,7 +136,7 @@ class Request:
     @property
     def num_output(self) -> int:
         """Generated tokens known on the host."""
-        return len(self.output_ids) - self.pending
+        return len(self.output_ids) - self.unresolved
 
     @property
     def remaining_new_tokens(self) -> int:

@@ -69,6 +69,7 @@ class Scheduler:
         context_len: int,
         tiers: KVHierarchy | None = None,
         vocab_size: int | None = None,
+        cascade_members: int = 0,
     ):
         self.config = config
         self.allocator = allocator
@@ -79,13 +80,13 @@ class Scheduler:
         self.context_len = context_len
         self.vocab_size = vocab_size  # the logits' width (grammar masks)
         self.reserve_ratio = config.schedule_conservativeness
-        # Requests per shared-prefix item of a decode batch; 0: no cascade plan (set by the
-        # engine when its attention backend decodes in cascade).
-        self.cascade_members = 0
+        # Requests per shared-prefix item of a decode batch; 0: no cascade plan (the worker's
+        # attention backend says how many when it decodes in cascade).
+        self.cascade_members = cascade_members
         self._last_plan: tuple | None = None  # (requests, chains, rows, plan) of the last decode step
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.finished: list[Request] = []  # finished this step, for the engine to report
+        self._dropped: list[Request] = []  # aborted and removed, not yet reported (take_dropped)
         self.stats = SchedulerStats()
         self._arrivals = itertools.count()
         self.tiers = tiers
@@ -114,11 +115,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def schedule(self, inflight: frozenset[Request] = frozenset()) -> ScheduledStep | None:
-        """The next batch. ``inflight``: requests of a launched step whose picks are not back
-        yet (overlap scheduling); their last token is a placeholder the worker fills in on
-        the device. Returns ``NEED_SYNC`` when that step must be resolved first (a
-        preemption, or penalties that need the pending token)."""
+    def take_dropped(self) -> list[Request]:
+        """Requests aborted and removed since the last call (their consumers must be told)."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def schedule(self, launched: ScheduledStep | None = None) -> ScheduledStep | None:
+        """The next batch. ``launched``: a step whose picks are not back yet (overlap
+        scheduling); its requests' last token is a placeholder the worker fills in on the
+        device from that step's picks (``batch.placeholder_src``). Returns ``NEED_SYNC`` when
+        that step must be resolved first (a preemption, or penalties that need the pending
+        token)."""
+        inflight = frozenset(launched.reqs) if launched is not None else frozenset()
         self._drop_aborted(inflight)
         plan: list[tuple[Request, int]] = []   # (request, tokens to run)
         budget = self.config.max_prefill_tokens
@@ -136,7 +144,7 @@ class Scheduler:
                 if (r.finish_reason is None and not r.aborted and out_len < r.params.max_new_tokens
                         and last + 1 < ctx_len):
                     decoding.append(r)
-                    if r.pending and r.params.needs_penalties:
+                    if r.unresolved and r.params.needs_penalties:
                         host_picks = True
             elif r.kv_len < last:
                 mid_prefill = True
@@ -192,7 +200,11 @@ class Scheduler:
                 self._preempt(max(self.running, key=lambda r: r.arrival))
                 return self.schedule()
             return None
-        return self._build(plan, decoding=len(decoding))
+        step = self._build(plan, decoding=len(decoding))
+        if step.placeholder_reqs:  # where each placeholder's value is among the launched picks
+            src = {r: i for i, r in enumerate(launched.sampled)}
+            step.batch.placeholder_src = [src[r] for r in step.placeholder_reqs]
+        return step
 
     def _may_continue(self, r: Request) -> bool:
         """False once ``r`` has (or will have, counting its pending pick) all its tokens."""
@@ -227,14 +239,14 @@ class Scheduler:
         r.slots = match.slots
         r.kv_len = r.cached_len = hit
         r.last_node = match.node
-        r.pending_writes.append((0, match.slots))
+        r.table_writes.append((0, match.slots))
         if r.cached_tokens is None:
             r.cached_tokens = min(hit, len(r.prompt_ids))
             self.cache.record_query(len(r.prompt_ids), r.cached_tokens)
             self.cache.count_hit(match.node)
         if r.is_follower and r.group is not None:
-            r.group.pending -= 1
-            if r.group.pending == 0 and r.group.prompt_node is not None:
+            r.group.followers_waiting -= 1
+            if r.group.followers_waiting == 0 and r.group.prompt_node is not None:
                 self.cache.unlock(r.group.prompt_node)
         self.waiting.remove(r)
         self.running.append(r)
@@ -293,13 +305,13 @@ class Scheduler:
             extend_lens = [1] * decoding
             sampled_idx = list(range(decoding))
             for i, r in enumerate(dec):
-                if r.pending:
+                if r.unresolved:
                     ph_pos.append(i)
                     ph_req.append(r)
-                if r.pending_writes:
-                    for start, slots in r.pending_writes:
+                if r.table_writes:
+                    for start, slots in r.table_writes:
                         writes.append((r.row, start, slots))
-                    r.pending_writes.clear()
+                    r.table_writes.clear()
                 r.append_slot(flat_slots[i])
             off = decoding
         for i, (r, n) in enumerate(plan[decoding:], start=decoding):
@@ -315,7 +327,7 @@ class Scheduler:
                 lp_target.extend(prompt[q + 1] for q in qs)
                 if qs:
                     lp_reqs.append((r, len(qs)))
-            if r.pending and end == seq_len:  # its last token is a pending pick
+            if r.unresolved and end == seq_len:  # its last token is a pending pick
                 ph_pos.append(len(ids) + n - 1)
                 ph_req.append(r)
             if n == 1:
@@ -325,10 +337,10 @@ class Scheduler:
             else:
                 ids.extend(0 if t == PLACEHOLDER else t for t in r.tokens(kv, end))
                 pos.extend(range(kv, end))
-            if r.pending_writes:
-                for start, slots in r.pending_writes:
+            if r.table_writes:
+                for start, slots in r.table_writes:
                     writes.append((r.row, start, slots))
-                r.pending_writes.clear()
+                r.table_writes.clear()
             if n == 1:
                 r.append_slot(flat_slots[off])
             else:
@@ -355,11 +367,11 @@ class Scheduler:
                 self._cache_progress(r)  # a prefill chunk: share it with later requests now
         for r in sampled:
             g = r.group
-            if g is not None and r.index == 0 and g.prompt_node is None and g.pending > 0:
+            if g is not None and r.index == 0 and g.prompt_node is None and g.followers_waiting > 0:
                 g.prompt_node = r.last_node  # the leader's prompt is cached: followers may go
                 self.cache.lock(g.prompt_node)
             r.output_ids.append(PLACEHOLDER)
-            r.pending += 1
+            r.unresolved += 1
             slots_of.append(len(r.output_ids) - 1)
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -456,7 +468,7 @@ class Scheduler:
                 sb.banned_tokens = torch.tensor(banned_toks, dtype=torch.int64)
         if constrained:
             rows = [(i, r) for i, r in enumerate(reqs) if r.matcher is not None]
-            if any(r.pending for _, r in rows):
+            if any(r.unresolved for _, r in rows):
                 # A matcher still waits for its last token (overlap): the engine fills the
                 # masks once that step is read, while this step's forward runs; the sampler
                 # waits for them (``allowed_future``).
@@ -499,7 +511,7 @@ class Scheduler:
         accepted = []
         eos, ctx_len = self.eos, self.context_len
         for i, (r, idx, tok) in enumerate(zip(step.sampled, step.pick_index, out.next_tokens, strict=True)):
-            r.pending -= 1
+            r.unresolved -= 1
             if r.finish_reason is not None:
                 assert idx == len(r.output_ids) - 1
                 r.output_ids.pop()
@@ -508,14 +520,14 @@ class Scheduler:
             # the finish reason after the count-th generated token, if any
             p, count = r.params, idx + 1
             if count >= p.min_new_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in eos)):
-                r.finish_reason = "stop"
+                r.finish("stop")
             elif count >= p.max_new_tokens or len(r.prompt_ids) + count >= ctx_len:
-                r.finish_reason = "length"
+                r.finish("length")
             if r.matcher is not None:
                 if not r.matcher.accept_token(tok):  # the mask allowed it: a backend bug
-                    r.finish_reason = r.finish_reason or "abort"
+                    r.finish("abort")
                 elif r.finish_reason in (None, "length") and r.matcher.is_terminated():
-                    r.finish_reason = "stop"  # the grammar is complete: nothing else may follow
+                    r.finish("stop")  # the grammar is complete: nothing else may follow
             accepted.append(i)
         return accepted  # indices into step.sampled of the picks that count
 
@@ -540,16 +552,12 @@ class Scheduler:
                 self.cache.lock(match.node)
                 self.cache.unlock(r.last_node)
                 r.slots, r.last_node = match.slots, match.node
-                r.pending_writes = [(0, match.slots)]  # the table row is rewritten on resume
+                r.table_writes = [(0, match.slots)]  # the table row is rewritten on resume
         for r, invalid in uncached:
             self.cache.drop_unlocked_path(invalid, stop=r.last_node)
         for r, idx in zip(step.sampled, step.pick_index, strict=True):
-            r.pending -= 1
+            r.unresolved -= 1
             del r.output_ids[idx]
-
-    def finish(self, r: Request, reason: str) -> None:
-        if r.finish_reason is None:
-            r.finish_reason = reason
 
     def release_finished(self, inflight: frozenset[Request] = frozenset()) -> list[Request]:
         """Release the KV of finished requests (not those a launched step still writes for)."""
@@ -577,7 +585,7 @@ class Scheduler:
         if r.last_node is not None:
             self.cache.unlock(r.last_node)
         if existing > r.cached_len:
-            r.pending_writes.append((r.cached_len, match.slots[r.cached_len : existing]))
+            r.table_writes.append((r.cached_len, match.slots[r.cached_len : existing]))
         r.slots = match.slots
         r.cached_len = r.kv_len
         r.last_node = match.node
@@ -597,7 +605,7 @@ class Scheduler:
         r.last_node = None
         r.slots = torch.empty(0, dtype=torch.int64)
         r.kv_len = r.cached_len = 0
-        r.pending_writes.clear()
+        r.table_writes.clear()
 
     def _preempt(self, r: Request) -> None:
         self._release(r)
@@ -610,25 +618,25 @@ class Scheduler:
         for r in [r for r in self.waiting if r.aborted]:
             self.waiting.remove(r)
             self._leave_group(r)
-            r.finish_reason = r.finish_reason or "abort"
+            r.finish("abort")
             r.state = State.FINISHED
-            self.finished.append(r)
+            self._dropped.append(r)
         for r in [r for r in self.running if r.aborted and r not in inflight]:
             if r.group is not None and not r.is_follower:
                 r.group.leader_gone = True
             self._release(r)
             self.running.remove(r)
-            r.finish_reason = r.finish_reason or "abort"
+            r.finish("abort")
             r.state = State.FINISHED
-            self.finished.append(r)
+            self._dropped.append(r)
 
     def _leave_group(self, r: Request) -> None:
         g = r.group
         if g is not None and not r.is_follower:
             g.leader_gone = True
         if g is not None and r.is_follower:
-            g.pending -= 1
-            if g.pending == 0 and g.prompt_node is not None:
+            g.followers_waiting -= 1
+            if g.followers_waiting == 0 and g.prompt_node is not None:
                 self.cache.unlock(g.prompt_node)
 
     # ------------------------------------------------------------------ lower tiers
