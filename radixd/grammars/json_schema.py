@@ -25,10 +25,15 @@ import re
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal, InvalidOperation
 
 from radixd.grammars.regex_dfa import C, RegexError, is_empty, parse
-from radixd.grammars.schema_algebra import IMPLIED_TYPES, Algebra, json_type, value_key
+from radixd.grammars.schema_algebra import Algebra
+from radixd.grammars.schema_model import (
+    ANNOTATIONS,
+    IMPLIED_TYPES,
+    SchemaError,
+    json_type,
+    value_key,
+)
 
-ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
-               "readOnly", "writeOnly", "$defs", "definitions", "strict", "name"}
 # one character of a JSON string: raw, a short escape, or \uXXXX outside the surrogates (a lone
 # surrogate is no character, and a pair would count as two toward a length bound)
 _CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u(?:[0-9a-cA-CefEF][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))'
@@ -47,14 +52,6 @@ FORMATS = {
 }
 MAX_EXPANDED_ITEMS = 64
 _AT, _AT_BEGIN, _AT_BEGIN_STRING, _AT_END, _AT_END_STRING = C.AT, C.AT_BEGINNING, C.AT_BEGINNING_STRING, C.AT_END, C.AT_END_STRING
-
-
-class SchemaError(ValueError):
-    """A schema radixd cannot enforce; ``keyword`` names the keyword."""
-
-    def __init__(self, keyword: str, message: str):
-        super().__init__(message)
-        self.keyword = keyword
 
 
 def _lark_regex(rx: str) -> str:
@@ -290,7 +287,7 @@ class SchemaGrammar:
         self.terminals: dict[str, str] = {}     # regex -> terminal name
         self.memo: dict[str, str] = {}          # canonical schema / ref -> rule name
         self._n = 0
-        self.algebra = Algebra(self.resolve, ANNOTATIONS)
+        self.algebra = Algebra(self.resolve)
 
     def build(self) -> str:
         top = self.value(self.root, "#")

@@ -12,44 +12,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from decimal import Decimal
+
+from radixd.grammars.schema_model import (
+    ANNOTATIONS,
+    IMPLIED_TYPES,
+    SchemaError,
+    json_type,
+    value_key,
+)
 
 ALL_TYPES = frozenset({"null", "boolean", "number", "string", "array", "object"})
-# an untyped schema with these keywords is generated as that type (valid: others pass too)
-IMPLIED_TYPES = (("object", {"properties", "required", "additionalProperties", "patternProperties"}),
-            ("array", {"items", "minItems", "maxItems", "prefixItems", "additionalItems"}),
-            ("string", {"minLength", "maxLength", "pattern", "format"}),
-            ("number", {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}))
 MAX_DEPTH = 16
 
 Resolve = Callable[[str], object]
-
-
-def _error(keyword: str, message: str):
-    from radixd.grammars.json_schema import SchemaError  # one definition of the error
-
-    return SchemaError(keyword, message)
-
-
-def value_key(v) -> str:
-    """A canonical text for a JSON value under JSON Schema equality (1 == 1.0, true != 1)."""
-    if isinstance(v, bool) or v is None or isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, int | float):
-        return "n:" + str(Decimal(repr(v) if isinstance(v, float) else v).normalize())
-    if isinstance(v, list):
-        return "[" + ",".join(value_key(x) for x in v) + "]"
-    return "{" + ",".join(json.dumps(k) + ":" + value_key(v[k]) for k in sorted(v)) + "}"
-
-
-def json_type(v) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, int | float):
-        return "number"
-    return {str: "string", list: "array", dict: "object"}[type(v)]
 
 
 def _types_of(t) -> set[str]:
@@ -61,9 +36,8 @@ def _types_of(t) -> set[str]:
 class Algebra:
     """Bound to one root schema (``resolve`` follows its local ``$ref``s)."""
 
-    def __init__(self, resolve: Resolve, annotations: set[str]):
+    def __init__(self, resolve: Resolve):
         self.resolve = resolve
-        self.annotations = annotations
 
     def deref(self, s, depth: int = 0):
         while isinstance(s, dict) and "$ref" in s and depth < MAX_DEPTH:
@@ -173,35 +147,35 @@ class Algebra:
         for i, x in enumerate(alts):
             for j, y in enumerate(alts):
                 if i != j and not self.excludes(x, y):
-                    raise _error("oneOf", f"oneOf branches {i} and {j} at {path} are not provably exclusive "
-                                          "(a document could match both): use anyOf, or tell them apart by "
-                                          "type, by const/enum values, or by a required property")
+                    raise SchemaError("oneOf", f"oneOf branches {i} and {j} at {path} are not provably exclusive "
+                                               "(a document could match both): use anyOf, or tell them apart by "
+                                               "type, by const/enum values, or by a required property")
 
     # ------------------------------------------------------------------ allOf
 
     def branches(self, s: dict, path: str, depth: int = 0) -> list[dict]:
         """``s`` without its allOf, then its allOf branches, flattened and dereferenced."""
         if depth > MAX_DEPTH:
-            raise _error("allOf", f"allOf nested or referenced too deeply to merge (at {path})")
-        base = {k: v for k, v in s.items() if k != "allOf" and k not in self.annotations}
+            raise SchemaError("allOf", f"allOf nested or referenced too deeply to merge (at {path})")
+        base = {k: v for k, v in s.items() if k != "allOf" and k not in ANNOTATIONS}
         out = [base] if base else []
         alts = s["allOf"]
         if not isinstance(alts, list) or not alts:
-            raise _error("allOf", f"allOf must be a non-empty list (at {path})")
+            raise SchemaError("allOf", f"allOf must be a non-empty list (at {path})")
         for i, br in enumerate(alts):
             br = self.deref(br)
             if br is True or br == {}:
                 continue
             if br is False:
-                raise _error("allOf", f"allOf branch {i} at {path} allows no value")
+                raise SchemaError("allOf", f"allOf branch {i} at {path} allows no value")
             if not isinstance(br, dict):
-                raise _error("allOf", f"allOf branch {i} at {path} is not a schema")
+                raise SchemaError("allOf", f"allOf branch {i} at {path} is not a schema")
             if "$ref" in br:
-                raise _error("allOf", f"allOf branch {i} at {path}: a $ref cycle")
+                raise SchemaError("allOf", f"allOf branch {i} at {path}: a $ref cycle")
             if "allOf" in br:
                 out += self.branches(br, f"{path}/allOf/{i}", depth + 1)
             else:
-                out.append({k: v for k, v in br.items() if k not in self.annotations})
+                out.append({k: v for k, v in br.items() if k not in ANNOTATIONS})
         return out
 
     def merge_all_of(self, s: dict, path: str) -> dict:
@@ -209,11 +183,11 @@ class Algebra:
         choices = [p for p in parts if "anyOf" in p or "oneOf" in p]
         if choices:  # allOf [A, anyOf [B1, B2]] is anyOf [allOf [A, B1], allOf [A, B2]]; same for oneOf
             if len(choices) > 1 or ("anyOf" in choices[0] and "oneOf" in choices[0]):
-                raise _error("allOf", f"allOf at {path} holds more than one anyOf/oneOf: not merged")
+                raise SchemaError("allOf", f"allOf at {path} holds more than one anyOf/oneOf: not merged")
             p = choices[0]
             kw = "anyOf" if "anyOf" in p else "oneOf"
             if not isinstance(p[kw], list) or not p[kw]:
-                raise _error(kw, f"{kw} must be a non-empty list (at {path})")
+                raise SchemaError(kw, f"{kw} must be a non-empty list (at {path})")
             rest = [q for q in parts if q is not p] + [{k: v for k, v in p.items() if k != kw}]
             rest = [q for q in rest if q]
             return {kw: [{"allOf": [*rest, alt]} for alt in p[kw]]}
@@ -227,9 +201,9 @@ class Algebra:
             types = set(merged["type"]) if isinstance(merged["type"], list) else {merged["type"]}
             merged["enum"] = [v for v in merged["enum"] if _fits_type(v, types)]
             if not merged["enum"]:
-                raise _error("allOf", f"no enum/const value has the type the allOf at {path} requires")
+                raise SchemaError("allOf", f"no enum/const value has the type the allOf at {path} requires")
         if merged.get("enum") == []:
-            raise _error("allOf", f"the allOf branches at {path} share no enum/const value")
+            raise SchemaError("allOf", f"the allOf branches at {path} share no enum/const value")
         return merged
 
     def _merge_keyword(self, kw: str, vals: list, path: str):
@@ -252,7 +226,7 @@ class Algebra:
             if "number" in common:  # every branch allows any number: integer is inside it
                 common.discard("integer")
             if not common:
-                raise _error("allOf", f"the allOf branches at {path} share no type")
+                raise SchemaError("allOf", f"the allOf branches at {path} share no type")
             order = [n for n in ("null", "boolean", "integer", "number", "string", "array", "object") if n in common]
             return order[0] if len(order) == 1 else order
         if kw in ("minimum", "exclusiveMinimum", "minLength", "minItems"):
@@ -263,7 +237,7 @@ class Algebra:
             keep = set.intersection(*({value_key(x) for x in v} for v in vals))
             out = [x for x in vals[0] if value_key(x) in keep]
             if not out:
-                raise _error("allOf", f"the allOf branches at {path} share no enum/const value")
+                raise SchemaError("allOf", f"the allOf branches at {path} share no enum/const value")
             return out
         if kw == "required":
             return list(dict.fromkeys(k for v in vals for k in v))
@@ -275,12 +249,12 @@ class Algebra:
             return out
         if kw == "items" and all(not isinstance(v, list | bool) for v in vals):
             return {"allOf": vals}
-        raise _error("allOf", f"allOf at {path}: the branches give {kw} different values; radixd cannot merge them exactly")
+        raise SchemaError("allOf", f"allOf at {path}: the branches give {kw} different values; radixd cannot merge them exactly")
 
     @staticmethod
     def _numbers(kw: str, vals: list, path: str, pick):
         if any(isinstance(v, bool) or not isinstance(v, int | float) for v in vals):
-            raise _error("allOf", f"allOf at {path}: {kw} values {vals} cannot be merged")
+            raise SchemaError("allOf", f"allOf at {path}: {kw} values {vals} cannot be merged")
         return pick(vals)
 
     @staticmethod
@@ -294,10 +268,10 @@ class Algebra:
                 continue
             missing = names - set(p.get("properties") or {})
             if missing:
-                raise _error("allOf", f"allOf at {path}: a branch with additionalProperties does not declare "
-                                      f"{sorted(missing)}, which other branches declare; not mergeable exactly")
+                raise SchemaError("allOf", f"allOf at {path}: a branch with additionalProperties does not declare "
+                                           f"{sorted(missing)}, which other branches declare; not mergeable exactly")
         if "patternProperties" in merged:
-            raise _error("allOf", f"allOf at {path}: patternProperties inside allOf is not supported")
+            raise SchemaError("allOf", f"allOf at {path}: patternProperties inside allOf is not supported")
 
 
 def _const_as_enum(p: dict) -> dict:

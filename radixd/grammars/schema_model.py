@@ -1,0 +1,50 @@
+"""What a JSON Schema says, apart from how a grammar is built for it: the error naming a
+keyword radixd cannot enforce, the keywords that only annotate, the type an untyped schema's
+keywords imply, and JSON values compared and typed as JSON Schema does.
+
+Shared by the grammar builder (``json_schema`` and the terminal modules beside it) and the
+allOf/oneOf algebra (``schema_algebra``); it imports neither, so their imports point one way.
+"""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+
+
+class SchemaError(ValueError):
+    """A schema radixd cannot enforce; ``keyword`` names the keyword."""
+
+    def __init__(self, keyword: str, message: str):
+        super().__init__(message)
+        self.keyword = keyword
+
+
+ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+               "readOnly", "writeOnly", "$defs", "definitions", "strict", "name"}
+# an untyped schema with these keywords is generated as that type (valid: others pass too)
+IMPLIED_TYPES = (("object", {"properties", "required", "additionalProperties", "patternProperties"}),
+            ("array", {"items", "minItems", "maxItems", "prefixItems", "additionalItems"}),
+            ("string", {"minLength", "maxLength", "pattern", "format"}),
+            ("number", {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}))
+
+
+def value_key(v) -> str:
+    """A canonical text for a JSON value under JSON Schema equality (1 == 1.0, true != 1)."""
+    if isinstance(v, bool) or v is None or isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, int | float):
+        return "n:" + str(Decimal(repr(v) if isinstance(v, float) else v).normalize())
+    if isinstance(v, list):
+        return "[" + ",".join(value_key(x) for x in v) + "]"
+    return "{" + ",".join(json.dumps(k) + ":" + value_key(v[k]) for k in sorted(v)) + "}"
+
+
+def json_type(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int | float):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}[type(v)]
