@@ -25,14 +25,9 @@ from radixd.core.errors import InvalidRequest
 from radixd.core.sampling_params import SamplingParams
 from radixd.grammars import GrammarError
 from radixd.grammars.backend import RadixdBackend
-from radixd.grammars.json_schema import (
-    SchemaError,
-    SchemaGrammar,
-    int_range_regex,
-    multiple_regex,
-    number_range_regex,
-)
+from radixd.grammars.json_schema import SchemaError, SchemaGrammar
 from radixd.grammars.regex_dfa import RegexError, compile_dfa, utf8_sequences
+from radixd.grammars.schema_numbers import int_range_regex, multiple_regex, number_range_regex
 
 gs = grammar_suite()
 DEFAULT_MODEL = Path.home() / ".cache" / "radixd" / "models" / "SmolLM2-135M-Instruct"

@@ -16,15 +16,19 @@ Annotations (title, description, default, examples, ...) are accepted. Anything 
 
 Whitespace between tokens is one ignored terminal of 1..``max_ws`` characters, never two in
 a row, so a model cannot loop on blanks.
+
+This module walks the schema: ``$ref``, choices and type dispatch, and the rules of objects
+(declared properties, then extra keys) and arrays. The terminals of strings come from
+``schema_strings``, of numbers from ``schema_numbers``; allOf and oneOf go through
+``schema_algebra``; the error and the keyword tables are ``schema_model``'s.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal, InvalidOperation
 
-from radixd.grammars.regex_dfa import C, RegexError, is_empty, parse
+from radixd.grammars.regex_dfa import is_empty
 from radixd.grammars.schema_algebra import Algebra
 from radixd.grammars.schema_model import (
     ANNOTATIONS,
@@ -33,25 +37,18 @@ from radixd.grammars.schema_model import (
     json_type,
     value_key,
 )
+from radixd.grammars.schema_numbers import NUMBER, admits_number, integer_regex, number_regex
+from radixd.grammars.schema_strings import (
+    CHAR,
+    RAW,
+    admits_string,
+    not_any,
+    pattern_content,
+    spelled_regex,
+    string_regex,
+)
 
-# one character of a JSON string: raw, a short escape, or \uXXXX outside the surrogates (a lone
-# surrogate is no character, and a pair would count as two toward a length bound)
-_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u(?:[0-9a-cA-CefEF][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))'
-# an unescaped character: where a pattern applies, the written text is the string itself
-_RAW = r'[^"\\\x00-\x1f]'
-_INT = r"-?(?:0|[1-9][0-9]*)"
-_NUM = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
-FORMATS = {
-    "date": r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])",
-    "time": r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])?",
-    "date-time": r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
-                 r"(?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])",
-    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
-    "email": r"[a-zA-Z0-9_+-]+(?:\.[a-zA-Z0-9_+-]+)*@[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)*\.[a-zA-Z]{2,}",
-    "ipv4": r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])",
-}
 MAX_EXPANDED_ITEMS = 64
-_AT, _AT_BEGIN, _AT_BEGIN_STRING, _AT_END, _AT_END_STRING = C.AT, C.AT_BEGINNING, C.AT_BEGINNING_STRING, C.AT_END, C.AT_END_STRING
 
 
 def _lark_regex(rx: str) -> str:
@@ -60,221 +57,6 @@ def _lark_regex(rx: str) -> str:
 
 def _literal_regex(value) -> str:
     return re.escape(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
-
-
-def _spelled_regex(text: str) -> str:
-    """Every JSON spelling of the string content ``text``: each character raw (where JSON
-    allows it), as a short escape, or as \\uXXXX (hex digits in either case; a surrogate
-    pair above U+FFFF)."""
-    short = {'"': '"', "\\": "\\", "/": "/", "\b": "b", "\f": "f", "\n": "n", "\r": "r", "\t": "t"}
-
-    def hex4(n: int) -> str:
-        return "".join(f"[{d.lower()}{d.upper()}]" if d.isalpha() else d for d in f"{n:04x}")
-
-    out = []
-    for ch in text:
-        cp = ord(ch)
-        alts = [] if ch in '"\\' or cp < 0x20 else [re.escape(ch)]
-        if ch in short:
-            alts.append(re.escape("\\" + short[ch]))
-        if cp > 0xFFFF:
-            hi, lo = 0xD800 + ((cp - 0x10000) >> 10), 0xDC00 + ((cp - 0x10000) & 0x3FF)
-            alts.append(r"\\u" + hex4(hi) + r"\\u" + hex4(lo))
-        else:
-            alts.append(r"\\u" + hex4(cp))
-        out.append("(?:" + "|".join(alts) + ")")
-    return "".join(out)
-
-
-def _not_any(contents: list[str]) -> str:
-    """A look-ahead refusing the string contents ``contents`` (before the closing quote)."""
-    return f'(?!(?:{"|".join(contents)})"\\Z)' if contents else ""
-
-
-def _has_anchor(items) -> bool:
-    """Whether a parsed pattern has ^/$/\\A/\\Z anywhere (nested groups included)."""
-    for op, av in items:
-        if op is _AT:
-            return True
-        if op is C.BRANCH:
-            subs = av[1]
-        elif op is C.SUBPATTERN:
-            subs = [av[3]]
-        elif op in (C.MAX_REPEAT, C.MIN_REPEAT):
-            subs = [av[2]]
-        elif op in (C.ASSERT, C.ASSERT_NOT):
-            subs = [av[1]]
-        else:
-            subs = []
-        if any(_has_anchor(list(sub)) for sub in subs):
-            return True
-    return False
-
-
-def int_range_regex(lo: int | None, hi: int | None) -> str:
-    """A regex for the decimal integers in [lo, hi] (either end may be open)."""
-    if lo is not None and hi is not None and lo > hi:
-        raise SchemaError("minimum", f"minimum {lo} is above maximum {hi}")
-    parts = []
-    if lo is None or lo < 0:  # the negative part: -[max(1, -hi) .. -lo]
-        nlo = 1 if hi is None or hi >= 0 else -hi
-        nhi = None if lo is None else -lo
-        parts.append("-(?:" + _nonneg_range(nlo, nhi) + ")")
-    if hi is None or hi >= 0:
-        parts.append(_nonneg_range(max(lo or 0, 0) if lo is not None else 0, hi))
-    return "(?:" + "|".join(parts) + ")"
-
-
-def _nonneg_range(lo: int, hi: int | None) -> str:
-    if hi is None:
-        d = len(str(lo))
-        top = 10**d - 1
-        return "|".join(filter(None, [_bounded(lo, top), f"[1-9][0-9]{{{d},}}"]))
-    return _bounded(lo, hi)
-
-
-def _bounded(lo: int, hi: int) -> str:
-    """Regex alternatives for [lo, hi], 0 <= lo <= hi (split by digit count, then by prefix)."""
-    out = []
-    while lo <= hi:
-        d = len(str(lo))
-        top = min(hi, 10**d - 1)
-        out += _same_len(str(lo), str(top))
-        lo = top + 1
-    return "|".join(out)
-
-
-def _same_len(a: str, b: str) -> list[str]:
-    if a == b:
-        return [a]
-    if len(a) == 1:
-        return [f"[{a}-{b}]"]
-    if a[0] == b[0]:
-        return [a[0] + "(?:" + "|".join(_same_len(a[1:], b[1:])) + ")"]
-    n = len(a) - 1
-    out = []
-    lo_full = a[1:] == "0" * n
-    hi_full = b[1:] == "9" * n
-    first_lo = int(a[0]) if lo_full else int(a[0]) + 1
-    last_hi = int(b[0]) if hi_full else int(b[0]) - 1
-    if not lo_full:
-        out.append(a[0] + "(?:" + "|".join(_same_len(a[1:], "9" * n)) + ")")
-    if first_lo <= last_hi:
-        out.append(f"[{first_lo}-{last_hi}][0-9]{{{n}}}")
-    if not hi_full:
-        out.append(b[0] + "(?:" + "|".join(_same_len("0" * n, b[1:])) + ")")
-    return out
-
-
-_MAG = r"(?:0|[1-9][0-9]*)"
-_FRAC = r"(?:\.[0-9]+)?"
-MAX_BOUND_DIGITS = 60
-
-
-def _split(m: Decimal) -> tuple[int, str]:
-    """A non-negative decimal as (integer part, fraction digits without trailing zeros)."""
-    whole, _, frac = f"{m:f}".partition(".")
-    return int(whole), frac.rstrip("0")
-
-
-def _frac_ge(f: str, strict: bool) -> list[str]:
-    """Fraction parts (``""`` = none) whose value is >= 0.f (> when ``strict``)."""
-    if not f:
-        return [r"\.[0-9]*[1-9][0-9]*"] if strict else ["", r"\.[0-9]+"]
-    out = [rf"\.{f[:k]}[{int(d) + 1}-9][0-9]*" for k, d in enumerate(f) if d != "9"]
-    return out + [rf"\.{f}[0-9]*[1-9][0-9]*" if strict else rf"\.{f}[0-9]*"]
-
-
-def _frac_le(f: str, strict: bool) -> list[str]:
-    """Fraction parts (``""`` = none) whose value is <= 0.f (< when ``strict``)."""
-    if not f:
-        return [] if strict else ["", r"\.0+"]
-    out = [""] + [rf"\.{f[:k]}[0-{int(d) - 1}][0-9]*" for k, d in enumerate(f) if d != "0"]
-    out += [rf"\.{f[:k]}" for k in range(1, len(f))]
-    return out + ([] if strict else [rf"\.{f}0*"])
-
-
-def _alts(parts: list[str]) -> str | None:
-    return "(?:" + "|".join(parts) + ")" if parts else None
-
-
-def _mag_ge(m: Decimal, strict: bool) -> str:
-    """Non-negative decimals (no exponent) >= m (> when ``strict``), m >= 0."""
-    a, f = _split(m)
-    parts = [f"(?:{_nonneg_range(a + 1, None)}){_FRAC}"]
-    fr = _alts(_frac_ge(f, strict))
-    if fr:
-        parts.append(f"{a}{fr}")
-    return _alts(parts)
-
-
-def _mag_le(m: Decimal, strict: bool) -> str | None:
-    """Non-negative decimals (no exponent) <= m (< when ``strict``), m >= 0; None if none."""
-    a, f = _split(m)
-    parts = [f"(?:{_bounded(0, a - 1)}){_FRAC}"] if a >= 1 else []
-    fr = _alts(_frac_le(f, strict))
-    if fr:
-        parts.append(f"{a}{fr}")
-    return _alts(parts)
-
-
-def number_range_regex(lo: Decimal | None, lo_strict: bool, hi: Decimal | None, hi_strict: bool) -> str:
-    """A regex for JSON numbers written without an exponent whose exact decimal value lies
-    between the bounds (either may be None; ``*_strict`` makes that end exclusive). With an
-    exponent the set is not regular (``0.000...1e+N`` against a bound needs counting), so
-    bounded numbers are generated in positional notation, which can write every value."""
-    any_mag = _MAG + _FRAC
-    ge = le = None
-    if lo is not None:
-        if lo >= 0:
-            ge = _mag_ge(lo, lo_strict)
-        else:
-            neg = _mag_le(-lo, lo_strict)
-            ge = f"(?:{any_mag}|-{neg})" if neg else any_mag
-    if hi is not None:
-        if hi > 0 or (hi == 0 and not hi_strict):
-            le = f"(?:-{any_mag}|{_mag_le(hi, hi_strict)})"
-        else:
-            le = "-" + _mag_ge(-hi, hi_strict)
-    if ge is None and le is None:
-        return _NUM
-    if ge is None or le is None:
-        return ge or le
-    return f"(?=(?:{ge})\\Z){le}"
-
-
-MAX_MULTIPLE_SUFFIXES = 1000
-
-
-def multiple_regex(m: Decimal, integer: bool) -> str | None:
-    """A regex for the JSON numbers (no exponent) that are multiples of ``m`` > 0, when the
-    last digits decide it: ``m = a * 10^e`` with ``a`` dividing a power of ten. None otherwise
-    (3, 0.3, 0.08: divisibility that reaches further left, not written here)."""
-    sign, digits, e = m.normalize().as_tuple()
-    a = int("".join(map(str, digits)))
-    j = next((j for j in range(7) if 10**j % a == 0), None)
-    if j is None:
-        return None
-    if e >= 0:  # an integer step D = a * 10^e: the last J digits decide, D divides 10^J
-        d, big = a * 10**e, 10 ** (j + e)
-        if big // d > MAX_MULTIPLE_SUFFIXES:
-            return None
-        width = j + e
-        small = "|".join(str(v) for v in range(0, big, d))
-        tails = "|".join(f"{v:0{width}d}" for v in range(0, big, d)) if width else ""
-        body = f"(?:{small})" + (f"|[1-9][0-9]*(?:{tails})" if width else "|[1-9][0-9]*")
-        return f"-?(?:{body})" + ("" if integer else r"(?:\.0+)?")
-    if integer:  # every integer is a multiple of a step whose fraction ...
-        k = -e
-        return _INT if 10**k % a == 0 else None  # ... divides 1 (0.5, 0.25, 0.01)
-    k = -e
-    if j > k:  # the divisibility reaches into the integer part
-        return None
-    if 10**k // a > MAX_MULTIPLE_SUFFIXES:
-        return None
-    fracs = sorted({f"{v:0{k}d}".rstrip("0") for v in range(0, 10**k, a)} - {""})
-    frac = r"(?:\.0+)?" + ("|" + r"\.(?:" + "|".join(fracs) + ")0*" if fracs else "")
-    return rf"-?{_MAG}(?:{frac})"
 
 
 class SchemaGrammar:
@@ -414,45 +196,11 @@ class SchemaGrammar:
             kw = sorted(set(rest) - scalar)[0]
             raise SchemaError(kw, f"keyword {kw!r} beside const/enum is not supported (at {path})")
         if rest:
-            vals = [v for v in vals if self._admits(v, rest, path)]
+            vals = [v for v in vals if _admits(v, rest, path)]
         if not vals:
             beside = f"the keywords beside it ({', '.join(sorted(rest))})" if rest else "both const and enum"
             raise SchemaError("enum", f"no const/enum value satisfies {beside} at {path}")
         return vals
-
-    def _admits(self, v, s: dict, path: str) -> bool:
-        """Whether the value ``v`` satisfies the scalar keywords of ``s``."""
-        t = s.get("type")
-        types = set(t) if isinstance(t, list) else {t} if t else None
-        is_num = isinstance(v, int | float) and not isinstance(v, bool)
-        integral = is_num and (isinstance(v, int) or v.is_integer())
-        if types is not None and not any(jt == json_type(v) or (jt == "integer" and integral) for jt in types):
-            return False
-        if is_num and {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & s.keys():
-            lo, ls, hi, hs = self._bounds(s, path)
-            d = Decimal(v) if isinstance(v, int) else Decimal(repr(v))
-            if (lo is not None and (d <= lo if ls else d < lo)) or (hi is not None and (d >= hi if hs else d > hi)):
-                return False
-        if is_num and "multipleOf" in s:
-            m = s["multipleOf"]
-            if isinstance(m, bool) or not isinstance(m, int | float) or m <= 0:
-                raise SchemaError("multipleOf", f"multipleOf must be a number above 0 (at {path})")
-            d = Decimal(v) if isinstance(v, int) else Decimal(repr(v))
-            if d % (Decimal(m) if isinstance(m, int) else Decimal(repr(m))) != 0:
-                return False
-        if isinstance(v, str):
-            if len(v) < s.get("minLength", 0) or len(v) > s.get("maxLength", len(v)):
-                return False
-            if "pattern" in s:
-                self.pattern_content(s["pattern"], path)  # refuses what the grammar would refuse
-                if not re.search(s["pattern"], v):
-                    return False
-            if "format" in s:
-                if s["format"] not in FORMATS:
-                    raise SchemaError("format", f"string format {s['format']!r} is not supported (at {path})")
-                if not re.fullmatch(FORMATS[s["format"]], v):
-                    return False
-        return True
 
     def _check(self, s: dict, allowed: set[str], path: str) -> None:
         extra = set(s) - allowed - ANNOTATIONS - {"type", "nullable"}
@@ -461,128 +209,16 @@ class SchemaGrammar:
             raise SchemaError(kw, f"keyword {kw!r} is not supported for type {s.get('type')!r} (at {path})")
 
     def _string(self, s: dict, path: str) -> str:
-        """One terminal: the JSON string characters, repeated within the length bounds, and
-        each of pattern/format as a look-ahead over the same text (an intersection). Under a
-        pattern the characters are written unescaped, so the pattern sees the string itself."""
         self._check(s, {"minLength", "maxLength", "pattern", "format"}, path)
-        conds = []
-        if "pattern" in s:
-            conds.append(("pattern", self.pattern_content(s["pattern"], path)))
-        if "format" in s:
-            fmt = s["format"]
-            if fmt not in FORMATS:
-                raise SchemaError("format", f"string format {fmt!r} is not supported (supported: {', '.join(sorted(FORMATS))})")
-            conds.append(("format", FORMATS[fmt]))
-        lo = s.get("minLength", 0)
-        hi = s.get("maxLength")
-        for kw, v in (("minLength", lo), ("maxLength", hi)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise SchemaError(kw, f"{kw} must be a non-negative integer (at {path})")
-        if hi is not None and hi < lo:
-            raise SchemaError("maxLength", f"maxLength {hi} is below minLength {lo} (at {path})")
-        rep = "*" if lo == 0 and hi is None else f"{{{lo},{'' if hi is None else hi}}}"
-        if not conds:
-            return self.term('"' + _CHAR + rep + '"')
-        if len(conds) == 1 and conds[0][0] == "format" and rep == "*":
-            return self.term('"' + conds[0][1] + '"')  # a format is JSON string characters already
-        rx = '"' + "".join(f'(?=(?:{c})"\\Z)' for _, c in conds) + _RAW + rep + '"'
-        try:
-            empty = is_empty(rx)
-        except RegexError as exc:
-            raise SchemaError(conds[0][0], f"{conds[0][0]} at {path}: {exc}") from None
-        if empty:
-            kws = [kw for kw, _ in conds] + [kw for kw in ("minLength", "maxLength") if kw in s]
-            raise SchemaError(conds[0][0], f"no string satisfies {' together with '.join(kws)} (at {path})")
-        return self.term(rx)
-
-    def pattern_content(self, pat, path: str) -> str:
-        """A regex for the string text a JSON Schema ``pattern`` matches (search semantics:
-        an end without its anchor may have any characters beyond it)."""
-        if not isinstance(pat, str):
-            raise SchemaError("pattern", f"pattern must be a string (at {path})")
-        try:
-            items = list(parse(pat)[0])
-        except RegexError as exc:
-            raise SchemaError("pattern", f"pattern at {path}: {exc}") from None
-        head = bool(items) and items[0] in ((_AT, _AT_BEGIN), (_AT, _AT_BEGIN_STRING))
-        tail = len(items) > head and items[-1] in ((_AT, _AT_END), (_AT, _AT_END_STRING))
-        if _has_anchor(items[int(head):len(items) - int(tail)]):
-            raise SchemaError("pattern", f"pattern {pat!r} at {path}: anchors (^, $) are supported only at "
-                                         "the start and the end of the pattern")
-        core = pat[(2 if pat.startswith("\\A") else 1) if head else 0:]
-        core = core[:-(2 if core.endswith("\\Z") else 1)] if tail else core
-        return ("" if head else _RAW + "*") + "(?:" + core + ")" + ("" if tail else _RAW + "*")
-
-    def _bounds(self, s: dict, path: str) -> tuple[Decimal | None, bool, Decimal | None, bool]:
-        """(lo, lo exclusive, hi, hi exclusive) as exact decimals; ``exclusiveMinimum``/
-        ``exclusiveMaximum`` as numbers (draft 6+) or booleans beside minimum/maximum (draft 4)."""
-        out = {}
-        for kw in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
-            v = s.get(kw)
-            if v is None or (isinstance(v, bool) and kw.startswith("exclusive")):
-                continue
-            if isinstance(v, bool) or not isinstance(v, int | float):
-                raise SchemaError(kw, f"{kw} must be a number (at {path})")
-            try:
-                d = Decimal(v) if isinstance(v, int) else Decimal(repr(v))
-            except InvalidOperation:
-                raise SchemaError(kw, f"{kw} must be a finite number (at {path})") from None
-            if not d.is_finite() or abs(d.adjusted()) > MAX_BOUND_DIGITS:
-                raise SchemaError(kw, f"{kw} {v!r} is outside what radixd can write as a digit range "
-                                      f"(at most {MAX_BOUND_DIGITS} digits) at {path}")
-            out[kw] = d
-        bounds = []
-        for inc, exc in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
-            b, strict = out.get(inc), False
-            flag = s.get(exc)
-            if isinstance(flag, bool):
-                if flag and b is None:
-                    raise SchemaError(exc, f"{exc}: true needs {inc} beside it (at {path})")
-                strict = flag
-            elif exc in out:
-                e = out[exc]
-                tighter = b is None or (e >= b if inc == "minimum" else e <= b)
-                b, strict = (e, True) if tighter else (b, False)
-            bounds += [b, strict]
-        lo, ls, hi, hs = bounds
-        if lo is not None and hi is not None and (lo > hi or (lo == hi and (ls or hs))):
-            raise SchemaError("minimum", f"no number lies between the lower bound {lo} and the upper bound {hi} (at {path})")
-        return lo, ls, hi, hs
+        return self.term(string_regex(s, path))
 
     def _integer(self, s: dict, path: str) -> str:
         self._check(s, {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}, path)
-        lo, ls, hi, hs = self._bounds(s, path)
-        ilo = ihi = None
-        if lo is not None:
-            ilo = int(lo.to_integral_value(ROUND_FLOOR)) + 1 if ls else int(lo.to_integral_value(ROUND_CEILING))
-        if hi is not None:
-            ihi = int(hi.to_integral_value(ROUND_CEILING)) - 1 if hs else int(hi.to_integral_value(ROUND_FLOOR))
-        if ilo is not None and ihi is not None and ilo > ihi:
-            raise SchemaError("minimum", f"no integer lies between the bounds {lo} and {hi} (at {path})")
-        rx = _INT if ilo is None and ihi is None else int_range_regex(ilo, ihi)
-        return self.term(self._multiple(s, rx, True, path))
+        return self.term(integer_regex(s, path))
 
     def _number(self, s: dict, path: str) -> str:
         self._check(s, {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum", "multipleOf"}, path)
-        return self.term(self._multiple(s, number_range_regex(*self._bounds(s, path)), False, path))
-
-    def _multiple(self, s: dict, rx: str, integer: bool, path: str) -> str:
-        """``rx`` narrowed to the multiples of ``multipleOf`` (a look-ahead intersection)."""
-        if "multipleOf" not in s:
-            return rx
-        m = s["multipleOf"]
-        if isinstance(m, bool) or not isinstance(m, int | float) or m <= 0:
-            raise SchemaError("multipleOf", f"multipleOf must be a number above 0 (at {path})")
-        step = multiple_regex(Decimal(m) if isinstance(m, int) else Decimal(repr(m)), integer)
-        if step is None:
-            raise SchemaError("multipleOf", f"multipleOf {m} is not supported (at {path}): radixd writes multiples "
-                                            "of steps whose digits end the number, a*10^k with a dividing 10^j "
-                                            "(2, 5, 25, 0.5, 0.01, 100, ...), and only where the step's own "
-                                            "digits do not reach into the integer part")
-        out = f"(?=(?:{step})\\Z){rx}"
-        if is_empty(out):
-            raise SchemaError("multipleOf", f"no multiple of {m} lies within the bounds (at {path})")
-        return out
+        return self.term(number_regex(s, path))
 
     def _boolean(self, s: dict, path: str) -> str:
         self._check(s, set(), path)
@@ -651,10 +287,10 @@ class SchemaGrammar:
         """The classes of extra keys as (regex of the quoted key, value symbol): one per
         pattern (keys it matches and no other pattern does), one for additionalProperties
         (keys no pattern matches); declared names, in any JSON spelling, are never extra."""
-        declared = [_spelled_regex(k) for k in props]
+        declared = [spelled_regex(k) for k in props]
         contents = []
         for pat, sub in patterns.items():
-            content = self.pattern_content(pat, f"{path}/patternProperties")
+            content = pattern_content(pat, f"{path}/patternProperties")
             clash = [k for k in props if re.search(pat, k)]
             if clash:
                 raise SchemaError("patternProperties", f"patternProperties {pat!r} matches the declared propert"
@@ -664,17 +300,17 @@ class SchemaGrammar:
         kinds = []
         for i, (pat, content, sub) in enumerate(contents):
             others = declared + [c for j, (_, c, _) in enumerate(contents) if j != i]
-            rx = f'"(?=(?:{content})"\\Z)' + _not_any(others) + _RAW + '*"'
+            rx = f'"(?=(?:{content})"\\Z)' + not_any(others) + RAW + '*"'
             if not is_empty(rx):
                 kinds.append((rx, self.value(sub, f"{path}/patternProperties/{pat}")))
         if extra is not False:
-            rx = '"' + _not_any(declared + [c for _, c, _ in contents]) + (_RAW if contents else _CHAR) + '*"'
+            rx = '"' + not_any(declared + [c for _, c, _ in contents]) + (RAW if contents else CHAR) + '*"'
             kinds.append((rx, self.value(extra, f"{path}/additionalProperties")))
         return kinds
 
     def _free_object(self, value: str) -> str:
         lb, rb, colon, comma = self.term(r"\{"), self.term(r"\}"), self.term(":"), self.term(",")
-        key = self.term('"' + _CHAR + '*"')
+        key = self.term('"' + CHAR + '*"')
         pair = self.rule(f"{key} {colon} {value}", "pair")
         return f"{lb} [{pair} ({comma} {pair})*] {rb}"
 
@@ -732,9 +368,24 @@ class SchemaGrammar:
         obj = self._free_object(name)
         lb, rb, comma = self.term(r"\["), self.term(r"\]"), self.term(",")
         arr = f"{lb} [{name} ({comma} {name})*] {rb}"
-        scalars = [self.term('"' + _CHAR + '*"'), self.term(_NUM), self.term("true"), self.term("false"), self.term("null")]
+        scalars = [self.term('"' + CHAR + '*"'), self.term(NUMBER), self.term("true"), self.term("false"), self.term("null")]
         self.rules[name] = " | ".join([self.rule(obj, "obj"), self.rule(arr, "arr")] + scalars)
         return name
+
+
+def _admits(v, s: dict, path: str) -> bool:
+    """Whether the value ``v`` satisfies the scalar keywords of ``s``."""
+    t = s.get("type")
+    types = set(t) if isinstance(t, list) else {t} if t else None
+    is_num = isinstance(v, int | float) and not isinstance(v, bool)
+    integral = is_num and (isinstance(v, int) or v.is_integer())
+    if types is not None and not any(jt == json_type(v) or (jt == "integer" and integral) for jt in types):
+        return False
+    if is_num and not admits_number(v, s, path):
+        return False
+    if isinstance(v, str) and not admits_string(v, s, path):
+        return False
+    return True
 
 
 def schema_to_lark(schema, max_ws: int = 2) -> str:

@@ -29,12 +29,17 @@ IMPLIED_TYPES = (("object", {"properties", "required", "additionalProperties", "
             ("number", {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}))
 
 
+def exact_decimal(v: int | float) -> Decimal:
+    """The exact decimal a JSON number is written as (a float by its shortest repr)."""
+    return Decimal(v) if isinstance(v, int) else Decimal(repr(v))
+
+
 def value_key(v) -> str:
     """A canonical text for a JSON value under JSON Schema equality (1 == 1.0, true != 1)."""
     if isinstance(v, bool) or v is None or isinstance(v, str):
         return json.dumps(v)
     if isinstance(v, int | float):
-        return "n:" + str(Decimal(repr(v) if isinstance(v, float) else v).normalize())
+        return "n:" + str(exact_decimal(v).normalize())
     if isinstance(v, list):
         return "[" + ",".join(value_key(x) for x in v) + "]"
     return "{" + ",".join(json.dumps(k) + ":" + value_key(v[k]) for k in sorted(v)) + "}"
