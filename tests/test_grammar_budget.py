@@ -17,10 +17,12 @@ from conftest import grammar_suite
 
 from radixd.core.engine import Engine
 from radixd.core.sampling_params import SamplingParams
-from radixd.grammars.automaton import SingleTerminalParser, Terminal, TokenGrammar
+from radixd.grammars.automaton import TokenGrammar
 from radixd.grammars.budget import INF, Budget, ClosingMatcher, ClosingShared
 from radixd.grammars.json_schema import schema_to_lark
 from radixd.grammars.lark_grammar import compile_lark
+from radixd.grammars.lexers import Terminal
+from radixd.grammars.parsers import SingleTerminalParser
 from radixd.grammars.vocab import TokenizerInfo
 
 gs = grammar_suite()

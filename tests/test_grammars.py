@@ -482,9 +482,9 @@ def test_small_and_vectorized_trie_walks_agree(smol):
     """The plain-Python walk of a few trie nodes and the vectorized one give the same tokens
     and the same nodes where walks leave a lexeme, from every lexer state's leaving nodes
     (and from the first trie level) through every lexer of a grammar."""
-    from radixd.grammars.automaton import SharedLexers
     from radixd.grammars.json_schema import schema_to_lark
     from radixd.grammars.lark_grammar import compile_lark
+    from radixd.grammars.lexers import SharedLexers, node_walk_small, node_walk_vectorized
 
     tok, backend = smol
     g = compile_lark(schema_to_lark(json.dumps(gs.SCHEMAS["any_value"]), 2), backend.vocab, shared=SharedLexers(),
@@ -498,10 +498,8 @@ def test_small_and_vectorized_trie_walks_agree(smol):
     for nodes in starts:
         for lx in lexers:
             states = np.ones(nodes.size, dtype=np.int64)
-            small = g._node_walk_small(lx, nodes.tolist(), states.tolist())
-            g.small_walk = 0  # (the vectorized walk, however few the nodes)
-            big = g._node_walk(lx, nodes, states)
-            del g.small_walk
+            small = node_walk_small(g.vocab, lx, nodes.tolist(), states.tolist())
+            big = node_walk_vectorized(g.vocab, lx, nodes, states)  # (however few the nodes)
             assert sorted(small[0].tolist()) == sorted(big[0].tolist())
             assert [(s, sorted(n.tolist())) for s, n in small[1]] == [(s, sorted(n.tolist())) for s, n in big[1]]
             compared += bool(big[1])
@@ -514,9 +512,9 @@ def test_masks_warmed_cold_and_stepped_agree(smol, name):
     a lexeme walked on through the lexers that may follow), from scans made on first use
     (no warm-up, a fresh lexer cache) and by stepping every token on its own are the same
     at every step of a document (spaced, so whitespace lexemes end inside tokens)."""
-    from radixd.grammars.automaton import SharedLexers
     from radixd.grammars.json_schema import schema_to_lark
     from radixd.grammars.lark_grammar import compile_lark
+    from radixd.grammars.lexers import SharedLexers
 
     tok, backend = smol
     schema = gs.SCHEMAS[name]

@@ -5,15 +5,12 @@ from __future__ import annotations
 import threading
 
 from radixd.grammars import GrammarError
-from radixd.grammars.automaton import (
-    SharedLexers,
-    SingleTerminalParser,
-    Terminal,
-    TokenGrammar,
-)
+from radixd.grammars.automaton import TokenGrammar
 from radixd.grammars.budget import Budget, ClosingMatcher, ClosingShared
 from radixd.grammars.json_schema import SchemaError, schema_to_lark
 from radixd.grammars.lark_grammar import GrammarSyntaxError, compile_lark
+from radixd.grammars.lexers import SharedLexers, Terminal
+from radixd.grammars.parsers import SingleTerminalParser
 from radixd.grammars.regex_dfa import RegexError, parse
 from radixd.grammars.vocab import TokenizerInfo
 from radixd.plugins import hookimpl

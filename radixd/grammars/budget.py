@@ -32,7 +32,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from radixd.grammars.automaton import FRESH, Config, Matcher, TokenGrammar, _Lexer, remember
+from radixd.grammars.automaton import FRESH, Config, Matcher, TokenGrammar
+from radixd.grammars.lexers import Lexer, remember
 
 INF = 1 << 30  # no completion (or none within the search bound)
 
@@ -41,7 +42,7 @@ class _LexerPaths:
     """``dist[x, j]``: fewest bytes (each a single-byte token) from DFA state ``x`` to the
     accepting state ``acc[j]``; INF where unreachable."""
 
-    def __init__(self, lx: _Lexer, byte_ok: np.ndarray):
+    def __init__(self, lx: Lexer, byte_ok: np.ndarray):
         table = lx.table
         n = table.shape[0]
         self.acc = np.flatnonzero(lx.accepting)
@@ -104,11 +105,11 @@ class ClosingShared:
     def _remember(self, cache: dict, key, value):
         return remember(cache, key, value, self.limit)
 
-    def paths(self, lx: _Lexer) -> _LexerPaths:
+    def paths(self, lx: Lexer) -> _LexerPaths:
         got = self._paths.get(lx.uid)
         return got if got is not None else self._remember(self._paths, lx.uid, _LexerPaths(lx, self.byte_ok))
 
-    def enter(self, prev: _Lexer | None, s: int, nxt: _Lexer) -> tuple[np.ndarray, np.ndarray]:
+    def enter(self, prev: Lexer | None, s: int, nxt: Lexer) -> tuple[np.ndarray, np.ndarray]:
         """The lexeme after one that ended in state ``s`` of ``prev`` (None: nothing before):
         (accepting states of ``nxt``, fewest bytes to reach each), finite ones only. Its first
         byte must not extend the lexeme before (longest match)."""
@@ -130,7 +131,7 @@ class ClosingShared:
             got = (e, e)
         return self._remember(self._enter, key, got)
 
-    def scan(self, key: tuple, lx: _Lexer, nodes: np.ndarray, states: np.ndarray, fresh: bool) -> _Scan:
+    def scan(self, key: tuple, lx: Lexer, nodes: np.ndarray, states: np.ndarray, fresh: bool) -> _Scan:
         """The token trie below ``nodes`` walked through ``lx`` (each node's byte read from
         ``states``), cached under ``key``: the chain of lexers and states that led to these
         nodes, which fixes them (the parser stacks along it do not matter)."""
@@ -145,7 +146,7 @@ class ClosingShared:
             self._scan_bytes += size
         return got
 
-    def accepting_list(self, lx: _Lexer) -> list[bool]:
+    def accepting_list(self, lx: Lexer) -> list[bool]:
         got = self._accepting.get(lx.uid)
         if got is None:
             got = self._remember(self._accepting, lx.uid, lx.accepting.tolist())
@@ -169,7 +170,7 @@ class _Scan:
 
     __slots__ = ("nodes", "states", "ends", "groups")
 
-    def __init__(self, lx: _Lexer, nodes: np.ndarray, states: np.ndarray, fresh: bool, sh: ClosingShared):
+    def __init__(self, lx: Lexer, nodes: np.ndarray, states: np.ndarray, fresh: bool, sh: ClosingShared):
         tr = sh.vocab.trie
         flat, accepting, rows, acc = lx.flat, lx.accepting, lx.rows, sh.accepting_list(lx)
         ends_n: list = []   # numpy pieces and, from narrow levels, plain ints
@@ -253,7 +254,7 @@ class Budget:
 
     # -------------------------------------------------------------- the search
 
-    def _end_cost(self, lx: _Lexer, s: int | None, stack: tuple) -> int:
+    def _end_cost(self, lx: Lexer, s: int | None, stack: tuple) -> int:
         """Tokens to end here once the lexeme (ended in ``s``; None: no lexeme) left ``stack``."""
         g = self.g
         if not g.parser.accepts_end(stack):

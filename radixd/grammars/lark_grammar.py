@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 
-from radixd.grammars.automaton import LalrParser, Terminal, TokenGrammar
+from radixd.grammars.automaton import TokenGrammar
+from radixd.grammars.lexers import Terminal
+from radixd.grammars.parsers import LalrParser
 from radixd.grammars.regex_dfa import RegexError, parse
 from radixd.grammars.vocab import TokenizerInfo
 
