@@ -31,7 +31,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from radixd.grammars.lexers import Lexer, SharedLexers, Terminal, node_walk, remember, state_scan
+from radixd.grammars.lexers import Lexer, SharedLexers, Terminal, lexeme_walk, remember, state_scan
 from radixd.grammars.vocab import TokenizerInfo
 
 FRESH = -1
@@ -88,7 +88,6 @@ class TokenGrammar:
         self._fresh: OrderedDict[tuple, np.ndarray] = OrderedDict()
         self._fresh_cache_size = max(64, mask_cache_size // 4)
         self.shared = shared if shared is not None else SharedLexers()
-        self._scans = self.shared.scans
         self.eos = np.array(vocab.eos_ids, dtype=np.int64)
         self._eos_set = frozenset(vocab.eos_ids)
 
@@ -182,11 +181,7 @@ class TokenGrammar:
             for nxt in follow.lexers(lx, s):
                 if time.thread_time() > deadline:
                     return
-                ck = (nxt.uid, key)
-                got = self._scans.get(ck)
-                if got is None:
-                    got = node_walk(self.vocab, nxt, nodes, np.ones(nodes.size, dtype=np.int64))
-                    self.shared.remember(self._scans, ck, got)
+                got = lexeme_walk(self.shared, self.vocab, nxt, key, nodes)
                 if depth > 1 and got[1]:
                     self._warm_continue(nxt, (key, nxt.uid), got[1], follow, depth - 1, deadline)
 
@@ -318,12 +313,7 @@ class TokenGrammar:
         nodes (the scans that left there), for the stack-independent scan cache."""
         stack, ign = after
         lx = self.lexer(stack, ign)
-        ck = (lx.uid, key)
-        got = self._scans.get(ck)
-        if got is None:
-            got = node_walk(self.vocab, lx, nodes, np.ones(nodes.size, dtype=np.int64))
-            self.shared.remember(self._scans, ck, got)
-        inside, groups = got
+        inside, groups = lexeme_walk(self.shared, self.vocab, lx, key, nodes)
         if not groups:
             return inside
         parts = [inside]

@@ -108,9 +108,7 @@ class SharedLexers:
                 accepting = np.array([bool(a) for a in dfa.accepts], dtype=bool)
                 # a uid is never reused: scans are cached under it
                 got = (next(self._uids), dfa, dfa.table.tolist(), dfa.table.astype(np.int64).ravel(), accepting)
-                if len(self.dfas) >= self.limit:
-                    self.dfas.clear()
-                self.dfas[regexes] = got
+                remember(self.dfas, regexes, got, self.limit)
         return got
 
     def remember(self, cache: dict, key, value) -> None:
@@ -137,6 +135,19 @@ def node_walk(vocab: TokenizerInfo, lx: Lexer, nodes: np.ndarray, states: np.nda
     if nodes.size <= SMALL_WALK:
         return node_walk_small(vocab, lx, nodes.tolist(), states.tolist())
     return node_walk_vectorized(vocab, lx, nodes, states)
+
+
+def lexeme_walk(shared: SharedLexers, vocab: TokenizerInfo, lx: Lexer, key: tuple,
+                nodes: np.ndarray) -> tuple[np.ndarray, list]:
+    """``node_walk`` of the trie below ``nodes`` through ``lx`` from its start state (the bytes
+    from each node on begin a new lexeme), cached in ``shared.scans`` under ``key``, which
+    names the nodes (the walks that left there)."""
+    ck = (lx.uid, key)
+    got = shared.scans.get(ck)
+    if got is None:
+        got = node_walk(vocab, lx, nodes, np.ones(nodes.size, dtype=np.int64))
+        shared.remember(shared.scans, ck, got)
+    return got
 
 
 def node_walk_vectorized(vocab: TokenizerInfo, lx: Lexer, nodes: np.ndarray, states: np.ndarray) -> tuple[np.ndarray, list]:
