@@ -31,7 +31,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from radixd.grammars.lexers import Lexer, SharedLexers, Terminal, lexeme_walk, remember, state_scan
+from radixd.grammars.caches import lru_get, lru_put, remember
+from radixd.grammars.lexers import Lexer, SharedLexers, Terminal, lexeme_walk, state_scan
 from radixd.grammars.vocab import TokenizerInfo
 
 FRESH = -1
@@ -257,9 +258,8 @@ class TokenGrammar:
 
     def mask(self, config: Config) -> tuple[np.ndarray, bool]:
         """(allowed [vocab_size] bool, terminated): terminated = only EOS may follow."""
-        got = self._masks.get(config)
+        got = lru_get(self._masks, config)
         if got is not None:
-            self._masks.move_to_end(config)
             return got
         stack, ign, lex = config
         terminated = self.finished(config)
@@ -270,11 +270,7 @@ class TokenGrammar:
             terminated = not allowed.any()
         if self.eos.size and (terminated or self.end_ok(config)):
             allowed[self.eos] = True  # a dead end (never expected) finishes rather than rambles
-        got = (allowed, terminated)
-        self._masks[config] = got
-        if len(self._masks) > self._mask_cache_size:
-            self._masks.popitem(last=False)
-        return got
+        return lru_put(self._masks, config, (allowed, terminated), self._mask_cache_size)
 
     def _vocab_walk(self, stack: tuple, ign: bool, lex: int) -> np.ndarray:
         """Which tokens of the whole vocabulary can be consumed from the configuration (a new
@@ -298,13 +294,9 @@ class TokenGrammar:
 
     def _fresh_walk(self, after: tuple) -> np.ndarray:
         """``_vocab_walk`` at the start of a lexeme (read-only, cached per (stack, ignore_ok))."""
-        got = self._fresh.get(after)
+        got = lru_get(self._fresh, after)
         if got is None:
-            got = self._fresh[after] = self._vocab_walk(after[0], after[1], FRESH)
-            if len(self._fresh) > self._fresh_cache_size:
-                self._fresh.popitem(last=False)
-        else:
-            self._fresh.move_to_end(after)
+            got = lru_put(self._fresh, after, self._vocab_walk(after[0], after[1], FRESH), self._fresh_cache_size)
         return got
 
     def _continue(self, after: tuple, nodes: np.ndarray, key: tuple) -> np.ndarray:

@@ -33,7 +33,8 @@ from collections import OrderedDict
 import numpy as np
 
 from radixd.grammars.automaton import FRESH, Config, Matcher, TokenGrammar
-from radixd.grammars.lexers import Lexer, remember
+from radixd.grammars.caches import lru_get, lru_put, remember
+from radixd.grammars.lexers import Lexer
 
 INF = 1 << 30  # no completion (or none within the search bound)
 
@@ -417,17 +418,13 @@ class Budget:
     def token_costs(self, config: Config) -> np.ndarray:
         """[vocab] cost of the configuration after each token (INF: not consumable)."""
         lru, ck = self.shared.token_costs, (self.uid, config)
-        got = lru.get(ck)
+        got = lru_get(lru, ck)
         if got is not None:
-            lru.move_to_end(ck)
             return got
         key, scan = self._first_scan(config)
         got = np.full(self.g.vocab.vocab_size, INF, dtype=np.int32)
         self._costs(config[0], config[1], key, scan, got)
-        lru[ck] = got
-        if len(lru) > self.shared.token_costs_size:
-            lru.popitem(last=False)
-        return got
+        return lru_put(lru, ck, got, self.shared.token_costs_size)
 
     def _costs(self, stack: tuple, ign: bool, key: tuple, scan: _Scan, out: np.ndarray) -> None:
         if scan.nodes.size:

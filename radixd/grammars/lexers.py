@@ -10,7 +10,7 @@ inside the lexeme, where the others leave it, from which accepting state), and t
 Contract: compile workers (``TokenGrammar.warm``) and the event loop both fill the caches;
 ``SharedLexers.dfa`` builds under a lock, scans are written without one (a scan is a function
 of its key alone, so one built twice is built alike). Each cache is bounded and emptied when
-full (``remember``).
+full (``caches.remember``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from radixd.grammars.caches import remember
 from radixd.grammars.regex_dfa import DFA, compile_dfa
 from radixd.grammars.vocab import TokenizerInfo, expand_ranges
 
@@ -53,15 +54,6 @@ class StateScan(NamedTuple):
         ok = np.zeros(vocab_size, dtype=bool)
         ok[self.inside] = True
         return ok
-
-
-def remember(cache: dict, key, value, limit: int):
-    """``cache[key] = value``, emptying the cache first when it holds ``limit`` entries (the
-    grammar caches are bounded this way: refilling is cheap, tracking recency is not)."""
-    if len(cache) >= limit:
-        cache.clear()
-    cache[key] = value
-    return value
 
 
 def tokens_ending_at(tr, alive_at: list[np.ndarray], dtype) -> np.ndarray:

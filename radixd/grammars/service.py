@@ -7,6 +7,7 @@ import concurrent.futures
 from collections import OrderedDict
 
 from radixd.grammars import GrammarError
+from radixd.grammars.caches import lru_get, lru_put
 
 
 class GrammarService:
@@ -31,16 +32,10 @@ class GrammarService:
         self.trials_killed = 0
 
     def cached(self, kind: str, spec: str):
-        got = self._cache.get((kind, spec))
-        if got is not None:
-            self._cache.move_to_end((kind, spec))
-        return got
+        return lru_get(self._cache, (kind, spec))
 
     def _store(self, key: tuple[str, str], compiled) -> None:
-        self._cache[key] = compiled
-        self._cache.move_to_end(key)
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        lru_put(self._cache, key, compiled, self.cache_size)
 
     async def get(self, kind: str, spec: str):
         key = (kind, spec)
