@@ -34,6 +34,7 @@ from radixd.grammars.schema_model import (
     ANNOTATIONS,
     IMPLIED_TYPES,
     SchemaError,
+    count_bounds,
     json_type,
     value_key,
 )
@@ -329,11 +330,7 @@ class SchemaGrammar:
             prefix, rest, rest_kw = s.get("prefixItems", []), s.get("items", True), "items"
             if not isinstance(prefix, list):
                 raise SchemaError("prefixItems", f"prefixItems must be a list of schemas (at {path})")
-        lo = s.get("minItems", 0)
-        hi = s.get("maxItems")
-        for kw, v in (("minItems", lo), ("maxItems", hi)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise SchemaError(kw, f"{kw} must be a non-negative integer (at {path})")
+        lo, hi = count_bounds(s, "minItems", "maxItems", path)
         if rest is False:
             hi = len(prefix) if hi is None else min(hi, len(prefix))
         if hi is not None and hi < lo:

@@ -1,6 +1,7 @@
 """What a JSON Schema says, apart from how a grammar is built for it: the error naming a
 keyword radixd cannot enforce, the keywords that only annotate, the type an untyped schema's
-keywords imply, and JSON values compared and typed as JSON Schema does.
+keywords imply, length and size ranges, and JSON values compared, typed and read as exact
+decimals as JSON Schema does.
 
 Shared by the grammar builder (``json_schema`` and the terminal modules beside it) and the
 allOf/oneOf algebra (``schema_algebra``); it imports neither, so their imports point one way.
@@ -27,6 +28,17 @@ IMPLIED_TYPES = (("object", {"properties", "required", "additionalProperties", "
             ("array", {"items", "minItems", "maxItems", "prefixItems", "additionalItems"}),
             ("string", {"minLength", "maxLength", "pattern", "format"}),
             ("number", {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}))
+
+
+def count_bounds(s: dict, lo_kw: str, hi_kw: str, path: str) -> tuple[int, int | None]:
+    """A length or size range (minLength/maxLength, minItems/maxItems): (lo, hi), lo 0 and hi
+    None when absent; each must be a non-negative integer."""
+    lo = s.get(lo_kw, 0)
+    hi = s.get(hi_kw)
+    for kw, v in ((lo_kw, lo), (hi_kw, hi)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise SchemaError(kw, f"{kw} must be a non-negative integer (at {path})")
+    return lo, hi
 
 
 def exact_decimal(v: int | float) -> Decimal:

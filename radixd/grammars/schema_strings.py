@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from radixd.grammars.regex_dfa import C, RegexError, is_empty, parse
-from radixd.grammars.schema_model import SchemaError
+from radixd.grammars.schema_model import SchemaError, count_bounds
 
 # one character of a JSON string: raw, a short escape, or \uXXXX outside the surrogates (a lone
 # surrogate is no character, and a pair would count as two toward a length bound)
@@ -91,11 +91,7 @@ def string_regex(s: dict, path: str) -> str:
         if fmt not in FORMATS:
             raise SchemaError("format", f"string format {fmt!r} is not supported (supported: {', '.join(sorted(FORMATS))})")
         conds.append(("format", FORMATS[fmt]))
-    lo = s.get("minLength", 0)
-    hi = s.get("maxLength")
-    for kw, v in (("minLength", lo), ("maxLength", hi)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise SchemaError(kw, f"{kw} must be a non-negative integer (at {path})")
+    lo, hi = count_bounds(s, "minLength", "maxLength", path)
     if hi is not None and hi < lo:
         raise SchemaError("maxLength", f"maxLength {hi} is below minLength {lo} (at {path})")
     rep = "*" if lo == 0 and hi is None else f"{{{lo},{'' if hi is None else hi}}}"
