@@ -32,10 +32,10 @@ from radixd.grammars.regex_dfa import is_empty
 from radixd.grammars.schema_algebra import Algebra
 from radixd.grammars.schema_model import (
     ANNOTATIONS,
-    IMPLIED_TYPES,
     SchemaError,
     count_bounds,
-    json_type,
+    fits_type,
+    implied_type,
     value_key,
 )
 from radixd.grammars.schema_numbers import NUMBER, admits_number, integer_regex, number_regex
@@ -167,11 +167,10 @@ class SchemaGrammar:
                 raise SchemaError("type", f"type must not be an empty list (at {path})")
             return " | ".join(self.value({**s, "type": one}, path) for one in t)
         if t is None:  # untyped: the type its keywords imply, else any value
-            implied = [name for name, kws in IMPLIED_TYPES if kws & s.keys()]
-            if not implied:
+            t = implied_type(s)
+            if t is None:
                 self._check(s, set(), path)
                 return self.any_value()
-            t = implied[0]
         builder = {"string": self._string, "integer": self._integer, "number": self._number,
                    "boolean": self._boolean, "null": self._null, "object": self._object, "array": self._array}
         if t not in builder:
@@ -374,10 +373,9 @@ def _admits(v, s: dict, path: str) -> bool:
     """Whether the value ``v`` satisfies the scalar keywords of ``s``."""
     t = s.get("type")
     types = set(t) if isinstance(t, list) else {t} if t else None
-    is_num = isinstance(v, int | float) and not isinstance(v, bool)
-    integral = is_num and (isinstance(v, int) or v.is_integer())
-    if types is not None and not any(jt == json_type(v) or (jt == "integer" and integral) for jt in types):
+    if types is not None and not fits_type(v, types):
         return False
+    is_num = isinstance(v, int | float) and not isinstance(v, bool)
     if is_num and not admits_number(v, s, path):
         return False
     if isinstance(v, str) and not admits_string(v, s, path):

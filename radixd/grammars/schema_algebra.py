@@ -15,8 +15,9 @@ from collections.abc import Callable
 
 from radixd.grammars.schema_model import (
     ANNOTATIONS,
-    IMPLIED_TYPES,
     SchemaError,
+    fits_type,
+    implied_type,
     json_type,
     value_key,
 )
@@ -57,9 +58,9 @@ class Algebra:
                 return set().union(*(self.gen_types(a, depth + 1) for a in s[kw]))
         out = self.valid_types(s, depth)
         if "type" not in s and "const" not in s and "enum" not in s:
-            implied = [t for t, kws in IMPLIED_TYPES if kws & s.keys()]
+            implied = implied_type(s)
             if implied:
-                out = {implied[0]} | ({"null"} if s.get("nullable") is True else set())
+                out = {implied} | ({"null"} if s.get("nullable") is True else set())
         return out
 
     def valid_types(self, s, depth: int = 0) -> set[str]:
@@ -199,7 +200,7 @@ class Algebra:
             self._check_extra_keys(parts, merged, path)
         if "type" in merged and isinstance(merged.get("enum"), list):
             types = set(merged["type"]) if isinstance(merged["type"], list) else {merged["type"]}
-            merged["enum"] = [v for v in merged["enum"] if _fits_type(v, types)]
+            merged["enum"] = [v for v in merged["enum"] if fits_type(v, types)]
             if not merged["enum"]:
                 raise SchemaError("allOf", f"no enum/const value has the type the allOf at {path} requires")
         if merged.get("enum") == []:
@@ -282,10 +283,3 @@ def _const_as_enum(p: dict) -> dict:
         vals = [v for v in vals if value_key(v) in {value_key(x) for x in p["enum"]}]
     return {**{k: v for k, v in p.items() if k != "const"}, "enum": vals}
 
-
-def _fits_type(v, types: set[str]) -> bool:
-    t = json_type(v)
-    if t == "number":
-        integral = isinstance(v, int) or (isinstance(v, float) and v.is_integer())
-        return "number" in types or ("integer" in types and integral)
-    return t in types

@@ -30,6 +30,11 @@ IMPLIED_TYPES = (("object", {"properties", "required", "additionalProperties", "
             ("number", {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}))
 
 
+def implied_type(s: dict) -> str | None:
+    """The type an untyped schema is generated as, from its keywords (None: any value)."""
+    return next((t for t, kws in IMPLIED_TYPES if kws & s.keys()), None)
+
+
 def count_bounds(s: dict, lo_kw: str, hi_kw: str, path: str) -> tuple[int, int | None]:
     """A length or size range (minLength/maxLength, minItems/maxItems): (lo, hi), lo 0 and hi
     None when absent; each must be a non-negative integer."""
@@ -65,3 +70,13 @@ def json_type(v) -> str:
     if isinstance(v, int | float):
         return "number"
     return {str: "string", list: "array", dict: "object"}[type(v)]
+
+
+def fits_type(v, types: set[str]) -> bool:
+    """Whether the JSON value ``v`` has one of the type names ``types`` (an integral number
+    is an integer too)."""
+    t = json_type(v)
+    if t == "number":
+        integral = isinstance(v, int) or (isinstance(v, float) and v.is_integer())
+        return "number" in types or ("integer" in types and integral)
+    return t in types
