@@ -33,6 +33,7 @@ import numpy as np
 
 from radixd.grammars.caches import lru_get, lru_put, remember
 from radixd.grammars.lexers import Lexer, SharedLexers, Terminal, lexeme_walk, state_scan
+from radixd.grammars.parsers import Parser
 from radixd.grammars.vocab import TokenizerInfo
 
 FRESH = -1
@@ -72,7 +73,7 @@ class TokenGrammar:
     """A grammar compiled for one vocabulary. Thread-compatible for reads of cached masks;
     the engine uses it from one thread."""
 
-    def __init__(self, terminals: list[Terminal], parser, vocab: TokenizerInfo, ignore: frozenset[int] = frozenset(),
+    def __init__(self, terminals: list[Terminal], parser: Parser, vocab: TokenizerInfo, ignore: frozenset[int] = frozenset(),
                  mask_cache_size: int = 1024, shared: SharedLexers | None = None):
         self.terminals = terminals
         self.parser = parser
@@ -125,7 +126,7 @@ class TokenGrammar:
         shared and cost nothing here."""
         deadline = time.thread_time() + budget_s
         lexers = [self.lexer(self.start[0], True)]
-        actions = getattr(self.parser, "actions", {})
+        actions = self.parser.actions
         for top in actions:
             cands = frozenset(self.parser.candidates((top,)))
             if not cands:

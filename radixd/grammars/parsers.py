@@ -1,16 +1,33 @@
-"""Parsers over terminal indices, as the automaton drives them: ``start`` (a stack),
-``feed(stack, term)`` (the stack after the terminal, or None), ``candidates(stack)`` (the
-terminals a stack's top state names) and ``accepts_end(stack)``. Stacks are tuples of parser
-states, immutable, so configurations that hold them can be cached.
+"""Parsers over terminal indices, as the automaton (``TokenGrammar``) drives them: the
+``Parser`` protocol, an LALR(1) parser over Lark's table and a one-terminal parser for a regex.
+Stacks are tuples of parser states, immutable, so configurations that hold them can be cached.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
+
+class Parser(Protocol):
+    start: tuple                          # the stack before any terminal
+    actions: dict[int, dict[int, tuple]]  # state -> terminal -> (True, state) shift or
+                                          # (False, rule, length) reduce; the warm-up reads it
+
+    def feed(self, stack: tuple, term: int) -> tuple | None:
+        """The stack after terminal ``term``, or None if the parser refuses it."""
+
+    def candidates(self, stack: tuple) -> tuple[int, ...]:
+        """The terminals the top state names (a superset of what ``feed`` takes)."""
+
+    def accepts_end(self, stack: tuple) -> bool:
+        """Whether the text may end here."""
+
 
 class SingleTerminalParser:
-    """The whole text is terminal 0 (a regex constraint)."""
+    """The whole text is terminal 0 (a regex constraint); no table to warm up from."""
 
     start = (0,)
+    actions: dict[int, dict[int, tuple]] = {}
 
     def feed(self, stack: tuple, term: int) -> tuple | None:
         return (1,) if stack == (0,) and term == 0 else None
