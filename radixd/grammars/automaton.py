@@ -1,4 +1,4 @@
-"""Token masks from a lexer + LALR parser over bytes.
+"""A compiled grammar's configurations and token masks: a lexer + LALR parser over bytes.
 
 A grammar is a list of terminals (regexes, compiled to byte DFAs) and a parser over them:
 an LALR table from Lark for grammars, a one-terminal parser for a plain regex. Matching state
