@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import (
+    CPU_ENGINE,
+    CUDA_ENGINE,
     SHAPES,
     checkpoint_dir,
     cuda_median_s,
@@ -56,17 +58,11 @@ VOCAB_HI = 40000  # random prompt token ids below every shape's vocabulary
 
 
 def engine(path: str, **kw) -> Engine:
-    if DEVICE["name"] == "cpu":  # a smoke run of the script's logic: torch backend, fp32
-        kw.update(attention_backend="torch", cuda_graphs=False)
-        kw["dtype"] = "float32"
-        return Engine(model=path, tokenizer="none", load_format="dummy", device="cpu",
-                      **{"kv_cache_tokens": 40_000, "max_running_requests": 64, **kw})
-    kw.setdefault("kv_cache_tokens", 300_000)
-    kw.setdefault("max_running_requests", 256)
-    kw.setdefault("max_prefill_tokens", 16384)
-    kw.setdefault("chunked_prefill_size", 8192)
-    kw.setdefault("dtype", "bfloat16")
-    return Engine(model=path, tokenizer="none", load_format="dummy", device="cuda", **kw)
+    if DEVICE["name"] == "cpu":  # a smoke run of the script's logic
+        kw = {"kv_cache_tokens": 40_000, "max_running_requests": 64, **kw, **CPU_ENGINE}
+    else:
+        kw = {**CUDA_ENGINE, "kv_cache_tokens": 300_000, **kw}
+    return Engine(model=path, tokenizer="none", load_format="dummy", **kw)
 
 
 def param_bytes(eng: Engine) -> int:

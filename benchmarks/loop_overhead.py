@@ -33,7 +33,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import Log, builtin_plugins, checkpoint_dir, environment, write_json
+from benchmarks.common import (
+    CPU_ENGINE,
+    Log,
+    builtin_plugins,
+    checkpoint_dir,
+    environment,
+    write_json,
+)
 from radixd import Engine, SamplingParams
 from radixd.core.forward_batch import StepOutput
 
@@ -88,8 +95,8 @@ class StubWorker:
 
 
 async def run_once(path: str, tokenizer: bool, n: int, new: int, profile: bool) -> dict:
-    eng = Engine(model=path, tokenizer=None if tokenizer else "none", load_format="dummy", device="cpu",
-                 dtype="float32", attention_backend="torch", cuda_graphs=False, plugin_manager=builtin_plugins(),
+    eng = Engine(model=path, tokenizer=None if tokenizer else "none", load_format="dummy", **CPU_ENGINE,
+                 plugin_manager=builtin_plugins(),
                  max_running_requests=n, max_prefill_tokens=1 << 20, chunked_prefill_size=1 << 20,
                  kv_cache_tokens=n * (96 + new) + 1024)
     stub = StubWorker(eng.model_cfg.vocab_size)

@@ -60,7 +60,16 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from benchmarks.common import Log, builtin_plugins, checkpoint_dir, environment, free, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    CPU_ENGINE,
+    CUDA_ENGINE,
+    Log,
+    builtin_plugins,
+    checkpoint_dir,
+    environment,
+    free,
+    write_json,
+)
 from radixd import Engine, SamplingParams  # noqa: E402
 
 SHAPES = {
@@ -108,15 +117,7 @@ class Run:
         write_json(self.out / "multi_gpu.json", self.results)
 
     def engine(self, **kw) -> Engine:
-        if self.cpu:
-            kw.update(attention_backend="torch", cuda_graphs=False, dtype="float32", device="cpu")
-            kw.setdefault("max_running_requests", 32)
-        else:
-            kw.setdefault("dtype", "bfloat16")
-            kw.setdefault("device", "cuda")
-            kw.setdefault("max_running_requests", 256)
-            kw.setdefault("max_prefill_tokens", 16384)
-            kw.setdefault("chunked_prefill_size", 8192)
+        kw = {"max_running_requests": 32, **kw, **CPU_ENGINE} if self.cpu else {**CUDA_ENGINE, **kw}
         kv = self.args.kv_tokens if self.args.kv_tokens is not None else PRESSURE[self.size]["kv_tokens"]
         if kv:  # (0: the engine sizes the pool from free memory)
             kw.setdefault("kv_cache_tokens", kv)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import builtin_plugins, environment
+from benchmarks.common import CPU_ENGINE, builtin_plugins, environment
 from benchmarks.dp_bound import add_workload_args
 from benchmarks.loop_overhead import checkpoint
 from radixd import Engine, SamplingParams
@@ -96,8 +96,7 @@ async def run(path: str, a) -> dict:
     kw = dict(dp_size=a.dp, routing=a.routing) if a.dp > 1 else {}
     if a.gc == "off":
         kw.update(gc_freeze=False, gc_threshold=0)
-    eng = Engine(model=path, tokenizer="none", load_format="dummy", device="cpu", dtype="float32",
-                 attention_backend="torch", cuda_graphs=False, plugin_manager=builtin_plugins(),
+    eng = Engine(model=path, tokenizer="none", load_format="dummy", **CPU_ENGINE, plugin_manager=builtin_plugins(),
                  max_running_requests=a.max_running, max_prefill_tokens=16384, chunked_prefill_size=8192,
                  kv_cache_tokens=400_000, stream_interval=a.stream_interval, **kw)
     devs = []
