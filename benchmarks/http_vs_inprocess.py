@@ -2,7 +2,7 @@
 radixd daemon over HTTP (streaming ``/v1/completions``), at a fixed number of concurrent streams.
 
     python -m benchmarks.http_vs_inprocess [--streams 32] [--requests 64] [--prompt 64] [--new 64]
-                                      [--rounds 2] [--out benchmarks/results/http_vs_inprocess.json]
+                                      [--rounds 2] [--out benchmarks/results/http_vs_inprocess/http_vs_inprocess.json]
 
 Both sides use the default model with the same engine settings; rounds alternate
 (engine, http, engine, http, ...) so background load hits both alike. Prints JSON.

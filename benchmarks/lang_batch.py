@@ -5,7 +5,7 @@ generated answer, a follow-up question and a second answer (greedy, ``ignore_eos
 in-process engine (``EngineRuntime``) with the default model, CPU. Reports wall time,
 programs/s, generated tokens/s and the cache hit rate (cached / prompt tokens over every call).
 
-    python -m benchmarks.lang_batch --out benchmarks/results/lang_batch.json
+    python -m benchmarks.lang_batch --out benchmarks/results/lang_batch/lang_batch.json
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ the machine and the worker thread's hand-over are left out), the process CPU tim
 whole run per output token, and the top functions of a cProfile run of the decode phase
 (timed by the thread's CPU clock).
 
-    python -m benchmarks.loop_overhead --out benchmarks/results/loop_overhead   # writes JSON + log
+    python -m benchmarks.loop_overhead --out DIR   # writes DIR/loop_overhead.json + DIR/log.txt
     python -m benchmarks.loop_overhead --requests 64 256 --new-tokens 64 --no-profile
 """
 
