@@ -1,9 +1,9 @@
-"""What the benchmark scripts share: model shapes with random weights, engine-free helpers for
+"""What the benchmark scripts share: model shapes with random weights, engine-free functions for
 timing, logging and result files, and the record of where a figure was measured.
 
 Contract: every script of ``benchmarks/`` runs from the repository root as
 ``python -m benchmarks.<script>``, imports its siblings as ``benchmarks.<module>`` and writes
-its results through these helpers, so that each JSON file carries the same ``environment()``
+its results through these functions, so that each JSON file carries the same ``environment()``
 record (machine, software, commit, command). Nothing here builds an ``Engine``: how each
 benchmark configures one is part of what it measures and stays in its script.
 """
