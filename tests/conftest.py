@@ -14,18 +14,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 def grammar_suite():
-    """bench/grammar_suite.py (the JSON Schema suite the benchmark and the tests share)."""
-    import importlib.util
-    import sys
+    """benchmarks/grammar_suite.py (the JSON Schema suite the benchmark and the tests share)."""
+    from benchmarks import grammar_suite
 
-    mod = sys.modules.get("grammar_suite")
-    if mod is None:
-        spec = importlib.util.spec_from_file_location("grammar_suite", Path(__file__).resolve().parents[1] / "bench"
-                                                      / "grammar_suite.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        sys.modules["grammar_suite"] = mod
-    return mod
+    return grammar_suite
 
 
 TINY = dict(

@@ -104,7 +104,7 @@ def test_a_tight_max_tokens_still_closes_the_document(http, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_every_suite_schema_validates_over_http(http, stream):
-    """Every schema of bench/grammar_suite.py through response_format on the default
+    """Every schema of benchmarks/grammar_suite.py through response_format on the default
     model, greedy, streamed or not: each output finishes and validates."""
     suite = grammar_suite().SCHEMAS
 

@@ -1,6 +1,6 @@
 """Structured generation: regex DFAs, JSON Schema and Lark grammars as token masks.
 
-The schema suite (bench/grammar_suite.py) is shared with bench/grammar_bench.py.
+The schema suite (benchmarks/grammar_suite.py) is shared with benchmarks/grammar_bench.py.
 """
 
 from __future__ import annotations

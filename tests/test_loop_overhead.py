@@ -1,4 +1,4 @@
-"""bench/loop_overhead.py (the batching loop's CPU per decode step, forward pass stubbed)
+"""benchmarks/loop_overhead.py (the batching loop's CPU per decode step, forward pass stubbed)
 runs end to end at a small size and reports consistent figures."""
 
 from __future__ import annotations
@@ -8,11 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def test_loop_overhead_bench_runs(tmp_path):
-    script = Path(__file__).resolve().parent.parent / "bench" / "loop_overhead.py"
-    r = subprocess.run([sys.executable, str(script), "--requests", "8", "--new-tokens", "12", "--repeats", "1",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.loop_overhead", "--requests", "8", "--new-tokens", "12",
+                        "--repeats", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "loop_overhead.json").read_text())["results"]
     assert [(x["tokenizer"], x["requests"]) for x in res] == [(False, 8), (True, 8)]
@@ -26,36 +28,36 @@ def test_loop_overhead_bench_runs(tmp_path):
     assert (tmp_path / "log.txt").read_text().count("us/request-step") == 2
 
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
 SMALL_BURST = ["--groups", "4", "--per-group", "4", "--system", "64", "--question", "16", "--new", "8",
                "--max-running", "8"]
 
 
-def _run(script: str, *args: str) -> dict:
-    r = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=600)
+def _run(module: str, *args: str) -> dict:
+    r = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(r.stdout[r.stdout.index("{"):])
 
 
 def test_sim_device_reports_idle_time_and_admission(tmp_path):
-    """bench/sim_device.py: the engine against simulated devices, at a small size."""
-    res = _run("sim_device.py", *SMALL_BURST, "--dp", "2", "--step-ms", "2", "--token-us", "1",
+    """benchmarks/sim_device.py: the engine against simulated devices, at a small size."""
+    res = _run("sim_device", *SMALL_BURST, "--dp", "2", "--step-ms", "2", "--token-us", "1",
                "--launch-us", "50", "--out", str(tmp_path))
     assert res["dp"] == 2 and res["routing"] == "cache_aware"
     # both simulated devices ran 8 decode steps at least (each replica's requests, 8 new tokens)
     assert 8 * 0.002 <= res["device_busy_s"] <= res["wall_s"]
     assert res["device_idle_s"] >= 0 and res["idle_gaps"] >= 0 and res["gc_full_collections"] >= 0
-    sub = _run("sim_device.py", *SMALL_BURST, "--submit-only")
+    sub = _run("sim_device", *SMALL_BURST, "--submit-only")
     assert sub["requests"] == 16 and sub["submit_s"] > 0
     assert len((tmp_path / "sim_device.jsonl").read_text().splitlines()) == 1
 
 
 def test_dp_bound_is_consistent():
-    """bench/dp_bound.py: round robin does all of cache-aware's work and more."""
-    res = _run("dp_bound.py")
+    """benchmarks/dp_bound.py: round robin does all of cache-aware's work and more."""
+    res = _run("dp_bound")
     ca, rr = res["cache_aware"], res["round_robin"]
     assert ca["decode_linear_s"] == rr["decode_linear_s"]  # the same rows decode under both
     assert ca["prefill_s"] < rr["prefill_s"] and ca["decode_attention_s"] < rr["decode_attention_s"]
     assert abs(res["cache_aware_over_round_robin"] - rr["total_s"] / ca["total_s"]) < 0.001
-    one = _run("dp_bound.py", "--groups", "2", "--per-group", "2")  # a prefix per replica either way
+    one = _run("dp_bound", "--groups", "2", "--per-group", "2")  # a prefix per replica either way
     assert one["cache_aware"]["prefill_s"] < one["round_robin"]["prefill_s"]

@@ -385,17 +385,16 @@ def test_more_gpus_than_visible_is_refused(tiny_models, monkeypatch):
 
 
 def test_multi_gpu_bench_runs_on_cpu(tmp_path):
-    """bench/multi_gpu_bench.py end to end with tiny shapes on CPU workers (what the 2-GPU
+    """benchmarks/multi_gpu_bench.py end to end with tiny shapes on CPU workers (what the 2-GPU
     run does, small): every figure is there and tp=2 reproduces tp=1's greedy tokens."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "bench" / "multi_gpu_bench.py"
-    r = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--device", "cpu",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.multi_gpu_bench", "--out", str(tmp_path), "--device", "cpu",
                         "--dp-workloads", "shared_prefix,prefix_pressure,bench_shared_prefix", "--timeline"],
-                       capture_output=True, text=True, timeout=600)
+                       cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "multi_gpu.json").read_text())
     assert (tmp_path / "log.txt").read_text().count("== ") >= 3
@@ -421,21 +420,10 @@ def test_multi_gpu_bench_runs_on_cpu(tmp_path):
 def test_multi_gpu_bench_shared_prefix_is_radixd_benchs_default():
     """The dp section's bench_shared_prefix at full size is `radixd bench`'s shared-prefix
     workload with its defaults."""
-    import importlib.util
-    import sys
-    from pathlib import Path
     from types import SimpleNamespace
 
+    from benchmarks import multi_gpu_bench as mod
     from radixd.bench.workloads import build
-
-    bench = Path(__file__).resolve().parent.parent / "bench"
-    sys.path.insert(0, str(bench))
-    try:
-        spec = importlib.util.spec_from_file_location("multi_gpu_bench", bench / "multi_gpu_bench.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(bench))
 
     class WordTokenizer:  # one token per word
         vocab: dict[str, int] = {}

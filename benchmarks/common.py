@@ -1,0 +1,177 @@
+"""What the benchmark scripts share: model shapes with random weights, engine-free functions for
+timing, logging and result files, and the record of where a figure was measured.
+
+Contract: every script of ``benchmarks/`` runs from the repository root as
+``python -m benchmarks.<script>``, imports its siblings as ``benchmarks.<module>`` and writes
+its results through these functions, so that each JSON file carries the same ``environment()``
+record (machine, software, commit, command). Nothing here builds an ``Engine``: how each
+benchmark configures one is part of what it measures and stays in its script.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+# Real model shapes (weights come from ``load_format="dummy"``: random, nothing downloaded).
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
+                      rope_theta=500000.0, tie_word_embeddings=False),
+    "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
+                         rope_theta=100000.0, tie_word_embeddings=True),
+}
+# What every config-only Llama checkpoint adds to its shape.
+LLAMA = dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, eos_token_id=0)
+# Engine settings the scripts share. CPU: float32 on the reference torch attention backend, no
+# CUDA graphs (the loop benchmarks, and smoke runs of the GPU scripts' logic). CUDA: bf16 with
+# the serving batch limits the GPU figures were measured at.
+CPU_ENGINE: dict[str, Any] = dict(device="cpu", dtype="float32", attention_backend="torch", cuda_graphs=False)
+CUDA_ENGINE: dict[str, Any] = dict(device="cuda", dtype="bfloat16", max_running_requests=256,
+                                   max_prefill_tokens=16384, chunked_prefill_size=8192)
+
+
+def checkpoint_dir(shape: dict[str, Any], *, prefix: str = "radixd-", where: Path | None = None) -> str:
+    """A config-only Llama checkpoint of ``shape`` (random weights: ``load_format="dummy"``),
+    in a new temporary directory or in ``where``."""
+    if where is None:
+        d = Path(tempfile.mkdtemp(prefix=prefix))
+    else:
+        d = where
+        d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({**shape, **LLAMA}))
+    return str(d)
+
+
+def builtin_plugins(**kw: Any):
+    """A plugin manager with radixd's built-in plugins only, so that the figures are radixd's
+    own whatever else is installed (``kw``: e.g. ``extra=[module]``)."""
+    from radixd.plugins import make_plugin_manager
+
+    return make_plugin_manager(load_entry_points=False, **kw)
+
+
+def free() -> None:
+    """Give back device memory of engines the caller has dropped (set to None)."""
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def cuda_median_s(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
+    """Median device time of ``fn()`` in seconds, from CUDA events around each call."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    return statistics.median(times)
+
+
+def timed_section(fn: Callable[[], dict]) -> dict:
+    """``fn()``'s result with its wall time as ``section_s``; a section that raises reports
+    ``{"error": ...}`` (traceback on stderr) so the sections after it still run."""
+    t = time.perf_counter()
+    try:
+        res = fn()
+    except Exception as exc:  # noqa: BLE001 (reported in the result, the run goes on)
+        traceback.print_exc()
+        res = {"error": repr(exc)}
+    res["section_s"] = round(time.perf_counter() - t, 1)
+    return res
+
+
+class Log:
+    """Lines printed and appended to a file as they come (the file survives a killed run)."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.lines: list[str] = []
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, *parts: object) -> None:
+        line = " ".join(str(p) for p in parts)
+        print(line, flush=True)
+        self.lines.append(line)
+        if self.path is not None:
+            with open(self.path, "a") as fh:
+                fh.write(line + "\n")
+
+
+def write_json(path: Path | str, doc: Any, indent: int = 1) -> Path:
+    """Write ``doc`` as JSON to ``path`` (its directory created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=indent) + "\n")
+    return path
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment() -> dict[str, Any]:
+    """Where and with what a figure was measured: the command, the commit (and whether
+    ``radixd/`` had uncommitted changes), Python, torch, CPU, GPUs, the load average."""
+    import torch
+
+    import radixd
+
+    info: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, *sys.orig_argv[1:]]),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "radixd_tree_dirty": bool(_git("status", "--porcelain", "--", "radixd")),
+        "radixd": radixd.__version__,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+    }
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info

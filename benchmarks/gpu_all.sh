@@ -1,0 +1,72 @@
+#!/bin/sh
+# Every GPU check and figure of BENCHMARKS.md in one run, on a machine with CUDA GPUs (two
+# for the multi-GPU parts), results under OUT and packed into OUT/results.tgz:
+#
+#   sh benchmarks/gpu_all.sh OUT [PART...]
+#
+# PART (default: all but peer, which is slow):
+#   tests     the GPU-marked tests (Triton kernels at real shapes, fused decode vs unfused and
+#             vs the torch backend, the peer-to-peer all-reduce); WHEELS=DIR installs test
+#             packages the machine lacks (pytest-asyncio) into a private directory first
+#   gpu       benchmarks/gpu_bench.py: ceilings, correctness, one-row fusions, the few-row GEMM
+#             kernel on/off at batch 16 and 64, decode at batch 1, 64
+#   full      benchmarks/gpu_bench.py, every section, with the transformers peer (PEER=path to
+#             hf_baseline.py)
+#   profile   benchmarks/decode_profile.py: the batch-1 step's device time and kernel families,
+#             the one-row fusions per shape (PROFILE=sections to choose others)
+#   tp dp     benchmarks/multi_gpu_bench.py's sections (two GPUs); MULTI_ARGS adds options (e.g.
+#             "--dp-workloads bench_shared_prefix --kv-tokens 0"), MAX_SECONDS its time limit
+#   cascade   (one GPU) cascade decode attention: benchmarks/decode_profile.py --sections cascade
+#             (plain vs cascade kernels on groups sharing a prefix), then multi_gpu_bench.py
+#             --sections replicas on `radixd bench`'s shared-prefix workload (pools from free
+#             memory): cascade off/on, the whole workload and one dp=2 replica's share under
+#             cache-aware routing and under round robin
+set -u
+OUT=$1
+shift
+PARTS=${*:-tests gpu tp dp}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT/work"
+W=$OUT/work
+# NVLink multicast stays off.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+for part in $PARTS; do
+  start=$(date +%s)
+  case $part in
+  tests)
+    if [ -n "${WHEELS:-}" ]; then
+      python3 -m pip install -q --no-deps --target /tmp/radixd-test-deps "$WHEELS"/*.whl
+      export PYTHONPATH=/tmp/radixd-test-deps
+    fi
+    python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_triton_kernels.py \
+        tests/test_gpu_decode.py tests/test_peer_allreduce_gpu.py tests/test_nccl_gpu.py > "$W/tests.txt" 2>&1
+    tail -3 "$W/tests.txt"
+    unset PYTHONPATH ;;
+  gpu)
+    python3 -m benchmarks.gpu_bench --out "$W/gpu" --sections ceilings,correct,fusions,rows,decode --batches 1,64 \
+        > "$W/gpu.log" 2>&1
+    grep '^==' "$W/gpu.log" | cut -c1-900 ;;
+  profile)
+    python3 -m benchmarks.decode_profile --out "$W/profile" --sections "${PROFILE:-step,kernels,fused}" \
+        > "$W/profile.log" 2>&1
+    grep '^==' "$W/profile.log" | cut -c1-1500 ;;
+  full)
+    python3 -m benchmarks.gpu_bench --out "$W/full" --peer "${PEER:?PEER=path/to/hf_baseline.py}" \
+        --peer-flavours plain,static --peer-batches 1,64 > "$W/full.log" 2>&1
+    grep '^==' "$W/full.log" | cut -c1-900 ;;
+  tp|dp)  # dp streams every 8th token (a server's usual setting), tp every token
+    interval=1; [ "$part" = dp ] && interval=8
+    python3 -m benchmarks.multi_gpu_bench --out "$W/$part" --sections "$part" --stream-interval $interval \
+        --max-seconds "${MAX_SECONDS:-280}" ${MULTI_ARGS:-} > "$W/$part.log" 2>&1
+    tail -4 "$W/$part.log" | cut -c1-600 ;;
+  cascade)
+    python3 -m benchmarks.decode_profile --out "$W/cascade" --sections cascade > "$W/cascade_profile.log" 2>&1
+    grep '^cascade' "$W/cascade_profile.log" | cut -c1-400
+    python3 -m benchmarks.multi_gpu_bench --out "$W/replicas" --sections replicas --dp-workloads bench_shared_prefix \
+        --kv-tokens 0 --stream-interval 8 --max-seconds "${MAX_SECONDS:-280}" > "$W/replicas.log" 2>&1
+    grep '^replicas' "$W/replicas.log" | tail -3 | cut -c1-400 ;;
+  *) echo "unknown part: $part" ;;
+  esac
+  echo "-- $part: $(( $(date +%s) - start )) s"
+done
+tar czf "$OUT/results.tgz" -C "$W" . && rm -rf "$W"
