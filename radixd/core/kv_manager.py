@@ -173,9 +173,6 @@ class KVManager:
         kv = r.kv
         if kv.row is None:
             return
-        if kv.slots.numel() > kv.length:  # slots of a step that never completed
-            self.allocator.free(kv.slots[kv.length :])
-            kv.slots = kv.slots[: kv.length]
         self._cache_progress(r)
         if self.tiers is not None and r.namespace == 0:
             self._write_through(kv.last_node)
@@ -188,14 +185,20 @@ class KVManager:
 
         Prefill chunks went into the radix cache when the step was built: each such request
         moves its lock back to where its valid KV ends, and the tree drops the nodes past
-        it that nobody else holds (their slots go back to the free list)."""
+        it that nobody else holds (their slots go back to the free list); a decode step's
+        slot goes back at once."""
         uncached = []
         for r, n in zip(step.reqs, step.batch.extend_lens, strict=True):
             kv = r.kv
             kv.length -= n
             kv.cached_len = min(kv.cached_len, kv.length)
-            if n > 1 and kv.last_node is not None:
-                uncached.append((r, kv.last_node))
+            if n == 1:
+                slots = kv.slots
+                self.allocator.free(slots[kv.length :])
+                kv.slots = slots[: kv.length]
+            elif kv.last_node is not None:
+                if self.cache.enabled:  # (disabled, the unlock below drops the path itself)
+                    uncached.append((r, kv.last_node))
                 g = r.group
                 if g is not None and g.prompt_node is kv.last_node:  # set by this step: not valid
                     self.cache.unlock(g.prompt_node)
