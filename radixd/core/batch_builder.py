@@ -57,23 +57,22 @@ class BatchBuilder:
         if decoding:  # the plan starts with them: one token each, the last of their sequence
             dec = [r for r, _ in plan[:decoding]]
             kvs = [r.kv for r in dec]
-            ids = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in dec]
-            ids = [0 if t == PLACEHOLDER else t for t in ids]
+            ids = [0 if (t := r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]) == PLACEHOLDER else t
+                   for r in dec]
             pos = [kv.length for kv in kvs]
             rows = [kv.row for kv in kvs]
             prefix_lens = pos.copy()
             extend_lens = [1] * decoding
             sampled_idx = list(range(decoding))
-            for i, r in enumerate(dec):
+            for i, (r, kv, slot) in enumerate(zip(dec, kvs, flat_slots, strict=False)):  # (then prefills)
                 if r.unresolved:
                     ph_pos.append(i)
                     ph_req.append(r)
-                kv = kvs[i]
                 if kv.table_writes:
                     for start, slots in kv.table_writes:
                         writes.append((kv.row, start, slots))
                     kv.table_writes.clear()
-                kv.append_slot(flat_slots[i])
+                kv.append_slot(slot)
             off = decoding
         for i, (r, n) in enumerate(plan[decoding:], start=decoding):
             kv = r.kv
@@ -136,10 +135,7 @@ class BatchBuilder:
         )
         if cascade_members and decoding == len(plan) >= 2:
             batch.shared = self.shared_prefixes(reqs, rows, cascade_members)
-        # each pick goes where the placeholder the scheduler appends for it will be
-        picks = [len(r.output_ids) for r in sampled]
-        return ScheduledStep(batch, reqs, sampled, pick_index=picks, placeholder_reqs=ph_req,
-                             prompt_lp_reqs=lp_reqs)
+        return ScheduledStep(batch, reqs, sampled, placeholder_reqs=ph_req, prompt_lp_reqs=lp_reqs)
 
     def shared_prefixes(self, reqs: list[Request], rows: list[int], members: int) -> cascade.SharedPrefixes | None:
         """Which requests of a decode batch read the same cached prefix (cascade decoding),

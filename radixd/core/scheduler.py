@@ -116,7 +116,7 @@ class Scheduler:
             budget = self._continue_prefills(plan, budget)
 
         # 3. Admit waiting requests in the policy's order.
-        budget = self._admit_waiting(plan, budget)
+        budget = self._admit_waiting(plan, len(decoding), budget)
 
         if not plan:
             if inflight:
@@ -129,10 +129,13 @@ class Scheduler:
 
         # 4. Build the batch and commit the step: its KV counts as computed, each pick gets a
         # placeholder, and each placeholder it reads says where among the launched picks it is.
-        step = self.builder.build(plan, len(decoding), self.kv_manager.alloc(sum(n for _, n in plan)),
-                                  self.cascade_members)
+        # (tokens planned: one per decode, and what prefills took of the budget)
+        planned = len(decoding) + self.config.max_prefill_tokens - budget
+        step = self.builder.build(plan, len(decoding), self.kv_manager.alloc(planned), self.cascade_members)
         self.kv_manager.commit(plan)
+        picks = step.pick_index
         for r in step.sampled:
+            picks.append(len(r.output_ids))
             r.output_ids.append(PLACEHOLDER)
             r.unresolved += 1
         step.batch.wait_events = self.kv_manager.take_load_events()
@@ -165,8 +168,8 @@ class Scheduler:
         return decoding, mid_prefill, host_picks
 
     def _continue_prefills(self, plan: list[tuple[Request, int]], budget: int) -> int:
-        """Next chunks of running prefills onto ``plan``; the budget left."""
-        planned = sum(n for _, n in plan)
+        """Next chunks of running prefills onto ``plan`` (its decodes so far); the budget left."""
+        planned = len(plan)
         for r in self.running:
             if r.kv.length < r.seq_len - 1 and budget > 0 and not r.aborted:
                 want = min(r.seq_len - r.kv.length, budget, self.config.chunked_prefill_size)
@@ -178,8 +181,9 @@ class Scheduler:
                 planned += n
         return budget
 
-    def _admit_waiting(self, plan: list[tuple[Request, int]], budget: int) -> int:
-        """Waiting requests in the policy's order onto ``plan`` while the budgets allow."""
+    def _admit_waiting(self, plan: list[tuple[Request, int]], decodes: int, budget: int) -> int:
+        """Waiting requests in the policy's order onto ``plan`` (``decodes`` decodes, then
+        prefill chunks) while the budgets allow; the budget left."""
         limit = self.config.max_running_requests
         # (no room for another request: the policy's ranking, which can walk every waiting
         # prompt, would be thrown away)
@@ -190,7 +194,7 @@ class Scheduler:
         # requests computing prompt tokens this step (their final chunk included): later
         # requests sharing those tokens should wait a step and read them from the cache
         prefilling = [r for r, n in plan if n > 1 or r.kv.length + n < r.seq_len]
-        planned = sum(n for _, n in plan)
+        planned = decodes + self.config.max_prefill_tokens - budget
         for r in self.policy.order(ready, PolicyContext(cache=self.cache, prefilling=prefilling)):
             if budget <= 0 or len(self.running) >= limit:
                 break
