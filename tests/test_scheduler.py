@@ -8,6 +8,8 @@ position's token. Its picks are chosen by the test. Accounting is checked after 
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -17,7 +19,13 @@ from radixd.core.kv_pool import RowAllocator, SlotAllocator
 from radixd.core.radix_cache import RadixCache
 from radixd.core.request import Group, Request, State
 from radixd.core.sampling_params import SamplingParams
-from radixd.core.scheduler import NEED_SYNC, PLACEHOLDER, ScheduledStep, Scheduler
+from radixd.core.scheduler import (
+    NEED_SYNC,
+    PLACEHOLDER,
+    ScheduledStep,
+    Scheduler,
+    SchedulerInterface,
+)
 from radixd.plugins.policies import FCFS, LongestPrefixMatch
 
 EOS = 2
@@ -420,3 +428,18 @@ def test_min_new_tokens_bans_the_stop_tokens():
     s.process(st, w.run(st))
     s.check_accounting()
     torch.testing.assert_close(s.schedule().batch.sampling.banned_tokens, torch.tensor([EOS, 7]))
+
+
+def test_the_scheduler_keeps_its_interface():
+    methods = [n for n, v in vars(SchedulerInterface).items() if inspect.isfunction(v) and not n.startswith("_")]
+    assert sorted(methods) == sorted(["next_arrival", "add", "abort", "has_work", "schedule", "process", "rollback",
+                                      "release_finished", "take_dropped", "fill_masks", "accounting",
+                                      "check_accounting"])
+    for name in methods:
+        contract = getattr(SchedulerInterface, name)
+        assert contract.__doc__, name
+        mine = getattr(Scheduler, name)
+        assert mine is not contract, name  # implemented, not inherited
+        assert list(inspect.signature(mine).parameters) == list(inspect.signature(contract).parameters), name
+    s = make()
+    assert SchedulerInterface in Scheduler.__mro__ and s.waiting == [] and s.running == [] and s.stats.steps == 0

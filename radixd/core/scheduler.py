@@ -29,14 +29,20 @@ from radixd.core.kv_pool import RowAllocator, SlotAllocator
 from radixd.core.policy import PolicyContext, SchedulePolicy
 from radixd.core.radix_cache import RadixCache
 from radixd.core.request import Request, State
-from radixd.core.scheduler_interface import NEED_SYNC, PLACEHOLDER, ScheduledStep, SchedulerStats
+from radixd.core.scheduler_interface import (
+    NEED_SYNC,
+    PLACEHOLDER,
+    ScheduledStep,
+    SchedulerInterface,
+    SchedulerStats,
+)
 from radixd.core.tiers.hierarchy import KVHierarchy
 
-__all__ = ["NEED_SYNC", "PLACEHOLDER", "ScheduledStep", "Scheduler", "SchedulerStats"]
+__all__ = ["NEED_SYNC", "PLACEHOLDER", "ScheduledStep", "Scheduler", "SchedulerInterface", "SchedulerStats"]
 
 
-class Scheduler:
-    """Implements ``SchedulerInterface`` (its docstrings are the contract)."""
+class Scheduler(SchedulerInterface):
+    """The replica's scheduler (``SchedulerInterface``'s docstrings are the contract)."""
 
     def __init__(
         self,
