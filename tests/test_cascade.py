@@ -65,23 +65,32 @@ def test_members_matrix_and_parts():
     assert out.tolist() == [[0, 3, -1, -1], [2, 4, -1, -1], [-1, -1, -1, -1]]
 
 
+def _builder():
+    from types import SimpleNamespace
+
+    from radixd.core.batch_builder import BatchBuilder
+
+    return BatchBuilder(eos_token_ids=(), max_top_logprobs=0, constraints=None, stats=SimpleNamespace())
+
+
 def test_scheduler_reuses_the_plan_while_its_inputs_hold():
     from types import SimpleNamespace
 
-    from radixd.core.scheduler import Scheduler
+    from radixd.core.kv_handle import KVHandle
 
-    sched = SimpleNamespace(cascade_members=16, _last_plan=None)
+    builder = _builder()
     chain_a = list(range(100, 105))
-    reqs = [SimpleNamespace(share_chain=c, cached_len=5 * CHUNK)  # (chains of five whole chunks)
-            for c in (chain_a, list(chain_a), [1, 2, 3, 4, 5])]
-    first = Scheduler._shared_prefixes(sched, reqs, [0, 1, 2])
+    reqs = [SimpleNamespace(kv=KVHandle()) for _ in range(3)]
+    for r, c in zip(reqs, (chain_a, list(chain_a), [1, 2, 3, 4, 5]), strict=True):
+        r.kv.share_chain, r.kv.cached_len = c, 5 * CHUNK  # (chains of five whole chunks)
+    first = builder.shared_prefixes(reqs, [0, 1, 2], 16)
     assert first is not None and first.members == [[0, 1]]
-    assert Scheduler._shared_prefixes(sched, reqs, [0, 1, 2]) is first          # nothing changed
-    assert Scheduler._shared_prefixes(sched, reqs, [0, 1, 5]) is not first      # a row moved
-    reqs[2].share_chain = list(chain_a)                                          # a chain changed
-    again = Scheduler._shared_prefixes(sched, reqs, [0, 1, 5])
+    assert builder.shared_prefixes(reqs, [0, 1, 2], 16) is first          # nothing changed
+    assert builder.shared_prefixes(reqs, [0, 1, 5], 16) is not first      # a row moved
+    reqs[2].kv.share_chain = list(chain_a)                                 # a chain changed
+    again = builder.shared_prefixes(reqs, [0, 1, 5], 16)
     assert again.members == [[0, 1, 2]] and again.item_rows == [0]
-    assert Scheduler._shared_prefixes(sched, reqs[:2], [0, 1]).members == [[0, 1]]  # fewer requests
+    assert builder.shared_prefixes(reqs[:2], [0, 1], 16).members == [[0, 1]]  # fewer requests
 
 
 def test_chain_follows_cached_len_when_slots_stay():
@@ -89,15 +98,17 @@ def test_chain_follows_cached_len_when_slots_stay():
     recomputed for the shorter cached prefix."""
     from types import SimpleNamespace
 
-    from radixd.core.scheduler import Scheduler
+    from radixd.core.kv_handle import KVHandle
 
-    sched = SimpleNamespace(cascade_members=16, _last_plan=None)
+    builder = _builder()
     slots = torch.arange(1000, 1000 + 5 * CHUNK)
-    reqs = [SimpleNamespace(share_chain=None, slots=slots, cached_len=5 * CHUNK) for _ in range(2)]
-    assert Scheduler._shared_prefixes(sched, reqs, [0, 1]).item_lens == [5 * CHUNK]
+    reqs = [SimpleNamespace(kv=KVHandle()) for _ in range(2)]
     for r in reqs:
-        r.cached_len = 5 * CHUNK - 1  # one token less: four whole chunks
-    assert Scheduler._shared_prefixes(sched, reqs, [0, 1]).item_lens == [4 * CHUNK]
+        r.kv.slots, r.kv.cached_len = slots, 5 * CHUNK
+    assert builder.shared_prefixes(reqs, [0, 1], 16).item_lens == [5 * CHUNK]
+    for r in reqs:
+        r.kv.cached_len = 5 * CHUNK - 1  # one token less: four whole chunks
+    assert builder.shared_prefixes(reqs, [0, 1], 16).item_lens == [4 * CHUNK]
 
 
 def test_graph_block_rows_of_items():

@@ -272,7 +272,7 @@ def test_matchers_without_the_capability_get_the_plain_mask():
     """An outside backend's matcher (no ``fill_mask_within``) is masked as before."""
     from types import SimpleNamespace
 
-    from radixd.core.scheduler import Scheduler
+    from radixd.core.constraints import Constraints
 
     class Plain:
         def fill_mask(self, out):
@@ -288,9 +288,6 @@ def test_matchers_without_the_capability_get_the_plain_mask():
     reqs = [SimpleNamespace(finish_reason=None, matcher=m, params=params, prompt_ids=[1, 2], num_output=4)
             for m in (Plain(), Within())]
     for close, want in ((True, 5), (False, 3)):
-        sched = SimpleNamespace(vocab_size=8, context_len=100,
-                                config=SimpleNamespace(grammar_close_within_max_tokens=close))
-        sched.tokens_left = lambda r, s=sched: Scheduler.tokens_left(s, r)
-        rows = Scheduler.fill_masks(sched, 2, list(enumerate(reqs)))
+        rows = Constraints(vocab_size=8, context_len=100, close_within=close).fill_masks(2, list(enumerate(reqs)))
         assert np.flatnonzero(rows[0]).tolist() == [3]
         assert np.flatnonzero(rows[1]).tolist() == [want]

@@ -2,15 +2,8 @@
 
 Life cycle: WAITING -> RUNNING (has a table row and KV) -> FINISHED; preemption sends a
 RUNNING request back to WAITING with its generated tokens kept and its KV given back.
-
-KV ownership of a running request (``kv_len`` tokens have KV in the pool)::
-
-    slots[0:cached_len]        owned by the radix tree, pinned by the lock on last_node
-    slots[cached_len:kv_len]   private to this request (freed or inserted on release)
-
-Decode steps append one slot each: ``append_slot`` keeps those as Python ints and ``slots``
-folds them into the tensor only when read (release, cache insertion, accounting checks), so
-a decode step costs no tensor operation per request.
+Its KV (table row, slots, how far computed and cached, its lock in the radix tree) is one
+``KVHandle`` (``Request.kv``), whose docstring states who owns which slots.
 """
 
 from __future__ import annotations
@@ -18,8 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
+from radixd.core.constraints import Matcher
+from radixd.core.kv_handle import KVHandle
 from radixd.core.radix_cache import TreeNode
 from radixd.core.sampling_params import SamplingParams
 
@@ -55,41 +48,14 @@ class Request:
     state: State = State.WAITING
     output_ids: list[int] = field(default_factory=list)
     unresolved: int = 0                   # trailing output ids still on the device (placeholders)
-    row: int | None = None
-    _slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64), repr=False)
-    _slot_tail: list[int] = field(default_factory=list, repr=False)  # appended, not yet in _slots
-    kv_len: int = 0
-    cached_len: int = 0
-    last_node: TreeNode | None = None
-    # cascade.chain of slots[:cached_len], kept by the scheduler; dropped whenever ``slots`` is
-    # replaced (appended decode slots lie past cached_len and leave it valid)
-    share_chain: list[int] | None = None
-    table_writes: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (start, slots) for the table row
+    kv: KVHandle = field(default_factory=KVHandle)  # changed by the KV manager only
     finish_reason: str | None = None
     aborted: bool = False
     cached_tokens: int | None = None      # prompt tokens served from the cache (first admission)
     preemptions: int = 0
     prompt_logprobs: list[float] = field(default_factory=list)  # from prompt_lp_start on
-    matcher: object | None = None         # grammar matcher (radixd.grammars) if constrained
+    matcher: Matcher | None = None        # grammar matcher (a backend's) if constrained
     sampling_row: tuple | None = None     # constant sampling inputs, filled by the scheduler
-
-    @property
-    def slots(self) -> torch.Tensor:
-        """int64 KV slots of the request's tokens, in order (see the module docstring)."""
-        if self._slot_tail:
-            self._slots = torch.cat((self._slots, torch.tensor(self._slot_tail, dtype=torch.int64)))
-            self._slot_tail = []
-        return self._slots
-
-    @slots.setter
-    def slots(self, value: torch.Tensor) -> None:
-        self._slots = value
-        self._slot_tail = []
-        self.share_chain = None
-
-    def append_slot(self, slot: int) -> None:
-        """One more slot at the end of ``slots`` (a decode step's)."""
-        self._slot_tail.append(slot)
 
     def finish(self, reason: str) -> None:
         """The one writer of ``finish_reason``: the first reason stays, except that a stop (a
@@ -142,6 +108,3 @@ class Request:
     def remaining_new_tokens(self) -> int:
         return self.params.max_new_tokens - len(self.output_ids)
 
-    @property
-    def private_len(self) -> int:
-        return self.kv_len - self.cached_len
