@@ -13,9 +13,9 @@ from collections.abc import Iterable
 
 import pluggy
 
-PROJECT = "radixd"
-hookspec = pluggy.HookspecMarker(PROJECT)
-hookimpl = pluggy.HookimplMarker(PROJECT)
+from radixd.plugins.markers import PROJECT, hookimpl, hookspec
+
+__all__ = ["DEFAULT_PLUGINS", "PROJECT", "hookimpl", "hookspec", "make_plugin_manager"]
 
 # Modules registered on every plugin manager before entry points are loaded.
 DEFAULT_PLUGINS = ("radixd.plugins.policies", "radixd.plugins.tiers", "radixd.grammars.backend")
