@@ -1,6 +1,7 @@
 """radixd: an LLM serving daemon with radix attention and continuous batching.
 
-The public Python API is ``radixd.Engine`` (lazy import keeps ``import radixd`` cheap).
+The public Python API is ``radixd.Engine``: the core engine with its plugins wired in
+(``radixd.plugins.wiring``; lazy import keeps ``import radixd`` cheap).
 """
 
 __version__ = "0.1.0"
@@ -10,7 +11,7 @@ __all__ = ["Engine", "EngineConfig", "SamplingParams", "__version__"]
 
 def __getattr__(name: str):
     if name == "Engine":
-        from radixd.core.engine import Engine
+        from radixd.plugins.wiring import Engine
 
         return Engine
     if name == "EngineConfig":

@@ -93,7 +93,7 @@ def _bench_argv(argv: list[str] | None) -> list[str]:
 
 
 async def _generate(args) -> int:
-    from radixd.core.engine import Engine
+    from radixd import Engine
     from radixd.core.errors import InvalidRequest
     from radixd.core.sampling_params import SamplingParams
 

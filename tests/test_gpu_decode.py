@@ -39,13 +39,10 @@ def assert_same_greedy(a, b) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain; q/k/v bias; q/k norm (not fused)
-async def test_fused_one_row_decode_matches_unfused_and_torch(tiny_models, monkeypatch, arch):
-    from radixd.core import triton_ops
-
+async def test_fused_one_row_decode_matches_unfused_and_torch(tiny_models, arch):
     prompt = [list(range(5, 45))]
     fused = await greedy_runs(tiny_models[arch], prompt, [24], cuda_graphs=True)
-    monkeypatch.setattr(triton_ops, "FUSE_ONE_ROW", False)
-    unfused = await greedy_runs(tiny_models[arch], prompt, [24], cuda_graphs=True)
+    unfused = await greedy_runs(tiny_models[arch], prompt, [24], cuda_graphs=True, fuse_one_row=False)
     ref = await greedy_runs(tiny_models[arch], prompt, [24], attention_backend="torch", cuda_graphs=False)
     assert_same_greedy(fused, unfused)
     assert_same_greedy(fused, ref)
@@ -69,11 +66,9 @@ async def test_few_row_kernel_decode_matches_cublas_and_torch(tiny_models, monke
 
     prompts = [list(range(3 + i, 20 + 7 * i)) for i in range(6)]
     max_new = [6 + 5 * i for i in range(6)]
-    monkeypatch.setattr(triton_ops, "ROWS_KERNEL", False)
-    cublas = await greedy_runs(tiny_models["llama"], prompts, max_new, cuda_graphs=True)
+    cublas = await greedy_runs(tiny_models["llama"], prompts, max_new, cuda_graphs=True, rows_kernel=False)
     ref = await greedy_runs(tiny_models["llama"], prompts, max_new, attention_backend="torch", cuda_graphs=False)
     assert_same_greedy(cublas, ref)
-    monkeypatch.setattr(triton_ops, "ROWS_KERNEL", True)
     calls = []
     real = triton_ops.rows_linear
 
@@ -85,7 +80,7 @@ async def test_few_row_kernel_decode_matches_cublas_and_torch(tiny_models, monke
     for tiles in [(32, 64, 4, 2, 1), (16, 32, 4, 2, 2)]:
         monkeypatch.setattr(triton_ops, "rows_tiles", lambda m, n, k, tiles=tiles, **kw: tiles)
         calls.clear()
-        rows = await greedy_runs(tiny_models["llama"], prompts, max_new, cuda_graphs=True)
+        rows = await greedy_runs(tiny_models["llama"], prompts, max_new, cuda_graphs=True, rows_kernel=True)
         assert calls and True in calls and False in calls  # the gate/up (SiLU) and the plain projections
         assert_same_greedy(rows, cublas)
 

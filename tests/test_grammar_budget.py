@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import grammar_suite
 
-from radixd.core.engine import Engine
+from radixd import Engine
 from radixd.core.sampling_params import SamplingParams
 from radixd.grammars.automaton import TokenGrammar
 from radixd.grammars.budget import INF, Budget, ClosingMatcher, ClosingShared

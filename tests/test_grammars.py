@@ -20,7 +20,7 @@ from conftest import grammar_suite
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from radixd.core.engine import Engine
+from radixd import Engine
 from radixd.core.errors import InvalidRequest
 from radixd.core.sampling_params import SamplingParams
 from radixd.grammars import GrammarError

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from radixd.core.engine import Engine
+from radixd import Engine
 from radixd.core.errors import ConfigError
 from radixd.core.sampling_params import SamplingParams
 from radixd.plugins import hookimpl, make_plugin_manager

@@ -25,8 +25,8 @@ from conftest import Daemon
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from radixd import Engine
 from radixd.core.config import EngineConfig
-from radixd.core.engine import Engine
 from radixd.core.errors import ConfigError
 from radixd.core.policy import PolicyContext
 from radixd.core.sampling_params import SamplingParams
@@ -271,7 +271,7 @@ async def _call_and_disconnect(app, engine, plugin: RequestProbe, path: str, bod
     async with asyncio.timeout(10):
         while not plugin.received:
             await asyncio.sleep(0.002)
-        reqs = engine._by_rid[plugin.received[0]["rid"]]
+        reqs = engine.outputs.by_rid[plugin.received[0]["rid"]]
         while len(reqs[0].output_ids) < 3:
             await asyncio.sleep(0.002)
         gone.set()

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from radixd import Engine, SamplingParams
+from radixd.core.assembly import check_parallel as _check_parallel
 from radixd.core.config import EngineConfig
-from radixd.core.engine import _check_parallel
 from radixd.core.errors import ConfigError
 from radixd.core.model_loader import read_config
 from radixd.core.router import BLOCK, PrefixIndex, Router, prefix_hashes

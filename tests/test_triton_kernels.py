@@ -340,7 +340,7 @@ def test_one_row_paths_fuse_only_for_one_cuda_row(monkeypatch):
         gate, up = F.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)
         assert torch.allclose(mlp(x), F.linear(F.silu(gate) * up, mlp.down_proj.weight), rtol=2e-2, atol=2e-2)
     assert calls == ([(1, 64)] if GPU else [])
-    monkeypatch.setattr(triton_ops, "FUSE_ONE_ROW", False)
+    mlp.kernels = triton_ops.KernelChoice(fuse_one_row=False)
     calls.clear()
     mlp(torch.randn(1, 64, device=DEV).to(mlp.down_proj.weight.dtype))
     assert calls == []
@@ -375,9 +375,9 @@ def test_linear_uses_gemv_for_one_cuda_row(monkeypatch):
     # one CUDA row of a 16-bit model takes the GEMV, a few the rows kernel; CPU and many rows
     # use the module
     assert calls == ([(1, 64), ("rows", 3, 64)] if GPU else [])
-    monkeypatch.setattr(triton_ops, "ROWS_KERNEL", False)
     calls.clear()
-    triton_ops.linear(torch.randn(3, 64, device=DEV).to(layer.weight.dtype), layer)
+    triton_ops.linear(torch.randn(3, 64, device=DEV).to(layer.weight.dtype), layer,
+                      triton_ops.KernelChoice(rows_kernel=False))
     assert calls == []
 
 

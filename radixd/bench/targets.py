@@ -335,7 +335,7 @@ class EngineTarget(Target):
         self.engine = None
 
     async def start(self) -> dict:
-        from radixd.core.engine import Engine
+        from radixd import Engine
         from radixd.core.errors import ConfigError
 
         try:

@@ -43,6 +43,11 @@ class EngineConfig:
     # Decode requests that share a cached prefix read its KV once for all of them (two-level
     # "cascade" attention; the triton backend).
     cascade_attention: bool = True
+    # Optional kernels (triton_ops.KernelChoice; benchmarks compare both ways): one-row
+    # projections with the next element-wise step in the GEMV's epilogue, and the few-row
+    # projection kernel where it was measured faster than cuBLAS.
+    fuse_one_row: bool = True
+    rows_kernel: bool = True
 
     # Radix cache.
     radix_cache: bool = True
@@ -163,6 +168,10 @@ class EngineConfig:
             raise ConfigError("cuda_graphs", self.cuda_graphs, "true or false")
         if not isinstance(self.cascade_attention, bool):
             raise ConfigError("cascade_attention", self.cascade_attention, "true or false")
+        if not isinstance(self.fuse_one_row, bool):
+            raise ConfigError("fuse_one_row", self.fuse_one_row, "true or false")
+        if not isinstance(self.rows_kernel, bool):
+            raise ConfigError("rows_kernel", self.rows_kernel, "true or false")
         if not isinstance(self.radix_cache, bool):
             raise ConfigError("radix_cache", self.radix_cache, "true or false")
         self._check_tiers()

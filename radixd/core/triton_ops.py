@@ -11,26 +11,39 @@ small torch ops, with torch fallbacks used on CPU:
 * ``gate_up_silu`` and ``gemv_rope_store``: for one row, the element-wise kernel that follows
   a projection runs in the GEMV's epilogue instead (each program computes the two rows that
   the element-wise step pairs: gate and up, or a head's two rotary halves), so a decode step
-  at batch 1 launches two kernels fewer per layer. ``FUSE_ONE_ROW = False`` turns that off
-  (benchmarks compare both).
+  at batch 1 launches two kernels fewer per layer. ``KernelChoice.fuse_one_row`` (the engine
+  option ``fuse_one_row``) turns that off (benchmarks compare both).
 * ``rows_linear``: a projection of 2..128 rows (a decode batch), each weight tile streamed
   once past all rows, K split over programs where the tiles are too few, SiLU*up in the
   epilogue for the gate/up projection; taken only for the GPU models and shapes where a sweep
-  measured it faster than cuBLAS (``tuned/rows_linear.json``). ``ROWS_KERNEL = False`` turns
-  it off.
+  measured it faster than cuBLAS (``tuned/rows_linear.json``). ``KernelChoice.rows_kernel``
+  (the engine option ``rows_kernel``) turns it off.
+
+Which optional kernels a model takes is its layers' ``KernelChoice``, given at construction:
+no module-level switch, so two engines in one process may choose differently.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-FUSE_ONE_ROW = True
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The optional kernels a model's projections take (engine options of the same names)."""
+
+    fuse_one_row: bool = True  # one row: the element-wise step after a GEMV in its epilogue
+    rows_kernel: bool = True   # 2..ROWS_MAX_M rows: ``rows_linear`` where measured faster
+
+
+ALL_KERNELS = KernelChoice()
 
 
 @triton.jit
@@ -253,16 +266,16 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, *, tiles: tuple[int, in
     return out
 
 
-def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelChoice = ALL_KERNELS) -> torch.Tensor:
     """``silu_mul(linear(x, layer))``: one kernel for one CUDA row (``gemv_silu_mul``) and
-    for a few (``rows_linear``, where it beats cuBLAS)."""
+    for a few (``rows_linear``, where it beats cuBLAS), as ``kernels`` allows."""
     if isinstance(layer, torch.nn.Linear) and layer.bias is None:
-        if FUSE_ONE_ROW and one_row(x, layer.weight):
+        if kernels.fuse_one_row and one_row(x, layer.weight):
             return gemv_silu_mul(x, layer.weight)
-        tiles = few_rows(x, layer.weight, silu=True)
+        tiles = few_rows(x, layer.weight, silu=True) if kernels.rows_kernel else None
         if tiles:
             return rows_linear(x, layer.weight, silu=True, tiles=tiles)
-    return silu_mul(linear(x, layer))
+    return silu_mul(linear(x, layer, kernels))
 
 
 @triton.jit
@@ -380,7 +393,6 @@ def _rows_kernel(X, W, B, Y, Part, Count, M, N, K, stride_xm, stride_w, stride_y
                  mask=mask_n[:, None] & mask_m[None, :])
 
 
-ROWS_KERNEL = True  # False: several rows always go through cuBLAS (benchmarks compare)
 ROWS_MAX_M = 128
 ROWS_DEFAULT_TILES = (64, 128, 4, 4, 1)  # rows_linear called directly where nothing was measured
 ROWS_SCRATCH = 1 << 22  # fp32 partial sums per stream for split-K launches (16 MiB)
@@ -427,7 +439,7 @@ def rows_tiles(m: int, n: int, k: int, *, silu: bool = False,
 def few_rows(x: torch.Tensor, weight: torch.Tensor, *, silu: bool = False) -> tuple[int, int, int, int, int] | None:
     """The ``rows_linear`` tiles for ``x @ weight.T`` if it is 2..ROWS_MAX_M CUDA rows of a
     16-bit model with measured tiles for its shape (``rows_tiles``), else None."""
-    if not (ROWS_KERNEL and x.is_cuda and x.dim() == 2 and 1 < x.shape[0] <= ROWS_MAX_M and x.stride(1) == 1
+    if not (x.is_cuda and x.dim() == 2 and 1 < x.shape[0] <= ROWS_MAX_M and x.stride(1) == 1
             and weight.stride(1) == 1 and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype):
         return None
     n = weight.shape[0] // 2 if silu else weight.shape[0]
@@ -482,20 +494,21 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out
 
 
-def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+def linear(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelChoice = ALL_KERNELS) -> torch.Tensor:
     """``layer(x)``; a single CUDA row of a 16-bit model goes through ``gemv`` (an
     ``nn.Linear`` only: other heads, e.g. tensor parallel's, are called as they are)."""
     if not isinstance(layer, torch.nn.Linear):
         return layer(x)
-    return linear_weight(x, layer.weight, layer.bias)
+    return linear_weight(x, layer.weight, layer.bias, kernels)
 
 
-def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  kernels: KernelChoice = ALL_KERNELS) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through ``gemv`` for a single CUDA row of a 16-bit model
-    and ``rows_linear`` for a few rows where it beats cuBLAS."""
+    and ``rows_linear`` for a few rows where it beats cuBLAS (``kernels.rows_kernel``)."""
     if one_row(x, weight):
         return gemv(x, weight, bias)
-    tiles = few_rows(x, weight)
+    tiles = few_rows(x, weight) if kernels.rows_kernel else None
     if tiles:
         return rows_linear(x, weight, bias, tiles=tiles)
     return torch.nn.functional.linear(x, weight, bias)

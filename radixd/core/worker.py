@@ -1,7 +1,8 @@
 """The model worker: owns one device's model, KV pool and attention backend.
 
-Its ``step`` runs in the worker's own thread (one per device); the event loop hands it a
-``ForwardBatch`` and gets a ``StepOutput`` back. It never touches scheduler state.
+``Worker`` is the interface a replica drives (``ModelWorker`` here, ``TPWorker`` in
+``tensor_parallel``): the event loop hands it a ``ForwardBatch`` in the replica's worker
+thread and gets a ``StepOutput`` back. A worker never touches scheduler state.
 """
 
 from __future__ import annotations
@@ -9,19 +10,54 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from radixd.core.attention import make_backend
+from radixd.core.attention import AttentionBackend, make_backend
 from radixd.core.forward_batch import ForwardBatch, StepOutput
 from radixd.core.kv_pool import KVPool
 from radixd.core.model_loader import load_model
 from radixd.core.models.config import ModelConfig
 from radixd.core.sampler import SampledTokens, sample_on_device
 from radixd.core.staging import Stager
+from radixd.core.triton_ops import ALL_KERNELS, KernelChoice
+
+
+class Worker(Protocol):
+    """One replica's device side: its model (whole or in shards), KV pool and sampling.
+
+    Contract: ``launch`` and ``resolve`` run on the replica's worker thread, one call at a
+    time, except that while a ``launch`` waits for deferred grammar masks
+    (``SamplingBatch.allowed_future``) ``resolve`` of the step before runs on the engine's
+    reader thread. ``launch`` queues the step on the device and returns at once; ``resolve``
+    waits for those picks. ``close`` is called once, from the event loop, after the worker
+    thread has stopped. The scheduler's slots index ``pool`` (every shard's pool alike).
+    """
+
+    device: torch.device   # where the replica's picks land (the first shard's device)
+    pool: KVPool
+    # requests per shared-prefix item of a decode batch (cascade attention); 0: the
+    # scheduler plans no items
+    cascade_members: int
+
+    def launch(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> SampledTokens | None:
+        """Queue the forward pass and sampling; ``prev``: the picks of the step launched
+        before, for the batch's placeholders. None if the batch samples nothing."""
+
+    def resolve(self, picks: SampledTokens | None) -> StepOutput:
+        """Wait for a launched step and read its picks."""
+
+    def step(self, batch: ForwardBatch) -> StepOutput:
+        """``resolve(launch(batch))``."""
+
+    def close(self) -> None:
+        """Release the worker's own threads (its devices' memory goes with the object)."""
 
 
 class ModelWorker:
+    """The ``Worker`` of one device."""
+
     def __init__(
         self,
         *,
@@ -36,15 +72,18 @@ class ModelWorker:
         max_context_len: int,
         cuda_graphs: bool = False,
         cascade_attention: bool = False,
+        kernels: KernelChoice = ALL_KERNELS,
         model: torch.nn.Module | None = None,
     ):
         """``model``: already built on ``device`` (a tensor-parallel shard; ``model_cfg`` is
-        then the shard's shape); otherwise loaded from ``model_path``."""
+        then the shard's shape); otherwise loaded from ``model_path``. ``kernels``: the
+        optional kernels the model and attention take."""
         self.device = device
         self.model_cfg = model_cfg
         prebuilt = model is not None
         if model is None:
-            model = load_model(model_path, model_cfg, dtype, device, random_weights=load_format == "dummy")
+            model = load_model(model_path, model_cfg, dtype, device, random_weights=load_format == "dummy",
+                               kernels=kernels)
         self.model = model
         free = None
         if device.type == "cuda":
@@ -68,9 +107,9 @@ class ModelWorker:
             head_dim=model_cfg.head_dim,
             scale=model_cfg.head_dim**-0.5,
             cascade=cascade_attention,
+            fuse_one_row=kernels.fuse_one_row,
         )
-        # requests per shared-prefix item of a decode batch (0: no cascade decoding)
-        self.cascade_members = getattr(self.attn, "cascade_members", 0)
+        self.cascade_members = self.attn.cascade_members
         self.stager = Stager(device)
         self.graphs = None
         self.max_rows = max_rows
@@ -165,15 +204,19 @@ class ModelWorker:
     def step(self, batch: ForwardBatch) -> StepOutput:
         return self.resolve(self.launch(batch))
 
+    def close(self) -> None:
+        """Nothing of its own: it computes on the replica's thread."""
+
 
 class LayerWait:
     """An attention backend that, before layer l attends, makes the compute stream wait for
     layer l's part of the KV loaded from lower tiers: the copy of later layers overlaps the
-    compute of earlier ones."""
+    compute of earlier ones (eager steps only: graph replays wait for all layers first)."""
 
-    def __init__(self, attn, loads: list[list]):
+    def __init__(self, attn: AttentionBackend, loads: list[list]):
         self.attn = attn
         self.loads = loads
+        self.cascade_members = attn.cascade_members
 
     def begin(self, batch, stage=None) -> None:
         self.attn.begin(batch, stage)
@@ -190,9 +233,6 @@ class LayerWait:
     def project_forward(self, x, proj, layer: int, positions, rotary):
         self._wait(layer, x.device)
         return self.attn.project_forward(x, proj, layer, positions, rotary)
-
-    def __getattr__(self, name):
-        return getattr(self.attn, name)
 
 
 _DRAW_FIELDS = frozenset(("temperature", "top_p", "top_k", "min_p", "seeds", "steps"))

@@ -133,7 +133,7 @@ class EngineRuntime:
         self._thread = threading.Thread(target=self._loop.run_forever, name="radixd-lang-engine", daemon=True)
         self._thread.start()
         if engine is None:
-            from radixd.core.engine import Engine
+            from radixd import Engine
 
             engine = self._call(_make_engine(Engine, engine_kwargs))
         self.engine = engine

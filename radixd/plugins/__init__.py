@@ -4,7 +4,7 @@ Built-in features (the ``fcfs`` and ``lpm`` policies, the ``host`` and ``disk`` 
 grammar backend) are plugins registered exactly like
 third-party ones; third-party packages register through the ``radixd`` entry-point group.
 Factory hooks hand back plain objects that the engine then calls directly, so no pluggy
-call sits on a per-token path.
+call sits on a per-token path; ``wiring`` makes them into the parts of ``radixd.Engine``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import Iterable
 
 import pluggy
 
-PROJECT = "radixd"
-hookspec = pluggy.HookspecMarker(PROJECT)
-hookimpl = pluggy.HookimplMarker(PROJECT)
+from radixd.plugins.markers import PROJECT, hookimpl, hookspec
+
+__all__ = ["DEFAULT_PLUGINS", "PROJECT", "hookimpl", "hookspec", "make_plugin_manager"]
 
 # Modules registered on every plugin manager before entry points are loaded.
 DEFAULT_PLUGINS = ("radixd.plugins.policies", "radixd.plugins.tiers", "radixd.grammars.backend")

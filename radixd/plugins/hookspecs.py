@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from radixd.plugins import hookspec
+from radixd.plugins.markers import hookspec
 
 if TYPE_CHECKING:
     from radixd.core.policy import SchedulePolicy

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import structlog
 
-from radixd.core.engine import Engine
 from radixd.core.errors import ConfigError
+from radixd.core.replica import StepStats
 from radixd.logs import configure_logging
 from radixd.plugins import make_plugin_manager
+from radixd.plugins.wiring import Engine
 from radixd.server.app import ServerState, build_app
 from radixd.server.notify import notify, watchdog_interval
 from radixd.settings import SECTIONS, Settings, load_settings, section_of
@@ -74,7 +75,7 @@ class Daemon:
         engine = await asyncio.to_thread(Engine, s.engine_config(), plugin_manager=pm)
         name = s.model.served_name or _default_name(engine)
         self.state = st = ServerState(engine=engine, settings=s, model_name=name, api_keys=api_keys, plugins=pm)
-        engine.step_hook = self._on_step
+        engine.stats_hook = self._on_step
         app = build_app(st)
         await engine.start()
         await _maybe_await(pm.hook.radixd_startup(state=st))
@@ -109,15 +110,8 @@ class Daemon:
         log.info("stopped")
         return 0
 
-    def _on_step(self, step) -> None:
-        st = self.state
-        b = step.batch
-        prefill = sum(n for n in b.extend_lens if n > 1)
-        stats = {"batch_size": b.batch_size, "prefill_tokens": prefill, "decode_tokens": b.num_tokens - prefill,
-                 "running": st.engine.num_running, "waiting": st.engine.num_waiting,
-                 "kv_usage": st.engine.kv_usage(),
-                 "step_ms": step.step_ms}
-        st.hooks.call("radixd_step_stats", fail=False, stats=stats)
+    def _on_step(self, stats: StepStats) -> None:
+        self.state.hooks.call("radixd_step_stats", fail=False, stats=stats._asdict())
 
     # ------------------------------------------------------------------ signals
 

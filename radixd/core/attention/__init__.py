@@ -4,6 +4,10 @@
 stores the new tokens' K/V in the pool and attends (extend over the cached prefix plus the new
 tokens, causally; decode is extend with one token), ``project_forward`` may do the same from
 the layer's input. ``torch`` is the reference and CPU path.
+
+``GraphAttention`` is what ``cuda_graph.DecodeGraphs`` needs on top to capture decode steps:
+``set_decode`` points the backend at device tensors the graph owns (its replays refill them),
+and with cascade attention ``item_rows`` gives the shared-prefix items' kernel inputs.
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ from radixd.core.kv_pool import KVPool
 
 
 class AttentionBackend(Protocol):
+    # Requests per shared-prefix item when decoding in cascade (``ForwardBatch.shared``);
+    # 0: no cascade (the scheduler then plans no items).
+    cascade_members: int
+
     def begin(self, batch: ForwardBatch, stage=None) -> None:
         """Prepare per-batch metadata (index arrays, masks) shared by all layers. ``stage``
         copies a host tensor or int list to the device without blocking the host."""
@@ -33,10 +41,23 @@ class AttentionBackend(Protocol):
         where it has not: the caller projects and calls ``forward``."""
 
 
+class GraphAttention(AttentionBackend, Protocol):
+    def set_decode(self, rows: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
+                   shared: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Decode steps from now on read these device tensors ([B] each; ``shared``: the
+        cascade items' (shares [B], prefix parts [B], item rows [N], item lengths [N],
+        members [M, N]), or None for plain decode)."""
+
+    def item_rows(self, shared) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The host values of ``shared``'s first four tensors for a ``SharedPrefixes``."""
+
+
 def make_backend(name: str, pool: KVPool, *, num_heads: int, head_dim: int, scale: float,
-                 cascade: bool = False) -> AttentionBackend:
+                 cascade: bool = False, fuse_one_row: bool = True) -> AttentionBackend:
     """``cascade``: decode batches whose requests share a cached prefix read it once per
-    item (``ForwardBatch.shared``; the ``triton`` backend; ``torch`` attends per request)."""
+    item (``ForwardBatch.shared``; the ``triton`` backend; ``torch`` attends per request).
+    ``fuse_one_row``: one-request decode steps project, rotate and store K/V in one kernel
+    (``triton``)."""
     if name == "torch":
         from radixd.core.attention.torch_backend import TorchAttention
 
@@ -44,5 +65,6 @@ def make_backend(name: str, pool: KVPool, *, num_heads: int, head_dim: int, scal
     if name == "triton":
         from radixd.core.attention.triton_backend import TritonAttention
 
-        return TritonAttention(pool, num_heads=num_heads, head_dim=head_dim, scale=scale, cascade=cascade)
+        return TritonAttention(pool, num_heads=num_heads, head_dim=head_dim, scale=scale, cascade=cascade,
+                               fuse_one_row=fuse_one_row)
     raise ValueError(f"attention backend {name!r} is not available (available: 'torch', 'triton')")

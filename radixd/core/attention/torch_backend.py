@@ -14,6 +14,8 @@ from radixd.core.kv_pool import KVPool
 
 
 class TorchAttention:
+    cascade_members = 0  # attends per request, shared prefixes too
+
     def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float):
         self.pool = pool
         self.num_heads = num_heads

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import triton
 
-from radixd.core import triton_ops
 from radixd.core.attention.triton_kernels import (
     cascade_decode_attention,
     decode_attention,
@@ -38,8 +37,12 @@ def decode_splits(batch: int, kv_heads: int, processors: int) -> int:
 
 
 class TritonAttention:
-    def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float, cascade: bool = False):
+    """A ``GraphAttention``. ``fuse_one_row``: take ``project_forward``'s one-kernel path."""
+
+    def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float, cascade: bool = False,
+                 fuse_one_row: bool = True):
         self.pool = pool
+        self.fuse_one_row = fuse_one_row
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
@@ -130,7 +133,7 @@ class TritonAttention:
         """``forward`` from the layer's input ``x``: for a decode step of one request on CUDA,
         project q/k/v, rotate and store K/V in one kernel, then attend; None otherwise (the
         caller projects and calls ``forward``)."""
-        if not (self.decode and triton_ops.FUSE_ONE_ROW and isinstance(proj, torch.nn.Linear)
+        if not (self.decode and self.fuse_one_row and isinstance(proj, torch.nn.Linear)
                 and one_row(x, proj.weight)):
             return None
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from radixd.core.attention import AttentionBackend
-from radixd.core.triton_ops import add_rmsnorm, gate_up_silu, linear
+from radixd.core.triton_ops import ALL_KERNELS, KernelChoice, add_rmsnorm, gate_up_silu, linear
 
 
 class RMSNorm(nn.Module):
@@ -74,21 +74,23 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class GatedMLP(nn.Module):
     """SiLU(gate) * up -> down, with gate and up fused into one matmul."""
 
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, *, kernels: KernelChoice = ALL_KERNELS):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(gate_up_silu(x, self.gate_up_proj), self.down_proj)
+        return linear(gate_up_silu(x, self.gate_up_proj, self.kernels), self.down_proj, self.kernels)
 
 
 class Attention(nn.Module):
     """Multi-head attention with GQA, fused QKV, optional QKV bias and per-head q/k norm."""
 
-    def __init__(self, cfg, layer: int, *, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, cfg, layer: int, *, qkv_bias: bool, qk_norm: bool, kernels: KernelChoice = ALL_KERNELS):
         super().__init__()
         self.layer = layer
+        self.kernels = kernels
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -105,10 +107,10 @@ class Attention(nn.Module):
         o = attn.project_forward(x, self.qkv_proj, self.layer, positions, rotary) if self.q_norm is None else None
         if o is None:
             o = self._project_attend(x, positions, rotary, attn)
-        return linear(o.reshape(-1, self.num_heads * self.head_dim), self.o_proj)
+        return linear(o.reshape(-1, self.num_heads * self.head_dim), self.o_proj, self.kernels)
 
     def _project_attend(self, x, positions, rotary, attn) -> torch.Tensor:
-        q, k, v = linear(x, self.qkv_proj).split(self.split, dim=-1)
+        q, k, v = linear(x, self.qkv_proj, self.kernels).split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -118,12 +120,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer: int, *, qkv_bias: bool = False, qk_norm: bool = False):
+    def __init__(self, cfg, layer: int, *, qkv_bias: bool = False, qk_norm: bool = False,
+                 kernels: KernelChoice = ALL_KERNELS):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, qkv_bias=qkv_bias, qk_norm=qk_norm)
+        self.self_attn = Attention(cfg, layer, qkv_bias=qkv_bias, qk_norm=qk_norm, kernels=kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, kernels=kernels)
         # Tensor parallel: sums the shards' partial o_proj / down_proj outputs before the add
         # and norm that follow each (``all_reduce.add_norm``, fused where it can be).
         self.all_reduce = None

@@ -15,7 +15,7 @@ from torch import nn
 from radixd.core.attention import AttentionBackend
 from radixd.core.models.config import ModelConfig
 from radixd.core.models.layers import DecoderLayer, RMSNorm, Rotary
-from radixd.core.triton_ops import linear
+from radixd.core.triton_ops import ALL_KERNELS, KernelChoice, linear
 
 # checkpoint suffix -> (fused parameter suffix, shard index)
 FUSED = {
@@ -31,13 +31,14 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, *, kernels: KernelChoice = ALL_KERNELS):
         super().__init__()
         self.cfg = cfg
+        self.kernels = kernels
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         bias = self.qkv_bias or cfg.attention_bias
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, qkv_bias=bias, qk_norm=self.qk_norm) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, i, qkv_bias=bias, qk_norm=self.qk_norm, kernels=kernels) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -58,7 +59,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary, attn)
         x, _ = self.layers[-1].add_norm(x[logits_indices], residual[logits_indices], self.norm)
-        return linear(x, self.lm_head).float()
+        return linear(x, self.lm_head, self.kernels).float()
 
     # ------------------------------------------------------------------ weights
 

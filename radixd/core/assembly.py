@@ -1,0 +1,167 @@
+"""Putting an engine together: what is known of the model before its weights load
+(``ModelSetup``: device, dtype, checkpoint, tokenizer, context, EOS ids; the parallel layout
+checked against it), the KV pool's size, the workers of each replica, and the identity that
+stored KV pages carry.
+
+    EngineConfig -> ModelSetup.load -> replica_devices(d) -> make_worker (ModelWorker or
+    TPWorker; the worker calls kv_slots once the weights are on its devices)
+
+Everything here runs once, at start-up, on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from radixd.core.config import EngineConfig
+from radixd.core.errors import ConfigError
+from radixd.core.kv_pool import kv_bytes_per_token
+from radixd.core.model_loader import read_config, resolve_model
+from radixd.core.models.config import ModelConfig
+from radixd.core.tiers import TierContext
+from radixd.core.triton_ops import KernelChoice
+from radixd.core.worker import ModelWorker, Worker, on_device
+
+DEFAULT_KV_BYTES_CPU = 512 * 1024**2
+
+
+@dataclass(frozen=True)
+class ModelSetup:
+    """The model as the engine sees it before any weights load."""
+
+    device: torch.device          # the engine's device kind (replicas pick theirs from it)
+    dtype: torch.dtype
+    path: Path                    # the checkpoint
+    cfg: ModelConfig
+    tokenizer: object | None      # None: token ids in and out only (tokenizer = "none")
+    context_len: int
+    eos_token_ids: tuple[int, ...]
+    attention_backend: str        # "auto" resolved
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> ModelSetup:
+        """Read the checkpoint's config and tokenizer; check dp/tp against them."""
+        device = pick_device(config.device)
+        path = resolve_model(config.model, config.cache_dir)
+        cfg = read_config(path)
+        tokenizer = None if config.tokenizer == "none" else load_tokenizer(config.tokenizer or path)
+        check_parallel(config, cfg, device)
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "torch"
+        return cls(device=device, dtype=pick_dtype(config.dtype, device), path=path, cfg=cfg, tokenizer=tokenizer,
+                   context_len=min(cfg.context_len, config.max_context_len or 1 << 62),
+                   eos_token_ids=eos_ids(cfg, tokenizer), attention_backend=backend)
+
+
+def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.device]) -> Worker:
+    """One replica's worker: the model on ``devices[0]``, or split over all of them."""
+    kw = dict(model_path=setup.path, model_cfg=setup.cfg, dtype=setup.dtype, load_format=config.load_format,
+              attention_backend=setup.attention_backend, kv_slots=lambda free: kv_slots(config, setup, free),
+              max_rows=config.max_running_requests, max_context_len=setup.context_len,
+              cuda_graphs=config.cuda_graphs, cascade_attention=config.cascade_attention,
+              kernels=KernelChoice(fuse_one_row=config.fuse_one_row, rows_kernel=config.rows_kernel))
+    if len(devices) > 1:
+        from radixd.core.tensor_parallel import TPWorker
+
+        return TPWorker(devices=devices, peer_all_reduce=config.peer_all_reduce, **kw)
+    with on_device(devices[0]):
+        return ModelWorker(device=devices[0], **kw)
+
+
+def kv_slots(config: EngineConfig, setup: ModelSetup, free_bytes: int | None) -> int:
+    """Pool size in slots; called by the worker once the weights are on the device
+    (``free_bytes``: the device's free memory then, None on CPU)."""
+    c = config
+    if c.kv_cache_tokens is not None and c.kv_cache_bytes is None:
+        return c.kv_cache_tokens + 1
+    # each device of a replica holds its share of the KV heads
+    kv_heads = setup.cfg.num_kv_heads // c.tp_size
+    per_token = kv_bytes_per_token(setup.cfg.num_layers, kv_heads, setup.cfg.head_dim, setup.dtype)
+    budget = c.kv_cache_bytes
+    if budget is None:
+        budget = int(free_bytes * c.mem_fraction) if free_bytes is not None else DEFAULT_KV_BYTES_CPU
+    return max(2, budget // per_token + 1)
+
+
+def check_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:
+    """dp_size/tp_size against the model's shape and the visible devices."""
+    tp = config.tp_size
+    for what, n in (("KV heads", cfg.num_kv_heads), ("attention heads", cfg.num_heads),
+                    ("MLP width", cfg.intermediate_size)):
+        if n % tp:
+            raise ConfigError("tp_size", tp, f"a divisor of the model's {what} ({n}); the model has "
+                              f"{cfg.num_heads} heads, {cfg.num_kv_heads} KV heads")
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        if config.dp_size * tp > visible:
+            raise ConfigError("dp_size", config.dp_size,
+                              f"dp_size * tp_size <= {visible} (the visible CUDA devices); tp_size is {tp}")
+
+
+def replica_devices(device: torch.device, d: int, dp: int, tp: int) -> list[torch.device]:
+    """Devices of replica ``d``: cuda:d*tp .. cuda:d*tp+tp-1 (the default device when one
+    replica uses one GPU); on CPU, tp CPU workers."""
+    if device.type != "cuda":
+        return [device] * tp
+    if dp * tp == 1:
+        return [device]
+    return [torch.device("cuda", d * tp + t) for t in range(tp)]
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", name, "'cpu' (no CUDA device is visible) or 'auto'")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_ids(cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
+    """EOS ids from the model's config plus the tokenizer's (if there is one)."""
+    ids = list(cfg.eos_token_ids)
+    tid = None if tokenizer is None else tokenizer.eos_token_id
+    if tid is not None and tid not in ids:
+        ids.append(tid)
+    return tuple(ids)
+
+
+def tier_context(config: EngineConfig, setup: ModelSetup) -> TierContext:
+    """What the cache tiers of this engine learn about it."""
+    m = setup.cfg
+    return TierContext(identity=kv_identity(config, setup),
+                       page_shape=(2, m.num_layers, config.cache_page_tokens, m.num_kv_heads, m.head_dim),
+                       dtype=setup.dtype, device=setup.device)
+
+
+def kv_identity(config: EngineConfig, setup: ModelSetup) -> str:
+    """What makes stored KV valid for this engine: the model's config and weights files,
+    dtype, device kind, attention backend and page size (pages of another identity are misses)."""
+    h = hashlib.sha256(b"radixd-kv-pages-1")
+    path = setup.path
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    for f in files:
+        if f.name == "config.json":
+            h.update(f.read_bytes())
+        elif f.suffix in (".safetensors", ".gguf", ".bin") and config.load_format != "dummy":
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    c = config
+    h.update(f"{c.load_format}|{setup.dtype}|{setup.device.type}|{c.attention_backend}|{c.cache_page_tokens}".encode())
+    return h.hexdigest()

@@ -1,0 +1,108 @@
+"""A call (one ``generate``/``submit``) checked against the model and made into requests.
+
+``Calls.check`` refuses what the engine cannot serve before anything is queued (the prompt
+against the tokenizer, vocabulary and context, ``n`` and ``top_logprobs`` against their
+limits, the whole call against the KV pool), raising ``InvalidRequest`` or
+``ContextLengthExceeded`` naming the field; ``Calls.requests`` makes the call's ``n``
+requests with their deterministic seeds. Runs on the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+from radixd.core.config import EngineConfig
+from radixd.core.errors import ContextLengthExceeded, InvalidRequest
+from radixd.core.request import Group, Request
+from radixd.core.sampling_params import SamplingParams
+
+
+class Calls:
+    """``pool_slots``: the KV slots of one replica's pool (every replica's has this size)."""
+
+    def __init__(self, config: EngineConfig, *, tokenizer, vocab_size: int, context_len: int, pool_slots: int):
+        self.tokenizer = tokenizer  # None: token ids only
+        self.vocab_size = vocab_size
+        self.context_len = context_len
+        self.pool_slots = pool_slots
+        self.max_n = config.max_n
+        self.max_top_logprobs = config.max_top_logprobs
+        self._rng = random.Random(config.seed)
+
+    def check(self, prompt: str | None, input_ids: Sequence[int] | None, params: SamplingParams) -> list[int]:
+        """The call's prompt token ids; raises ``InvalidRequest`` naming the field."""
+        if (prompt is None) == (input_ids is None):
+            raise InvalidRequest("prompt", "give exactly one of prompt (text) or input_ids")
+        if input_ids is None:
+            if not isinstance(prompt, str):
+                raise InvalidRequest("prompt", "must be a string")
+            if self.tokenizer is None:
+                raise InvalidRequest("prompt", "this engine runs without a tokenizer: send input_ids")
+            ids = self.tokenizer(prompt).input_ids
+            if ids and max(ids) >= self.vocab_size:  # a tokenizer larger than the embedding
+                raise InvalidRequest("prompt", f"the text tokenizes to token id {max(ids)}, outside the "
+                                               f"model's vocabulary of {self.vocab_size}")
+        else:
+            ids = list(input_ids)
+            vocab = self.vocab_size
+            # plain ints (what JSON gives) checked at C speed: a long prompt's per-token Python
+            # check cost as much as the rest of its admission
+            if set(map(type, ids)) <= {int}:
+                ok = not ids or (min(ids) >= 0 and max(ids) < vocab)
+            else:
+                ok = all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids)
+            if not ok:
+                raise InvalidRequest("input_ids", f"token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise InvalidRequest("prompt", "the prompt is empty")
+        if self.tokenizer is None and params.stop:
+            raise InvalidRequest("stop", "stop strings need a tokenizer; this engine runs without one")
+        if params.n > self.max_n:
+            raise InvalidRequest("n", f"must be <= {self.max_n}, got {params.n}")
+        if params.top_logprobs > self.max_top_logprobs:
+            raise InvalidRequest("top_logprobs", f"must be <= {self.max_top_logprobs}, got {params.top_logprobs}")
+        if len(ids) >= self.context_len:
+            raise ContextLengthExceeded(
+                "prompt", len(ids), self.context_len,
+                f"the prompt has {len(ids)} tokens; the model's context is {self.context_len} tokens",
+            )
+        if len(ids) + params.max_new_tokens > self.context_len:
+            raise ContextLengthExceeded(
+                "max_new_tokens", len(ids), self.context_len,
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"model's context of {self.context_len} tokens",
+            )
+        need = len(ids) + params.n * params.max_new_tokens
+        if need > self.pool_slots:
+            field_name = "n" if params.n > 1 else "max_new_tokens"
+            raise InvalidRequest(
+                field_name,
+                f"the request needs up to {need} KV slots (prompt {len(ids)} + n {params.n} x "
+                f"max_new_tokens {params.max_new_tokens}); the KV pool holds {self.pool_slots}",
+            )
+        return ids
+
+    def requests(self, rid: str, ids: list[int], params: SamplingParams, *, namespace: int,
+                 arrival: Callable[[], int]) -> list[Request]:
+        """The call's ``params.n`` requests (one ``Group`` when n > 1), with their seeds:
+        ``params.seed`` or a draw from the engine's seeded generator, then one per sample."""
+        ns = namespace
+        group = Group(size=params.n, namespace=ns, followers_waiting=params.n - 1) if params.n > 1 else None
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        reqs = []
+        for i in range(params.n):
+            seed = base_seed if i == 0 else (base_seed * 1_000_003 + i) % (1 << 62)
+            reqs.append(
+                Request(
+                    rid=rid if params.n == 1 else f"{rid}-{i}",
+                    prompt_ids=ids,
+                    params=params,
+                    seed=seed,
+                    arrival=arrival(),
+                    namespace=ns,
+                    index=i,
+                    group=group,
+                )
+            )
+        return reqs
