@@ -228,29 +228,26 @@ def fusions(args, ctx) -> dict:
     """Batch-1 decode tokens/s with the one-row fusions on and off, alternating, twice each
     (a fresh engine each: graphs are captured with the switch as it is), each the best of
     three 128-token runs."""
-    return _switch_ab(ctx, "FUSE_ONE_ROW", 1)
+    return _switch_ab(ctx, "fuse_one_row", 1)
 
 
 def rows(args, ctx) -> dict:
     """Decode tokens/s at batch 16 and 64 with the few-row GEMM kernel (``rows_linear``) on
     and off (cuBLAS), as ``fusions`` compares its switch."""
-    return {f"batch_{bs}": _switch_ab(ctx, "ROWS_KERNEL", bs) for bs in (16, 64)}
+    return {f"batch_{bs}": _switch_ab(ctx, "rows_kernel", bs) for bs in (16, 64)}
 
 
 def _switch_ab(ctx, switch: str, batch: int) -> dict:
-    """Decode tokens/s (512-token prompts, 128 new tokens) at ``batch`` with
-    ``triton_ops.<switch>`` on and off, alternating twice; each the best of three runs."""
-    from radixd.core import triton_ops
-
-    saved = getattr(triton_ops, switch)
+    """Decode tokens/s (512-token prompts, 128 new tokens) at ``batch`` with the engine option
+    ``switch`` on and off, alternating twice; each the best of three runs."""
     rng = random.Random(2)
     prompts = [[rng.randrange(100, VOCAB_HI) for _ in range(512)] for _ in range(batch)]
     out: dict = {"on": [], "off": []}
     loop = asyncio.new_event_loop()
     try:
         for on in (True, False, True, False):
-            setattr(triton_ops, switch, on)
-            eng = engine(ctx["path"], max_running_requests=max(4, batch), kv_cache_tokens=max(16384, batch * 704))
+            eng = engine(ctx["path"], max_running_requests=max(4, batch), kv_cache_tokens=max(16384, batch * 704),
+                         **{switch: on})
             try:
                 if "read_bytes" not in ctx:
                     ctx["read_bytes"] = read_bytes(eng)
@@ -268,7 +265,6 @@ def _switch_ab(ctx, switch: str, batch: int) -> dict:
         for k in ("on", "off"):
             out[f"{k}_roofline_fraction"] = round(max(out[k]) / roof, 3)
     finally:
-        setattr(triton_ops, switch, saved)
         loop.close()
     return out
 

@@ -249,7 +249,7 @@ def xgrammar_plugin():
 async def e2e(backend: str | None, max_tokens: int, concurrency: int, close: bool = True) -> dict:
     import jsonschema
 
-    from radixd.core.engine import Engine
+    from radixd import Engine
     from radixd.core.sampling_params import SamplingParams
     pm = builtin_plugins(extra=[xgrammar_plugin()] if backend == "xgrammar" else [])
     engine = Engine(model="default", kv_cache_tokens=60000, max_running_requests=concurrency, plugin_manager=pm,

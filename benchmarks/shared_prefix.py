@@ -146,7 +146,7 @@ async def _one(engine, ids: list[int], params, t0: float) -> dict:
 
 
 async def run_config(args, *, radix: bool, policy: str, prompts: list[Prompt], warm: list[int]) -> dict:
-    from radixd.core.engine import Engine
+    from radixd import Engine
     from radixd.core.sampling_params import SamplingParams
 
     overrides = {"model": args.model, "radix_cache": radix, "policy": policy}

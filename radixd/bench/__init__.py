@@ -254,7 +254,7 @@ async def _main(args: argparse.Namespace, argv: list[str]) -> int:
     if args.workload == "json":  # before loading anything
         raise UnsupportedWorkload(
             "the json workload is not in radixd bench yet; grammar-constrained throughput is measured by "
-            "bench/grammar_bench.py")
+            "benchmarks/grammar_bench.py")
     if args.plot_dir:
         try:
             import matplotlib  # noqa: F401

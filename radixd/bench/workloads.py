@@ -170,7 +170,7 @@ def build(name: str, tokenizer, *, seed: int, num_prompts: int = 64, input_len: 
     if name == "json":
         raise UnsupportedWorkload(
             "the json workload is not in radixd bench yet; grammar-constrained throughput is measured "
-            "by bench/grammar_bench.py")
+            "by benchmarks/grammar_bench.py")
     if name == "random":
         out = output_len or (128, 128)
         firsts: set[int] = set()

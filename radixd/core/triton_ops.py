@@ -7,7 +7,7 @@ small torch ops, with torch fallbacks used on CPU:
 * ``linear``: a projection; one token's (decode at batch 1) goes through ``gemv``, a
   matrix-vector kernel that reads each weight row in long contiguous runs (cuBLAS's kernels
   for a single row reach 50-90% of the memory bandwidth on the 8B model's projection shapes,
-  this one 75-100%: ``bench/decode_profile.py --sections shapes``).
+  this one 75-100%: ``python -m benchmarks.decode_profile --sections shapes``).
 * ``gate_up_silu`` and ``gemv_rope_store``: for one row, the element-wise kernel that follows
   a projection runs in the GEMV's epilogue instead (each program computes the two rows that
   the element-wise step pairs: gate and up, or a head's two rotary halves), so a decode step
@@ -254,7 +254,7 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, *, tiles: tuple[int, in
     """``silu_mul(F.linear(x, weight))`` for one row ``x`` [1, K]; ``weight`` [2I, K] is the
     fused (gate | up) projection. ``tiles``: (K per iteration, warps); by default 8 warps
     for 2048-wide steps (the fastest at the 8B model's shapes, tp 1 and 2:
-    ``bench/decode_profile.py --sections fused``)."""
+    ``python -m benchmarks.decode_profile --sections fused``)."""
     two_i, k = weight.shape
     if tiles is None:
         bk = gemv_tiles(k)[1]
@@ -407,7 +407,7 @@ def rows_shape_key(n: int, k: int, silu: bool) -> str:
 @functools.cache
 def _tuned_rows(device: torch.device) -> dict:
     """The measured ``rows_linear`` tiles for ``device``'s GPU model (``ROWS_TUNED``, written
-    by ``bench/decode_profile.py --sections rows --rows-write``): shape key -> {row bucket:
+    by ``python -m benchmarks.decode_profile --sections rows --rows-write``): shape key -> {row bucket:
     tiles or None}."""
     if device.type != "cuda":
         return {}

@@ -31,7 +31,7 @@ def decode_splits(batch: int, kv_heads: int, processors: int) -> int:
     to fill the device's processors about twice, so that a small batch is not left with a
     few long serial loops (latency-bound) while most of the device idles; no more, since
     every split adds partials to merge (on an H200, 64 x 576 tokens: 47 us unsplit vs 58 us
-    in 4 splits; 256 x 576: 166 vs 203 us; ``bench/decode_profile.py --sections attn``)."""
+    in 4 splits; 256 x 576: 166 vs 203 us; ``python -m benchmarks.decode_profile --sections attn``)."""
     want = -(-2 * processors // (batch * kv_heads))
     return min(MAX_SPLITS, max(MIN_SPLITS, triton.next_power_of_2(want)))
 
@@ -73,7 +73,7 @@ class TritonAttention:
         """Splits each shared prefix is read in, for a step with ``items`` items: like
         ``decode_splits`` with an item in place of a request (on an H200, 256 x 2308-token
         requests in 32 groups: 200 us in 1 split, 258 in 8; in 8 groups of 8 requests: 120
-        us in 1, 76 in 4; ``bench/decode_profile.py --sections cascade``)."""
+        us in 1, 76 in 4; ``python -m benchmarks.decode_profile --sections cascade``)."""
         return min(PREFIX_SPLITS, decode_splits(items, self.pool.k_buffers[0].shape[1], self.processors))
 
     def set_decode(self, rows: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,

@@ -382,7 +382,7 @@ def _extend_kernel(
 
 
 # Tile configurations (BLOCK_M, BLOCK_N, num_warps, num_stages, K_ROWS) swept by
-# bench/decode_profile.py; on an H200 (head dim 128, 8 x 2048) (64, 64, 4, 3) measured best of
+# benchmarks/decode_profile.py; on an H200 (head dim 128, 8 x 2048) (64, 64, 4, 3) measured best of
 # the first eight without K_ROWS, and with K_ROWS 8% faster again.
 EXTEND_CONFIGS = [(64, 64, 4, 3, False), (64, 64, 4, 3, True), (128, 64, 8, 3, False), (128, 64, 8, 3, True),
                   (64, 64, 4, 4, True), (128, 64, 4, 3, True), (64, 32, 4, 3, True), (128, 128, 8, 3, True),
