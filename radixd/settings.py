@@ -254,7 +254,7 @@ def _section(name: str, cls: type, table: dict[str, Any]):
         f = known.get(key)
         if f is None:
             raise ConfigError(full, value, "keys " + ", ".join(known))
-        if f.metadata["key"] is not None:
+        if f.metadata.get("key") is not None:
             EngineConfig.check_file_value(full, value)
         else:
             check(full, value, hints[key], f.metadata)

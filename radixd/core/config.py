@@ -53,12 +53,9 @@ def check(key: str, value: Any, hint: Any, meta: typing.Mapping[str, Any], *, un
     """Refuse ``value`` unless it has the type ``hint`` and the metadata's bounds and choices,
     with a ``ConfigError`` naming ``key``, the value and what is allowed. ``unset``: the
     spelling of None in a file (accepted and named in the message)."""
-    optional = False
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        optional, hint = len(args) < len(typing.get_args(hint)), args[0]
-    if value is None and optional:
+    if value is None and type(None) in typing.get_args(hint):
         return
+    hint = _not_none(hint)
     if unset is not MISSING and value == unset and type(value) is type(unset):
         return
     origin = typing.get_origin(hint)
@@ -102,25 +99,33 @@ def allowed(hint: type, lo: float | None, hi: float | None, choices: tuple | Non
     return text if unset is MISSING else f"{unset!r} or {text}"
 
 
-def check_fields(obj: Any, key_of: Callable[[str], str] = str) -> None:
-    """``check`` every field of the dataclass ``obj`` (error keys through ``key_of``)."""
+def check_fields(obj: Any) -> None:
+    """``check`` every field of the dataclass ``obj`` (error keys: the field names)."""
     hints = _hints(type(obj))
     for f in fields(obj):
-        check(key_of(f.name), getattr(obj, f.name), hints[f.name], f.metadata)
+        check(f.name, getattr(obj, f.name), hints[f.name], f.metadata)
+
+
+def _not_none(hint: Any) -> Any:
+    """``X`` of ``X | None``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
 
 
 def _hints(cls: type) -> dict[str, Any]:
-    cached = cls.__dict__.get("_hints_cache")
-    if cached is None:
-        cached = typing.get_type_hints(cls)
-        type.__setattr__(cls, "_hints_cache", cached)
-    return cached
+    """The resolved type hints of a dataclass (annotations are strings here), computed once."""
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
 
 
 def file_type(hint: Any) -> Any:
     """How an option's type is written in the file: ``X | None`` as X, tuples as lists."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    hint = _not_none(hint)
     if typing.get_origin(hint) is tuple:
         return list[str]
     return hint
@@ -283,7 +288,7 @@ class EngineConfig:
         hints = _hints(cls)
         out = []
         for f in fields(cls):
-            if f.metadata["key"] is None:
+            if f.metadata.get("key") is None:
                 continue
             hint = hints[f.name]
             default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
@@ -291,7 +296,7 @@ class EngineConfig:
                 default = file_unset(hint)
             if isinstance(default, tuple):
                 default = list(default)
-            out.append((f.metadata["key"], file_type(hint), option(default, **f.metadata)))
+            out.append((f.metadata.get("key"), file_type(hint), option(default, **f.metadata)))
         return out
 
     @classmethod
@@ -321,13 +326,13 @@ class EngineConfig:
             return cls(**kw)
         except ConfigError as exc:
             f = next((f for f in fields(cls) if f.name == exc.key), None)
-            if f is None or f.metadata["key"] is None:
+            if f is None or f.metadata.get("key") is None:
                 raise
-            raise ConfigError(f.metadata["key"], exc.value, exc.allowed) from exc
+            raise ConfigError(f.metadata.get("key"), exc.value, exc.allowed) from exc
 
 
 def _by_file_key(cls: type) -> dict[str, Any]:
-    return {f.metadata["key"]: f for f in fields(cls) if f.metadata["key"] is not None}
+    return {f.metadata.get("key"): f for f in fields(cls) if f.metadata.get("key") is not None}
 
 
 @dataclass(frozen=True)
@@ -359,7 +364,7 @@ def tier_options(name: str, options: dict[str, Any]) -> Any:
             raise ConfigError(f"cache.{name}.{key}", value, "keys " + ", ".join(known))
         check(f"cache.{name}.{key}", value, hints[key], known[key].metadata)
     for key, f in known.items():
-        if f.metadata["required"] and not options.get(key):
+        if f.metadata.get("required") and not options.get(key):
             raise ConfigError(f"cache.{name}.{key}", options.get(key, f.default),
                               f'{f.metadata["allowed"]} (cache.tiers lists "{name}")')
     return cls(**options)

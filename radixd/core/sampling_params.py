@@ -21,7 +21,7 @@ SEED_MAX = 2**63 - 1
 def bounded(default: Any, low: float, high: float | None = None, *, low_open: bool = False) -> Any:
     """A numeric field allowed in [low, high] ((low, high] with ``low_open``; no upper bound
     without ``high``); an int ``low`` makes it an integer field."""
-    return field(default=default, metadata={"low": low, "high": high, "low_open": low_open})
+    return field(default=default, metadata={"min": low, "max": high, "low_open": low_open})
 
 
 @dataclass
@@ -127,17 +127,17 @@ class SamplingParams:
         )
 
 
-_BOUNDED = [f for f in fields(SamplingParams) if "low" in f.metadata]
+_BOUNDED = [f for f in fields(SamplingParams) if "min" in f.metadata]
 
 
 def json_schema(name: str) -> dict[str, Any]:
     """The JSON Schema of the bounded field ``name`` (its type and range)."""
     meta = next(f.metadata for f in _BOUNDED if f.name == name)
-    integer = isinstance(meta["low"], int)
+    integer = isinstance(meta["min"], int)
     schema: dict[str, Any] = {"type": "integer" if integer else "number",
-                              "exclusiveMinimum" if meta["low_open"] else "minimum": _plain(meta["low"])}
-    if meta["high"] is not None:
-        schema["maximum"] = _plain(meta["high"])
+                              "exclusiveMinimum" if meta["low_open"] else "minimum": _plain(meta["min"])}
+    if meta["max"] is not None:
+        schema["maximum"] = _plain(meta["max"])
     return schema
 
 
@@ -146,7 +146,7 @@ def _plain(x: float) -> float | int:
 
 
 def _in_range(name: str, value: object, meta: dict) -> None:
-    low, high = meta["low"], meta["high"]
+    low, high = meta["min"], meta["max"]
     if isinstance(low, int):
         if isinstance(value, bool) or not isinstance(value, int):
             raise InvalidRequest(name, f"must be an integer, got {value!r}")

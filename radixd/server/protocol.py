@@ -165,20 +165,26 @@ def check_fields(body: dict, allowed: set[str]) -> None:
             raise ApiError(400, f"unrecognized request argument: '{key}'", param=key, code="unknown_parameter")
 
 
-def _type(body: dict, key: str, kinds: tuple, what: str) -> Any:
+_KINDS = {"boolean": ((bool,), "a boolean"), "integer": ((int,), "an integer"), "number": ((int, float), "a number"),
+          "string": ((str,), "a string"), "object": ((dict,), "an object")}
+
+
+def _typed(body: dict, key: str, table: dict[str, dict]) -> Any:
+    """``body[key]`` (None when absent or null) if it has the JSON type ``table`` gives it."""
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) and bool not in kinds:
-        raise ApiError(400, f"'{key}' must be {what}", param=key)
-    if not isinstance(value, kinds):
+    schema = table[key]["anyOf"][0] if "anyOf" in table[key] else table[key]
+    kinds, what = _KINDS[schema["type"]]
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
         raise ApiError(400, f"'{key}' must be {what}", param=key)
     return value
 
 
 def sampling_from_openai(body: dict, limits: Limits, *, chat: bool) -> ParsedRequest:
-    stream = _type(body, "stream", (bool,), "a boolean") or False
-    opts = _type(body, "stream_options", (dict,), "an object") or {}
+    table = CHAT_SCHEMAS if chat else COMPLETION_SCHEMAS
+    stream = _typed(body, "stream", table) or False
+    opts = _typed(body, "stream_options", table) or {}
     if opts and not stream:
         raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
     unknown = set(opts) - {"include_usage", "continuous_usage_stats"}
@@ -186,9 +192,9 @@ def sampling_from_openai(body: dict, limits: Limits, *, chat: bool) -> ParsedReq
         raise ApiError(400, f"unrecognized stream option: '{sorted(unknown)[0]}'", param="stream_options")
     include_usage = bool(opts.get("include_usage", False))
 
-    max_tokens = _type(body, "max_tokens", (int,), "an integer")
+    max_tokens = _typed(body, "max_tokens", table)
     if chat:
-        mct = _type(body, "max_completion_tokens", (int,), "an integer")
+        mct = _typed(body, "max_completion_tokens", table)
         if mct is not None:
             max_tokens = mct
     if max_tokens is None:
@@ -205,33 +211,33 @@ def sampling_from_openai(body: dict, limits: Limits, *, chat: bool) -> ParsedReq
 
     kw: dict[str, Any] = dict(max_new_tokens=max_tokens, stop=stop)
     for key in ("temperature", "top_p", "frequency_penalty", "presence_penalty"):
-        v = _type(body, key, (int, float), "a number")
+        v = _typed(body, key, table)
         if v is not None:
             kw[key] = float(v)
     for key in ("n", "seed"):
-        v = _type(body, key, (int,), "an integer")
+        v = _typed(body, key, table)
         if v is not None:
             kw[key] = v
     for key, target in EXTENSIONS.items():
         if body.get(key) is not None:
             kw[target] = body[key]
     if chat:
-        lp = _type(body, "logprobs", (bool,), "a boolean") or False
-        top = _type(body, "top_logprobs", (int,), "an integer")
+        lp = _typed(body, "logprobs", table) or False
+        top = _typed(body, "top_logprobs", table)
         if top is not None and not lp:
             raise ApiError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
         kw["logprobs"] = lp
         kw["top_logprobs"] = top or 0
     else:
-        lp = _type(body, "logprobs", (int,), "an integer")
+        lp = _typed(body, "logprobs", table)
         if lp is not None:
             _in_range(body, "logprobs", COMPLETION_SCHEMAS)
             kw["logprobs"] = True
             kw["top_logprobs"] = lp
     kw.update(_constraint(body))
-    _type(body, "user", (str,), "a string")
-    model = _type(body, "model", (str,), "a string")
-    priority = _type(body, "priority", (int,), "an integer") or 0
+    _typed(body, "user", table)
+    model = _typed(body, "model", table)
+    priority = _typed(body, "priority", table) or 0
     return ParsedRequest(params=make_params(kw), stream=stream, include_usage=include_usage, model=model,
                          priority=priority)
 
