@@ -25,6 +25,7 @@ from radixd.core.engine import GenerateOutput, Submission
 from radixd.core.errors import ContextLengthExceeded, EngineStopped, InvalidRequest
 from radixd.core.sampling_params import SamplingParams
 from radixd.plugins.guard import PluginFault
+from radixd.server import protocol
 from radixd.server.errors import ApiError
 from radixd.server.state import ServerState
 
@@ -54,9 +55,9 @@ def submit(st: ServerState, request: Request, *, params: SamplingParams, prompt:
                                max_unread=st.settings.server.stream_buffer, grammar=grammar)
     except ContextLengthExceeded as exc:
         raise ApiError(400, f"{exc.message} (prompt {exc.prompt_tokens} tokens, context {exc.limit} tokens)",
-                       param=_api_param(exc.field), code="context_length_exceeded") from exc
+                       param=protocol.api_param(exc.field), code="context_length_exceeded") from exc
     except InvalidRequest as exc:
-        raise ApiError(400, exc.message, param=_api_param(exc.field)) from exc
+        raise ApiError(400, exc.message, param=protocol.api_param(exc.field)) from exc
     except EngineStopped as exc:
         raise ApiError(503, str(exc), code="shutting_down") from exc
     info = request.scope["state"]["radixd"]
@@ -74,11 +75,6 @@ def submit(st: ServerState, request: Request, *, params: SamplingParams, prompt:
         sub.close()
         raise
     return sub
-
-
-
-def _api_param(field_name: str) -> str:
-    return {"max_new_tokens": "max_tokens", "input_ids": "prompt"}.get(field_name, field_name)
 
 
 class Tracker:

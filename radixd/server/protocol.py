@@ -279,15 +279,21 @@ def _constraint(body: dict) -> dict[str, Any]:
     return out
 
 
-def make_params(kw: dict[str, Any], aliases: dict[str, str] | None = None) -> SamplingParams:
+# SamplingParams's (and the engine's) field names -> the OpenAI routes' names for them
+API_NAMES = {**{v: k for k, v in EXTENSIONS.items()}, "max_new_tokens": "max_tokens", "input_ids": "prompt"}
+
+
+def api_param(field_name: str) -> str:
+    """The OpenAI routes' name of an engine field (the ``param`` of a 400)."""
+    return API_NAMES.get(field_name, field_name)
+
+
+def make_params(kw: dict[str, Any]) -> SamplingParams:
     """Build ``SamplingParams``; its validation errors become 400s naming the API field."""
-    back = {v: k for k, v in (aliases or {}).items()}
-    back.update({v: k for k, v in EXTENSIONS.items()})
-    back.setdefault("max_new_tokens", "max_tokens")
     try:
         return SamplingParams(**kw)
     except InvalidRequest as exc:
-        param = back.get(exc.field, exc.field)
+        param = api_param(exc.field)
         raise ApiError(400, f"'{param}': {exc.message}", param=param) from exc
     except TypeError as exc:  # a wrongly typed value reached the dataclass
         raise ApiError(400, str(exc)) from exc
