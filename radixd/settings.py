@@ -1,10 +1,15 @@
 """The daemon's configuration file (``radixd.toml``): sections of frozen dataclasses.
 
-Every key has a type, a default and (where it matters) a range or a set of choices, kept in
-the field's metadata; ``load_settings`` refuses unknown sections and keys, wrong types and
-out-of-range values with a ``ConfigError`` naming the key, the value and what is allowed.
-``radixd.toml`` in the repository documents every key; a test keeps it, these dataclasses
-and ``man/radixd.toml.5`` in step.
+The engine's sections ([model], [memory], [cache], [cache.host], [cache.disk], [scheduler],
+[parallel], [grammar], [limits], [plugins]) are built from ``radixd.core.config``'s
+declaration (each ``EngineConfig`` option names its key); this module adds the daemon's own
+sections ([server], [logging], [auth]) and the daemon's keys in the engine's sections
+(``model.served_name``, the request limits, the plugin manager's switches). Every key has a
+type, a default and (where it matters) a range or a set of choices in its field's metadata,
+checked by ``radixd.core.config.check``: ``load_settings`` refuses unknown sections and keys,
+wrong types and out-of-range values with a ``ConfigError`` naming the key, the value and
+what is allowed. ``radixd.toml`` in the repository documents every key; a test keeps it,
+these dataclasses and ``man/radixd.toml.5`` in step.
 """
 
 from __future__ import annotations
@@ -12,20 +17,12 @@ from __future__ import annotations
 import os
 import stat
 import tomllib
-import types
 import typing
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any
 
-from radixd.core.config import (
-    ATTENTION_BACKENDS,
-    DEVICES,
-    DTYPES,
-    ROUTING_POLICIES,
-    WRITE_POLICIES,
-    EngineConfig,
-)
+from radixd.core.config import BUILTIN_TIERS, EngineConfig, check, option
 from radixd.core.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -34,139 +31,84 @@ CHAT_SPECIAL_TOKENS = ("refuse", "as_text", "allow")
 PLUGIN_ON_ERROR = ("fail", "disable")
 
 
-def _f(default: Any, *, min: float | None = None, max: float | None = None, choices: tuple | None = None,
-       live: bool = False) -> Any:
-    """A field with validation metadata; ``live`` keys are re-read on SIGHUP."""
-    meta = {"min": min, "max": max, "choices": choices, "live": live}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-@dataclass(frozen=True)
-class ModelSection:
-    path: str = _f("default")
-    tokenizer: str = _f("")
-    served_name: str = _f("")
-    dtype: str = _f("auto", choices=DTYPES)
-    device: str = _f("auto", choices=DEVICES)
-    attention_backend: str = _f("auto", choices=ATTENTION_BACKENDS)
-    cuda_graphs: bool = _f(True)
-    cascade_attention: bool = _f(True)
-    cache_dir: str = _f("")
-    max_context_len: int = _f(0, min=0)
+# ------------------------------------------------------------ the daemon's own keys
 
 
 @dataclass(frozen=True)
 class ServerSection:
-    host: str = _f("127.0.0.1")
-    port: int = _f(8000, min=0, max=65535)
-    max_body_bytes: int = _f(1_048_576, min=1024, live=True)
-    drain_timeout_s: float = _f(30.0, min=0.0)
-    health_timeout_s: float = _f(10.0, min=0.1, live=True)
-    watchdog: bool = _f(True)
-    stall_timeout_s: float = _f(60.0, min=0.0, live=True)
-    send_timeout_s: float = _f(30.0, min=0.1, live=True)
-    stream_buffer: int = _f(256, min=1, live=True)
-    cors_origins: list[str] = _f([])
-
-
-@dataclass(frozen=True)
-class MemorySection:
-    kv_cache_bytes: int = _f(0, min=0)
-    kv_cache_tokens: int = _f(0, min=0)
-    mem_fraction: float = _f(0.85, min=0.05, max=0.98)
-
-
-@dataclass(frozen=True)
-class CacheSection:
-    radix: bool = _f(True)
-    tiers: list[str] = _f([])
-    page_tokens: int = _f(16, min=1)
-    write_policy: str = _f("write_back", choices=WRITE_POLICIES)
-    write_hits: int = _f(2, min=1)
-    prefetch: bool = _f(True)
-
-
-@dataclass(frozen=True)
-class HostTierSection:
-    max_bytes: int = _f(4 << 30, min=1)
-
-
-@dataclass(frozen=True)
-class DiskTierSection:
-    path: str = _f("")
-    max_bytes: int = _f(16 << 30, min=1)
-
-
-@dataclass(frozen=True)
-class SchedulerSection:
-    policy: str = _f("lpm")
-    max_running_requests: int = _f(64, min=1)
-    max_prefill_tokens: int = _f(4096, min=1)
-    chunked_prefill_size: int = _f(2048, min=1)
-    schedule_conservativeness: float = _f(0.3, min=0.0, max=1.0)
-    overlap: bool = _f(True)
-    stream_interval: int = _f(1, min=1)
-    seed: int = _f(0, min=0)
-    gc_freeze: bool = _f(True)
-    gc_threshold: int = _f(10000, min=0)
-
-
-@dataclass(frozen=True)
-class ParallelSection:
-    dp_size: int = _f(1, min=1)
-    tp_size: int = _f(1, min=1)
-    peer_all_reduce: bool = _f(True)
-    routing: str = _f("cache_aware", choices=ROUTING_POLICIES)
-    routing_balance_threshold: int = _f(16, min=0)
-    routing_balance_ratio: float = _f(1.25, min=1.0)
-
-
-@dataclass(frozen=True)
-class GrammarSection:
-    backend: str = _f("radixd")
-    compile_timeout: float = _f(10.0, min=0.001)
-    compile_workers: int = _f(2, min=1)
-    compile_memory_mb: int = _f(1024, min=0)
-    cache_size: int = _f(64, min=1)
-    max_whitespace: int = _f(2, min=0)
-    mask_cache_size: int = _f(1024, min=16)
-    close_within_max_tokens: bool = _f(True)
-    warm_budget_ms: int = _f(100, min=0)
-
-
-@dataclass(frozen=True)
-class LimitsSection:
-    max_queued_requests: int = _f(1024, min=1, live=True)
-    max_n: int = _f(16, min=1)
-    max_top_logprobs: int = _f(20, min=0, max=20)
-    default_max_tokens: int = _f(256, min=1, live=True)
-    max_stop_sequences: int = _f(16, min=0, live=True)
-    chat_special_tokens: str = _f("refuse", choices=CHAT_SPECIAL_TOKENS, live=True)
+    host: str = option("127.0.0.1")
+    port: int = option(8000, min=0, max=65535)
+    max_body_bytes: int = option(1_048_576, min=1024, live=True)
+    drain_timeout_s: float = option(30.0, min=0.0)
+    health_timeout_s: float = option(10.0, min=0.1, live=True)
+    watchdog: bool = option(True)
+    stall_timeout_s: float = option(60.0, min=0.0, live=True)
+    send_timeout_s: float = option(30.0, min=0.1, live=True)
+    stream_buffer: int = option(256, min=1, live=True)
+    cors_origins: list[str] = option([])
 
 
 @dataclass(frozen=True)
 class LoggingSection:
-    level: str = _f("info", choices=LOG_LEVELS, live=True)
-    format: str = _f("auto", choices=LOG_FORMATS)
-    access_log: bool = _f(True, live=True)
-    log_prompts: bool = _f(False, live=True)
-
-
-@dataclass(frozen=True)
-class PluginsSection:
-    allow: list[str] = _f([])
-    block: list[str] = _f([])
-    entry_points: bool = _f(True)
-    on_error: str = _f("fail", choices=PLUGIN_ON_ERROR)
-    hook_timeout_s: float = _f(5.0, min=0.0)
+    level: str = option("info", choices=LOG_LEVELS, live=True)
+    format: str = option("auto", choices=LOG_FORMATS)
+    access_log: bool = option(True, live=True)
+    log_prompts: bool = option(False, live=True)
 
 
 @dataclass(frozen=True)
 class AuthSection:
-    api_keys: list[str] = _f([])
-    api_keys_file: str = _f("")
+    api_keys: list[str] = option([])
+    api_keys_file: str = option("")
+
+
+@dataclass(frozen=True)
+class _ModelKeys:  # [model] keys of the HTTP layer
+    served_name: str = option("")
+
+
+@dataclass(frozen=True)
+class _LimitsKeys:  # [limits] keys the request parsers apply
+    default_max_tokens: int = option(256, min=1, live=True)
+    max_stop_sequences: int = option(16, min=0, live=True)
+    chat_special_tokens: str = option("refuse", choices=CHAT_SPECIAL_TOKENS, live=True)
+
+
+@dataclass(frozen=True)
+class _PluginsKeys:  # [plugins] keys of the plugin manager and the hook guard
+    entry_points: bool = option(True)
+    on_error: str = option("fail", choices=PLUGIN_ON_ERROR)
+    hook_timeout_s: float = option(5.0, min=0.0)
+
+
+# ------------------------------------------------------------ the engine's sections
+
+
+def _engine_section(name: str, daemon: type | None = None) -> type:
+    """The dataclass of the file's section ``[name]``: the engine's options of that section
+    (from ``EngineConfig``'s declaration) followed by the daemon's ``daemon`` keys."""
+    specs = [(key.rsplit(".", 1)[1], hint, f) for key, hint, f in EngineConfig.file_options()
+             if key.rsplit(".", 1)[0] == name]
+    if daemon is not None:
+        hints = typing.get_type_hints(daemon)
+        specs += [(f.name, hints[f.name], field(default=f.default, default_factory=f.default_factory,
+                                                 metadata=f.metadata)) for f in fields(daemon)]
+    cls_name = "".join(part.capitalize() for part in name.split(".")) + "Section"
+    cls = make_dataclass(cls_name, specs, frozen=True)
+    cls.__module__ = __name__
+    return cls
+
+
+ModelSection = _engine_section("model", _ModelKeys)
+MemorySection = _engine_section("memory")
+CacheSection = _engine_section("cache")
+HostTierSection = BUILTIN_TIERS["host"]  # [cache.host], [cache.disk]: core's declaration of
+DiskTierSection = BUILTIN_TIERS["disk"]  # the built-in tiers' options
+SchedulerSection = _engine_section("scheduler")
+ParallelSection = _engine_section("parallel")
+GrammarSection = _engine_section("grammar")
+LimitsSection = _engine_section("limits", _LimitsKeys)
+PluginsSection = _engine_section("plugins", _PluginsKeys)
 
 
 SECTIONS: dict[str, type] = {
@@ -206,58 +148,12 @@ class Settings:
     source: str | None = None
 
     def engine_config(self) -> EngineConfig:
-        m, mem, s, lim = self.model, self.memory, self.scheduler, self.limits
-        return EngineConfig(
-            model=m.path,
-            tokenizer=m.tokenizer or None,
-            dtype=m.dtype,
-            device=m.device,
-            attention_backend=m.attention_backend,
-            cuda_graphs=m.cuda_graphs,
-            cascade_attention=m.cascade_attention,
-            mem_fraction=mem.mem_fraction,
-            cache_dir=m.cache_dir or None,
-            kv_cache_bytes=mem.kv_cache_bytes or None,
-            kv_cache_tokens=mem.kv_cache_tokens or None,
-            max_context_len=m.max_context_len or None,
-            radix_cache=self.cache.radix,
-            cache_tiers=tuple(self.cache.tiers),
-            cache_page_tokens=self.cache.page_tokens,
-            cache_write_policy=self.cache.write_policy,
-            cache_write_hits=self.cache.write_hits,
-            cache_prefetch=self.cache.prefetch,
-            cache_tier_options=self.tier_options(),
-            policy=s.policy,
-            max_running_requests=s.max_running_requests,
-            max_prefill_tokens=s.max_prefill_tokens,
-            chunked_prefill_size=s.chunked_prefill_size,
-            schedule_conservativeness=s.schedule_conservativeness,
-            overlap_schedule=s.overlap,
-            stream_interval=s.stream_interval,
-            gc_freeze=s.gc_freeze,
-            gc_threshold=s.gc_threshold,
-            seed=s.seed,
-            dp_size=self.parallel.dp_size,
-            tp_size=self.parallel.tp_size,
-            peer_all_reduce=self.parallel.peer_all_reduce,
-            routing=self.parallel.routing,
-            routing_balance_threshold=self.parallel.routing_balance_threshold,
-            routing_balance_ratio=float(self.parallel.routing_balance_ratio),
-            max_queued_requests=lim.max_queued_requests,
-            max_n=lim.max_n,
-            max_top_logprobs=lim.max_top_logprobs,
-            grammar_backend=self.grammar.backend,
-            grammar_compile_timeout=float(self.grammar.compile_timeout),
-            grammar_compile_workers=self.grammar.compile_workers,
-            grammar_compile_memory_mb=self.grammar.compile_memory_mb,
-            grammar_cache_size=self.grammar.cache_size,
-            grammar_max_whitespace=self.grammar.max_whitespace,
-            grammar_mask_cache_size=self.grammar.mask_cache_size,
-            grammar_close_within_max_tokens=self.grammar.close_within_max_tokens,
-            grammar_warm_budget_ms=self.grammar.warm_budget_ms,
-            plugins_allow=tuple(self.plugins.allow) or None,
-            plugins_block=tuple(self.plugins.block),
-        )
+        """The engine's configuration: its options read from their sections, by key."""
+        def value_of(key: str) -> Any:
+            sec, name = key.rsplit(".", 1)
+            return getattr(section_of(self, sec), name)
+
+        return EngineConfig.from_file(value_of, cache_tier_options=self.tier_options())
 
     def tier_options(self) -> dict[str, dict]:
         """Options of each tier in ``cache.tiers``: built-in sections, plugins' tables."""
@@ -345,33 +241,8 @@ def settings_from_dict(data: dict[str, Any], *, source: str | None = None) -> Se
             raise ConfigError(name, table, f"a [{name}] table")
         sections[name.replace(".", "_")] = _section(name, cls, table)
     settings = Settings(**sections, source=source)
-    engine_check(settings)
+    settings.engine_config()  # the engine's cross-option checks, with the file's key names
     return settings
-
-
-def engine_check(settings: Settings) -> None:
-    """Cross-key checks the engine itself makes, reported with the file's key names."""
-    if "disk" in settings.cache.tiers and not settings.cache_disk.path:
-        raise ConfigError("cache.disk.path", "", "a directory for the disk tier's page files (cache.tiers lists \"disk\")")
-    try:
-        settings.engine_config()
-    except ConfigError as exc:
-        raise ConfigError(_file_key(exc.key), exc.value, exc.allowed) from exc
-
-
-ENGINE_TO_FILE = {"radix_cache": "cache.radix", "cache_tiers": "cache.tiers", "cache_page_tokens": "cache.page_tokens",
-                  "cache_write_policy": "cache.write_policy", "cache_write_hits": "cache.write_hits",
-                  "cache_prefetch": "cache.prefetch"}
-
-
-def _file_key(engine_key: str) -> str:
-    if engine_key in ENGINE_TO_FILE:
-        return ENGINE_TO_FILE[engine_key]
-    for sec, cls in SECTIONS.items():
-        for f in fields(cls):
-            if f.name == engine_key:
-                return f"{sec}.{f.name}"
-    return engine_key
 
 
 def _section(name: str, cls: type, table: dict[str, Any]):
@@ -383,47 +254,12 @@ def _section(name: str, cls: type, table: dict[str, Any]):
         f = known.get(key)
         if f is None:
             raise ConfigError(full, value, "keys " + ", ".join(known))
-        _check(full, value, hints[key], f.metadata)
+        if f.metadata.get("key") is not None:
+            EngineConfig.check_file_value(full, value)
+        else:
+            check(full, value, hints[key], f.metadata)
         values[key] = value
     return cls(**values)
-
-
-def _check(key: str, value: Any, hint: Any, meta: dict) -> None:
-    origin = typing.get_origin(hint)
-    if origin in (list, types.GenericAlias) or hint is list or origin is list:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(key, value, "a list of strings")
-        return
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(key, value, "true or false")
-        return
-    if hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif hint is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-    elif hint is str:
-        ok = isinstance(value, str)
-    else:  # pragma: no cover - a new field type needs a branch here
-        raise TypeError(f"settings: no check for {hint!r}")
-    lo, hi, choices = meta.get("min"), meta.get("max"), meta.get("choices")
-    if not ok:
-        raise ConfigError(key, value, _allowed(hint, lo, hi, choices))
-    if choices is not None and value not in choices:
-        raise ConfigError(key, value, _allowed(hint, lo, hi, choices))
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ConfigError(key, value, _allowed(hint, lo, hi, choices))
-
-
-def _allowed(hint, lo, hi, choices) -> str:
-    if choices:
-        return "one of " + ", ".join(repr(c) for c in choices)
-    kind = {int: "an integer", float: "a number", str: "a string"}[hint]
-    if lo is not None and hi is not None:
-        return f"{kind} in [{lo}, {hi}]"
-    if lo is not None:
-        return f"{kind} >= {lo}"
-    return kind
 
 
 def section_of(settings: Settings, section: str):

@@ -186,6 +186,16 @@ def test_config_file_has_every_key_with_its_default():
     assert load_settings(CONFIG) == Settings(source=str(CONFIG))
 
 
+def test_every_engine_option_with_a_key_is_in_the_file():
+    """An ``EngineConfig`` option that names a file key lands in a section the file has (so
+    the checks above cover it), and the engine config the defaults give is the default one."""
+    from radixd.core.config import EngineConfig
+
+    engine_keys = {key for key, _, _ in EngineConfig.file_options()}
+    assert engine_keys and engine_keys <= set(all_keys())
+    assert Settings().engine_config() == EngineConfig()
+
+
 def test_config_file_marks_exactly_the_live_keys():
     comments = config_comments()
     assert set(comments) == set(all_keys())

@@ -1,8 +1,28 @@
-"""Engine configuration: a frozen dataclass checked on construction."""
+"""The engine's configuration schema: every option declared once, checked by one function.
+
+Each ``EngineConfig`` field is an ``option``: its default, its bounds (``min``/``max``), its
+``choices``, whether SIGHUP may change it (``live``) and, for options the daemon's file
+offers, its ``radixd.toml`` key (``key="scheduler.overlap"``). ``check`` reads that metadata;
+it validates a field when an ``EngineConfig`` is built (error key: the field's name) and a
+value read from the file (error key: ``section.key``), so each option has one set of bounds
+and one message. ``radixd.settings`` builds the file's engine sections from these keys (it
+adds the daemon's own); ``HostTierOptions``/``DiskTierOptions`` declare the built-in tiers'
+tables (``[cache.host]``, ``[cache.disk]``) the same way.
+
+The file has no null: an ``X | None`` option is spelled there by X's empty value (``0``,
+``""``, ``[]``), which ``from_file`` reads back as None. Adding an engine option is one
+``option(...)`` line here; with a ``key`` it also needs its entry in radixd.toml and
+man/radixd.toml.5 (tests/test_docs.py checks they agree).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import math
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 from radixd.core.errors import ConfigError
 
@@ -14,188 +34,236 @@ WRITE_POLICIES = ("write_back", "write_through", "write_through_hits")
 ROUTING_POLICIES = ("cache_aware", "round_robin")
 
 
+def option(default: Any, *, key: str | None = None, min: float | None = None, max: float | None = None,
+           choices: tuple | None = None, live: bool = False, nonempty: bool = False,
+           required: bool = False, allowed: str | None = None) -> Any:
+    """A dataclass field with its checking metadata. ``key``: its ``section.key`` in the
+    daemon's file (None: an engine-only option); ``live``: re-read on SIGHUP; ``nonempty``: a
+    string that must not be empty; ``required``: a tier option that must be given (not empty)
+    when the tier is in use; ``allowed``: the wording of what is allowed, where the generic
+    one ("a string") would say too little."""
+    meta = {"key": key, "min": min, "max": max, "choices": choices, "live": live, "nonempty": nonempty,
+            "required": required, "allowed": allowed}
+    if isinstance(default, list | tuple | dict):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def check(key: str, value: Any, hint: Any, meta: typing.Mapping[str, Any], *, unset: Any = MISSING) -> None:
+    """Refuse ``value`` unless it has the type ``hint`` and the metadata's bounds and choices,
+    with a ``ConfigError`` naming ``key``, the value and what is allowed. ``unset``: the
+    spelling of None in a file (accepted and named in the message)."""
+    if value is None and type(None) in typing.get_args(hint):
+        return
+    hint = _not_none(hint)
+    if unset is not MISSING and value == unset and type(value) is type(unset):
+        return
+    origin = typing.get_origin(hint)
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(key, value, meta.get("allowed") or "a list of strings")
+        return
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, value, meta.get("allowed") or "a table")
+        return
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, value, "true or false")
+        return
+    if hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+    elif hint is str:
+        ok = isinstance(value, str) and not (meta.get("nonempty") and not value)
+    else:  # pragma: no cover - a new option type needs a branch here
+        raise TypeError(f"config: no check for {hint!r}")
+    lo, hi, choices = meta.get("min"), meta.get("max"), meta.get("choices")
+    if (not ok or (choices is not None and value not in choices)
+            or (lo is not None and value < lo) or (hi is not None and value > hi)):
+        raise ConfigError(key, value, meta.get("allowed") or allowed(hint, lo, hi, choices, unset))
+
+
+def allowed(hint: type, lo: float | None, hi: float | None, choices: tuple | None, unset: Any = MISSING) -> str:
+    """What ``check`` says is allowed, e.g. "an integer >= 1", "one of 'a', 'b'"."""
+    if choices:
+        return "one of " + ", ".join(repr(c) for c in choices)
+    kind = {int: "an integer", float: "a number", str: "a string"}[hint]
+    if lo is not None and hi is not None:
+        text = f"{kind} in [{lo}, {hi}]"
+    elif lo is not None:
+        text = f"{kind} >= {lo}"
+    else:
+        return kind
+    return text if unset is MISSING else f"{unset!r} or {text}"
+
+
+def check_fields(obj: Any) -> None:
+    """``check`` every field of the dataclass ``obj`` (error keys: the field names)."""
+    hints = _hints(type(obj))
+    for f in fields(obj):
+        check(f.name, getattr(obj, f.name), hints[f.name], f.metadata)
+
+
+def _not_none(hint: Any) -> Any:
+    """``X`` of ``X | None``."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """The resolved type hints of a dataclass (annotations are strings here), computed once."""
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def file_type(hint: Any) -> Any:
+    """How an option's type is written in the file: ``X | None`` as X, tuples as lists."""
+    hint = _not_none(hint)
+    if typing.get_origin(hint) is tuple:
+        return list[str]
+    return hint
+
+
+def file_unset(hint: Any) -> Any:
+    """The file's spelling of None for an ``X | None`` option (MISSING for the others)."""
+    if type(None) not in typing.get_args(hint):
+        return MISSING
+    return {int: 0, float: 0.0, str: "", list[str]: []}[file_type(hint)]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """What the engine needs to serve one model.
+    """What the engine needs to serve one model; checked on construction (``ConfigError``).
 
     ``model`` is a Hugging Face checkpoint directory (config.json + safetensors), a ``.gguf``
     file, or ``"default"`` for the bundled SmolLM2-135M-Instruct (converted once into
     ``cache_dir``).
     """
 
-    model: str = "default"
-    tokenizer: str | None = None  # a directory; "none": token ids only, no text
-    dtype: str = "auto"
-    device: str = "auto"
-    attention_backend: str = "auto"
-    cache_dir: str | None = None
-    # "dummy": random weights of the checkpoint's shape, no weight files (benchmarks).
-    load_format: str = "auto"
-
-    # KV memory. ``kv_cache_bytes`` wins over ``kv_cache_tokens`` when both are set.
-    kv_cache_bytes: int | None = None
-    kv_cache_tokens: int | None = None
-    max_context_len: int | None = None
-    # On CUDA without an explicit size: share of the free memory after the weights.
-    mem_fraction: float = 0.85
+    model: str = option("default", key="model.path", nonempty=True,
+                        allowed="a checkpoint directory, a .gguf file or 'default'")
+    tokenizer: str | None = option(None, key="model.tokenizer")  # a directory; "none": token ids only
+    dtype: str = option("auto", key="model.dtype", choices=DTYPES)
+    device: str = option("auto", key="model.device", choices=DEVICES)
+    attention_backend: str = option("auto", key="model.attention_backend", choices=ATTENTION_BACKENDS)
     # Capture decode steps as CUDA graphs (batch-size buckets up to max_running_requests).
-    cuda_graphs: bool = True
+    cuda_graphs: bool = option(True, key="model.cuda_graphs")
     # Decode requests that share a cached prefix read its KV once for all of them (two-level
     # "cascade" attention; the triton backend).
-    cascade_attention: bool = True
+    cascade_attention: bool = option(True, key="model.cascade_attention")
     # Optional kernels (triton_ops.KernelChoice; benchmarks compare both ways): one-row
     # projections with the next element-wise step in the GEMV's epilogue, and the few-row
-    # projection kernel where it was measured faster than cuBLAS.
-    fuse_one_row: bool = True
-    rows_kernel: bool = True
+    # projection kernel where it was measured faster than cuBLAS. Engine options only.
+    fuse_one_row: bool = option(True)
+    rows_kernel: bool = option(True)
+    cache_dir: str | None = option(None, key="model.cache_dir")
+    max_context_len: int | None = option(None, key="model.max_context_len", min=2)
+    # "dummy": random weights of the checkpoint's shape, no weight files (benchmarks).
+    load_format: str = option("auto", choices=LOAD_FORMATS)
+
+    # KV memory. ``kv_cache_bytes`` wins over ``kv_cache_tokens`` when both are set.
+    kv_cache_bytes: int | None = option(None, key="memory.kv_cache_bytes", min=1)
+    kv_cache_tokens: int | None = option(None, key="memory.kv_cache_tokens", min=2)
+    # On CUDA without an explicit size: share of the free memory after the weights.
+    mem_fraction: float = option(0.85, key="memory.mem_fraction", min=0.05, max=0.98)
 
     # Radix cache.
-    radix_cache: bool = True
+    radix_cache: bool = option(True, key="cache.radix")
     # Lower cache tiers, fastest first (names from the radixd_cache_tiers hook: "host",
     # "disk", plugins' tiers); empty: the pool only.
-    cache_tiers: tuple[str, ...] = ()
+    cache_tiers: tuple[str, ...] = option((), key="cache.tiers",
+                                          allowed="a list of tier names, e.g. ['host', 'disk']")
     # Tokens per page stored in the tiers (only whole pages are stored).
-    cache_page_tokens: int = 16
+    cache_page_tokens: int = option(16, key="cache.page_tokens", min=1)
     # When pages go down: "write_back" (on eviction from the pool), "write_through" (when a
     # request leaves), "write_through_hits" (when it leaves, for prefixes hit cache_write_hits times).
-    cache_write_policy: str = "write_back"
-    cache_write_hits: int = 2
+    cache_write_policy: str = option("write_back", key="cache.write_policy", choices=WRITE_POLICIES)
+    cache_write_hits: int = option(2, key="cache.write_hits", min=1)
     # Prefetch pages of arriving requests from slow tiers into the first (memory) tier.
-    cache_prefetch: bool = True
+    cache_prefetch: bool = option(True, key="cache.prefetch")
     # Each tier's options, by tier name (the [cache.NAME] tables of radixd.toml).
-    cache_tier_options: dict = field(default_factory=dict)
+    cache_tier_options: dict = option({}, allowed="a table of tables, one per tier name")
+
+    # Scheduler.
+    policy: str = option("lpm", key="scheduler.policy", nonempty=True,
+                         allowed="the name of a loaded scheduling policy")
+    max_running_requests: int = option(64, key="scheduler.max_running_requests", min=1)
+    max_prefill_tokens: int = option(4096, key="scheduler.max_prefill_tokens", min=1)
+    chunked_prefill_size: int = option(2048, key="scheduler.chunked_prefill_size", min=1)
+    # Fraction of each running request's remaining max_new_tokens kept free when admitting.
+    schedule_conservativeness: float = option(0.3, key="scheduler.schedule_conservativeness", min=0.0, max=1.0)
+    # Launch step N+1 before reading step N's picks (the device never waits for the host).
+    overlap_schedule: bool = option(True, key="scheduler.overlap")
+    # tokens per streamed update of a request (1: every token)
+    stream_interval: int = option(1, key="scheduler.stream_interval", min=1)
+    seed: int = option(0, key="scheduler.seed", min=0)
+    # While running: start-up objects frozen out of the garbage collector's walks, and its
+    # youngest generation's threshold raised to at least this (0: Python's); see gc_control.
+    gc_freeze: bool = option(True, key="scheduler.gc_freeze")
+    gc_threshold: int = option(10000, key="scheduler.gc_threshold", min=0)
+    lpm_dedup_min_tokens: int = option(32, min=1)
 
     # Several devices: ``dp_size`` replicas (each a model copy, KV pool, radix tree and
     # scheduler), each split over ``tp_size`` devices (heads and MLP columns per device).
-    dp_size: int = 1
-    tp_size: int = 1
+    dp_size: int = option(1, key="parallel.dp_size", min=1)
+    tp_size: int = option(1, key="parallel.tp_size", min=1)
     # tp on CUDA: sum small partials (decode steps) with radixd's one-shot kernel over peer-to-
     # peer memory where the GPUs can address each other; NCCL for the rest (and when off).
-    peer_all_reduce: bool = True
+    peer_all_reduce: bool = option(True, key="parallel.peer_all_reduce")
     # Which replica serves a request: "cache_aware" (the longest cached prefix unless that
     # replica has more than ``routing_balance_threshold`` requests over the least-loaded one
     # and more than ``routing_balance_ratio`` times its load; see router.py) or "round_robin".
-    routing: str = "cache_aware"
-    routing_balance_threshold: int = 16
-    routing_balance_ratio: float = 1.25
-
-    # Scheduler.
-    policy: str = "lpm"
-    max_running_requests: int = 64
-    max_prefill_tokens: int = 4096
-    chunked_prefill_size: int = 2048
-    max_queued_requests: int = 1024
-    lpm_dedup_min_tokens: int = 32
-    # Launch step N+1 before reading step N's picks (the device never waits for the host).
-    overlap_schedule: bool = True
-    stream_interval: int = 1  # tokens per streamed update of a request (1: every token)
-    # While running: start-up objects frozen out of the garbage collector's walks, and its
-    # youngest generation's threshold raised to at least this (0: Python's); see gc_control.
-    gc_freeze: bool = True
-    gc_threshold: int = 10000
-    # Fraction of each running request's remaining max_new_tokens kept free when admitting.
-    schedule_conservativeness: float = 0.3
-
-    # Sampling.
-    max_n: int = 16
-    max_top_logprobs: int = 20
-    seed: int = 0
+    routing: str = option("cache_aware", key="parallel.routing", choices=ROUTING_POLICIES)
+    routing_balance_threshold: int = option(16, key="parallel.routing_balance_threshold", min=0)
+    routing_balance_ratio: float = option(1.25, key="parallel.routing_balance_ratio", min=1.0)
 
     # Structured generation (radixd.grammars).
-    grammar_backend: str = "radixd"          # a backend from the radixd_grammar_backends hook
-    grammar_compile_timeout: float = 10.0    # seconds; a slower compile fails its request (400)
-    grammar_compile_workers: int = 2         # threads compiling grammars off the event loop
+    # a backend from the radixd_grammar_backends hook
+    grammar_backend: str = option("radixd", key="grammar.backend", nonempty=True,
+                                  allowed="the name of a loaded grammar backend")
+    # seconds; a slower compile fails its request (400)
+    grammar_compile_timeout: float = option(10.0, key="grammar.compile_timeout", min=0.001)
+    # threads compiling grammars off the event loop
+    grammar_compile_workers: int = option(2, key="grammar.compile_workers", min=1)
     # a new grammar first compiles in a worker process under this memory limit (and the
     # time limit), killed if it explodes; 0: no such trial (threads only)
-    grammar_compile_memory_mb: int = 1024
-    grammar_cache_size: int = 64            # compiled grammars kept (LRU, per engine/tokenizer)
-    grammar_max_whitespace: int = 2          # longest whitespace run between JSON tokens
-    grammar_mask_cache_size: int = 1024      # token masks kept per compiled grammar
+    grammar_compile_memory_mb: int = option(1024, key="grammar.compile_memory_mb", min=0)
+    # compiled grammars kept (LRU, per engine/tokenizer)
+    grammar_cache_size: int = option(64, key="grammar.cache_size", min=1)
+    # longest whitespace run between JSON tokens
+    grammar_max_whitespace: int = option(2, key="grammar.max_whitespace", min=0)
+    # token masks kept per compiled grammar
+    grammar_mask_cache_size: int = option(1024, key="grammar.mask_cache_size", min=16)
     # near max_tokens, allow only tokens after which the document can still close in time
     # (backends whose matchers offer ``fill_mask_within``)
-    grammar_close_within_max_tokens: bool = True
+    grammar_close_within_max_tokens: bool = option(True, key="grammar.close_within_max_tokens")
     # compile time (the compiling thread's CPU ms) spent scanning the vocabulary from lexer
     # states beyond their starts, so that first masks find their scans ready
-    grammar_warm_budget_ms: int = 100
+    grammar_warm_budget_ms: int = option(100, key="grammar.warm_budget_ms", min=0)
 
-    plugins_allow: tuple[str, ...] | None = None
-    plugins_block: tuple[str, ...] = field(default_factory=tuple)
+    # Admission and per-request limits.
+    max_queued_requests: int = option(1024, key="limits.max_queued_requests", min=1, live=True)
+    max_n: int = option(16, key="limits.max_n", min=1)
+    max_top_logprobs: int = option(20, key="limits.max_top_logprobs", min=0, max=20)
+
+    # Entry-point plugins to load (None: all installed ones) and never to load.
+    plugins_allow: tuple[str, ...] | None = option(None, key="plugins.allow")
+    plugins_block: tuple[str, ...] = option((), key="plugins.block")
 
     def __post_init__(self) -> None:
-        _one_of("dtype", self.dtype, DTYPES)
-        _one_of("device", self.device, DEVICES)
-        _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _one_of("load_format", self.load_format, LOAD_FORMATS)
-        _one_of("routing", self.routing, ROUTING_POLICIES)
-        _int_at_least("dp_size", self.dp_size, 1)
-        _int_at_least("tp_size", self.tp_size, 1)
-        _int_at_least("routing_balance_threshold", self.routing_balance_threshold, 0)
-        if (isinstance(self.routing_balance_ratio, bool) or not isinstance(self.routing_balance_ratio, int | float)
-                or not self.routing_balance_ratio >= 1.0):
-            raise ConfigError("routing_balance_ratio", self.routing_balance_ratio, "a number >= 1")
-        if not isinstance(self.model, str) or not self.model:
-            raise ConfigError("model", self.model, "a checkpoint directory, a .gguf file or 'default'")
-        if self.kv_cache_bytes is not None:
-            _int_at_least("kv_cache_bytes", self.kv_cache_bytes, 1)
-        if self.kv_cache_tokens is not None:
-            _int_at_least("kv_cache_tokens", self.kv_cache_tokens, 2)
-        if self.max_context_len is not None:
-            _int_at_least("max_context_len", self.max_context_len, 2)
-        _int_at_least("max_running_requests", self.max_running_requests, 1)
-        _int_at_least("max_prefill_tokens", self.max_prefill_tokens, 1)
-        _int_at_least("chunked_prefill_size", self.chunked_prefill_size, 1)
-        _int_at_least("max_queued_requests", self.max_queued_requests, 1)
-        _int_at_least("lpm_dedup_min_tokens", self.lpm_dedup_min_tokens, 1)
-        _int_at_least("max_n", self.max_n, 1)
-        _int_at_least("max_top_logprobs", self.max_top_logprobs, 0)
-        if (
-            isinstance(self.schedule_conservativeness, bool)
-            or not isinstance(self.schedule_conservativeness, int | float)
-            or not 0.0 <= self.schedule_conservativeness <= 1.0
-        ):
-            raise ConfigError("schedule_conservativeness", self.schedule_conservativeness, "a number in [0, 1]")
-        if isinstance(self.mem_fraction, bool) or not isinstance(self.mem_fraction, int | float) or not 0.0 < self.mem_fraction < 1.0:
-            raise ConfigError("mem_fraction", self.mem_fraction, "a number in (0, 1)")
-        if not isinstance(self.overlap_schedule, bool):
-            raise ConfigError("overlap_schedule", self.overlap_schedule, "true or false")
-        if not isinstance(self.gc_freeze, bool):
-            raise ConfigError("gc_freeze", self.gc_freeze, "true or false")
-        if isinstance(self.gc_threshold, bool) or not isinstance(self.gc_threshold, int) or self.gc_threshold < 0:
-            raise ConfigError("gc_threshold", self.gc_threshold, "an integer >= 0 (0: Python's own)")
-        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) or self.stream_interval < 1:
-            raise ConfigError("stream_interval", self.stream_interval, "an integer >= 1")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ConfigError("cuda_graphs", self.cuda_graphs, "true or false")
-        if not isinstance(self.cascade_attention, bool):
-            raise ConfigError("cascade_attention", self.cascade_attention, "true or false")
-        if not isinstance(self.fuse_one_row, bool):
-            raise ConfigError("fuse_one_row", self.fuse_one_row, "true or false")
-        if not isinstance(self.rows_kernel, bool):
-            raise ConfigError("rows_kernel", self.rows_kernel, "true or false")
-        if not isinstance(self.radix_cache, bool):
-            raise ConfigError("radix_cache", self.radix_cache, "true or false")
+        check_fields(self)
         self._check_tiers()
-        if not isinstance(self.policy, str) or not self.policy:
-            raise ConfigError("policy", self.policy, "the name of a loaded scheduling policy")
-        if not isinstance(self.grammar_backend, str) or not self.grammar_backend:
-            raise ConfigError("grammar_backend", self.grammar_backend, "the name of a loaded grammar backend")
-        if (isinstance(self.grammar_compile_timeout, bool) or not isinstance(self.grammar_compile_timeout, int | float)
-                or not self.grammar_compile_timeout > 0):
-            raise ConfigError("grammar_compile_timeout", self.grammar_compile_timeout, "a number of seconds > 0")
-        _int_at_least("grammar_compile_workers", self.grammar_compile_workers, 1)
-        _int_at_least("grammar_compile_memory_mb", self.grammar_compile_memory_mb, 0)
-        _int_at_least("grammar_cache_size", self.grammar_cache_size, 1)
-        _int_at_least("grammar_max_whitespace", self.grammar_max_whitespace, 0)
-        _int_at_least("grammar_mask_cache_size", self.grammar_mask_cache_size, 16)
-        if not isinstance(self.grammar_close_within_max_tokens, bool):
-            raise ConfigError("grammar_close_within_max_tokens", self.grammar_close_within_max_tokens, "true or false")
-        _int_at_least("grammar_warm_budget_ms", self.grammar_warm_budget_ms, 0)
-        if not isinstance(self.seed, int):
-            raise ConfigError("seed", self.seed, "an integer")
 
     def _check_tiers(self) -> None:
         tiers = self.cache_tiers
-        if isinstance(tiers, str) or not isinstance(tiers, tuple | list) or not all(isinstance(t, str) and t for t in tiers):
+        if isinstance(tiers, str) or not all(tiers):
             raise ConfigError("cache_tiers", tiers, "a list of tier names, e.g. ['host', 'disk']")
         if len(set(tiers)) != len(tiers):
             raise ConfigError("cache_tiers", list(tiers), "each tier at most once")
@@ -203,29 +271,105 @@ class EngineConfig:
             raise ConfigError("cache_tiers", list(tiers), "an empty list while radix_cache is false (tiers extend the radix cache)")
         if tiers and self.tp_size != 1:
             raise ConfigError("cache_tiers", list(tiers), "an empty list while tp_size > 1 (tiers hold whole pages of one device)")
-        _int_at_least("cache_page_tokens", self.cache_page_tokens, 1)
-        _one_of("cache_write_policy", self.cache_write_policy, WRITE_POLICIES)
-        _int_at_least("cache_write_hits", self.cache_write_hits, 1)
-        if not isinstance(self.cache_prefetch, bool):
-            raise ConfigError("cache_prefetch", self.cache_prefetch, "true or false")
         opts = self.cache_tier_options
-        if not isinstance(opts, dict) or not all(isinstance(v, dict) for v in opts.values()):
+        if not all(isinstance(v, dict) for v in opts.values()):
             raise ConfigError("cache_tier_options", opts, "a table of tables, one per tier name")
         for name in opts:
             if name not in tiers:
                 raise ConfigError(f"cache.{name}", "[...]", "options only for tiers listed in cache.tiers "
                                   f"({', '.join(tiers) or 'none'})")
+        for name in tiers:
+            if name in BUILTIN_TIERS:
+                tier_options(name, opts.get(name, {}))
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
+    @classmethod
+    def file_options(cls) -> list[tuple[str, Any, Any]]:
+        """(``section.key``, its type in the file, the field) of every option the file offers,
+        in declaration order; the field's default is in the file's spelling."""
+        hints = _hints(cls)
+        out = []
+        for f in fields(cls):
+            if f.metadata.get("key") is None:
+                continue
+            hint = hints[f.name]
+            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+            if default is None:
+                default = file_unset(hint)
+            if isinstance(default, tuple):
+                default = list(default)
+            out.append((f.metadata.get("key"), file_type(hint), option(default, **f.metadata)))
+        return out
 
-def _one_of(key: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(key, value, "one of " + ", ".join(repr(a) for a in allowed))
+    @classmethod
+    def check_file_value(cls, key: str, value: Any) -> None:
+        """``check`` a value the file gives ``key`` (a ``section.key`` of ``file_options``)."""
+        f = _by_file_key(cls)[key]
+        hint = _hints(cls)[f.name]
+        check(key, value, hint, f.metadata, unset=file_unset(hint))
+
+    @classmethod
+    def from_file(cls, value_of: Callable[[str], Any], **engine_only: Any) -> EngineConfig:
+        """The config of the file's values (``value_of("memory.kv_cache_bytes")``), each
+        already checked by ``check_file_value``; a ``ConfigError`` of the cross-option checks
+        names the file's key."""
+        kw: dict[str, Any] = dict(engine_only)
+        hints = _hints(cls)
+        for key, f in _by_file_key(cls).items():
+            value, hint = value_of(key), hints[f.name]
+            if file_unset(hint) is not MISSING and value == file_unset(hint):
+                value = None
+            elif isinstance(value, list):
+                value = tuple(value)
+            elif file_type(hint) is float:
+                value = float(value)
+            kw[f.name] = value
+        try:
+            return cls(**kw)
+        except ConfigError as exc:
+            f = next((f for f in fields(cls) if f.name == exc.key), None)
+            if f is None or f.metadata.get("key") is None:
+                raise
+            raise ConfigError(f.metadata.get("key"), exc.value, exc.allowed) from exc
 
 
-def _int_at_least(key: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(key, value, f"an integer >= {low}")
+def _by_file_key(cls: type) -> dict[str, Any]:
+    return {f.metadata.get("key"): f for f in fields(cls) if f.metadata.get("key") is not None}
+
+
+@dataclass(frozen=True)
+class HostTierOptions:
+    """``[cache.host]``: the host-memory tier (its own check also wants one page at least)."""
+
+    max_bytes: int = option(4 << 30, min=1)
+
+
+@dataclass(frozen=True)
+class DiskTierOptions:
+    """``[cache.disk]``: the disk tier."""
+
+    path: str = option("", required=True, allowed="a directory for the disk tier's page files")
+    max_bytes: int = option(16 << 30, min=1)
+
+
+BUILTIN_TIERS: dict[str, type] = {"host": HostTierOptions, "disk": DiskTierOptions}
+
+
+def tier_options(name: str, options: dict[str, Any]) -> Any:
+    """The options table of the built-in tier ``name``, in use: checked (``cache.NAME.KEY``
+    in errors, required options given), as its dataclass."""
+    cls = BUILTIN_TIERS[name]
+    known = {f.name: f for f in fields(cls)}
+    hints = _hints(cls)
+    for key, value in options.items():
+        if key not in known:
+            raise ConfigError(f"cache.{name}.{key}", value, "keys " + ", ".join(known))
+        check(f"cache.{name}.{key}", value, hints[key], known[key].metadata)
+    for key, f in known.items():
+        if f.metadata.get("required") and not options.get(key):
+            raise ConfigError(f"cache.{name}.{key}", options.get(key, f.default),
+                              f'{f.metadata["allowed"]} (cache.tiers lists "{name}")')
+    return cls(**options)

@@ -1,14 +1,28 @@
-"""Per-request sampling parameters, validated on construction."""
+"""Per-request sampling parameters: each field's bounds declared once, checked on construction.
+
+A numeric field's range lives in its metadata (``bounded``); ``__post_init__`` checks it and
+``json_schema`` publishes it, so the HTTP layer's request tables (``radixd.server.protocol``,
+``/openapi.json``) carry the same bounds as the engine.
+"""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from radixd.core.errors import InvalidRequest
 
 INT32_MAX = 2**31 - 1
+SEED_MAX = 2**63 - 1
+
+
+def bounded(default: Any, low: float, high: float | None = None, *, low_open: bool = False) -> Any:
+    """A numeric field allowed in [low, high] ((low, high] with ``low_open``; no upper bound
+    without ``high``); an int ``low`` makes it an integer field."""
+    return field(default=default, metadata={"min": low, "max": high, "low_open": low_open})
+
 
 @dataclass
 class SamplingParams:
@@ -20,26 +34,27 @@ class SamplingParams:
     ``stop_token_ids`` end the request after emitting nothing for that token.
     """
 
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
+    max_new_tokens: int = bounded(128, 0)
+    min_new_tokens: int = bounded(0, 0)
+    # OpenAI's documented range (engines such as vLLM accept more; nothing useful lies there)
+    temperature: float = bounded(1.0, 0.0, 2.0)
+    top_p: float = bounded(1.0, 0.0, 1.0, low_open=True)
+    top_k: int = bounded(-1, -1, INT32_MAX)  # batched into an int tensor
+    min_p: float = bounded(0.0, 0.0, 1.0)
+    repetition_penalty: float = bounded(1.0, 0.0, 10.0, low_open=True)
+    frequency_penalty: float = bounded(0.0, -2.0, 2.0)
+    presence_penalty: float = bounded(0.0, -2.0, 2.0)
+    seed: int | None = bounded(None, 0, SEED_MAX)
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # each in [0, INT32_MAX]
     ignore_eos: bool = False
-    n: int = 1
+    n: int = bounded(1, 1)
     logprobs: bool = False
-    top_logprobs: int = 0
+    top_logprobs: int = bounded(0, 0)  # at most the engine's max_top_logprobs
     skip_special_tokens: bool = True
     # Return the log-probability of each prompt token from this position on (position 0 has
     # none); None = off. Cached KV before that position is reused, the rest is recomputed.
-    prompt_logprobs_from: int | None = None
+    prompt_logprobs_from: int | None = bounded(None, 0)
     # Structured generation: at most one of these (see radixd.grammars).
     regex: str | None = None
     json_schema: str | dict | bool | None = None  # a JSON Schema (object, or its JSON text)
@@ -52,22 +67,15 @@ class SamplingParams:
             self.stop = []
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        _int_range("max_new_tokens", self.max_new_tokens, 0, None)
-        _int_range("min_new_tokens", self.min_new_tokens, 0, None)
+        for f in _BOUNDED:
+            value = getattr(self, f.name)
+            if value is not None or f.default is not None:
+                _in_range(f.name, value, f.metadata)
         if self.min_new_tokens > self.max_new_tokens:
             raise InvalidRequest(
                 "min_new_tokens",
                 f"{self.min_new_tokens} is larger than max_new_tokens ({self.max_new_tokens})",
             )
-        _float_range("temperature", self.temperature, 0.0, 100.0)
-        _float_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _int_range("top_k", self.top_k, -1, INT32_MAX)  # batched into an int tensor
-        _float_range("min_p", self.min_p, 0.0, 1.0)
-        _float_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
-        _float_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _float_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        if self.seed is not None:
-            _int_range("seed", self.seed, 0, 2**63 - 1)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise InvalidRequest("stop", "must be a string or a list of strings")
         if any(s == "" for s in self.stop):
@@ -76,18 +84,14 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in self.stop_token_ids
         ):
             raise InvalidRequest("stop_token_ids", f"must be a list of integers in [0, {INT32_MAX}]")
-        _int_range("n", self.n, 1, None)
-        _int_range("top_logprobs", self.top_logprobs, 0, None)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequest("ignore_eos", "must be true or false")
         if not isinstance(self.logprobs, bool):
             raise InvalidRequest("logprobs", "must be true or false")
         if not isinstance(self.skip_special_tokens, bool):
             raise InvalidRequest("skip_special_tokens", "must be true or false")
-        if self.prompt_logprobs_from is not None:
-            _int_range("prompt_logprobs_from", self.prompt_logprobs_from, 0, None)
-            if self.max_new_tokens == 0:
-                raise InvalidRequest("max_new_tokens", "must be >= 1 when prompt_logprobs_from is set")
+        if self.prompt_logprobs_from is not None and self.max_new_tokens == 0:
+            raise InvalidRequest("max_new_tokens", "must be >= 1 when prompt_logprobs_from is set")
         given = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
         if len(given) > 1:
             raise InvalidRequest(given[1], f"give at most one constraint (regex, json_schema, ebnf); got {', '.join(given)}")
@@ -123,20 +127,33 @@ class SamplingParams:
         )
 
 
-def _int_range(name: str, value: object, low: int, high: int | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequest(name, f"must be an integer, got {value!r}")
-    if value < low or (high is not None and value > high):
-        hi = "" if high is None else f" and <= {high}"
-        raise InvalidRequest(name, f"must be >= {low}{hi}, got {value}")
+_BOUNDED = [f for f in fields(SamplingParams) if "min" in f.metadata]
 
 
-def _float_range(
-    name: str, value: object, low: float, high: float, *, low_open: bool = False
-) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+def json_schema(name: str) -> dict[str, Any]:
+    """The JSON Schema of the bounded field ``name`` (its type and range)."""
+    meta = next(f.metadata for f in _BOUNDED if f.name == name)
+    integer = isinstance(meta["min"], int)
+    schema: dict[str, Any] = {"type": "integer" if integer else "number",
+                              "exclusiveMinimum" if meta["low_open"] else "minimum": _plain(meta["min"])}
+    if meta["max"] is not None:
+        schema["maximum"] = _plain(meta["max"])
+    return schema
+
+
+def _plain(x: float) -> float | int:
+    return int(x) if float(x).is_integer() else x
+
+
+def _in_range(name: str, value: object, meta: dict) -> None:
+    low, high = meta["min"], meta["max"]
+    if isinstance(low, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidRequest(name, f"must be an integer, got {value!r}")
+    elif isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
         raise InvalidRequest(name, f"must be a number, got {value!r}")
-    too_low = value <= low if low_open else value < low
-    if too_low or value > high:
-        lo = f"> {low}" if low_open else f">= {low}"
-        raise InvalidRequest(name, f"must be {lo} and <= {high}, got {value}")
+    too_low = value <= low if meta["low_open"] else value < low
+    if too_low or (high is not None and value > high):
+        lo = f"> {low}" if meta["low_open"] else f">= {low}"
+        hi = "" if high is None else f" and <= {high}"
+        raise InvalidRequest(name, f"must be {lo}{hi}, got {value}")

@@ -203,6 +203,8 @@ def _fill(node: Any, state) -> None:
         node["maximum"] = state.engine.model_cfg.vocab_size - 1
     elif what == "n":
         node["maximum"] = lim.max_n
+    elif what == "top_logprobs":
+        node["maximum"] = lim.max_top_logprobs
     elif what == "stop":
         node["maxItems"] = lim.max_stop_sequences
     for value in node.values():

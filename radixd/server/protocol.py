@@ -1,18 +1,25 @@
-"""Parse OpenAI-style and native request bodies into prompts and ``SamplingParams``.
+"""Request bodies: the field tables of every route, and the parsers that read bodies by them.
 
-Unknown fields are refused (400 naming them) rather than ignored; radixd's extensions in the
-style of vLLM/SGLang (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``) are accepted on both routes, and so are the grammar constraints ``regex``, ``json_schema`` and
-``ebnf`` (Lark) besides OpenAI's ``response_format``.
+Each route's fields are a table of JSON Schemas (published at ``/openapi.json`` by
+``radixd.server.openapi``); a sampling field's range comes from ``SamplingParams``'s
+declaration (``json_schema``), so the HTTP layer and the engine refuse the same values. The
+parsers turn a body into a prompt and ``SamplingParams`` (or the route's own record), with
+a 400 ``ApiError`` naming the field. Unknown fields are refused rather than ignored;
+radixd's extensions in the style of vLLM/SGLang (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``skip_special_tokens``) are accepted on both OpenAI routes, and so are the grammar
+constraints ``regex``, ``json_schema`` and ``ebnf`` (Lark) besides OpenAI's
+``response_format``.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from radixd.core.errors import InvalidRequest
-from radixd.core.sampling_params import SamplingParams
+from radixd.core.sampling_params import INT32_MAX, SamplingParams, json_schema
 from radixd.server.errors import ApiError
 
 EXTENSIONS = {
@@ -45,7 +52,7 @@ _BOOL = {"type": "boolean"}
 _MODEL = {"type": "string", "x-radixd": "model"}
 _TOKEN = {"type": "integer", "minimum": 0, "x-radixd": "token"}
 _IDS = {"type": "array", "items": _TOKEN}
-_STOP_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}}
+_STOP_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": INT32_MAX}}
 _STOP_STR = {"type": "string", "minLength": 1}
 _STOP = {"anyOf": [_STOP_STR, {"type": "array", "items": _STOP_STR, "x-radixd": "stop"}]}
 CONSTRAINTS = ("regex", "json_schema", "ebnf")  # SGLang-style extras, also on the OpenAI routes
@@ -56,20 +63,20 @@ SAMPLING_SCHEMAS: dict[str, dict] = {   # shared by /v1/chat/completions and /v1
     "stream": _opt(_BOOL),
     "stream_options": _opt({"type": "object", "additionalProperties": False,
                             "properties": {"include_usage": _BOOL, "continuous_usage_stats": _BOOL}}),
-    "n": _opt({"type": "integer", "minimum": 1, "x-radixd": "n"}),
+    "n": _opt({**json_schema("n"), "x-radixd": "n"}),
     "stop": _opt(_STOP),
-    "max_tokens": _opt({"type": "integer", "minimum": 0}),
-    "temperature": _opt({"type": "number", "minimum": 0, "maximum": 2}),
-    "top_p": _opt({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
-    "seed": _opt({"type": "integer", "minimum": 0, "maximum": 2**63 - 1}),
-    "frequency_penalty": _opt({"type": "number", "minimum": -2, "maximum": 2}),
-    "presence_penalty": _opt({"type": "number", "minimum": -2, "maximum": 2}),
+    "max_tokens": _opt(json_schema("max_new_tokens")),
+    "temperature": _opt(json_schema("temperature")),
+    "top_p": _opt(json_schema("top_p")),
+    "seed": _opt(json_schema("seed")),
+    "frequency_penalty": _opt(json_schema("frequency_penalty")),
+    "presence_penalty": _opt(json_schema("presence_penalty")),
     "user": _opt(_STR),
     "priority": _opt(_INT),
-    "top_k": _opt({"type": "integer", "minimum": -1, "maximum": 2**31 - 1}),
-    "min_p": _opt({"type": "number", "minimum": 0, "maximum": 1}),
-    "repetition_penalty": _opt({"type": "number", "exclusiveMinimum": 0, "maximum": 10}),
-    "min_tokens": _opt({"type": "integer", "minimum": 0}),
+    "top_k": _opt(json_schema("top_k")),
+    "min_p": _opt(json_schema("min_p")),
+    "repetition_penalty": _opt(json_schema("repetition_penalty")),
+    "min_tokens": _opt(json_schema("min_new_tokens")),
     "ignore_eos": _opt(_BOOL),
     "stop_token_ids": _opt(_STOP_IDS),
     "skip_special_tokens": _opt(_BOOL),
@@ -81,6 +88,7 @@ SAMPLING_SCHEMAS: dict[str, dict] = {   # shared by /v1/chat/completions and /v1
                                        "properties": {"name": _STR, "schema": {"type": "object"}, "strict": _BOOL,
                                                       "description": _STR}}}}),
 }
+_TOP_LOGPROBS = {**json_schema("top_logprobs"), "x-radixd": "top_logprobs"}
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": _STR}}
 MESSAGE_SCHEMA = {  # (an assistant message's content may also be null)
@@ -90,32 +98,25 @@ MESSAGE_SCHEMA = {  # (an assistant message's content may also be null)
 }
 MESSAGES = {"type": "array", "minItems": 1, "items": MESSAGE_SCHEMA}
 CHAT_SCHEMAS = {**SAMPLING_SCHEMAS, "messages": MESSAGES,
-                "max_completion_tokens": _opt({"type": "integer", "minimum": 0}),
-                "logprobs": _opt(_BOOL), "top_logprobs": _opt({"type": "integer", "minimum": 0, "maximum": 20})}
+                "max_completion_tokens": _opt(json_schema("max_new_tokens")),
+                "logprobs": _opt(_BOOL), "top_logprobs": _opt(_TOP_LOGPROBS)}
 PROMPT = {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _TEXT},
                     {"type": "array", "minItems": 1, "items": _TOKEN},
                     {"type": "array", "minItems": 1, "items": {**_IDS, "minItems": 1}}]}
 COMPLETION_SCHEMAS = {**SAMPLING_SCHEMAS, "prompt": PROMPT, "echo": _opt(_BOOL),
                       "logprobs": _opt({"type": "integer", "minimum": 0, "maximum": 5})}
-NATIVE_PARAM_SCHEMAS = {
-    "max_new_tokens": {"type": "integer", "minimum": 0},
-    "min_new_tokens": {"type": "integer", "minimum": 0},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 100},
-    "top_p": SAMPLING_SCHEMAS["top_p"]["anyOf"][0],
-    "top_k": SAMPLING_SCHEMAS["top_k"]["anyOf"][0],
-    "min_p": SAMPLING_SCHEMAS["min_p"]["anyOf"][0],
-    "repetition_penalty": SAMPLING_SCHEMAS["repetition_penalty"]["anyOf"][0],
-    "frequency_penalty": SAMPLING_SCHEMAS["frequency_penalty"]["anyOf"][0],
-    "presence_penalty": SAMPLING_SCHEMAS["presence_penalty"]["anyOf"][0],
-    "seed": _opt(SAMPLING_SCHEMAS["seed"]["anyOf"][0]),
+NATIVE_PARAM_SCHEMAS = {  # SamplingParams's own field names
+    **{name: json_schema(name) for name in ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k",
+                                            "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")},
+    "seed": _opt(json_schema("seed")),
     "stop": _opt(_STOP),
     "stop_token_ids": _opt(_STOP_IDS),
     "ignore_eos": _BOOL,
-    "n": {"type": "integer", "minimum": 1, "x-radixd": "n"},
+    "n": {**json_schema("n"), "x-radixd": "n"},
     "logprobs": _BOOL,
-    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "top_logprobs": _TOP_LOGPROBS,
     "skip_special_tokens": _BOOL,
-    "prompt_logprobs_from": _opt({"type": "integer", "minimum": 0}),
+    "prompt_logprobs_from": _opt(json_schema("prompt_logprobs_from")),
     **CONSTRAINT_SCHEMAS,
 }
 NATIVE_SAMPLING = _opt({"type": "object", "additionalProperties": False, "properties": NATIVE_PARAM_SCHEMAS})
@@ -164,20 +165,26 @@ def check_fields(body: dict, allowed: set[str]) -> None:
             raise ApiError(400, f"unrecognized request argument: '{key}'", param=key, code="unknown_parameter")
 
 
-def _type(body: dict, key: str, kinds: tuple, what: str) -> Any:
+_KINDS = {"boolean": ((bool,), "a boolean"), "integer": ((int,), "an integer"), "number": ((int, float), "a number"),
+          "string": ((str,), "a string"), "object": ((dict,), "an object")}
+
+
+def _typed(body: dict, key: str, table: dict[str, dict]) -> Any:
+    """``body[key]`` (None when absent or null) if it has the JSON type ``table`` gives it."""
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) and bool not in kinds:
-        raise ApiError(400, f"'{key}' must be {what}", param=key)
-    if not isinstance(value, kinds):
+    schema = table[key]["anyOf"][0] if "anyOf" in table[key] else table[key]
+    kinds, what = _KINDS[schema["type"]]
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
         raise ApiError(400, f"'{key}' must be {what}", param=key)
     return value
 
 
 def sampling_from_openai(body: dict, limits: Limits, *, chat: bool) -> ParsedRequest:
-    stream = _type(body, "stream", (bool,), "a boolean") or False
-    opts = _type(body, "stream_options", (dict,), "an object") or {}
+    table = CHAT_SCHEMAS if chat else COMPLETION_SCHEMAS
+    stream = _typed(body, "stream", table) or False
+    opts = _typed(body, "stream_options", table) or {}
     if opts and not stream:
         raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
     unknown = set(opts) - {"include_usage", "continuous_usage_stats"}
@@ -185,9 +192,9 @@ def sampling_from_openai(body: dict, limits: Limits, *, chat: bool) -> ParsedReq
         raise ApiError(400, f"unrecognized stream option: '{sorted(unknown)[0]}'", param="stream_options")
     include_usage = bool(opts.get("include_usage", False))
 
-    max_tokens = _type(body, "max_tokens", (int,), "an integer")
+    max_tokens = _typed(body, "max_tokens", table)
     if chat:
-        mct = _type(body, "max_completion_tokens", (int,), "an integer")
+        mct = _typed(body, "max_completion_tokens", table)
         if mct is not None:
             max_tokens = mct
     if max_tokens is None:
@@ -204,36 +211,33 @@ def sampling_from_openai(body: dict, limits: Limits, *, chat: bool) -> ParsedReq
 
     kw: dict[str, Any] = dict(max_new_tokens=max_tokens, stop=stop)
     for key in ("temperature", "top_p", "frequency_penalty", "presence_penalty"):
-        v = _type(body, key, (int, float), "a number")
+        v = _typed(body, key, table)
         if v is not None:
             kw[key] = float(v)
     for key in ("n", "seed"):
-        v = _type(body, key, (int,), "an integer")
+        v = _typed(body, key, table)
         if v is not None:
             kw[key] = v
     for key, target in EXTENSIONS.items():
         if body.get(key) is not None:
             kw[target] = body[key]
-    if "temperature" in kw and not 0.0 <= kw["temperature"] <= 2.0:
-        raise ApiError(400, f"'temperature' must be in [0, 2], got {kw['temperature']}", param="temperature")
     if chat:
-        lp = _type(body, "logprobs", (bool,), "a boolean") or False
-        top = _type(body, "top_logprobs", (int,), "an integer")
+        lp = _typed(body, "logprobs", table) or False
+        top = _typed(body, "top_logprobs", table)
         if top is not None and not lp:
             raise ApiError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
         kw["logprobs"] = lp
         kw["top_logprobs"] = top or 0
     else:
-        lp = _type(body, "logprobs", (int,), "an integer")
+        lp = _typed(body, "logprobs", table)
         if lp is not None:
-            if not 0 <= lp <= 5:
-                raise ApiError(400, f"'logprobs' must be in [0, 5], got {lp}", param="logprobs")
+            _in_range(body, "logprobs", COMPLETION_SCHEMAS)
             kw["logprobs"] = True
             kw["top_logprobs"] = lp
     kw.update(_constraint(body))
-    _type(body, "user", (str,), "a string")
-    model = _type(body, "model", (str,), "a string")
-    priority = _type(body, "priority", (int,), "an integer") or 0
+    _typed(body, "user", table)
+    model = _typed(body, "model", table)
+    priority = _typed(body, "priority", table) or 0
     return ParsedRequest(params=make_params(kw), stream=stream, include_usage=include_usage, model=model,
                          priority=priority)
 
@@ -275,15 +279,21 @@ def _constraint(body: dict) -> dict[str, Any]:
     return out
 
 
-def make_params(kw: dict[str, Any], aliases: dict[str, str] | None = None) -> SamplingParams:
+# SamplingParams's (and the engine's) field names -> the OpenAI routes' names for them
+API_NAMES = {**{v: k for k, v in EXTENSIONS.items()}, "max_new_tokens": "max_tokens", "input_ids": "prompt"}
+
+
+def api_param(field_name: str) -> str:
+    """The OpenAI routes' name of an engine field (the ``param`` of a 400)."""
+    return API_NAMES.get(field_name, field_name)
+
+
+def make_params(kw: dict[str, Any]) -> SamplingParams:
     """Build ``SamplingParams``; its validation errors become 400s naming the API field."""
-    back = {v: k for k, v in (aliases or {}).items()}
-    back.update({v: k for k, v in EXTENSIONS.items()})
-    back.setdefault("max_new_tokens", "max_tokens")
     try:
         return SamplingParams(**kw)
     except InvalidRequest as exc:
-        param = back.get(exc.field, exc.field)
+        param = api_param(exc.field)
         raise ApiError(400, f"'{param}': {exc.message}", param=param) from exc
     except TypeError as exc:  # a wrongly typed value reached the dataclass
         raise ApiError(400, str(exc)) from exc
@@ -349,3 +359,191 @@ def completion_prompts(body: dict) -> list[str | list[int]]:
             return [list(x) for x in p]
     raise ApiError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of "
                         "token-id lists (non-empty)", param="prompt")
+
+
+def _in_range(body: dict, key: str, table: dict[str, dict]) -> None:
+    """A protocol-only integer field within its table's bounds."""
+    schema = table[key]["anyOf"][0] if "anyOf" in table[key] else table[key]
+    lo, hi, value = schema["minimum"], schema["maximum"], body[key]
+    if not lo <= value <= hi:
+        raise ApiError(400, f"'{key}' must be in [{lo}, {hi}], got {value}", param=key)
+
+
+# ------------------------------------------------------------------------ bodies
+
+
+async def read_json(request) -> dict:
+    """The body of a starlette ``request``, by ``parse_json``."""
+    return parse_json(await request.body())
+
+
+def parse_json(body: bytes) -> dict:
+    """A request body as a JSON object of Unicode strings (400 ``invalid_json`` otherwise)."""
+    try:
+        data = json.loads(body, parse_float=_number)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    except RecursionError as exc:
+        raise ApiError(400, "the body is nested too deeply", code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    _check_strings(data)
+    return data
+
+
+def _number(text: str) -> float | int:
+    """A JSON number with a fraction or exponent: an integer when it is whole (``2.0``,
+    ``1e3``), as JSON Schema counts it, so integer fields accept it."""
+    value = float(text)
+    return int(value) if value.is_integer() else value
+
+
+def _check_strings(value: Any, depth: int = 0) -> None:
+    """Refuse strings that are not Unicode text (a lone surrogate, ``"\\ud800"``, is valid
+    JSON but cannot be encoded, so the tokenizer would fail on it) and deep nesting."""
+    if depth > 64:
+        raise ApiError(400, "the body is nested too deeply (more than 64 levels)", code="invalid_json")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ApiError(400, f"the body holds a string that is not valid Unicode ({exc.reason} at "
+                                f"position {exc.start})", code="invalid_json") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k, depth + 1)
+            _check_strings(v, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _check_strings(v, depth + 1)
+
+
+def check_model(model: str | None, served: str) -> None:
+    """A request's ``model`` must be the served one when given (404 otherwise)."""
+    if model is not None and model != served:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{served}'",
+                       param="model", code="model_not_found")
+
+
+@dataclass
+class ChatRequest:
+    parsed: ParsedRequest
+    messages: list[dict]
+
+
+def parse_chat(body: dict, limits: Limits, served: str) -> ChatRequest:
+    """``/v1/chat/completions``."""
+    check_fields(body, CHAT_FIELDS)
+    parsed = sampling_from_openai(body, limits, chat=True)
+    check_model(parsed.model, served)
+    return ChatRequest(parsed, chat_messages(body))
+
+
+@dataclass
+class CompletionRequest:
+    parsed: ParsedRequest
+    prompts: list[str | list[int]]
+    echo: bool
+
+
+def parse_completion(body: dict, limits: Limits, served: str) -> CompletionRequest:
+    """``/v1/completions``."""
+    check_fields(body, COMPLETION_FIELDS)
+    parsed = sampling_from_openai(body, limits, chat=False)
+    check_model(parsed.model, served)
+    prompts = completion_prompts(body)
+    echo = body.get("echo") or False
+    if not isinstance(echo, bool):
+        raise ApiError(400, "'echo' must be a boolean", param="echo")
+    if echo and parsed.params.logprobs:
+        raise ApiError(400, "'echo' together with 'logprobs' (prompt logprobs) is not supported", param="echo",
+                       code="unsupported_parameter")
+    return CompletionRequest(parsed, prompts, echo)
+
+
+@dataclass
+class NativeRequest:
+    prompts: list[str | list[int]]
+    params: list[SamplingParams]  # one per prompt
+    batch: bool                    # a list of prompts: answered with a list, never streamed
+    stream: bool
+    priority: int
+
+
+def parse_native(body: dict) -> NativeRequest:
+    """SGLang-style ``/generate``: ``text`` or ``input_ids`` (a list of them is a batch) and
+    one ``sampling_params`` for all prompts or a list of one per prompt."""
+    check_fields(body, NATIVE_FIELDS)
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise ApiError(400, "give exactly one of 'text' or 'input_ids'", param="text")
+    batch = isinstance(text, list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
+    if text is not None:
+        texts = text if batch else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise ApiError(400, "'text' must be a string or a non-empty list of strings", param="text")
+        prompts: list = texts
+    else:
+        lists = ids if batch else [ids]
+        if not lists or not all(isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+                                for x in lists):
+            raise ApiError(400, "'input_ids' must be a list of integers or a non-empty list of such lists",
+                           param="input_ids")
+        prompts = lists
+    sp = body.get("sampling_params")
+    if isinstance(sp, list):
+        if not batch or len(sp) != len(prompts):
+            raise ApiError(400, "a list of 'sampling_params' needs a batch of as many prompts", param="sampling_params")
+        params = [sampling_from_native(x) for x in sp]
+    else:
+        params = [sampling_from_native(sp)] * len(prompts)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", param="stream")
+    if stream and batch:
+        raise ApiError(400, "a batch of prompts cannot stream", param="stream")
+    priority = body.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ApiError(400, "'priority' must be an integer", param="priority")
+    return NativeRequest(prompts, params, batch, stream, priority)
+
+
+@dataclass
+class TokenizeRequest:
+    messages: list[dict] | None  # chat messages, or None: ``prompt``
+    prompt: str
+    add_special_tokens: bool
+
+
+def parse_tokenize(body: dict, served: str) -> TokenizeRequest:
+    """``/v1/tokenize``: a ``prompt`` string or chat ``messages``."""
+    check_fields(body, set(TOKENIZE_SCHEMAS))
+    check_model(body.get("model"), served)
+    if "messages" in body:
+        return TokenizeRequest(chat_messages(body), "", True)
+    if isinstance(body.get("prompt"), str):
+        add = body.get("add_special_tokens", True)
+        if not isinstance(add, bool):
+            raise ApiError(400, "'add_special_tokens' must be a boolean", param="add_special_tokens")
+        return TokenizeRequest(None, body["prompt"], add)
+    raise ApiError(400, "give 'prompt' (a string) or 'messages'", param="prompt")
+
+
+def parse_detokenize(body: dict, served: str, vocab: int) -> list[int]:
+    """``/v1/detokenize``: the token ids, each in the vocabulary."""
+    check_fields(body, set(DETOKENIZE_SCHEMAS))
+    check_model(body.get("model"), served)
+    toks = body.get("tokens")
+    if not (isinstance(toks, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in toks)):
+        raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
+    return toks
+
+
+def parse_template(body: dict, served: str) -> tuple[list[dict], bool]:
+    """``/apply_chat_template``: (messages, add_generation_prompt)."""
+    check_fields(body, set(TEMPLATE_SCHEMAS))
+    check_model(body.get("model"), served)
+    gen = body.get("add_generation_prompt", True)
+    if not isinstance(gen, bool):
+        raise ApiError(400, "'add_generation_prompt' must be a boolean", param="add_generation_prompt")
+    return chat_messages(body), gen

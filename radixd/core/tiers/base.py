@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from radixd.core.config import check
 from radixd.core.errors import ConfigError
 
 MAGIC = b"RDXKVPG1"
@@ -148,17 +149,13 @@ class CacheTier:
 
 
 def check_options(tier: str, options: dict[str, Any], known: dict[str, type]) -> None:
-    """Refuse unknown keys and wrong types in a tier's options, naming ``cache.TIER.KEY``."""
+    """Refuse unknown keys and wrong types in a plugin tier's options, naming ``cache.TIER.KEY``
+    (the built-in tiers declare theirs: ``radixd.core.config.tier_options``)."""
     for key, value in options.items():
         want = known.get(key)
         if want is None:
             raise ConfigError(f"cache.{tier}.{key}", value, "keys " + ", ".join(known) if known else "no keys")
-        ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
-        if want is float:
-            ok = isinstance(value, int | float) and not isinstance(value, bool)
-        if not ok:
-            raise ConfigError(f"cache.{tier}.{key}", value, {int: "an integer", float: "a number", str: "a string",
-                                                              bool: "true or false"}[want])
+        check(f"cache.{tier}.{key}", value, want, {})
 
 
 def encode_page(key: bytes, identity: str, page: Page) -> bytes:

@@ -16,20 +16,19 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from radixd.core.config import tier_options
 from radixd.core.errors import ConfigError
 from radixd.core.tiers.base import (
     CacheTier,
     Page,
     PageCorrupt,
     TierContext,
-    check_options,
     decode_page,
     encode_page,
 )
 
 log = logging.getLogger("radixd.tiers.disk")
 
-DEFAULT_MAX_BYTES = 16 << 30
 SUFFIX = ".kv"
 
 
@@ -38,13 +37,8 @@ class DiskTier(CacheTier):
 
     def __init__(self, options: dict[str, Any], ctx: TierContext):
         super().__init__(options, ctx)
-        check_options(self.name, options, {"path": str, "max_bytes": int})
-        path = options.get("path", "")
-        if not path:
-            raise ConfigError("cache.disk.path", path, "a directory for the disk tier's page files")
-        self.max_bytes = options.get("max_bytes", DEFAULT_MAX_BYTES)
-        if self.max_bytes < 1:
-            raise ConfigError("cache.disk.max_bytes", self.max_bytes, "an integer >= 1")
+        opts = tier_options(self.name, options)
+        path, self.max_bytes = opts.path, opts.max_bytes
         self.dir = Path(path).expanduser()
         try:
             self.dir.mkdir(parents=True, exist_ok=True)

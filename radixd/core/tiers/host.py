@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 
+from radixd.core.config import tier_options
 from radixd.core.errors import ConfigError
-from radixd.core.tiers.base import CacheTier, Page, TierContext, check_options
-
-DEFAULT_MAX_BYTES = 4 << 30
+from radixd.core.tiers.base import CacheTier, Page, TierContext
 
 
 class HostTier(CacheTier):
@@ -27,8 +26,7 @@ class HostTier(CacheTier):
 
     def __init__(self, options: dict[str, Any], ctx: TierContext):
         super().__init__(options, ctx)
-        check_options(self.name, options, {"max_bytes": int})
-        self.max_bytes = options.get("max_bytes", DEFAULT_MAX_BYTES)
+        self.max_bytes = tier_options(self.name, options).max_bytes
         if self.max_bytes < ctx.page_bytes:
             raise ConfigError("cache.host.max_bytes", self.max_bytes,
                               f"an integer >= one page ({ctx.page_bytes} bytes for this model and page size)")

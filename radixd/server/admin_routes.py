@@ -1,0 +1,90 @@
+"""Model listing, health, metrics and inspection routes (``/v1/models``, ``/health``,
+``/metrics``, ``/flush_cache``, ``/server_info``, ``/openapi.json``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from radixd import __version__
+from radixd.core.errors import EngineStopped, InvalidRequest
+from radixd.core.sampling_params import SamplingParams
+from radixd.server import protocol
+from radixd.server.errors import ApiError
+from radixd.server.state import ServerState, state_of
+
+
+async def models(request: Request) -> Response:
+    st = state_of(request)
+    return JSONResponse({"object": "list", "data": [_model_card(st)]})
+
+
+async def model_by_id(request: Request) -> Response:
+    st = state_of(request)
+    protocol.check_model(request.path_params["model"], st.model_name)
+    return JSONResponse(_model_card(st))
+
+
+def _model_card(st: ServerState) -> dict:
+    return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "radixd",
+            "max_model_len": st.engine.context_len}
+
+
+async def health(request: Request) -> Response:
+    """200 only if the batching loop is alive and completes a one-token generation in time."""
+    st = state_of(request)
+    if st.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    stalled = st.stalled()
+    if stalled:
+        return JSONResponse({"status": "stalled", "reason": stalled}, status_code=503)
+    t0 = time.perf_counter()
+    try:
+        sub = st.engine.submit(input_ids=[st.engine.eos_token_ids[0] if st.engine.eos_token_ids else 0],
+                               params=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+        async with asyncio.timeout(st.settings.server.health_timeout_s):
+            async for _ in sub:
+                pass
+    except TimeoutError:
+        sub.close()
+        return JSONResponse({"status": "generation timed out"}, status_code=503)
+    except (EngineStopped, InvalidRequest) as exc:
+        return JSONResponse({"status": str(exc)}, status_code=503)
+    return JSONResponse({"status": "ok", "generate_ms": round((time.perf_counter() - t0) * 1000, 2)})
+
+
+async def metrics(request: Request) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    st = state_of(request)
+    return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def flush_cache(request: Request) -> Response:
+    st = state_of(request)
+    if not st.engine.flush_cache():
+        raise ApiError(400, "the cache is in use by running requests; retry when idle", code="cache_in_use")
+    return JSONResponse({"flushed": True})
+
+
+async def server_info(request: Request) -> Response:
+    st = state_of(request)
+    settings = asdict(st.settings)
+    settings.pop("auth", None)  # never expose keys
+    return JSONResponse({
+        "version": __version__, "model": st.model_name, "context_len": st.engine.context_len,
+        "device": str(st.engine.device), "dtype": str(st.engine.dtype).removeprefix("torch."),
+        "settings": settings, "stats": st.engine.stats(), "draining": st.draining,
+        "plugins": [name for name, plugin in st.plugins.list_name_plugin() if plugin is not None],
+    })
+
+
+
+async def openapi(request: Request) -> Response:
+    from radixd.server.openapi import openapi_document
+
+    return JSONResponse(openapi_document(state_of(request)))

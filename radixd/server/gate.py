@@ -1,0 +1,146 @@
+"""The ``Gate``: pure ASGI middleware around every route.
+
+It gives each request an id (``X-Request-Id``), checks API keys (constant-time) and the body
+limit, bounds each write to the client (``server.send_timeout_s``), counts requests in
+flight (the drain waits on ``ServerState.idle``) and writes one access-log line when the
+response ends. Routes add token counts to ``scope["state"]["radixd"]`` for that line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+
+from radixd.server.errors import ApiError
+from radixd.server.state import ServerState
+
+OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}  # reachable without an API key (probes, scrapers)
+
+
+class Gate:
+    """Pure ASGI middleware: request id, auth, body limit, access log, in-flight count."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        st = self.state
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        rid = headers.get("x-request-id") or uuid.uuid4().hex
+        info = {"id": rid, "status": 0, "start": time.perf_counter()}
+        scope.setdefault("state", {})["radixd"] = info
+
+        async def send_wrapped(message):
+            if message["type"] == "http.response.start":
+                info["status"] = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode("latin-1"))]
+            limit = st.settings.server.send_timeout_s
+            try:
+                async with asyncio.timeout(limit):
+                    await send(message)
+            except TimeoutError:
+                raise ClientTooSlow(f"a write to the client blocked for {limit} s") from None
+
+        st.inflight += 1
+        st.idle.clear()
+        try:
+            error = self._check(scope, headers)
+            if error is not None:
+                if error.status == 413:
+                    await _discard_body(receive, cap=64 * st.settings.server.max_body_bytes)
+                await error.response()(scope, receive, send_wrapped)
+                return
+            limit = st.settings.server.max_body_bytes
+            seen = 0
+
+            async def receive_limited():
+                nonlocal seen
+                message = await receive()
+                if message["type"] == "http.request":
+                    seen += len(message.get("body", b""))
+                    if seen > limit:
+                        if message.get("more_body"):
+                            await _discard_body(receive, cap=64 * limit)
+                        raise ApiError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+                return message
+
+            await self.app(scope, receive_limited, send_wrapped)
+        except ClientTooSlow as exc:
+            # the client stopped reading: end the response (the connection closes; the
+            # request was aborted with its stream), never wait on it
+            info["status"] = info["status"] or 499
+            st.metrics.slow_clients.inc()
+            st.log.warning("client too slow; response ended", id=rid, path=scope["path"], reason=str(exc))
+        finally:
+            st.inflight -= 1
+            if st.inflight == 0:
+                st.idle.set()
+            self._access(scope, info)
+
+    def _check(self, scope, headers) -> ApiError | None:
+        st = self.state
+        if st.api_keys and scope["path"] not in OPEN_PATHS:
+            auth = headers.get("authorization", "")
+            token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+            ok = False
+            for key in st.api_keys:  # compare against every key: time does not tell which matched
+                ok |= hmac.compare_digest(token.encode(), key.encode())
+            if not ok:
+                return ApiError(401, "missing or invalid API key" if token else "missing API key "
+                                "(send 'Authorization: Bearer <key>')", code="invalid_api_key")
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > st.settings.server.max_body_bytes:
+            return ApiError(413, f"request body exceeds {st.settings.server.max_body_bytes} bytes",
+                            code="body_too_large")
+        return None
+
+    def _access(self, scope, info) -> None:
+        st = self.state
+        route = scope["path"] if scope.get("route") is None else scope["route"].path
+        st.metrics.requests.labels(route=route if info["status"] != 404 else "unmatched", status=str(info["status"])).inc()
+        if st.settings.logging.access_log:
+            st.log.info(
+                "access", id=info["id"], method=scope["method"], path=scope["path"], status=info["status"],
+                prompt_tokens=info.get("prompt_tokens"), completion_tokens=info.get("completion_tokens"),
+                cached_tokens=info.get("cached_tokens"), ttft_ms=_ms(info.get("ttft")),
+                duration_ms=_ms(time.perf_counter() - info["start"]),
+            )
+
+
+class ClientTooSlow(Exception):
+    """A write to the client blocked longer than ``server.send_timeout_s``."""
+
+
+async def _discard_body(receive, cap: int) -> None:
+    """Read and drop the rest of a refused body (up to ``cap`` bytes), so a client that sends
+    its whole body before reading gets the error response instead of a reset connection."""
+    seen = 0
+    while seen <= cap:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        seen += len(message.get("body", b""))
+        if not message.get("more_body"):
+            return
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+
+class ErrorsAsJsonGate(Gate):
+    """``add_middleware`` builds the gate outside starlette's error middleware, so an
+    ``ApiError`` raised while reading the body still becomes a JSON response."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        except ApiError as exc:
+            await exc.response()(scope, receive, send)

@@ -1,0 +1,296 @@
+"""One HTTP request's generation: admission, submission, collecting or streaming outputs.
+
+Every generation route (chat completions, completions, native ``/generate``) goes through
+``Generation``: ``Generation.start`` compiles grammars, applies admission control and
+submits each prompt (engine errors become HTTP errors; a failure closes what was already
+submitted); ``collect`` runs the submissions to completion (aborting them all if the client
+disconnects), ``outputs`` interleaves them for a stream and ``stream`` frames that stream as
+server-sent events ending in ``[DONE]``. Whichever way a request ends, its submissions are
+closed and it is reported once (metrics, access log, ``radixd_request_finished``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixd.core.outputs import GenerateOutput, Submission
+from radixd.core.errors import ContextLengthExceeded, EngineStopped, InvalidRequest
+from radixd.core.sampling_params import SamplingParams
+from radixd.plugins.guard import PluginFault
+from radixd.server import protocol
+from radixd.server.errors import ApiError
+from radixd.server.state import ServerState
+
+
+async def compile_grammar(st: ServerState, params: SamplingParams, param_prefix: str = ""):
+    """The request's grammar constraint, compiled off the loop (400 naming the field on error)."""
+    try:
+        return await st.engine.compile_grammar(params)
+    except InvalidRequest as exc:
+        raise ApiError(400, exc.message, param=param_prefix + exc.field) from exc
+
+
+def submit(st: ServerState, request: Request, *, params: SamplingParams, prompt: str | None = None,
+           input_ids: list[int] | None = None, priority: int = 0, shown: Any = None,
+           grammar=None) -> Submission:
+    """Admission control + ``Engine.submit`` with engine errors mapped to HTTP errors.
+    ``shown``: what to log as the prompt (``logging.log_prompts``; default the prompt)."""
+    if st.draining:
+        raise ApiError(503, "the server is shutting down", code="shutting_down")
+    if params.n > st.settings.limits.max_n:  # invalid whatever the load: 400 before any 503
+        raise ApiError(400, f"'n' must be <= {st.settings.limits.max_n}, got {params.n}", param="n")
+    queued = st.engine.num_waiting
+    if queued + params.n > st.settings.limits.max_queued_requests:
+        raise ApiError(503, f"the server is overloaded ({queued} requests queued); retry later", code="queue_full")
+    try:
+        sub = st.engine.submit(prompt, input_ids=input_ids, params=params, priority=priority,
+                               max_unread=st.settings.server.stream_buffer, grammar=grammar)
+    except ContextLengthExceeded as exc:
+        raise ApiError(400, f"{exc.message} (prompt {exc.prompt_tokens} tokens, context {exc.limit} tokens)",
+                       param=protocol.api_param(exc.field), code="context_length_exceeded") from exc
+    except InvalidRequest as exc:
+        raise ApiError(400, exc.message, param=protocol.api_param(exc.field)) from exc
+    except EngineStopped as exc:
+        raise ApiError(503, str(exc), code="shutting_down") from exc
+    info = request.scope["state"]["radixd"]
+    info["prompt_tokens"] = info.get("prompt_tokens", 0) + sub.prompt_tokens
+    if st.settings.logging.log_prompts:  # at debug level: shown only with logging.level = "debug"
+        st.log.debug("prompt", id=info["id"], rid=sub.rid, prompt=shown if shown is not None else
+                     (prompt if prompt is not None else input_ids))
+    try:
+        st.hooks.call("radixd_request_received", rid=sub.rid, route=request.url.path,
+                      prompt_tokens=sub.prompt_tokens, params=params)
+    except PluginFault as exc:
+        sub.close()  # a failing plugin must not leave the request queued
+        raise ApiError(500, f"a server plugin failed: {exc}", code="plugin_error") from exc
+    except BaseException:
+        sub.close()
+        raise
+    return sub
+
+
+class Tracker:
+    """Timing and usage of one HTTP request's submissions: TTFT, inter-token gaps, token
+    counts per submission -> metrics, the access log and ``radixd_request_finished``."""
+
+    def __init__(self, st: ServerState, request: Request, subs: list[Submission]):
+        self.st = st
+        self.subs = subs
+        self.info = request.scope["state"]["radixd"]
+        self.t0 = self.info["start"]
+        self.last: float | None = None
+        self.tokens = [0] * len(subs)
+        self.cached_of = [0] * len(subs)          # prompt tokens served from the cache, per prompt
+        self.reasons: list[dict[int, str | None]] = [{} for _ in subs]
+        self._done = False
+
+    @property
+    def completion(self) -> int:
+        return sum(self.tokens)
+
+    @property
+    def cached(self) -> int:
+        return sum(self.cached_of)
+
+    def see(self, out: GenerateOutput, i: int = 0) -> None:
+        now = time.perf_counter()
+        if out.token_ids:
+            m = self.st.metrics
+            if self.last is None:
+                self.info["ttft"] = now - self.t0
+                m.ttft.observe(now - self.t0)
+            else:
+                m.itl.observe(now - self.last)
+            self.last = now
+            m.generation_tokens.inc(len(out.token_ids))
+        self.tokens[i] += len(out.token_ids)
+        if out.finished:
+            self.reasons[i][out.index] = out.finish_reason
+            if out.index == 0:  # the sample that computed (or read) the prompt
+                self.cached_of[i] = out.cached_tokens
+
+    def done(self) -> None:
+        """Report once, also when the client left early (unfinished samples: None)."""
+        if self._done:
+            return
+        self._done = True
+        m = self.st.metrics
+        self.info["completion_tokens"] = self.completion
+        self.info["cached_tokens"] = self.cached
+        m.cached_tokens.inc(self.cached)
+        m.e2e.observe(time.perf_counter() - self.t0)
+        for i, sub in enumerate(self.subs):
+            m.prompt_tokens.inc(sub.prompt_tokens)
+            self.st.hooks.call(
+                "radixd_request_finished", fail=False, rid=sub.rid, prompt_tokens=sub.prompt_tokens, completion_tokens=self.tokens[i],
+                cached_tokens=self.cached_of[i], finish_reasons=[self.reasons[i].get(j) for j in range(sub.n)],
+            )
+
+
+async def until_disconnect(request: Request) -> None:
+    """Return when the client goes away (the body must have been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(subs: list[Submission], request: Request, tracker: Tracker) -> list[list[GenerateOutput]]:
+    """Run submissions to completion, aborting them all if the client disconnects."""
+
+    async def drain(i: int, sub: Submission) -> list[GenerateOutput]:
+        outs = []
+        async for out in sub:
+            tracker.see(out, i)
+            outs.append(out)
+        return outs
+
+    work = asyncio.ensure_future(asyncio.gather(*(drain(i, s) for i, s in enumerate(subs))))
+    work.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
+    watch = asyncio.ensure_future(until_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            for s in subs:
+                s.close()
+    if not work.done() or work.cancelled():
+        raise asyncio.CancelledError("client disconnected")
+    return work.result()
+
+
+async def merged(subs: list[Submission], maxsize: int = 0) -> AsyncIterator[tuple[int, GenerateOutput]]:
+    """Interleave several submissions' outputs as they come: (submission index, output).
+    ``maxsize`` bounds what waits here, so outputs a slow client does not take pile up in
+    the engine, which aborts the call past ``server.stream_buffer``."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize)
+
+    async def pump(i: int, sub: Submission):
+        try:
+            async for out in sub:
+                await queue.put((i, out))
+            end = None
+        except Exception as exc:  # surfaced to the consumer below
+            end = exc
+        await queue.put((i, end))  # not in a finally: a cancelled pump must not wait on a full queue
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(subs)]
+    left = len(subs)
+    try:
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in subs:
+            s.close()
+
+
+def sse_response(events: AsyncIterator[dict], subs: list[Submission], tracker: Tracker) -> Response:
+    """Stream ``events`` as SSE, end with ``[DONE]``; however the stream ends (finished,
+    client gone), close the submissions and report the request once."""
+
+    async def framed():
+        try:
+            async for event in events:
+                yield event
+            yield {"data": "[DONE]"}
+        finally:
+            for sub in subs:
+                sub.close()
+            tracker.done()
+
+    return EventSourceResponse(framed(), ping=15)
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+
+def sse(payload: dict) -> dict:
+    return {"data": json.dumps(payload, separators=(",", ":"))}
+
+
+
+class Generation:
+    """The submissions of one HTTP request (one per prompt) and their ``Tracker``."""
+
+    def __init__(self, st: ServerState, request: Request, subs: list[Submission]):
+        self.st = st
+        self.request = request
+        self.subs = subs
+        self.tracker = Tracker(st, request, subs)
+
+    @classmethod
+    async def start(cls, st: ServerState, request: Request, prompts: list[str | list[int]],
+                    params: list[SamplingParams], *, priority: int = 0, shown: Any = None,
+                    param_prefix: str = "") -> Generation:
+        """Compile each distinct ``params``' grammar, then submit ``prompts[i]`` (text or token
+        ids) with ``params[i]``. ``param_prefix``: where the sampling fields sit in the body
+        (``"sampling_params."``), for the errors of grammars; ``shown``: see ``submit``."""
+        grammars: dict[int, Any] = {}
+        for p in params:
+            if id(p) not in grammars:
+                grammars[id(p)] = await compile_grammar(st, p, param_prefix)
+        subs: list[Submission] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                kw = {"prompt": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
+                subs.append(submit(st, request, params=p, priority=priority, shown=shown,
+                                   grammar=grammars[id(p)], **kw))
+        except ApiError:
+            for s in subs:
+                s.close()
+            raise
+        return cls(st, request, subs)
+
+    @property
+    def rid(self) -> str:
+        return self.subs[0].rid
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(s.prompt_tokens for s in self.subs)
+
+    def usage(self) -> dict:
+        return usage(self.prompt_tokens, self.tracker.completion, self.tracker.cached)
+
+    async def collect(self) -> list[list[GenerateOutput]]:
+        """Every submission's outputs once all have finished; reported however it ends."""
+        try:
+            return await collect(self.subs, self.request, self.tracker)
+        finally:
+            self.tracker.done()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        """(submission index, output) as they come, counted by the tracker."""
+        async for i, out in merged(self.subs, self.st.settings.server.stream_buffer):
+            self.tracker.see(out, i)
+            yield i, out
+
+    def stream(self, events: Callable[[], AsyncIterator[dict]]) -> Response:
+        """``events()`` as server-sent events, then ``[DONE]``."""
+        return sse_response(events(), self.subs, self.tracker)
+
+
+def samples(outs: list[GenerateOutput], n: int) -> list[list[GenerateOutput]]:
+    """One submission's outputs split by sample (``GenerateOutput.index``), ``n`` samples."""
+    return [[o for o in outs if o.index == i] for i in range(n)]
