@@ -21,8 +21,8 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixd.core.outputs import GenerateOutput, Submission
 from radixd.core.errors import ContextLengthExceeded, EngineStopped, InvalidRequest
+from radixd.core.outputs import GenerateOutput, Submission
 from radixd.core.sampling_params import SamplingParams
 from radixd.plugins.guard import PluginFault
 from radixd.server import protocol
