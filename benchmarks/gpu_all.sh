@@ -2,12 +2,14 @@
 # Every GPU check and figure of BENCHMARKS.md in one run, on a machine with CUDA GPUs (two
 # for the multi-GPU parts), results under OUT and packed into OUT/results.tgz:
 #
-#   sh benchmarks/gpu_all.sh OUT [PART...]
+#   [WHEELS=DIR] sh benchmarks/gpu_all.sh OUT [PART...]
+#
+# WHEELS=DIR first installs the wheels in DIR (packages the machine lacks: pytest-asyncio,
+# starlette, lark, ...) into a private directory on PYTHONPATH, for every part.
 #
 # PART (default: all but peer, which is slow):
 #   tests     the GPU-marked tests (Triton kernels at real shapes, fused decode vs unfused and
-#             vs the torch backend, the peer-to-peer all-reduce); WHEELS=DIR installs test
-#             packages the machine lacks (pytest-asyncio) into a private directory first
+#             vs the torch backend, the peer-to-peer all-reduce)
 #   gpu       benchmarks/gpu_bench.py: ceilings, correctness, one-row fusions, the few-row GEMM
 #             kernel on/off at batch 16 and 64, decode at batch 1, 64
 #   full      benchmarks/gpu_bench.py, every section, with the transformers peer (PEER=path to
@@ -30,18 +32,17 @@ mkdir -p "$OUT/work"
 W=$OUT/work
 # NVLink multicast stays off.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -n "${WHEELS:-}" ]; then  # packages the machine lacks, for every part
+  python3 -m pip install -q --no-deps --target /tmp/radixd-deps "$WHEELS"/*.whl
+  export PYTHONPATH=/tmp/radixd-deps${PYTHONPATH:+:$PYTHONPATH}
+fi
 for part in $PARTS; do
   start=$(date +%s)
   case $part in
   tests)
-    if [ -n "${WHEELS:-}" ]; then
-      python3 -m pip install -q --no-deps --target /tmp/radixd-test-deps "$WHEELS"/*.whl
-      export PYTHONPATH=/tmp/radixd-test-deps
-    fi
     python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_triton_kernels.py \
         tests/test_gpu_decode.py tests/test_peer_allreduce_gpu.py tests/test_nccl_gpu.py > "$W/tests.txt" 2>&1
-    tail -3 "$W/tests.txt"
-    unset PYTHONPATH ;;
+    tail -3 "$W/tests.txt" ;;
   gpu)
     python3 -m benchmarks.gpu_bench --out "$W/gpu" --sections ceilings,correct,fusions,rows,decode --batches 1,64 \
         > "$W/gpu.log" 2>&1

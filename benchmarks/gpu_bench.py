@@ -249,9 +249,8 @@ def _switch_ab(ctx, switch: str, batch: int) -> dict:
             eng = engine(ctx["path"], max_running_requests=max(4, batch), kv_cache_tokens=max(16384, batch * 704),
                          **{switch: on})
             try:
-                if "read_bytes" not in ctx:
-                    ctx["read_bytes"] = read_bytes(eng)
-                    ctx["kv_per_tok"] = pool_kv_bytes_per_token(eng)
+                ctx.setdefault("read_bytes", read_bytes(eng))
+                ctx.setdefault("kv_per_tok", pool_kv_bytes_per_token(eng))
                 best = 0.0
                 for _ in range(3):
                     r = loop.run_until_complete(_run_batch(eng, prompts, 128))
