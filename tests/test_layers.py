@@ -109,3 +109,12 @@ def test_no_import_cycle_in_radixd():
     assert graph["radixd"] >= {"radixd.plugins.wiring", "radixd.core.config"}  # lazy imports count
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_core_names_no_plugins_grammars_or_server_anywhere():
+    """Not even inside a function (the import-time test above cannot see those)."""
+    modules = all_modules()
+    core = {m: p for m, p in modules.items() if m == "radixd.core" or m.startswith("radixd.core.")}
+    wrong = {m: sorted(i for i in imports_of(m, p, modules) if i.startswith(OUTSIDE_CORE))
+             for m, p in core.items()}
+    assert {m: found for m, found in wrong.items() if found} == {}
