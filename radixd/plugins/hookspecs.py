@@ -71,7 +71,7 @@ def radixd_grammar_backends() -> dict[str, type]:
 def radixd_startup(state) -> None:
     """The model is loaded and the server is about to accept connections.
 
-    ``state`` is the daemon's ``radixd.server.app.ServerState`` (engine, settings, metrics).
+    ``state`` is the daemon's ``radixd.server.state.ServerState`` (engine, settings, metrics).
     """
 
 
