@@ -8,6 +8,7 @@ The frontend is the pure-Python wheel installed without its server's dependencie
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -107,3 +108,102 @@ def test_streaming(backend):
     pieces = list(state.text_iter("rest"))
     assert len(pieces) > 1 and "".join(pieces) == state["rest"]
     assert "".join(pieces) == story.run(backend=backend)["rest"]
+
+
+# SGLang's SamplingParams keys (sglang/srt/sampling/sampling_params.py) and its
+# GenerateReqInput fields that ask for nothing at these values
+SGLANG_PARAM_KEYS = ["max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
+                     "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+                     "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
+                     "logit_bias"]
+PARAM_NOOPS = {"spaces_between_special_tokens": True, "no_stop_trim": False, "structural_tag": None,
+               "custom_params": None, "stream_interval": None, "logit_bias": {}}
+BODY_NOOPS = {"lora_path": None, "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
+              "token_ids_logprob": None, "modalities": [], "session_params": None, "custom_logit_processor": None,
+              "return_hidden_states": False, "log_metrics": True, "bootstrap_host": None, "bootstrap_port": None,
+              "bootstrap_room": None, "data_parallel_rank": None}
+PARAM_ASKS = {"spaces_between_special_tokens": False, "no_stop_trim": True, "structural_tag": "{}",
+              "custom_params": {"a": 1}, "stream_interval": 4, "logit_bias": {"5": 1.0}}
+BODY_ASKS = {"lora_path": "adapter", "image_data": "x.png", "return_hidden_states": True, "log_metrics": False,
+             "data_parallel_rank": 0, "session_params": {"id": "s"}}
+
+
+def test_nulls_and_noops_accepted(daemon):
+    sp = {k: None for k in SGLANG_PARAM_KEYS} | {"max_new_tokens": 3, "temperature": 0}
+    body = {"text": "hello", "sampling_params": sp, "rid": "noop-1", "model": None, "stream": None,
+            "return_logprob": None, "logprob_start_len": None, "top_logprobs_num": None,
+            "return_text_in_logprobs": False, **BODY_NOOPS}
+    r = httpx.post(daemon.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["meta_info"]["id"] == "noop-1" and out["meta_info"]["completion_tokens"] == 3
+    assert out["meta_info"]["e2e_latency"] > 0
+    r = httpx.post(daemon.url + "/generate", json={"text": "hello", "sampling_params": {
+        "max_new_tokens": 3, "temperature": 0, **PARAM_NOOPS}}, timeout=60)
+    assert r.status_code == 200 and r.json()["output_ids"] == out["output_ids"]
+
+
+@pytest.mark.parametrize("key", list(PARAM_ASKS) + list(BODY_ASKS))
+def test_asking_for_missing_behaviour_is_refused(daemon, key):
+    if key in PARAM_ASKS:
+        body, param = {"text": "hi", "sampling_params": {key: PARAM_ASKS[key]}}, f"sampling_params.{key}"
+    else:
+        body, param = {"text": "hi", key: BODY_ASKS[key]}, key
+    r = httpx.post(daemon.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert r.json()["error"]["code"] == "unsupported_parameter"
+
+
+def test_logprob_layout(tiny_models, daemon):
+    path = tiny_models["llama"]
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok("The quick brown fox").input_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(_hf_model(path)(torch.tensor([ids])).logits[0].float(), -1)
+    r = httpx.post(daemon.url + "/generate", json={
+        "input_ids": ids, "sampling_params": {"max_new_tokens": 3, "temperature": 0}, "return_logprob": True,
+        "logprob_start_len": 0, "top_logprobs_num": 2, "return_text_in_logprobs": True}, timeout=60)
+    meta = r.json()["meta_info"]
+    got = meta["input_token_logprobs"]
+    assert [e[1] for e in got] == ids and got[0][0] is None
+    assert [e[2] for e in got] == [tok.decode([t]) for t in ids]
+    assert max(abs(got[i][0] - logp[i - 1, ids[i]].item()) for i in range(1, len(ids))) < 1e-3
+    outs = meta["output_token_logprobs"]
+    assert [e[1] for e in outs] == r.json()["output_ids"] and len(outs) == 3
+    assert outs[0][1] == int(logp[-1].argmax()) and abs(outs[0][0] - logp[-1].max().item()) < 1e-3
+    assert [len(t) for t in meta["output_top_logprobs"]] == [2, 2, 2]
+    assert meta["output_top_logprobs"][0][0][1] == outs[0][1]
+    # the defaults: only the last prompt token, no text; max_new_tokens 0 returns no output
+    r = httpx.post(daemon.url + "/generate", json={
+        "text": ["The quick brown fox", "a b"], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True},
+        timeout=60)
+    first = r.json()[0]
+    assert first["text"] == "" and first["output_ids"] == [] and first["meta_info"]["output_token_logprobs"] == []
+    (entry,) = first["meta_info"]["input_token_logprobs"]
+    assert entry[1:] == [ids[-1], None] and abs(entry[0] - logp[-2, ids[-1]].item()) < 1e-3
+
+
+def test_stream_rid_and_abort(daemon):
+    """SGLang's stream: ``data: {...}`` events with the text so far, then ``data: [DONE]``;
+    ``/abort_request`` with the stream's ``rid`` ends it as aborted."""
+    most = httpx.get(daemon.url + "/get_server_info", timeout=30).json()["context_length"] - 8
+    body = {"text": "count", "rid": "to-abort", "stream": True,
+            "sampling_params": {"max_new_tokens": most, "ignore_eos": True, "temperature": 0}}
+    events = []
+    with httpx.stream("POST", daemon.url + "/generate", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            if line == "data: [DONE]":
+                events.append(None)
+                break
+            events.append(json.loads(line[5:]))
+            if len(events) == 3:
+                assert httpx.post(daemon.url + "/abort_request", json={"rid": "to-abort"}, timeout=30).status_code == 200
+    assert events[-1] is None and events[-2]["meta_info"]["finish_reason"] == "abort"
+    texts = [e["text"] for e in events[:-1]]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))  # cumulative
+    assert events[-2]["meta_info"]["id"] == "to-abort" and events[-2]["meta_info"]["completion_tokens"] < most
+    assert httpx.post(daemon.url + "/abort_request", json={"rid": "gone"}, timeout=30).status_code == 200

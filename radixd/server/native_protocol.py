@@ -118,10 +118,10 @@ def _prompts(body: dict) -> tuple[list[str | list[int]], bool]:
 def parse_native(body: dict, tokenize: Callable[[str], list[int]]) -> NativeRequest:
     """``/generate``. ``tokenize``: the server's tokenizer; a text prompt that asks for
     logprobs is tokenized here, since its answer names each prompt token."""
-    check_fields(body, NATIVE_FIELDS)
     for key, default in NATIVE_NOOPS.items():
         if key in body:
             check_noop("", key, body[key], default)
+    check_fields({k: v for k, v in body.items() if k not in NATIVE_NOOPS}, NATIVE_FIELDS)
     prompts, batch = _prompts(body)
     n = len(prompts)
     sp = body.get("sampling_params")
