@@ -2,9 +2,9 @@
 real daemon on a tiny random-weight model: ``gen``, ``select``, regex ``gen``, ``fork``,
 ``run_batch`` and streaming; ``select`` picks what transformers' log-likelihoods pick.
 
-The frontend is the pure-Python wheel installed without its server's dependencies:
-``pip install --no-deps sglang==0.4.10.post2`` plus ``pybase64``, ``aiohttp`` and
-``requests`` (the test extras)."""
+The frontend is the pure-Python wheel ``sglang==0.4.10.post2`` (its declared dependencies are
+the frontend's few; the server's are extras) plus ``pybase64``, which it imports: the test
+extras."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 try:
     import sglang as sgl
 except ImportError as exc:  # pragma: no cover - the test extras install it
-    pytest.skip(f"SGLang's frontend is not installed ({exc}): pip install --no-deps sglang==0.4.10.post2",
+    pytest.skip(f"SGLang's frontend is not installed ({exc}): pip install sglang==0.4.10.post2 pybase64",
                 allow_module_level=True)
 
 
@@ -142,6 +142,11 @@ def test_nulls_and_noops_accepted(daemon):
     r = httpx.post(daemon.url + "/generate", json={"text": "hello", "sampling_params": {
         "max_new_tokens": 3, "temperature": 0, **PARAM_NOOPS}}, timeout=60)
     assert r.status_code == 200 and r.json()["output_ids"] == out["output_ids"]
+    r = httpx.post(daemon.url + "/generate", json={"text": ["a", "b"], "rid": ["r-a", "r-b"],
+                                                   "sampling_params": {"max_new_tokens": 1}}, timeout=60)
+    assert [a["meta_info"]["id"] for a in r.json()] == ["r-a", "r-b"]
+    r = httpx.post(daemon.url + "/generate", json={"text": ["a", "b"], "rid": "one"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rid"
 
 
 @pytest.mark.parametrize("key", list(PARAM_ASKS) + list(BODY_ASKS))

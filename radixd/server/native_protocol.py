@@ -134,6 +134,8 @@ def parse_native(body: dict, tokenize: Callable[[str], list[int]]) -> NativeRequ
     want = _per_prompt(body, "return_logprob", n, (bool,), "a boolean")
     starts = _per_prompt(body, "logprob_start_len", n, (int,), "an integer")
     tops = _per_prompt(body, "top_logprobs_num", n, (int,), "an integer")
+    if batch and isinstance(body.get("rid"), str):
+        raise ApiError(400, "a batch needs a list of 'rid', one per prompt", param="rid")
     rids = _per_prompt(body, "rid", n, (str,), "a string")
     text_in = body.get("return_text_in_logprobs")
     if text_in is not None and not isinstance(text_in, bool):
