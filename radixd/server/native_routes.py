@@ -37,20 +37,39 @@ async def native_generate(request: Request) -> Response:
     if not req.stream:
         answers = []
         for k, (sub, ps, outs) in enumerate(zip(gen.subs, req.params, await gen.collect(), strict=True)):
-            items = [answer.item(k, sub, i, mine) for i, mine in enumerate(samples(outs, ps.n))]
+            items = [answer.item(k, sub, i, _Sample(mine)) for i, mine in enumerate(samples(outs, ps.n))]
             answers.append(items[0] if ps.n == 1 else items)
         return JSONResponse(answers if req.batch else answers[0])
 
     sub = gen.subs[0]
 
     async def events():
-        seen: dict[int, list[GenerateOutput]] = {}
+        seen: dict[int, _Sample] = {}
         async for _, out in gen.outputs():
-            mine = seen.setdefault(out.index, [])
-            mine.append(out)
-            yield sse(answer.item(0, sub, out.index, mine))
+            sample = seen.setdefault(out.index, _Sample([]))
+            sample.add(out)
+            yield sse(answer.item(0, sub, out.index, sample))
 
     return gen.stream(events)
+
+
+class _Sample:
+    """One sample's outputs so far, accumulated (a stream's events carry the whole text)."""
+
+    def __init__(self, outs: list[GenerateOutput]):
+        self.text, self.ids, self.lps = "", [], []
+        self.prompt_lp: list[float] | None = None
+        self.last: GenerateOutput | None = None
+        for out in outs:
+            self.add(out)
+
+    def add(self, out: GenerateOutput) -> None:
+        self.text += out.text
+        self.ids.extend(out.token_ids)
+        self.lps.extend(out.logprobs or [])
+        if out.prompt_logprobs is not None:
+            self.prompt_lp = out.prompt_logprobs
+        self.last = out
 
 
 class _Answer:
@@ -60,15 +79,11 @@ class _Answer:
     def __init__(self, st: ServerState, req: NativeRequest, t0: float):
         self.st, self.req, self.t0 = st, req, t0
 
-    def item(self, k: int, sub: Submission, i: int, outs: list[GenerateOutput]) -> dict:
-        ask = self.req.logprobs[k]
-        last = outs[-1] if outs else None
-        ids = [t for o in outs for t in o.token_ids]
-        text = "".join(o.text for o in outs)
-        lps = [lp for o in outs for lp in (o.logprobs or [])]
+    def item(self, k: int, sub: Submission, i: int, sample: _Sample) -> dict:
+        ask, last, plp = self.req.logprobs[k], sample.last, sample.prompt_lp
+        ids, text, lps = sample.ids, sample.text, sample.lps
         if ask is not None and ask.drop_output:
             ids, text, lps = [], "", []
-        plp = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
         meta = {"id": sub.rid, "finish_reason": last.finish_reason if last and last.finished else None,
                 "prompt_tokens": sub.prompt_tokens, "completion_tokens": len(ids),
                 "cached_tokens": last.cached_tokens if last else 0,
