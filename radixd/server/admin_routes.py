@@ -1,5 +1,5 @@
-"""Model listing, health, metrics and inspection routes (``/v1/models``, ``/health``,
-``/metrics``, ``/flush_cache``, ``/server_info``, ``/openapi.json``)."""
+"""Model listing, health, metrics and inspection routes (``/v1/models``, ``/health`` (and
+SGLang's ``/health_generate``), ``/metrics``, ``/flush_cache``, ``/server_info``, ``/openapi.json``)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ async def metrics(request: Request) -> Response:
 
 
 async def flush_cache(request: Request) -> Response:
+    """GET or POST, as SGLang's: 400 while running requests hold the cache."""
     st = state_of(request)
     if not st.engine.flush_cache():
         raise ApiError(400, "the cache is in use by running requests; retry when idle", code="cache_in_use")
@@ -72,15 +73,19 @@ async def flush_cache(request: Request) -> Response:
 
 
 async def server_info(request: Request) -> Response:
-    st = state_of(request)
+    return JSONResponse(server_info_body(state_of(request)))
+
+
+def server_info_body(st: ServerState) -> dict:
+    """Version, settings (no keys), engine statistics, plugins."""
     settings = asdict(st.settings)
     settings.pop("auth", None)  # never expose keys
-    return JSONResponse({
+    return {
         "version": __version__, "model": st.model_name, "context_len": st.engine.context_len,
         "device": str(st.engine.device), "dtype": str(st.engine.dtype).removeprefix("torch."),
         "settings": settings, "stats": st.engine.stats(), "draining": st.draining,
         "plugins": [name for name, plugin in st.plugins.list_name_plugin() if plugin is not None],
-    })
+    }
 
 
 

@@ -1,7 +1,7 @@
 """The starlette application: the route table over one ``Engine``, and its error handlers.
 
 Routes live by concern: ``openai_routes`` (chat completions, completions), ``native_routes``
-(``/generate``, the tokenizer routes), ``admin_routes`` (models, health, metrics,
+(SGLang's native API, the tokenizer routes), ``admin_routes`` (models, health, metrics,
 inspection); plugins add theirs through ``radixd_routes``. Every request passes the ``Gate``
 (``radixd.server.gate``); every error leaves as OpenAI's error JSON.
 """
@@ -25,7 +25,15 @@ from radixd.server.admin_routes import (
 )
 from radixd.server.errors import ApiError
 from radixd.server.gate import ErrorsAsJsonGate
-from radixd.server.native_routes import apply_chat_template, detokenize, native_generate, tokenize
+from radixd.server.native_routes import (
+    abort_request,
+    apply_chat_template,
+    detokenize,
+    get_model_info,
+    get_server_info,
+    native_generate,
+    tokenize,
+)
 from radixd.server.openai_routes import chat_completions, completions
 from radixd.server.state import ServerState, state_of
 
@@ -60,7 +68,11 @@ def build_app(state: ServerState) -> Starlette:
         Route("/openapi.json", openapi, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        Route("/flush_cache", flush_cache, methods=["POST"]),
+        Route("/health_generate", health, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        Route("/get_model_info", get_model_info, methods=["GET"]),
+        Route("/get_server_info", get_server_info, methods=["GET"]),
+        Route("/abort_request", abort_request, methods=["POST"]),
         Route("/server_info", server_info, methods=["GET"]),
         Route("/v1/tokenize", tokenize, methods=["POST"]),
         Route("/v1/detokenize", detokenize, methods=["POST"]),

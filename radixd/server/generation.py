@@ -40,7 +40,7 @@ async def compile_grammar(st: ServerState, params: SamplingParams, param_prefix:
 
 def submit(st: ServerState, request: Request, *, params: SamplingParams, prompt: str | None = None,
            input_ids: list[int] | None = None, priority: int = 0, shown: Any = None,
-           grammar=None) -> Submission:
+           grammar=None, rid: str | None = None) -> Submission:
     """Admission control + ``Engine.submit`` with engine errors mapped to HTTP errors.
     ``shown``: what to log as the prompt (``logging.log_prompts``; default the prompt)."""
     if st.draining:
@@ -51,7 +51,7 @@ def submit(st: ServerState, request: Request, *, params: SamplingParams, prompt:
     if queued + params.n > st.settings.limits.max_queued_requests:
         raise ApiError(503, f"the server is overloaded ({queued} requests queued); retry later", code="queue_full")
     try:
-        sub = st.engine.submit(prompt, input_ids=input_ids, params=params, priority=priority,
+        sub = st.engine.submit(prompt, input_ids=input_ids, params=params, priority=priority, rid=rid,
                                max_unread=st.settings.server.stream_buffer, grammar=grammar)
     except ContextLengthExceeded as exc:
         raise ApiError(400, f"{exc.message} (prompt {exc.prompt_tokens} tokens, context {exc.limit} tokens)",
@@ -242,20 +242,21 @@ class Generation:
     @classmethod
     async def start(cls, st: ServerState, request: Request, prompts: list[str | list[int]],
                     params: list[SamplingParams], *, priority: int = 0, shown: Any = None,
-                    param_prefix: str = "") -> Generation:
+                    param_prefix: str = "", rids: list[str | None] | None = None) -> Generation:
         """Compile each distinct ``params``' grammar, then submit ``prompts[i]`` (text or token
         ids) with ``params[i]``. ``param_prefix``: where the sampling fields sit in the body
-        (``"sampling_params."``), for the errors of grammars; ``shown``: see ``submit``."""
+        (``"sampling_params."``), for the errors of grammars; ``shown``: see ``submit``; ``rids``:
+        the request id of each prompt (None: the engine picks)."""
         grammars: dict[int, Any] = {}
         for p in params:
             if id(p) not in grammars:
                 grammars[id(p)] = await compile_grammar(st, p, param_prefix)
         subs: list[Submission] = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, rid in zip(prompts, params, rids or [None] * len(prompts), strict=True):
                 kw = {"prompt": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
                 subs.append(submit(st, request, params=p, priority=priority, shown=shown,
-                                   grammar=grammars[id(p)], **kw))
+                                   grammar=grammars[id(p)], rid=rid, **kw))
         except ApiError:
             for s in subs:
                 s.close()

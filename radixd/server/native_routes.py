@@ -1,61 +1,147 @@
-"""radixd's native routes: SGLang-style ``/generate`` and the tokenizer routes
-(``/v1/tokenize``, ``/v1/detokenize``, ``/apply_chat_template``)."""
+"""radixd's native routes: SGLang's native API (``/generate``, ``/get_model_info``,
+``/get_server_info``, ``/abort_request``; ``/health_generate`` and ``/flush_cache`` are
+``admin_routes``') and the tokenizer routes (``/v1/tokenize``, ``/v1/detokenize``,
+``/apply_chat_template``)."""
 
 from __future__ import annotations
+
+import time
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from radixd import __version__
 from radixd.core.outputs import GenerateOutput, Submission
-from radixd.server import protocol
+from radixd.server import native_protocol, protocol
+from radixd.server.admin_routes import server_info_body
 from radixd.server.chat import chat_prompt_ids
 from radixd.server.errors import ApiError
 from radixd.server.generation import Generation, samples, sse
-from radixd.server.state import state_of
+from radixd.server.native_protocol import NativeRequest
+from radixd.server.state import ServerState, state_of
 
 
 async def native_generate(request: Request) -> Response:
-    """``text`` or ``input_ids`` plus ``sampling_params``. A list of texts (or of token-id
-    lists) is a batch, submitted together (so its prompts share a step), with one
-    ``sampling_params`` for all or a list of one per prompt; a batch does not stream and its
-    answer is a list, one entry per prompt."""
+    """SGLang's ``/generate``: ``text`` or ``input_ids`` plus ``sampling_params``. A list of
+    texts (or of token-id lists) is a batch, submitted together (so its prompts share a step),
+    with one ``sampling_params`` for all or a list of one per prompt; a batch does not stream
+    and its answer is a list, one entry per prompt. A stream's events carry the text so far."""
+    t0 = time.perf_counter()
     st = state_of(request)
-    req = protocol.parse_native(await protocol.read_json(request))
+    req = native_protocol.parse_native(await protocol.read_json(request), st.engine.tokenize)
+    protocol.check_model(req.model, st.model_name)
     gen = await Generation.start(st, request, req.prompts, req.params, priority=req.priority,
-                                 param_prefix="sampling_params.")
+                                 param_prefix="sampling_params.", rids=req.rids)
+    answer = _Answer(st, req, t0)
 
     if not req.stream:
         answers = []
-        for sub, ps, outs in zip(gen.subs, req.params, await gen.collect(), strict=True):
-            items = []
-            for i, mine in enumerate(samples(outs, ps.n)):
-                plp = next((o.prompt_logprobs for o in mine if o.prompt_logprobs is not None), None)
-                items.append(_item(sub, i, "".join(o.text for o in mine), [t for o in mine for t in o.token_ids],
-                                   mine[-1] if mine else None, plp))
+        for k, (sub, ps, outs) in enumerate(zip(gen.subs, req.params, await gen.collect(), strict=True)):
+            items = [answer.item(k, sub, i, _Sample(mine)) for i, mine in enumerate(samples(outs, ps.n))]
             answers.append(items[0] if ps.n == 1 else items)
         return JSONResponse(answers if req.batch else answers[0])
 
     sub = gen.subs[0]
 
     async def events():
-        texts: dict[int, str] = {}
-        toks: dict[int, list[int]] = {}
+        seen: dict[int, _Sample] = {}
         async for _, out in gen.outputs():
-            texts[out.index] = texts.get(out.index, "") + out.text
-            toks.setdefault(out.index, []).extend(out.token_ids)
-            yield sse(_item(sub, out.index, texts[out.index], toks[out.index], out, out.prompt_logprobs))
+            sample = seen.setdefault(out.index, _Sample([]))
+            sample.add(out)
+            yield sse(answer.item(0, sub, out.index, sample))
 
     return gen.stream(events)
 
 
-def _item(sub: Submission, i: int, text: str, ids: list[int], last: GenerateOutput | None,
-          prompt_lp: list[float] | None = None) -> dict:
-    meta = {"id": sub.rid, "finish_reason": last.finish_reason if last and last.finished else None,
-            "prompt_tokens": sub.prompt_tokens, "completion_tokens": len(ids),
-            "cached_tokens": last.cached_tokens if last else 0}
-    if prompt_lp is not None:
-        meta["prompt_logprobs"] = prompt_lp
-    return {"index": i, "text": text, "output_ids": ids, "meta_info": meta}
+class _Sample:
+    """One sample's outputs so far, accumulated (a stream's events carry the whole text)."""
+
+    def __init__(self, outs: list[GenerateOutput]):
+        self.text, self.ids, self.lps = "", [], []
+        self.prompt_lp: list[float] | None = None
+        self.last: GenerateOutput | None = None
+        for out in outs:
+            self.add(out)
+
+    def add(self, out: GenerateOutput) -> None:
+        self.text += out.text
+        self.ids.extend(out.token_ids)
+        self.lps.extend(out.logprobs or [])
+        if out.prompt_logprobs is not None:
+            self.prompt_lp = out.prompt_logprobs
+        self.last = out
+
+
+class _Answer:
+    """One sample's answer in SGLang's shape: ``text``, ``output_ids`` and ``meta_info``
+    (token counts, ``finish_reason``, logprobs as ``[logprob, token_id, text or None]``)."""
+
+    def __init__(self, st: ServerState, req: NativeRequest, t0: float):
+        self.st, self.req, self.t0 = st, req, t0
+
+    def item(self, k: int, sub: Submission, i: int, sample: _Sample) -> dict:
+        ask, last, plp = self.req.logprobs[k], sample.last, sample.prompt_lp
+        ids, text, lps = sample.ids, sample.text, sample.lps
+        if ask is not None and ask.drop_output:
+            ids, text, lps = [], "", []
+        meta = {"id": sub.rid, "finish_reason": last.finish_reason if last and last.finished else None,
+                "prompt_tokens": sub.prompt_tokens, "completion_tokens": len(ids),
+                "cached_tokens": last.cached_tokens if last else 0,
+                "e2e_latency": round(time.perf_counter() - self.t0, 6)}
+        if plp is not None:
+            meta["prompt_logprobs"] = plp
+        if ask is not None:
+            prompt = self.req.prompts[k]
+            # position 0 has no logprob; the engine's start from position max(start, 1)
+            values = ([None] if ask.start == 0 else []) + list(plp or [])
+            meta["input_token_logprobs"] = [self._entry(v, t) for v, t in zip(values, prompt[ask.start:], strict=False)]
+            meta["output_token_logprobs"] = [self._entry(lp.logprob, lp.token_id) for lp in lps]
+            if ask.top:
+                meta["output_top_logprobs"] = [[self._entry(v, t) for t, v in lp.top] for lp in lps]
+        elif self.req.params[k].logprobs:
+            meta["output_token_logprobs"] = [self._entry(lp.logprob, lp.token_id) for lp in lps]
+        return {"index": i, "text": text, "output_ids": ids, "meta_info": meta}
+
+    def _entry(self, logprob: float | None, token: int) -> list:
+        shown = self.st.engine.tokenizer.decode([token]) if self.req.text_in_logprobs else None
+        return [logprob, token, shown]
+
+
+async def get_model_info(request: Request) -> Response:
+    """SGLang's ``/get_model_info`` (its frontend reads it at construction)."""
+    st = state_of(request)
+    model = st.settings.model
+    return JSONResponse({"model_path": model.path, "tokenizer_path": model.tokenizer or model.path,
+                         "is_generation": True, "preferred_sampling_params": None,
+                         "served_model_name": st.model_name})
+
+
+async def get_server_info(request: Request) -> Response:
+    """SGLang's ``/get_server_info``: its server arguments (radixd's settings under SGLang's
+    names), the engine's state per replica, the version; and radixd's own ``/server_info``."""
+    st = state_of(request)
+    s = st.settings
+    stats = st.engine.stats()
+    return JSONResponse({
+        "model_path": s.model.path, "tokenizer_path": s.model.tokenizer or s.model.path,
+        "served_model_name": st.model_name, "host": s.server.host, "port": s.server.port,
+        "context_length": st.engine.context_len, "tp_size": s.parallel.tp_size, "dp_size": s.parallel.dp_size,
+        "mem_fraction_static": s.memory.mem_fraction, "chunked_prefill_size": s.scheduler.chunked_prefill_size,
+        "max_running_requests": s.scheduler.max_running_requests, "schedule_policy": s.scheduler.policy,
+        "disable_radix_cache": not s.cache.radix, "stream_interval": s.scheduler.stream_interval,
+        "log_level": s.logging.level, "random_seed": s.scheduler.seed,
+        "internal_states": [stats], "version": __version__, "radixd": server_info_body(st)})
+
+
+async def abort_request(request: Request) -> Response:
+    """SGLang's ``/abort_request``: ``rid`` (or ``abort_all``); 200 whether or not it ran."""
+    st = state_of(request)
+    rid, abort_all = protocol.parse_abort(await protocol.read_json(request))
+    if abort_all:
+        st.engine.abort_all()
+    elif rid is not None:
+        await st.engine.abort(rid)
+    return Response(status_code=200)
 
 
 async def tokenize(request: Request) -> Response:

@@ -59,6 +59,8 @@ COMPLETION = {
             "properties": {"index": _INT, "text": _STR, "finish_reason": FINISH, "logprobs": COMPLETION_LOGPROBS}}},
     },
 }
+# SGLang's logprob entry: [logprob (null for the first prompt token), token id, text or null]
+_LP_LIST = {"type": "array", "items": {"type": "array", "minItems": 3, "maxItems": 3}}
 _NATIVE_ITEM = {
     "type": "object", "required": ["index", "text", "output_ids", "meta_info"],
     "properties": {"index": _INT, "text": _STR, "output_ids": {"type": "array", "items": _INT},
@@ -66,7 +68,10 @@ _NATIVE_ITEM = {
                                                                 "completion_tokens", "cached_tokens"],
                                  "properties": {"id": _STR, "finish_reason": FINISH, "prompt_tokens": _INT,
                                                 "completion_tokens": _INT, "cached_tokens": _INT,
-                                                "prompt_logprobs": {"type": "array", "items": _NUM}}}},
+                                                "prompt_logprobs": {"type": "array", "items": _NUM},
+                                                "e2e_latency": _NUM, "input_token_logprobs": _LP_LIST,
+                                                "output_token_logprobs": _LP_LIST,
+                                                "output_top_logprobs": {"type": "array", "items": _LP_LIST}}}},
 }
 _NATIVE_ONE = {"anyOf": [_NATIVE_ITEM, {"type": "array", "items": _NATIVE_ITEM}]}
 NATIVE = {"anyOf": [_NATIVE_ONE, {"type": "array", "items": _NATIVE_ONE}]}
@@ -84,6 +89,12 @@ SERVER_INFO = {"type": "object", "required": ["version", "model", "context_len",
                               "settings": {"type": "object"}, "stats": {"type": "object"},
                               "draining": {"type": "boolean"}, "plugins": {"type": "array", "items": _STR}}}
 OPENAPI = {"type": "object", "required": ["openapi", "info", "paths"]}
+MODEL_INFO = {"type": "object", "required": ["model_path", "tokenizer_path", "is_generation"],
+              "properties": {"model_path": _STR, "tokenizer_path": _STR, "is_generation": {"type": "boolean"},
+                             "served_model_name": _STR}}
+SGL_SERVER_INFO = {"type": "object", "required": ["model_path", "version", "internal_states", "radixd"],
+                   "properties": {"model_path": _STR, "version": _STR, "radixd": SERVER_INFO,
+                                  "internal_states": {"type": "array", "items": {"type": "object"}}}}
 # one server-sent event: its data is a JSON chunk of the route's stream, or [DONE] last
 SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": _STR, "event": _STR}}
 
@@ -149,10 +160,23 @@ def openapi_document(state) -> dict:
                                                   "content": _json(HEALTH)}}}},
         "/metrics": {"get": {"summary": "Prometheus metrics", "security": [], "responses": {
             "200": {"description": "Text exposition format", "content": {"text/plain": {"schema": _STR}}}}}},
-        "/flush_cache": {"post": {"summary": "Empty the radix cache", "responses": {
+        "/health_generate": {"get": {"summary": "SGLang's name for /health", "security": [],
+                                     "responses": {"200": {"description": "Healthy", "content": _json(HEALTH)},
+                                                   "503": {"description": "Draining, stalled or stopped",
+                                                           "content": _json(HEALTH)}}}},
+        "/flush_cache": {method: {"summary": "Empty the radix cache", "responses": {
             "200": {"description": "Flushed", "content": _json({"type": "object", "required": ["flushed"],
                                                                 "properties": {"flushed": {"const": True}}})},
-            **_errors(400, 401)}}},
+            **_errors(400, 401)}} for method in ("get", "post")},
+        "/get_model_info": {"get": {"summary": "SGLang's model information", "responses": {
+            "200": {"description": "The model", "content": _json(MODEL_INFO)}, **_errors(401)}}},
+        "/get_server_info": {"get": {"summary": "SGLang's server information (radixd's settings under its names)",
+                                     "responses": {"200": {"description": "Server information",
+                                                           "content": _json(SGL_SERVER_INFO)}, **_errors(401)}}},
+        "/abort_request": {"post": {"summary": "Abort a request by its rid (or all)",
+                                    "requestBody": _body(p.ABORT_SCHEMAS), "responses": {
+                                        "200": {"description": "Aborted, or no such request running"},
+                                        **_errors(400, 401, 413)}}},
         "/server_info": {"get": {"summary": "Version, settings (no keys) and engine statistics", "responses": {
             "200": {"description": "Server information", "content": _json(SERVER_INFO)}, **_errors(401)}}},
         "/v1/tokenize": {"post": {"summary": "Tokenize a prompt or chat messages",

@@ -105,32 +105,68 @@ PROMPT = {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _TEXT},
                     {"type": "array", "minItems": 1, "items": {**_IDS, "minItems": 1}}]}
 COMPLETION_SCHEMAS = {**SAMPLING_SCHEMAS, "prompt": PROMPT, "echo": _opt(_BOOL),
                       "logprobs": _opt({"type": "integer", "minimum": 0, "maximum": 5})}
-NATIVE_PARAM_SCHEMAS = {  # SamplingParams's own field names
-    **{name: json_schema(name) for name in ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k",
-                                            "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")},
+NATIVE_PARAM_SCHEMAS = {  # SamplingParams's own field names (SGLang's too); null: the default
+    **{name: _opt(json_schema(name)) for name in ("max_new_tokens", "min_new_tokens", "temperature", "top_p",
+                                                  "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                                                  "presence_penalty")},
     "seed": _opt(json_schema("seed")),
     "stop": _opt(_STOP),
     "stop_token_ids": _opt(_STOP_IDS),
-    "ignore_eos": _BOOL,
-    "n": {**json_schema("n"), "x-radixd": "n"},
-    "logprobs": _BOOL,
-    "top_logprobs": _TOP_LOGPROBS,
-    "skip_special_tokens": _BOOL,
+    "ignore_eos": _opt(_BOOL),
+    "n": _opt({**json_schema("n"), "x-radixd": "n"}),
+    "logprobs": _opt(_BOOL),
+    "top_logprobs": _opt(_TOP_LOGPROBS),
+    "skip_special_tokens": _opt(_BOOL),
     "prompt_logprobs_from": _opt(json_schema("prompt_logprobs_from")),
     **CONSTRAINT_SCHEMAS,
 }
-NATIVE_SAMPLING = _opt({"type": "object", "additionalProperties": False, "properties": NATIVE_PARAM_SCHEMAS})
+# SGLang's sampling parameters and /generate fields that radixd accepts only at the value that
+# asks for nothing (null, this default, or an empty list/object); any other value is a 400
+# naming it. radixd's detokenizer puts spaces between special tokens, as SGLang's default does.
+NATIVE_PARAM_NOOPS: dict[str, Any] = {"spaces_between_special_tokens": True, "no_stop_trim": False,
+                                      "structural_tag": None, "custom_params": None, "stream_interval": None,
+                                      "logit_bias": None}
+NATIVE_NOOPS: dict[str, Any] = {
+    "lora_path": None, "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
+    "token_ids_logprob": None, "modalities": None, "session_params": None, "custom_logit_processor": None,
+    "return_hidden_states": False, "log_metrics": True, "bootstrap_host": None, "bootstrap_port": None,
+    "bootstrap_room": None, "data_parallel_rank": None}
+
+
+def _noop(default: Any) -> dict:
+    """The schema of a field accepted only when it asks for nothing."""
+    empty = [{"type": "array", "maxItems": 0}, {"type": "object", "maxProperties": 0}] if default is None else []
+    return {"anyOf": [{"type": "null"}, *([] if default is None else [{"const": default}]), *empty]}
+
+
+NATIVE_SAMPLING = _opt({"type": "object", "additionalProperties": False, "properties": {
+    **NATIVE_PARAM_SCHEMAS, **{k: _noop(v) for k, v in NATIVE_PARAM_NOOPS.items()}}})
+
+
+def _one_or_list(schema: dict) -> dict:
+    """A field given once for a batch or as a list of one per prompt."""
+    return _opt({"anyOf": [schema, {"type": "array", "items": schema}]})
+
+
 NATIVE_SCHEMAS = {
     "text": {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _TEXT}]},
     "input_ids": {"anyOf": [{**_IDS, "minItems": 1}, {"type": "array", "minItems": 1, "items": {**_IDS, "minItems": 1}}]},
     "sampling_params": {"anyOf": [NATIVE_SAMPLING, {"type": "array", "items": NATIVE_SAMPLING}]},
-    "stream": _BOOL,
-    "priority": _INT,
+    "stream": _opt(_BOOL),
+    "priority": _opt(_INT),
+    "rid": _one_or_list({"type": "string", "minLength": 1}),
+    "model": _opt(_MODEL),
+    "return_logprob": _one_or_list(_BOOL),
+    "logprob_start_len": _one_or_list({"type": "integer", "minimum": -1}),  # -1: the last prompt token
+    "top_logprobs_num": _one_or_list(_TOP_LOGPROBS),
+    "return_text_in_logprobs": _opt(_BOOL),
+    **{k: _noop(v) for k, v in NATIVE_NOOPS.items()},
 }
 NATIVE_ONE_OF = [{"required": ["text"]}, {"required": ["input_ids"]}]  # exactly one of them
 TOKENIZE_SCHEMAS = {"prompt": _STR, "messages": MESSAGES, "model": _opt(_MODEL), "add_special_tokens": _BOOL}
 TOKENIZE_ONE_OF = [{"required": ["prompt"]}, {"required": ["messages"]}]
 DETOKENIZE_SCHEMAS = {"tokens": _IDS, "model": _opt(_MODEL)}
+ABORT_SCHEMAS = {"rid": _opt(_STR), "abort_all": _opt(_BOOL)}  # SGLang's /abort_request
 TEMPLATE_SCHEMAS = {"messages": MESSAGES, "add_generation_prompt": _BOOL, "model": _opt(_MODEL)}
 
 COMMON = set(SAMPLING_SCHEMAS)
@@ -299,23 +335,6 @@ def make_params(kw: dict[str, Any]) -> SamplingParams:
         raise ApiError(400, str(exc)) from exc
 
 
-NATIVE_PARAMS = set(NATIVE_PARAM_SCHEMAS)
-
-
-def sampling_from_native(sp: Any) -> SamplingParams:
-    if sp is None:
-        sp = {}
-    if not isinstance(sp, dict):
-        raise ApiError(400, "'sampling_params' must be an object", param="sampling_params")
-    for key in sp:
-        if key not in NATIVE_PARAMS:
-            raise ApiError(400, f"unrecognized sampling parameter: '{key}'", param=f"sampling_params.{key}")
-    try:
-        return SamplingParams(**sp)
-    except InvalidRequest as exc:
-        raise ApiError(400, f"'sampling_params.{exc.field}': {exc.message}", param=f"sampling_params.{exc.field}") from exc
-
-
 def chat_messages(body: dict) -> list[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -462,53 +481,6 @@ def parse_completion(body: dict, limits: Limits, served: str) -> CompletionReque
 
 
 @dataclass
-class NativeRequest:
-    prompts: list[str | list[int]]
-    params: list[SamplingParams]  # one per prompt
-    batch: bool                    # a list of prompts: answered with a list, never streamed
-    stream: bool
-    priority: int
-
-
-def parse_native(body: dict) -> NativeRequest:
-    """SGLang-style ``/generate``: ``text`` or ``input_ids`` (a list of them is a batch) and
-    one ``sampling_params`` for all prompts or a list of one per prompt."""
-    check_fields(body, NATIVE_FIELDS)
-    text, ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (ids is None):
-        raise ApiError(400, "give exactly one of 'text' or 'input_ids'", param="text")
-    batch = isinstance(text, list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
-    if text is not None:
-        texts = text if batch else [text]
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise ApiError(400, "'text' must be a string or a non-empty list of strings", param="text")
-        prompts: list = texts
-    else:
-        lists = ids if batch else [ids]
-        if not lists or not all(isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-                                for x in lists):
-            raise ApiError(400, "'input_ids' must be a list of integers or a non-empty list of such lists",
-                           param="input_ids")
-        prompts = lists
-    sp = body.get("sampling_params")
-    if isinstance(sp, list):
-        if not batch or len(sp) != len(prompts):
-            raise ApiError(400, "a list of 'sampling_params' needs a batch of as many prompts", param="sampling_params")
-        params = [sampling_from_native(x) for x in sp]
-    else:
-        params = [sampling_from_native(sp)] * len(prompts)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be a boolean", param="stream")
-    if stream and batch:
-        raise ApiError(400, "a batch of prompts cannot stream", param="stream")
-    priority = body.get("priority", 0)
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise ApiError(400, "'priority' must be an integer", param="priority")
-    return NativeRequest(prompts, params, batch, stream, priority)
-
-
-@dataclass
 class TokenizeRequest:
     messages: list[dict] | None  # chat messages, or None: ``prompt``
     prompt: str
@@ -547,3 +519,10 @@ def parse_template(body: dict, served: str) -> tuple[list[dict], bool]:
     if not isinstance(gen, bool):
         raise ApiError(400, "'add_generation_prompt' must be a boolean", param="add_generation_prompt")
     return chat_messages(body), gen
+
+
+def parse_abort(body: dict) -> tuple[str | None, bool]:
+    """``/abort_request``: (rid, abort_all)."""
+    check_fields(body, set(ABORT_SCHEMAS))
+    rid, abort_all = _typed(body, "rid", ABORT_SCHEMAS), _typed(body, "abort_all", ABORT_SCHEMAS) or False
+    return rid, abort_all
