@@ -212,12 +212,27 @@ def sse_response(events: AsyncIterator[dict], subs: list[Submission], tracker: T
             async for event in events:
                 yield event
             yield {"data": "[DONE]"}
+        except (asyncio.CancelledError, GeneratorExit):  # the client left: the response is cancelled
+            tracker.info.setdefault("outcome", "client_disconnected")
+            raise
         finally:
             for sub in subs:
                 sub.close()
             tracker.done()
 
-    return EventSourceResponse(framed(), ping=ping_s)
+    return _SSE(framed(), ping=ping_s)
+
+
+class _SSE(EventSourceResponse):
+    """An ``EventSourceResponse`` that closes its events when the response ends: a send that
+    fails or is cancelled (the client left) leaves them suspended at a ``yield``, and their
+    clean-up (submissions closed, the request reported) must not wait for the collector."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict:
