@@ -18,7 +18,11 @@ from radixd.core.errors import ConfigError
 
 # SGLang's --schedule-policy values without a radixd counterpart (fcfs and lpm map as is;
 # any other name is a policy a plugin may provide).
-SGLANG_ONLY_POLICIES = ("random", "dfs-weight", "lof", "priority")
+SGLANG_ONLY_POLICIES = ("random", "dfs-weight", "lof", "priority", "routing-key")
+
+
+METAVARS = {"--mem-fraction-static": "FRACTION", "--chunked-prefill-size": "TOKENS",
+            "--max-running-requests": "N", "--context-length": "TOKENS"}
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,11 @@ class Flag:
     type: Callable[[str], Any] | None  # None: a switch (store_true)
     help: str
     convert: Callable[[Any], Any] | None = None  # SGLang's value -> the key's; None: as is
+    aliases: tuple[str, ...] = ()  # SGLang's other spellings of the flag
+
+    @property
+    def metavar(self) -> str:
+        return METAVARS.get(self.name) or self.name.rsplit("-", 1)[1].upper()
 
     @property
     def dest(self) -> str:
@@ -49,11 +58,12 @@ def _chunked_prefill(value: int) -> int:
 
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("--model-path", "model.path", str, "checkpoint directory, .gguf file or 'default'"),
+    Flag("--model-path", "model.path", str, "checkpoint directory, .gguf file or 'default'",
+         aliases=("--model",)),
     Flag("--host", "server.host", str, "address to listen on"),
     Flag("--port", "server.port", int, "port to listen on"),
-    Flag("--tp-size", "parallel.tp_size", int, "tensor-parallel shards"),
-    Flag("--dp-size", "parallel.dp_size", int, "data-parallel replicas"),
+    Flag("--tp-size", "parallel.tp_size", int, "tensor-parallel shards", aliases=("--tensor-parallel-size",)),
+    Flag("--dp-size", "parallel.dp_size", int, "data-parallel replicas", aliases=("--data-parallel-size",)),
     Flag("--mem-fraction-static", "memory.mem_fraction", float,
          "fraction of GPU memory for weights and KV pool"),
     Flag("--chunked-prefill-size", "scheduler.chunked_prefill_size", int,
@@ -73,9 +83,9 @@ def add_to(parser: argparse.ArgumentParser) -> None:
     for f in FLAGS:
         help_text = f"{f.help} ({f.key})"
         if f.type is None:
-            group.add_argument(f.name, dest=f.dest, action="store_true", default=None, help=help_text)
+            group.add_argument(f.name, *f.aliases, dest=f.dest, action="store_true", default=None, help=help_text)
         else:
-            group.add_argument(f.name, dest=f.dest, type=f.type, default=None, metavar=f.name[2:].split("-")[-1].upper(),
+            group.add_argument(f.name, *f.aliases, dest=f.dest, type=f.type, default=None, metavar=f.metavar,
                                help=help_text)
 
 
