@@ -16,9 +16,10 @@ from typing import Any
 
 from radixd.core.errors import ConfigError
 
-# SGLang's --schedule-policy values without a radixd counterpart (fcfs and lpm map as is;
-# any other name is a policy a plugin may provide).
-SGLANG_ONLY_POLICIES = ("random", "dfs-weight", "lof", "priority", "routing-key")
+# SGLang's --schedule-policy values without a radixd counterpart. fcfs and lpm map as is;
+# any other name is a policy a plugin may provide (SGLang's priority: the radixd-priority
+# plugin's, larger values first as in SGLang).
+SGLANG_ONLY_POLICIES = ("random", "dfs-weight", "lof", "routing-key")
 
 
 METAVARS = {"--mem-fraction-static": "FRACTION", "--chunked-prefill-size": "TOKENS",

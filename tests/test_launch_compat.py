@@ -46,6 +46,9 @@ def test_flags_map_onto_config_keys():
                    "model.max_context_len": 4096}
     assert overrides() == {}
     assert overrides("--schedule-policy", "lpm") == {"scheduler.policy": "lpm"}
+    assert overrides("--schedule-policy", "priority") == {"scheduler.policy": "priority"}  # radixd-priority's
+    assert overrides("--model", "/m", "--tensor-parallel-size", "2", "--data-parallel-size", "3") == {
+        "model.path": "/m", "parallel.tp_size": 2, "parallel.dp_size": 3}
 
 
 def test_flags_override_the_file(tmp_path: Path):
@@ -58,6 +61,7 @@ def test_flags_override_the_file(tmp_path: Path):
 @pytest.mark.parametrize("words, flag", [
     (("--schedule-policy", "lof"), "--schedule-policy"),
     (("--schedule-policy", "dfs-weight"), "--schedule-policy"),
+    (("--schedule-policy", "routing-key"), "--schedule-policy"),
     (("--chunked-prefill-size", "-1"), "--chunked-prefill-size"),
     (("--log-level", "critical"), "--log-level"),
     (("--mem-fraction-static", "1.5"), "--mem-fraction-static"),
