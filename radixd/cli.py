@@ -21,7 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     pull = sub.add_parser("pull", help="fetch and convert a model into the local cache")
     pull.add_argument("model", nargs="?", default="default", help="'default', a .gguf file or a checkpoint directory")
     pull.add_argument("--cache-dir", default=None, help="cache directory (default: $RADIXD_CACHE or ~/.cache/radixd)")
-    sub.add_parser("plugins", help="list the plugins that load, and where from")
+    plugins = sub.add_parser("plugins", help="list the plugins that load, where from (and what each provides)")
+    plugins.add_argument("--provides", action="store_true",
+                         help="under each plugin, its policies, tiers, grammar backends, routes and hooks")
     gen = sub.add_parser("generate", help="generate a reply in-process (no server) and stream it")
     gen.add_argument("prompt", help="the user message (chat template applied) or raw text with --raw")
     gen.add_argument("--model", default="default")
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                                  allow=settings.plugins.allow or None, block=settings.plugins.block)
         for name, where, provides in describe_plugins(pm):
             print(f"{name}\t{where}")
-            for what, names in provides.items():
+            for what, names in provides.items() if args.provides else ():
                 print(f"  {what}: {', '.join(names)}")
         return 0
     if args.command == "generate":

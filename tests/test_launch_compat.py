@@ -113,7 +113,9 @@ def test_check_config_toml_syntax_error_has_file_line_and_column(tmp_path: Path,
 
 
 def test_plugins_lists_what_each_provides(capsys):
-    assert main(["plugins"]) == 0
+    assert main(["plugins"]) == 0  # one "name<TAB>where" line each, as scripts parse it
+    assert all(line.count("\t") == 1 for line in capsys.readouterr().out.splitlines())
+    assert main(["plugins", "--provides"]) == 0
     out = capsys.readouterr().out
     assert "radixd.plugins.policies" in out and "policies: fcfs, lpm" in out
     assert "tiers: disk, host" in out
