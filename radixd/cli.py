@@ -5,20 +5,25 @@ from __future__ import annotations
 import argparse
 import sys
 
-from radixd import __version__
+from radixd import __version__, launch_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="radixd", description="An LLM serving daemon with radix attention.")
     p.add_argument("--version", action="version", version=f"radixd {__version__}")
     p.add_argument("--config", metavar="FILE", help="serve with this radixd.toml (default: built-in defaults)")
+    launch_flags.add_to(p)
     sub = p.add_subparsers(dest="command")
-    chk = sub.add_parser("check-config", help="check a radixd.toml and exit (0: valid, 2: invalid)")
-    chk.add_argument("file")
+    chk = sub.add_parser("check-config", help="check a radixd.toml (and launch flags), print the merged "
+                                              "settings and exit (0: valid, 2: invalid)")
+    chk.add_argument("file", nargs="?", default=None)
+    launch_flags.add_to(chk)
     pull = sub.add_parser("pull", help="fetch and convert a model into the local cache")
     pull.add_argument("model", nargs="?", default="default", help="'default', a .gguf file or a checkpoint directory")
     pull.add_argument("--cache-dir", default=None, help="cache directory (default: $RADIXD_CACHE or ~/.cache/radixd)")
-    sub.add_parser("plugins", help="list the plugins that load, and where from")
+    plugins = sub.add_parser("plugins", help="list the plugins that load, where from (and what each provides)")
+    plugins.add_argument("--provides", action="store_true",
+                         help="under each plugin, its policies, tiers, grammar backends, routes and hooks")
     gen = sub.add_parser("generate", help="generate a reply in-process (no server) and stream it")
     gen.add_argument("prompt", help="the user message (chat template applied) or raw text with --raw")
     gen.add_argument("--model", default="default")
@@ -40,22 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         from radixd.server.daemon import serve_forever
 
         try:
-            return serve_forever(args.config)
+            return serve_forever(args.config, launch_flags.overrides(args))
         except ConfigError as exc:
             print(f"radixd: {exc}", file=sys.stderr)
             return 2
     if args.command == "check-config":
-        from radixd.core.errors import ConfigError
-        from radixd.settings import load_settings
-
-        try:
-            settings = load_settings(args.file)
-            settings.api_keys()
-        except ConfigError as exc:
-            print(f"radixd: {exc}", file=sys.stderr)
-            return 2
-        print(f"{args.file}: ok")
-        return 0
+        return _check_config(args)
     if args.command == "pull":
         from radixd.core.model_loader import resolve_model
 
@@ -63,17 +58,16 @@ def main(argv: list[str] | None = None) -> int:
         print(path)
         return 0
     if args.command == "plugins":
-        from radixd.plugins import make_plugin_manager
+        from radixd.plugins import describe_plugins, make_plugin_manager
         from radixd.settings import load_settings
 
         settings = load_settings(args.config)
         pm = make_plugin_manager(load_entry_points=settings.plugins.entry_points,
                                  allow=settings.plugins.allow or None, block=settings.plugins.block)
-        for name, plugin in pm.list_name_plugin():
-            if plugin is None:  # blocked by the allow/block lists
-                continue
-            where = getattr(plugin, "__file__", None) or type(plugin).__module__
+        for name, where, provides in describe_plugins(pm):
             print(f"{name}\t{where}")
+            for what, names in provides.items() if args.provides else ():
+                print(f"  {what}: {', '.join(names)}")
         return 0
     if args.command == "generate":
         import asyncio
@@ -84,6 +78,28 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(args, _bench_argv(argv))
     return 2
+
+
+def _check_config(args) -> int:
+    """Every error of the file and flags, one a line; else the merged settings as TOML."""
+    from radixd.core.errors import ConfigError
+    from radixd.settings import ConfigErrors, load_settings, render_settings
+
+    where = args.file or "(built-in defaults)"
+    try:
+        flags = launch_flags.overrides(args)
+        settings = load_settings(args.file, flags)
+        settings.api_keys()
+    except ConfigErrors as exc:
+        for e in exc.errors:
+            print(f"radixd: {where}: {e}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(f"radixd: {where}: {exc}", file=sys.stderr)
+        return 2
+    print(f"# {where}: ok" + (f"; flags: {' '.join(launch_flags.flag_of(k) or k for k in flags)}" if flags else ""))
+    print(render_settings(settings, {k: launch_flags.flag_of(k) for k in flags}))
+    return 0
 
 
 def _bench_argv(argv: list[str] | None) -> list[str]:

@@ -14,7 +14,9 @@ these dataclasses and ``man/radixd.toml.5`` in step.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import stat
 import tomllib
 import typing
@@ -45,6 +47,7 @@ class ServerSection:
     stall_timeout_s: float = option(60.0, min=0.0, live=True)
     send_timeout_s: float = option(30.0, min=0.1, live=True)
     stream_buffer: int = option(256, min=1, live=True)
+    sse_ping_s: float = option(0.0, min=0.0, live=True)
     cors_origins: list[str] = option([])
 
 
@@ -69,7 +72,7 @@ class _ModelKeys:  # [model] keys of the HTTP layer
 
 @dataclass(frozen=True)
 class _LimitsKeys:  # [limits] keys the request parsers apply
-    default_max_tokens: int = option(256, min=1, live=True)
+    default_max_tokens: int = option(0, min=0, live=True)
     max_stop_sequences: int = option(16, min=0, live=True)
     chat_special_tokens: str = option("refuse", choices=CHAT_SPECIAL_TOKENS, live=True)
 
@@ -201,23 +204,58 @@ def live_keys() -> list[str]:
     return [f"{sec}.{f.name}" for sec, cls in SECTIONS.items() for f in fields(cls) if f.metadata.get("live")]
 
 
-def load_settings(path: str | Path | None) -> Settings:
-    """Read and check a TOML file (``None``: all defaults)."""
-    if path is None:
+class ConfigErrors(ConfigError):
+    """Every error of one file, each a ``ConfigError``; ``str`` gives one per line."""
+
+    def __init__(self, errors: list[ConfigError]):
+        first = errors[0]
+        super().__init__(first.key, first.value, first.allowed)
+        self.errors = errors
+        self.args = ("\n".join(str(e) for e in errors),)
+
+
+def load_settings(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Settings:
+    """Read and check a TOML file (``None``: all defaults), with ``overrides``
+    (``{"section.key": value}``, the launch flags) laid over it. Raises ``ConfigErrors``
+    holding every error found, or one ``ConfigError`` for a file that cannot be read."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError as exc:
+            raise ConfigError("--config", str(path), "an existing TOML file") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("--config", str(path), f"valid TOML: {path}:{toml_error_where(exc)}") from exc
+    for key, value in (overrides or {}).items():
+        sec, name = key.rsplit(".", 1)
+        table = data
+        for part in sec.split("."):
+            table = table.setdefault(part, {})
+        table[name] = value
+    if path is None and not overrides:
         return Settings()
-    path = Path(path)
-    try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except FileNotFoundError as exc:
-        raise ConfigError("--config", str(path), "an existing TOML file") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("--config", str(path), f"valid TOML ({exc})") from exc
-    return settings_from_dict(data, source=str(path))
+    return settings_from_dict(data, source=None if path is None else str(path))
+
+
+def toml_error_where(exc: tomllib.TOMLDecodeError) -> str:
+    """``LINE:COLUMN: what`` of a TOML syntax error (tomllib puts the place in its message)."""
+    m = re.search(r"^(.*) \(at line (\d+), column (\d+)\)$", str(exc))
+    if m is None:
+        return str(exc)
+    return f"{m.group(2)}:{m.group(3)}: {m.group(1)}"
+
+
+def check_key(key: str, value: Any) -> None:
+    """Check one ``section.key`` value as the file's would be (``ConfigError`` if refused)."""
+    sec, name = key.rsplit(".", 1)
+    _section(sec, SECTIONS[sec], {name: value})
 
 
 def settings_from_dict(data: dict[str, Any], *, source: str | None = None) -> Settings:
     sections: dict[str, Any] = {}
+    errors: list[ConfigError] = []
     data = dict(data)
     cache = data.get("cache")
     if isinstance(cache, dict):  # [cache.NAME] tables: a built-in tier's section or a plugin's
@@ -235,13 +273,22 @@ def settings_from_dict(data: dict[str, Any], *, source: str | None = None) -> Se
     for name, table in data.items():
         cls = SECTIONS.get(name)
         if cls is None:
-            raise ConfigError(name, table if not isinstance(table, dict) else "[...]",
-                              "sections " + ", ".join(f"[{s}]" for s in SECTIONS))
-        if not isinstance(table, dict):
-            raise ConfigError(name, table, f"a [{name}] table")
-        sections[name.replace(".", "_")] = _section(name, cls, table)
+            errors.append(ConfigError(name, table if not isinstance(table, dict) else "[...]",
+                                      "sections " + ", ".join(f"[{s}]" for s in SECTIONS)))
+        elif not isinstance(table, dict):
+            errors.append(ConfigError(name, table, f"a [{name}] table"))
+        else:
+            try:
+                sections[name.replace(".", "_")] = _section(name, cls, table)
+            except ConfigErrors as exc:
+                errors += exc.errors
+    if errors:
+        raise ConfigErrors(errors)
     settings = Settings(**sections, source=source)
-    settings.engine_config()  # the engine's cross-option checks, with the file's key names
+    try:
+        settings.engine_config()  # the engine's cross-option checks, with the file's key names
+    except ConfigError as exc:
+        raise ConfigErrors([exc]) from exc
     return settings
 
 
@@ -249,17 +296,41 @@ def _section(name: str, cls: type, table: dict[str, Any]):
     known = {f.name: f for f in fields(cls)}
     hints = typing.get_type_hints(cls)
     values = {}
+    errors: list[ConfigError] = []
     for key, value in table.items():
         full = f"{name}.{key}"
         f = known.get(key)
-        if f is None:
-            raise ConfigError(full, value, "keys " + ", ".join(known))
-        if f.metadata.get("key") is not None:
-            EngineConfig.check_file_value(full, value)
-        else:
-            check(full, value, hints[key], f.metadata)
+        try:
+            if f is None:
+                raise ConfigError(full, value, "keys " + ", ".join(known))
+            if f.metadata.get("key") is not None:
+                EngineConfig.check_file_value(full, value)
+            else:
+                check(full, value, hints[key], f.metadata)
+        except ConfigError as exc:
+            errors.append(exc)
+            continue
         values[key] = value
+    if errors:
+        raise ConfigErrors(errors)
     return cls(**values)
+
+
+def render_settings(settings: Settings, notes: dict[str, str | None] | None = None) -> str:
+    """Every key of ``settings`` as TOML (API keys masked); ``notes``: a comment per key
+    (where a launch flag set it)."""
+    notes = notes or {}
+    out = []
+    for sec, cls in SECTIONS.items():
+        out.append(f"[{sec}]")
+        for f in fields(cls):
+            value = getattr(section_of(settings, sec), f.name)
+            if sec == "auth" and f.name == "api_keys":
+                value = ["***"] * len(value)
+            note = notes.get(f"{sec}.{f.name}")
+            out.append(f"{f.name} = {json.dumps(value)}" + (f"  # {note}" if note else ""))
+        out.append("")
+    return "\n".join(out)
 
 
 def section_of(settings: Settings, section: str):

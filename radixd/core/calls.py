@@ -9,6 +9,7 @@ requests with their deterministic seeds. Runs on the event loop's thread.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Sequence
 
@@ -67,11 +68,12 @@ class Calls:
                 "prompt", len(ids), self.context_len,
                 f"the prompt has {len(ids)} tokens; the model's context is {self.context_len} tokens",
             )
+        params = self.fitted(params, len(ids))
         if len(ids) + params.max_new_tokens > self.context_len:
             raise ContextLengthExceeded(
                 "max_new_tokens", len(ids), self.context_len,
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"model's context of {self.context_len} tokens",
+                f"the prompt ({len(ids)} tokens) plus {params.max_new_tokens} tokens to generate "
+                f"exceed the model's context of {self.context_len} tokens",
             )
         need = len(ids) + params.n * params.max_new_tokens
         if need > self.pool_slots:
@@ -82,6 +84,15 @@ class Calls:
                 f"max_new_tokens {params.max_new_tokens}); the KV pool holds {self.pool_slots}",
             )
         return ids
+
+    def fitted(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
+        """``params`` with ``max_new_tokens`` None resolved to what fits after the prompt in
+        the context and, for each of the ``n`` samples, in the KV pool (at least 1, so that a
+        prompt leaving no room is refused by the checks rather than answered empty)."""
+        if params.max_new_tokens is not None:
+            return params
+        room = min(self.context_len - prompt_tokens, (self.pool_slots - prompt_tokens) // params.n)
+        return dataclasses.replace(params, max_new_tokens=max(1, room))
 
     def requests(self, rid: str, ids: list[int], params: SamplingParams, *, namespace: int,
                  arrival: Callable[[], int]) -> list[Request]:

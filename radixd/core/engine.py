@@ -242,6 +242,7 @@ class Engine:
         if self._stopping:
             raise EngineStopped("the engine is shutting down")
         ids = self.validate(prompt, input_ids, params)
+        params = self._calls.fitted(params, len(ids))
         rid = rid or uuid.uuid4().hex
         if rid in self.outputs.by_rid:
             raise InvalidRequest("rid", f"a request with id {rid!r} is already running")

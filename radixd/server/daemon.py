@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -54,9 +55,10 @@ def bind_socket(host: str, port: int, user_timeout_s: float = 0.0) -> socket.soc
 
 
 class Daemon:
-    def __init__(self, settings: Settings, config_path: str | None):
+    def __init__(self, settings: Settings, config_path: str | None, overrides: dict[str, Any] | None = None):
         self.settings = settings
         self.config_path = config_path
+        self.overrides = overrides or {}  # the launch flags: they win over the file on reload too
         self.shutdown = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
 
@@ -152,7 +154,7 @@ class Daemon:
             log.warning("reload: started without --config; nothing to reload")
             return
         try:
-            new = load_settings(self.config_path)
+            new = load_settings(self.config_path, self.overrides)
         except ConfigError as exc:
             log.error("reload refused; keeping the running configuration", error=str(exc))
             return
@@ -257,7 +259,8 @@ def _default_name(engine: Engine) -> str:
     return Path(engine.config.model).name.removesuffix(".gguf")
 
 
-def serve_forever(config_path: str | None) -> int:
-    settings = load_settings(config_path)
+def serve_forever(config_path: str | None, overrides: dict[str, Any] | None = None) -> int:
+    """Serve until SIGTERM; ``overrides``: ``{"section.key": value}`` laid over the file."""
+    settings = load_settings(config_path, overrides)
     configure_logging(settings.logging.level, settings.logging.format)
-    return asyncio.run(Daemon(settings, config_path).run())
+    return asyncio.run(Daemon(settings, config_path, overrides).run())

@@ -3,19 +3,26 @@
 It gives each request an id (``X-Request-Id``), checks API keys (constant-time) and the body
 limit, bounds each write to the client (``server.send_timeout_s``), counts requests in
 flight (the drain waits on ``ServerState.idle``) and writes one access-log line when the
-response ends. Routes add token counts to ``scope["state"]["radixd"]`` for that line.
+response ends. Routes add token counts to ``scope["state"]["radixd"]`` for that line, and
+``outcome`` when a response did not complete (``client_disconnected``, ``client_too_slow``);
+an error response's OpenAI ``code`` and ``type`` are read from its body.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import time
 import uuid
 
 from radixd.server.errors import ApiError
 from radixd.server.state import ServerState
 
+# The access log's status of a request whose client left before any response was sent:
+# nginx's "client closed request" (HTTP has no code for it; proxies and log tools know 499).
+CLIENT_CLOSED = 499
+ERROR_BODY_CAP = 4096  # an error response's body read for its code (errors are small JSON)
 OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}  # reachable without an API key (probes, scrapers)
 
 
@@ -35,11 +42,17 @@ class Gate:
         info = {"id": rid, "status": 0, "start": time.perf_counter()}
         scope.setdefault("state", {})["radixd"] = info
 
+        error_body = bytearray()
+
         async def send_wrapped(message):
             if message["type"] == "http.response.start":
                 info["status"] = message["status"]
                 message.setdefault("headers", [])
                 message["headers"] = [*message["headers"], (b"x-request-id", rid.encode("latin-1"))]
+            elif info["status"] >= 400 and len(error_body) < ERROR_BODY_CAP:
+                error_body.extend(message.get("body", b"")[:ERROR_BODY_CAP])
+                if not message.get("more_body"):
+                    info.update(_error_of(error_body))
             limit = st.settings.server.send_timeout_s
             try:
                 async with asyncio.timeout(limit):
@@ -74,10 +87,14 @@ class Gate:
         except ClientTooSlow as exc:
             # the client stopped reading: end the response (the connection closes; the
             # request was aborted with its stream), never wait on it
-            info["status"] = info["status"] or 499
+            info["status"] = info["status"] or CLIENT_CLOSED
+            info.setdefault("outcome", "client_too_slow")
             st.metrics.slow_clients.inc()
             st.log.warning("client too slow; response ended", id=rid, path=scope["path"], reason=str(exc))
         finally:
+            if info["status"] == 0:  # the app ended without a response: the client left first
+                info["status"] = CLIENT_CLOSED
+                info.setdefault("outcome", "client_disconnected")
             st.inflight -= 1
             if st.inflight == 0:
                 st.idle.set()
@@ -107,6 +124,8 @@ class Gate:
         if st.settings.logging.access_log:
             st.log.info(
                 "access", id=info["id"], method=scope["method"], path=scope["path"], status=info["status"],
+                outcome=info.get("outcome", "completed"), error_code=info.get("error_code"),
+                error_type=info.get("error_type"),
                 prompt_tokens=info.get("prompt_tokens"), completion_tokens=info.get("completion_tokens"),
                 cached_tokens=info.get("cached_tokens"), ttft_ms=_ms(info.get("ttft")),
                 duration_ms=_ms(time.perf_counter() - info["start"]),
@@ -128,6 +147,17 @@ async def _discard_body(receive, cap: int) -> None:
         seen += len(message.get("body", b""))
         if not message.get("more_body"):
             return
+
+
+def _error_of(body: bytes) -> dict:
+    """``error_code``/``error_type`` of an error response in OpenAI's shape, if it is one."""
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return {}
+    if not isinstance(err, dict):
+        return {}
+    return {"error_code": err.get("code"), "error_type": err.get("type")}
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -54,8 +54,7 @@ def submit(st: ServerState, request: Request, *, params: SamplingParams, prompt:
         sub = st.engine.submit(prompt, input_ids=input_ids, params=params, priority=priority, rid=rid,
                                max_unread=st.settings.server.stream_buffer, grammar=grammar)
     except ContextLengthExceeded as exc:
-        raise ApiError(400, f"{exc.message} (prompt {exc.prompt_tokens} tokens, context {exc.limit} tokens)",
-                       param=protocol.api_param(exc.field), code="context_length_exceeded") from exc
+        raise ApiError(400, exc.message, param=protocol.api_param(exc.field), code="context_length_exceeded") from exc
     except InvalidRequest as exc:
         raise ApiError(400, exc.message, param=protocol.api_param(exc.field)) from exc
     except EngineStopped as exc:
@@ -202,21 +201,38 @@ async def merged(subs: list[Submission], maxsize: int = 0) -> AsyncIterator[tupl
             s.close()
 
 
-def sse_response(events: AsyncIterator[dict], subs: list[Submission], tracker: Tracker) -> Response:
+def sse_response(events: AsyncIterator[dict], subs: list[Submission], tracker: Tracker,
+                 ping_s: float = 0.0) -> Response:
     """Stream ``events`` as SSE, end with ``[DONE]``; however the stream ends (finished,
-    client gone), close the submissions and report the request once."""
+    client gone), close the submissions and report the request once. ``ping_s`` > 0: a
+    keep-alive comment every that many seconds (``server.sse_ping_s``; 0: none)."""
 
     async def framed():
         try:
             async for event in events:
                 yield event
             yield {"data": "[DONE]"}
+        except (asyncio.CancelledError, GeneratorExit):  # the client left: the response is cancelled
+            tracker.info.setdefault("outcome", "client_disconnected")
+            raise
         finally:
             for sub in subs:
                 sub.close()
             tracker.done()
 
-    return EventSourceResponse(framed(), ping=15)
+    return _SSE(framed(), ping=ping_s)
+
+
+class _SSE(EventSourceResponse):
+    """An ``EventSourceResponse`` that closes its events when the response ends: a send that
+    fails or is cancelled (the client left) leaves them suspended at a ``yield``, and their
+    clean-up (submissions closed, the request reported) must not wait for the collector."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict:
@@ -289,7 +305,7 @@ class Generation:
 
     def stream(self, events: Callable[[], AsyncIterator[dict]]) -> Response:
         """``events()`` as server-sent events, then ``[DONE]``."""
-        return sse_response(events(), self.subs, self.tracker)
+        return sse_response(events(), self.subs, self.tracker, self.st.settings.server.sse_ping_s)
 
 
 def samples(outs: list[GenerateOutput], n: int) -> list[list[GenerateOutput]]:

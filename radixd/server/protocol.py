@@ -233,8 +233,8 @@ def sampling_from_openai(body: dict, limits: Limits, *, chat: bool) -> ParsedReq
         mct = _typed(body, "max_completion_tokens", table)
         if mct is not None:
             max_tokens = mct
-    if max_tokens is None:
-        max_tokens = limits.default_max_tokens
+    if max_tokens is None:  # None: what fits (the engine resolves it)
+        max_tokens = limits.default_max_tokens or None
     stop = body.get("stop")
     if stop is None:
         stop = []

@@ -1,0 +1,113 @@
+"""SGLang's launch flags (``python -m sglang.launch_server``) as ``radixd.toml`` keys.
+
+Each flag is declared once in ``FLAGS``: its SGLang name, the key it sets, and how SGLang's
+value becomes the key's (``convert``; a value radixd has no counterpart for is refused by
+name). ``add_to`` puts the flags on a parser; ``overrides`` turns the parsed flags into
+``{"section.key": value}``, which ``radixd.settings.load_settings`` lays over the file (flags
+win). Each flag's value is checked as its key's is, and an error names the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from radixd.core.errors import ConfigError
+
+# SGLang's --schedule-policy values without a radixd counterpart. fcfs and lpm map as is;
+# any other name is a policy a plugin may provide (SGLang's priority: the radixd-priority
+# plugin's, larger values first as in SGLang).
+SGLANG_ONLY_POLICIES = ("random", "dfs-weight", "lof", "routing-key")
+
+
+METAVARS = {"--mem-fraction-static": "FRACTION", "--chunked-prefill-size": "TOKENS",
+            "--max-running-requests": "N", "--context-length": "TOKENS"}
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str                  # SGLang's spelling, e.g. "--tp-size"
+    key: str                   # the radixd.toml key it sets
+    type: Callable[[str], Any] | None  # None: a switch (store_true)
+    help: str
+    convert: Callable[[Any], Any] | None = None  # SGLang's value -> the key's; None: as is
+    aliases: tuple[str, ...] = ()  # SGLang's other spellings of the flag
+
+    @property
+    def metavar(self) -> str:
+        return METAVARS.get(self.name) or self.name.rsplit("-", 1)[1].upper()
+
+    @property
+    def dest(self) -> str:
+        return "flag_" + self.name.removeprefix("--").replace("-", "_")
+
+
+def _policy(value: str) -> str:
+    if value in SGLANG_ONLY_POLICIES:
+        raise ConfigError("--schedule-policy", value, "fcfs, lpm or a plugin's policy; SGLang's "
+                          f"{', '.join(SGLANG_ONLY_POLICIES)} have no radixd counterpart")
+    return value
+
+
+def _chunked_prefill(value: int) -> int:
+    if value <= 0:  # SGLang: -1 turns chunking off
+        raise ConfigError("--chunked-prefill-size", value, "a chunk size >= 1 (radixd always "
+                          "chunks long prefills; a size of the context length chunks nothing)")
+    return value
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("--model-path", "model.path", str, "checkpoint directory, .gguf file or 'default'",
+         aliases=("--model",)),
+    Flag("--host", "server.host", str, "address to listen on"),
+    Flag("--port", "server.port", int, "port to listen on"),
+    Flag("--tp-size", "parallel.tp_size", int, "tensor-parallel shards", aliases=("--tensor-parallel-size",)),
+    Flag("--dp-size", "parallel.dp_size", int, "data-parallel replicas", aliases=("--data-parallel-size",)),
+    Flag("--mem-fraction-static", "memory.mem_fraction", float,
+         "fraction of GPU memory for weights and KV pool"),
+    Flag("--chunked-prefill-size", "scheduler.chunked_prefill_size", int,
+         "prefill chunk in tokens", _chunked_prefill),
+    Flag("--max-running-requests", "scheduler.max_running_requests", int, "most requests in a batch"),
+    Flag("--schedule-policy", "scheduler.policy", str, "fcfs or lpm (or a plugin's policy)", _policy),
+    Flag("--disable-radix-cache", "cache.radix", None, "no prefix reuse", lambda v: not v),
+    Flag("--log-level", "logging.level", str, "debug, info, warning or error", str.lower),
+    Flag("--api-key", "auth.api_keys", str, "the one API key clients must send", lambda v: [v]),
+    Flag("--served-model-name", "model.served_name", str, "the model name the API reports"),
+    Flag("--context-length", "model.max_context_len", int, "context length (at most the model's)"),
+)
+
+
+def add_to(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("SGLang launch flags (each sets a radixd.toml key; flags win over the file)")
+    for f in FLAGS:
+        help_text = f"{f.help} ({f.key})"
+        if f.type is None:
+            group.add_argument(f.name, *f.aliases, dest=f.dest, action="store_true", default=None, help=help_text)
+        else:
+            group.add_argument(f.name, *f.aliases, dest=f.dest, type=f.type, default=None, metavar=f.metavar,
+                               help=help_text)
+
+
+def overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``{"section.key": value}`` of the flags given, each checked as its key."""
+    from radixd.settings import check_key
+
+    out: dict[str, Any] = {}
+    for f in FLAGS:
+        value = getattr(args, f.dest, None)
+        if value is None:
+            continue
+        converted = f.convert(value) if f.convert else value
+        try:
+            check_key(f.key, converted)
+        except ConfigError as exc:
+            raise ConfigError(f"{f.name} ({f.key})", value, exc.allowed) from exc
+        out[f.key] = converted
+    return out
+
+
+def flag_of(key: str) -> str | None:
+    """The flag that sets ``key``, if one does."""
+    return next((f.name for f in FLAGS if f.key == key), None)
