@@ -141,6 +141,27 @@ def test_completion_no_op_fields(client, http, field):
         assert err["code"] == "unsupported_parameter"
 
 
+def test_stream_options_at_defaults_without_stream(client, http):
+    opts = {"include_usage": False, "continuous_usage_stats": False}
+    assert chat(client, stream_options=opts).choices[0].message.content is not None
+    assert complete(client, extra_body={"stream_options": {"include_usage": None}}).choices[0].text is not None
+    refused(http, "chat", {"stream_options": {"include_usage": True}}, "stream_options")
+
+
+def test_readme_tables_name_every_field():
+    from pathlib import Path
+
+    from radixd.server.openai_extras import CHAT_EXTRA_SCHEMAS, EXTRA_SCHEMAS, NO_OPS
+
+    readme = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
+    section = readme.split("## Coming from SGLang / vLLM")[1].split("\n## ")[0]
+    rows = {m for line in section.splitlines() if line.startswith("| `")
+            for m in re.findall(r"`([a-z_.]+)`", line.split(" | ")[0])}
+    assert set(NO_OPS) | set(EXTRA_SCHEMAS) | set(CHAT_EXTRA_SCHEMAS) <= rows | {"guided_json", "guided_regex"}
+    assert {"guided_json", "guided_regex", "guided_choice", "guided_grammar",
+            "stream_options.continuous_usage_stats"} <= rows
+
+
 def test_best_of_equal_to_n(client, http):
     r = chat(client, n=2, temperature=1, seed=3, extra_body={"best_of": 2})
     assert len(r.choices) == 2
@@ -384,3 +405,36 @@ def test_logit_bias_in_the_sampler():
         SamplingParams(logit_bias={1: 100.5})
     with pytest.raises(InvalidRequest, match="logit_bias"):
         SamplingParams(logit_bias={-1: 1.0})
+
+
+ENGINE_CASES = [pytest.param("cpu", False, id="cpu"),
+                *[pytest.param("cuda", graphs, id=f"cuda-graphs-{'on' if graphs else 'off'}",
+                               marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs a CUDA device")])
+                  for graphs in (False, True)]]
+
+
+@pytest.mark.parametrize(("device", "graphs"), ENGINE_CASES)
+async def test_logit_bias_batched_in_the_engine(model_dir, device, graphs):
+    """Requests with and without a bias decode in the same batches; each gets its own."""
+    import asyncio
+
+    from radixd import Engine
+
+    eng = Engine(model=str(model_dir), device=device, dtype="float32", kv_cache_tokens=4096, cuda_graphs=graphs)
+
+    async def tokens(prompt, **kw):
+        params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, **kw)
+        return [t for out in [o async for o in eng.generate(input_ids=prompt, params=params)] for t in out.token_ids]
+
+    try:
+        prompts = [[5, 17, 42, 9], [3, 4, 5], [60, 61]]
+        solo = [await tokens(p) for p in prompts]
+        target = next(t for t in range(2, 250) if t not in solo[0])
+        got = await asyncio.gather(tokens(prompts[0], logit_bias={target: 100.0}), tokens(prompts[1]),
+                                   tokens(prompts[2], logit_bias={solo[2][0]: -100.0}))
+        assert got[0] == [target] * 6 and got[1] == solo[1] and got[2][0] != solo[2][0]
+        with pytest.raises(InvalidRequest, match="logit_bias"):
+            await tokens(prompts[0], logit_bias={10_000: 1.0})
+    finally:
+        await eng.stop()

@@ -96,7 +96,8 @@ _TEXT_PART = {"type": "object", "required": ["type", "text"],
 MESSAGE_SCHEMA = {  # (an assistant message's content may also be null)
     "type": "object", "required": ["role", "content"],
     "properties": {"role": {"enum": ["system", "user", "assistant", "developer", "tool"]},
-                   "content": {"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}]}},
+                   "content": {"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}]},
+                   "tool_calls": _opt({"type": "array", "maxItems": 0})},  # no tool calling yet
 }
 MESSAGES = {"type": "array", "minItems": 1, "items": MESSAGE_SCHEMA}
 CHAT_SCHEMAS = {**extras.no_op_schemas("chat"), **SAMPLING_SCHEMAS, **extras.CHAT_EXTRA_SCHEMAS, "messages": MESSAGES,
@@ -189,7 +190,7 @@ def sampling_from_openai(body: dict, limits: Limits, *, chat: bool) -> ParsedReq
     table = CHAT_SCHEMAS if chat else COMPLETION_SCHEMAS
     stream = _typed(body, "stream", table) or False
     opts = _typed(body, "stream_options", table) or {}
-    if opts and not stream:
+    if any(opts.values()) and not stream:  # options at their defaults ask for nothing
         raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
     unknown = set(opts) - {"include_usage", "continuous_usage_stats"}
     if unknown:
