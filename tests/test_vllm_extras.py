@@ -268,6 +268,9 @@ def test_echo_with_logprobs(client, tok):
     plp = complete(client, prompt=prompt, max_tokens=3, extra_body={"prompt_logprobs": 0}).choices[0]
     assert [v for d in plp.prompt_logprobs[1:] for v in [next(iter(d.values()))["logprob"]]] == \
         pytest.approx(lp.token_logprobs[1:len(ids)])
+    for choice in complete(client, prompt=prompt, echo=True, logprobs=1, max_tokens=2, n=2, temperature=1,
+                           seed=5).choices:  # every sample leads with the same prompt logprobs
+        assert choice.logprobs.token_logprobs[:len(ids)] == pytest.approx(lp.token_logprobs[:len(ids)])
     streamed = list(complete(client, prompt=prompt, echo=True, logprobs=2, max_tokens=3, stream=True))
     text = "".join(ch.choices[0].text for ch in streamed if ch.choices)
     toks = [t for ch in streamed if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]

@@ -26,8 +26,12 @@ _STR = {"type": "string"}
 _EMPTY = {"type": "array", "maxItems": 0}
 
 
-def _opt(schema: dict) -> dict:
+def nullable(schema: dict) -> dict:
+    """A field that may also be null (the parsers treat null as absent)."""
     return {"anyOf": [schema, _NULL]}
+
+
+_opt = nullable
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,7 @@ STRUCTURED = {"type": "object", "additionalProperties": False, "properties": {
     "disable_additional_properties": _opt({"const": False}), "whitespace_pattern": _NULL,
     "structural_tag": _NULL}}
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-_LOGIT_BIAS = {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"}, "x-radixd": "logit_bias",
+_LOGIT_BIAS = {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
                "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_MAX, "maximum": LOGIT_BIAS_MAX}}
 EXTRA_SCHEMAS: dict[str, dict] = {  # both OpenAI routes
     "structured_outputs": _opt(STRUCTURED),

@@ -15,12 +15,12 @@ constraints ``regex``, ``json_schema`` and ``ebnf`` (Lark) besides OpenAI's
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from radixd.core.errors import InvalidRequest
 from radixd.core.sampling_params import INT32_MAX, SamplingParams, json_schema
-from radixd.server import openai_extras as extras
+from radixd.server import openai_extras
 from radixd.server.errors import ApiError
 
 EXTENSIONS = {
@@ -39,9 +39,7 @@ EXTENSIONS = {
 # ``SamplingParams`` and the parsers enforce (a test sends the schema's edges).
 
 
-def _opt(schema: dict) -> dict:
-    """A field that may also be null (the parsers treat null as absent)."""
-    return {"anyOf": [schema, {"type": "null"}]}
+_opt = openai_extras.nullable
 
 
 # "x-radixd" marks what depends on the server (its model name, vocabulary, limits): the
@@ -82,7 +80,7 @@ SAMPLING_SCHEMAS: dict[str, dict] = {   # shared by /v1/chat/completions and /v1
     "stop_token_ids": _opt(_STOP_IDS),
     "skip_special_tokens": _opt(_BOOL),
     **CONSTRAINT_SCHEMAS,
-    **extras.EXTRA_SCHEMAS,
+    **openai_extras.EXTRA_SCHEMAS,
     "response_format": _opt({
         "type": "object", "required": ["type"], "additionalProperties": False,
         "properties": {"type": {"enum": ["text", "json_object", "json_schema"]},
@@ -100,13 +98,13 @@ MESSAGE_SCHEMA = {  # (an assistant message's content may also be null)
                    "tool_calls": _opt({"type": "array", "maxItems": 0})},  # no tool calling yet
 }
 MESSAGES = {"type": "array", "minItems": 1, "items": MESSAGE_SCHEMA}
-CHAT_SCHEMAS = {**extras.no_op_schemas("chat"), **SAMPLING_SCHEMAS, **extras.CHAT_EXTRA_SCHEMAS, "messages": MESSAGES,
+CHAT_SCHEMAS = {**openai_extras.no_op_schemas("chat"), **SAMPLING_SCHEMAS, **openai_extras.CHAT_EXTRA_SCHEMAS, "messages": MESSAGES,
                 "max_completion_tokens": _opt(json_schema("max_new_tokens")),
                 "logprobs": _opt(_BOOL), "top_logprobs": _opt(_TOP_LOGPROBS)}
 PROMPT = {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _TEXT},
                     {"type": "array", "minItems": 1, "items": _TOKEN},
                     {"type": "array", "minItems": 1, "items": {**_IDS, "minItems": 1}}]}
-COMPLETION_SCHEMAS = {**extras.no_op_schemas("completion"), **SAMPLING_SCHEMAS, "prompt": PROMPT, "echo": _opt(_BOOL),
+COMPLETION_SCHEMAS = {**openai_extras.no_op_schemas("completion"), **SAMPLING_SCHEMAS, "prompt": PROMPT, "echo": _opt(_BOOL),
                       "logprobs": _opt({"type": "integer", "minimum": 0, "maximum": 5})}
 NATIVE_PARAM_SCHEMAS = {  # SamplingParams's own field names
     **{name: json_schema(name) for name in ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k",
@@ -140,8 +138,8 @@ COMMON = set(SAMPLING_SCHEMAS)
 CHAT_FIELDS = set(CHAT_SCHEMAS)
 COMPLETION_FIELDS = set(COMPLETION_SCHEMAS)
 NATIVE_FIELDS = set(NATIVE_SCHEMAS)
-CHAT_NO_OPS = set(extras.no_op_schemas("chat"))
-COMPLETION_NO_OPS = set(extras.no_op_schemas("completion"))
+CHAT_NO_OPS = set(openai_extras.no_op_schemas("chat"))
+COMPLETION_NO_OPS = set(openai_extras.no_op_schemas("completion"))
 
 
 @dataclass
@@ -158,14 +156,14 @@ class ParsedRequest:
     model: str | None
     priority: int = 0
     continuous_usage: bool = False  # usage in every stream chunk (vLLM's continuous_usage_stats)
-    extras: extras.Extras | None = None
+    extras: openai_extras.Extras = field(default_factory=openai_extras.Extras)  # vLLM's extras
 
 
 def check_fields(body: dict, allowed: set[str], no_ops: set[str] = frozenset()) -> None:
     """Every key of ``body`` is in ``allowed``; the ``no_ops`` among them ask for nothing."""
     for key in body:
-        if key in no_ops or (key in extras.NO_OPS and key not in allowed):
-            extras.check_no_op(key, body, key in no_ops)
+        if key in no_ops or (key in openai_extras.NO_OPS and key not in allowed):
+            openai_extras.check_no_op(key, body, key in no_ops)
         elif key not in allowed:
             raise ApiError(400, f"unrecognized request argument: '{key}'", param=key, code="unknown_parameter")
 
@@ -241,8 +239,8 @@ def sampling_from_openai(body: dict, limits: Limits, *, chat: bool) -> ParsedReq
             kw["logprobs"] = True
             kw["top_logprobs"] = lp
     kw.update(_constraint(body))
-    kw.update(extras.sampling_extras(body))
-    ex = extras.read_extras(body, chat=chat)
+    kw.update(openai_extras.sampling_extras(body))
+    ex = openai_extras.read_extras(body, chat=chat)
     if ex.prompt_logprobs and stream:
         raise ApiError(400, "'prompt_logprobs' cannot be streamed", param="prompt_logprobs")
     if ex.prompt_logprobs or (not chat and body.get("echo") is True and kw.get("logprobs")):
@@ -257,10 +255,10 @@ def sampling_from_openai(body: dict, limits: Limits, *, chat: bool) -> ParsedReq
 def _constraint(body: dict) -> dict[str, Any]:
     """``response_format`` and the native ``regex``/``json_schema``/``ebnf`` fields (at most one)."""
     out: dict[str, Any] = {k: body[k] for k in CONSTRAINTS if body.get(k) is not None}
-    vllm = extras.structured_constraint(body)
+    vllm = openai_extras.structured_constraint(body)
     if vllm and (out or body.get("response_format", {"type": "text"}) not in (None, {"type": "text"})):
         raise ApiError(400, "give at most one of structured_outputs / guided_*, response_format, regex, json_schema, "
-                            "ebnf", param=next(iter(body.keys() & {"structured_outputs", *extras.GUIDED})))
+                            "ebnf", param=next(iter(body.keys() & {"structured_outputs", *openai_extras.GUIDED})))
     out.update(vllm)
     rf = body.get("response_format")
     if rf is not None:
