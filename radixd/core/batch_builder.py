@@ -197,6 +197,8 @@ class BatchBuilder:
             if rep_rows:
                 sb.rep_rows = torch.tensor(rep_rows, dtype=torch.int64)
                 sb.rep_tokens = torch.tensor(rep_toks, dtype=torch.int64)
+        if cached.bias_rows is not None:
+            sb.bias_rows, sb.bias_tokens, sb.bias_values = cached.bias_rows, cached.bias_tokens, cached.bias_values
         if any(steps[i] < reqs[i].params.min_new_tokens for i in cached.min_new_rows):
             # min_new_tokens not reached: the stop tokens are banned this step
             banned_rows, banned_toks = [], []
@@ -240,6 +242,13 @@ class _SamplingRows:
             self.constrained = self.constrained or r.matcher is not None
             if r.params.min_new_tokens > 0:
                 self.min_new_rows.append(i)
+        bias = [(i, tok, value) for i, r in enumerate(reqs) for tok, value in (r.params.logit_bias or {}).items()]
+        self.bias_rows = self.bias_tokens = self.bias_values = None
+        if bias:
+            rows, toks, values = zip(*bias, strict=True)
+            self.bias_rows = torch.tensor(rows, dtype=torch.int64)
+            self.bias_tokens = torch.tensor(toks, dtype=torch.int64)
+            self.bias_values = torch.tensor(values, dtype=torch.float32)
         fl = torch.tensor([temps, top_ps, min_ps], dtype=torch.float32)
         it = torch.tensor([top_ks, seeds], dtype=torch.int64)
         self.temperature, self.top_p, self.min_p = fl[0], fl[1], fl[2]

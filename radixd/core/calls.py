@@ -59,6 +59,9 @@ class Calls:
             raise InvalidRequest("prompt", "the prompt is empty")
         if self.tokenizer is None and params.stop:
             raise InvalidRequest("stop", "stop strings need a tokenizer; this engine runs without one")
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise InvalidRequest("logit_bias", f"token id {max(params.logit_bias)} is outside the model's "
+                                               f"vocabulary of {self.vocab_size}")
         if params.n > self.max_n:
             raise InvalidRequest("n", f"must be <= {self.max_n}, got {params.n}")
         if params.top_logprobs > self.max_top_logprobs:

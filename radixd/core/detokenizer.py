@@ -1,4 +1,5 @@
-"""Incremental detokenization with stop strings that are never emitted, not even in part."""
+"""Incremental detokenization with stop strings that are never emitted, not even in part
+(unless asked to keep the one that ends the text)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ CONTEXT_TOKENS = 4  # prompt tokens decoded ahead of the output so word-initial 
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], *, skip_special_tokens: bool, stop: list[str]):
+    def __init__(self, tokenizer, prompt_ids: list[int], *, skip_special_tokens: bool, stop: list[str],
+                 keep_stop: bool = False):
         self.tok = tokenizer
+        self.keep_stop = keep_stop  # emit the stop string that ends the text (then nothing more)
         self.skip = skip_special_tokens
         self._backend = _backend_decoder(tokenizer)
         self.stop = stop
@@ -55,9 +58,11 @@ class IncrementalDetokenizer:
             return ""
         if self.stop:
             start = max(0, self.emitted - self.max_stop + 1)
-            hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            hits = [(i, -len(s)) for s in self.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
-                cut = min(hits)
+                cut, minus_len = min(hits)  # the first stop string, the longest one there
+                if self.keep_stop:
+                    cut -= minus_len
                 out = self.text[self.emitted : cut]
                 self.text = self.text[:cut]
                 self.emitted = cut

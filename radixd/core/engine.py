@@ -208,8 +208,9 @@ class Engine:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text).input_ids
 
-    def apply_chat_template(self, messages: list[dict], **kw) -> list[int]:
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True, **kw) -> list[int]:
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True, **kw)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     def validate(self, prompt: str | None, input_ids: Sequence[int] | None, params: SamplingParams) -> list[int]:

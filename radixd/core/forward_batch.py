@@ -30,6 +30,10 @@ class SamplingBatch:
     penalty_tokens: torch.Tensor | None = None      # [P] generated token ids (frequency/presence)
     rep_rows: torch.Tensor | None = None            # [R] row of each seen token (repetition)
     rep_tokens: torch.Tensor | None = None          # [R] prompt + generated token ids
+    # logit_bias: ``bias_values`` added to the logits at (``bias_rows``, ``bias_tokens``).
+    bias_rows: torch.Tensor | None = None
+    bias_tokens: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None          # float32
     # Tokens banned this step (min_new_tokens not reached: EOS and stop ids).
     banned_rows: torch.Tensor | None = None
     banned_tokens: torch.Tensor | None = None

@@ -186,7 +186,7 @@ class Outputs:
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
-                                               stop=params.stop)
+                                               stop=params.stop, keep_stop=params.include_stop_str_in_output)
             self.streams[r] = _Stream(queue, detok, rid=rid, limit=max_unread * len(reqs))
         self.by_rid[rid] = reqs
         return Submission(self, rid, reqs, queue, len(reqs), len(prompt_ids))

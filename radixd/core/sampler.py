@@ -1,4 +1,4 @@
-"""Batched sampling on the worker's device: penalties, temperature, top-k/p, min-p, logprobs.
+"""Batched sampling on the worker's device: penalties, logit bias, temperature, top-k/p, min-p, logprobs.
 
 Randomness comes from a counter-based hash of (request seed, token index, token id), so a
 request's draws do not depend on what else is in the batch, on preemption, or on the device.
@@ -100,6 +100,8 @@ def sample_on_device(logits: torch.Tensor, sb: SamplingBatch) -> SampledTokens:
     """As ``sample``, without waiting for the device."""
     raw_logprobs = torch.log_softmax(logits, dim=-1) if sb.want_logprobs else None
     apply_penalties(logits, sb)
+    if sb.bias_rows is not None:
+        logits.index_put_((sb.bias_rows, sb.bias_tokens), sb.bias_values, accumulate=True)
     if sb.banned_rows is not None and sb.banned_rows.numel():
         logits[sb.banned_rows, sb.banned_tokens] = float("-inf")
     allowed = sb.allowed

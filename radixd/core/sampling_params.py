@@ -16,6 +16,7 @@ from radixd.core.errors import InvalidRequest
 
 INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1
+LOGIT_BIAS_MAX = 100.0
 
 
 def bounded(default: Any, low: float, high: float | None = None, *, low_open: bool = False,
@@ -57,6 +58,11 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = bounded(0, 0)  # at most the engine's max_top_logprobs
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # the stop string that ended the text is kept
+    # Added to the logits before picking (greedy or drawn), per token id: OpenAI's
+    # ``logit_bias``, each bias in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]; ids checked against the
+    # model's vocabulary when the engine takes the call.
+    logit_bias: dict[int, float] | None = None
     # Return the log-probability of each prompt token from this position on (position 0 has
     # none); None = off. Cached KV before that position is reused, the rest is recomputed.
     prompt_logprobs_from: int | None = bounded(None, 0)
@@ -93,8 +99,11 @@ class SamplingParams:
             raise InvalidRequest("ignore_eos", "must be true or false")
         if not isinstance(self.logprobs, bool):
             raise InvalidRequest("logprobs", "must be true or false")
-        if not isinstance(self.skip_special_tokens, bool):
-            raise InvalidRequest("skip_special_tokens", "must be true or false")
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(name, "must be true or false")
+        if self.logit_bias is not None:
+            self._check_logit_bias()
         if self.prompt_logprobs_from is not None and self.max_new_tokens == 0:
             raise InvalidRequest("max_new_tokens", "must be >= 1 when prompt_logprobs_from is set")
         given = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
@@ -105,6 +114,18 @@ class SamplingParams:
                 raise InvalidRequest(k, "must be a string")
         if self.json_schema is not None and not isinstance(self.json_schema, str | dict | bool):
             raise InvalidRequest("json_schema", "must be a JSON Schema (an object) or its JSON text")
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, dict):
+            raise InvalidRequest("logit_bias", "must map token ids to biases")
+        for tok, value in bias.items():
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise InvalidRequest("logit_bias", f"keys must be token ids (integers >= 0), got {tok!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) \
+                    or not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX:
+                raise InvalidRequest("logit_bias", f"the bias of token {tok} must be a number in "
+                                                   f"[{-LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], got {value!r}")
 
     @property
     def greedy(self) -> bool:

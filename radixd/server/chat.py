@@ -1,31 +1,39 @@
-"""Chat messages to prompt token ids: the model's template, with special-token text in
-message contents handled per ``limits.chat_special_tokens``."""
+"""Chat messages to prompt token ids: the model's template (with the request's template
+options), with special-token text in message contents handled per
+``limits.chat_special_tokens``."""
 
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from radixd.server.errors import ApiError
 from radixd.server.state import ServerState
 
 
-def chat_prompt_ids(st: ServerState, messages: list[dict]) -> list[int]:
+def chat_prompt_ids(st: ServerState, messages: list[dict], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The chat template applied to ``messages``, with text in their contents that spells a
     special token (``<|im_start|>``, ``<eos>``, ...) handled per ``limits.chat_special_tokens``:
     such text would otherwise become the control token itself, letting a message open a new
-    turn under another role. "refuse": 400; "as_text": tokenized as plain text; "allow": as is."""
+    turn under another role. "refuse": 400; "as_text": tokenized as plain text; "allow": as is.
+    ``continue_final_message`` leaves the last message open (the model continues it);
+    ``template_kwargs`` are handed to the template (vLLM's ``chat_template_kwargs``)."""
     how = st.settings.limits.chat_special_tokens
     tok = st.engine.tokenizer
     found = None if how == "allow" else _special_text(tok, messages)
+    kw = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
+    if continue_final_message:
+        kw["continue_final_message"] = True
     try:
         if found is None:
-            return st.engine.apply_chat_template(messages)
+            return st.engine.apply_chat_template(messages, **kw)
         if how == "refuse":
             i, text = found
             raise ApiError(400, f"'messages[{i}].content' contains the special token text {text!r}; this server "
                                 "refuses it (limits.chat_special_tokens = \"refuse\")", param="messages",
                            code="special_token_in_content")
-        return _template_contents_as_text(tok, messages)
+        return _template_contents_as_text(tok, messages, kw)
     except ApiError:
         raise
     except Exception as exc:  # templates raise on e.g. a bad role order
@@ -42,14 +50,14 @@ def _special_text(tok, messages: list[dict]) -> tuple[int, str] | None:
     return None
 
 
-def _template_contents_as_text(tok, messages: list[dict]) -> list[int]:
+def _template_contents_as_text(tok, messages: list[dict], kw: dict[str, Any]) -> list[int]:
     """Render the template around placeholders, then tokenize the template's own text with
     its special tokens and each message content with special-token text split into plain
     tokens: no content can produce a control token."""
     nonce = uuid.uuid4().hex
     marks = [f"\u241f{nonce}{i}\u241f" for i in range(len(messages))]
     rendered = tok.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)],
-                                       add_generation_prompt=True, tokenize=False)
+                                       tokenize=False, **kw)
     ids: list[int] = []
     for i, mark in enumerate(marks):
         head, sep, rendered = rendered.partition(mark)

@@ -9,17 +9,18 @@ radixd's extensions in the style of vLLM/SGLang (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``) are accepted on both OpenAI routes, and so are the grammar
 constraints ``regex``, ``json_schema`` and ``ebnf`` (Lark) besides OpenAI's
-``response_format``.
+``response_format``; fields that ask for nothing and vLLM's extras: ``openai_extras``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from radixd.core.errors import InvalidRequest
 from radixd.core.sampling_params import INT32_MAX, SamplingParams, json_schema
+from radixd.server import openai_extras
 from radixd.server.errors import ApiError
 
 EXTENSIONS = {
@@ -38,9 +39,7 @@ EXTENSIONS = {
 # ``SamplingParams`` and the parsers enforce (a test sends the schema's edges).
 
 
-def _opt(schema: dict) -> dict:
-    """A field that may also be null (the parsers treat null as absent)."""
-    return {"anyOf": [schema, {"type": "null"}]}
+_opt = openai_extras.nullable
 
 
 # "x-radixd" marks what depends on the server (its model name, vocabulary, limits): the
@@ -81,6 +80,7 @@ SAMPLING_SCHEMAS: dict[str, dict] = {   # shared by /v1/chat/completions and /v1
     "stop_token_ids": _opt(_STOP_IDS),
     "skip_special_tokens": _opt(_BOOL),
     **CONSTRAINT_SCHEMAS,
+    **openai_extras.EXTRA_SCHEMAS,
     "response_format": _opt({
         "type": "object", "required": ["type"], "additionalProperties": False,
         "properties": {"type": {"enum": ["text", "json_object", "json_schema"]},
@@ -94,16 +94,17 @@ _TEXT_PART = {"type": "object", "required": ["type", "text"],
 MESSAGE_SCHEMA = {  # (an assistant message's content may also be null)
     "type": "object", "required": ["role", "content"],
     "properties": {"role": {"enum": ["system", "user", "assistant", "developer", "tool"]},
-                   "content": {"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}]}},
+                   "content": {"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}]},
+                   "tool_calls": _opt({"type": "array", "maxItems": 0})},  # no tool calling yet
 }
 MESSAGES = {"type": "array", "minItems": 1, "items": MESSAGE_SCHEMA}
-CHAT_SCHEMAS = {**SAMPLING_SCHEMAS, "messages": MESSAGES,
+CHAT_SCHEMAS = {**openai_extras.no_op_schemas("chat"), **SAMPLING_SCHEMAS, **openai_extras.CHAT_EXTRA_SCHEMAS, "messages": MESSAGES,
                 "max_completion_tokens": _opt(json_schema("max_new_tokens")),
                 "logprobs": _opt(_BOOL), "top_logprobs": _opt(_TOP_LOGPROBS)}
 PROMPT = {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _TEXT},
                     {"type": "array", "minItems": 1, "items": _TOKEN},
                     {"type": "array", "minItems": 1, "items": {**_IDS, "minItems": 1}}]}
-COMPLETION_SCHEMAS = {**SAMPLING_SCHEMAS, "prompt": PROMPT, "echo": _opt(_BOOL),
+COMPLETION_SCHEMAS = {**openai_extras.no_op_schemas("completion"), **SAMPLING_SCHEMAS, "prompt": PROMPT, "echo": _opt(_BOOL),
                       "logprobs": _opt({"type": "integer", "minimum": 0, "maximum": 5})}
 NATIVE_PARAM_SCHEMAS = {  # SamplingParams's own field names (SGLang's too); null: the default
     **{name: _opt(json_schema(name)) for name in ("max_new_tokens", "min_new_tokens", "temperature", "top_p",
@@ -173,9 +174,8 @@ COMMON = set(SAMPLING_SCHEMAS)
 CHAT_FIELDS = set(CHAT_SCHEMAS)
 COMPLETION_FIELDS = set(COMPLETION_SCHEMAS)
 NATIVE_FIELDS = set(NATIVE_SCHEMAS)
-NOT_SUPPORTED = {"tools", "tool_choice", "functions", "function_call", "logit_bias",
-                 "suffix", "best_of", "parallel_tool_calls", "audio", "modalities", "prediction",
-                 "reasoning_effort", "store", "metadata", "service_tier"}
+CHAT_NO_OPS = set(openai_extras.no_op_schemas("chat"))
+COMPLETION_NO_OPS = set(openai_extras.no_op_schemas("completion"))
 
 
 @dataclass
@@ -191,13 +191,16 @@ class ParsedRequest:
     include_usage: bool
     model: str | None
     priority: int = 0
+    continuous_usage: bool = False  # usage in every stream chunk (vLLM's continuous_usage_stats)
+    extras: openai_extras.Extras = field(default_factory=openai_extras.Extras)  # vLLM's extras
 
 
-def check_fields(body: dict, allowed: set[str]) -> None:
+def check_fields(body: dict, allowed: set[str], no_ops: set[str] = frozenset()) -> None:
+    """Every key of ``body`` is in ``allowed``; the ``no_ops`` among them ask for nothing."""
     for key in body:
-        if key in NOT_SUPPORTED:
-            raise ApiError(400, f"'{key}' is not supported by this server", param=key, code="unsupported_parameter")
-        if key not in allowed:
+        if key in no_ops or (key in openai_extras.NO_OPS and key not in allowed):
+            openai_extras.check_no_op(key, body, key in no_ops)
+        elif key not in allowed:
             raise ApiError(400, f"unrecognized request argument: '{key}'", param=key, code="unknown_parameter")
 
 
@@ -221,12 +224,13 @@ def sampling_from_openai(body: dict, limits: Limits, *, chat: bool) -> ParsedReq
     table = CHAT_SCHEMAS if chat else COMPLETION_SCHEMAS
     stream = _typed(body, "stream", table) or False
     opts = _typed(body, "stream_options", table) or {}
-    if opts and not stream:
+    if any(opts.values()) and not stream:  # options at their defaults ask for nothing
         raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
     unknown = set(opts) - {"include_usage", "continuous_usage_stats"}
     if unknown:
         raise ApiError(400, f"unrecognized stream option: '{sorted(unknown)[0]}'", param="stream_options")
-    include_usage = bool(opts.get("include_usage", False))
+    continuous = opts.get("continuous_usage_stats")
+    include_usage = bool(opts.get("include_usage", bool(continuous)))  # vLLM: implied by continuous usage
 
     max_tokens = _typed(body, "max_tokens", table)
     if chat:
@@ -271,16 +275,27 @@ def sampling_from_openai(body: dict, limits: Limits, *, chat: bool) -> ParsedReq
             kw["logprobs"] = True
             kw["top_logprobs"] = lp
     kw.update(_constraint(body))
+    kw.update(openai_extras.sampling_extras(body))
+    ex = openai_extras.read_extras(body, chat=chat)
+    if ex.prompt_logprobs and stream:
+        raise ApiError(400, "'prompt_logprobs' cannot be streamed", param="prompt_logprobs")
+    if ex.prompt_logprobs or (not chat and body.get("echo") is True and kw.get("logprobs")):
+        kw["prompt_logprobs_from"] = 0
     _typed(body, "user", table)
     model = _typed(body, "model", table)
     priority = _typed(body, "priority", table) or 0
     return ParsedRequest(params=make_params(kw), stream=stream, include_usage=include_usage, model=model,
-                         priority=priority)
+                         priority=priority, continuous_usage=bool(continuous) and include_usage, extras=ex)
 
 
 def _constraint(body: dict) -> dict[str, Any]:
     """``response_format`` and the native ``regex``/``json_schema``/``ebnf`` fields (at most one)."""
     out: dict[str, Any] = {k: body[k] for k in CONSTRAINTS if body.get(k) is not None}
+    vllm = openai_extras.structured_constraint(body)
+    if vllm and (out or body.get("response_format", {"type": "text"}) not in (None, {"type": "text"})):
+        raise ApiError(400, "give at most one of structured_outputs / guided_*, response_format, regex, json_schema, "
+                            "ebnf", param=next(iter(body.keys() & {"structured_outputs", *openai_extras.GUIDED})))
+    out.update(vllm)
     rf = body.get("response_format")
     if rf is not None:
         if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
@@ -357,6 +372,9 @@ def chat_messages(body: dict) -> list[dict]:
             content = "".join(parts)
         elif content is None and role == "assistant":
             content = ""
+        if m.get("tool_calls"):  # until tool calling lands: refused, never silently dropped
+            raise ApiError(400, f"'messages[{i}].tool_calls' is not supported by this server (no tool calling)",
+                           param=f"messages[{i}].tool_calls", code="unsupported_parameter")
         if not isinstance(content, str):
             raise ApiError(400, f"'messages[{i}].content' must be a string or a list of text parts",
                            param="messages")
@@ -452,7 +470,7 @@ class ChatRequest:
 
 def parse_chat(body: dict, limits: Limits, served: str) -> ChatRequest:
     """``/v1/chat/completions``."""
-    check_fields(body, CHAT_FIELDS)
+    check_fields(body, CHAT_FIELDS, CHAT_NO_OPS)
     parsed = sampling_from_openai(body, limits, chat=True)
     check_model(parsed.model, served)
     return ChatRequest(parsed, chat_messages(body))
@@ -467,16 +485,13 @@ class CompletionRequest:
 
 def parse_completion(body: dict, limits: Limits, served: str) -> CompletionRequest:
     """``/v1/completions``."""
-    check_fields(body, COMPLETION_FIELDS)
+    check_fields(body, COMPLETION_FIELDS, COMPLETION_NO_OPS)
     parsed = sampling_from_openai(body, limits, chat=False)
     check_model(parsed.model, served)
     prompts = completion_prompts(body)
     echo = body.get("echo") or False
     if not isinstance(echo, bool):
         raise ApiError(400, "'echo' must be a boolean", param="echo")
-    if echo and parsed.params.logprobs:
-        raise ApiError(400, "'echo' together with 'logprobs' (prompt logprobs) is not supported", param="echo",
-                       code="unsupported_parameter")
     return CompletionRequest(parsed, prompts, echo)
 
 
