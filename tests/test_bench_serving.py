@@ -23,8 +23,8 @@ pytest.importorskip("sglang.bench_serving", reason="SGLang's frontend is not ins
 
 BACKENDS = ("sglang", "sglang-oai", "sglang-oai-chat", "vllm")
 BURST = 8                    # prompts of a burst run
-PACED = 16                   # prompts of a paced run, at PACED_RATE a second on average
-PACED_RATE = 0.4             # seed 1 spreads their arrivals over more than 30 s
+PACED = 24                   # prompts of a paced run, at PACED_RATE a second on average:
+PACED_RATE = 0.4             # about 60 s of arrivals (seeded), well past 30 s
 # it looks the served model's name up on the hub for its config first (a warning when absent)
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -33,7 +33,9 @@ OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 def daemon(tiny_models, tmp_path_factory):
     d = Daemon(tmp_path_factory.mktemp("bench-serving"),
                toml(tiny_models["llama"], scheduler={"max_running_requests": 16},
-                    limits={"max_queued_requests": 256}))
+                    # random ids decode to text that spells special tokens, which chat
+                    # messages may not by default (refused: a prompt-injection guard)
+                    limits={"max_queued_requests": 256, "chat_special_tokens": "as_text"}))
     yield d
     d.stop()
 
@@ -67,10 +69,9 @@ def test_bench_serving_backends_complete_every_request(daemon, tiny_models, tmp_
         text = (tmp_path / f"{out.stem}.log").read_text()
         assert proc.returncode == 0 and out.exists(), f"{out.stem}:\n{text[-3000:]}"
         results[out.stem] = (json.loads(out.read_text().splitlines()[-1]), paced)
-    for name, (result, paced) in results.items():
-        want = PACED if paced else BURST
-        errors = [e for e in result["errors"] if e]
-        assert result["completed"] == want, f"{name}: {result['completed']} of {want} completed: {errors[:3]}"
-        assert result["total_output_tokens"] > 0, name
-        if paced:
-            assert result["duration"] > 30, f"{name}: the paced run took {result['duration']:.1f} s"
+    completed = {name: result["completed"] for name, (result, _) in results.items()}
+    assert completed == {name: PACED if paced else BURST for name, (_, paced) in results.items()}, {
+        name: [e for e in result["errors"] if e][:3] for name, (result, _) in results.items()}
+    assert all(result["total_output_tokens"] > 0 for result, _ in results.values())
+    durations = {name: round(result["duration"], 1) for name, (result, paced) in results.items() if paced}
+    assert min(durations.values()) > 30, durations
