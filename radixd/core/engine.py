@@ -209,9 +209,8 @@ class Engine:
         return self.tokenizer(text).input_ids
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True, **kw) -> list[int]:
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True, **kw)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kw)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)  # a dict or a BatchEncoding
 
     def validate(self, prompt: str | None, input_ids: Sequence[int] | None, params: SamplingParams) -> list[int]:
         """Check a request; return its prompt token ids. Raises ``InvalidRequest``."""
