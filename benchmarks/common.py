@@ -14,6 +14,7 @@ import gc
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -175,3 +176,34 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return info
+
+
+class RedisServer:
+    """A throwaway ``redis-server`` (``exe``) on a free loopback port, no persistence;
+    ``maxmemory`` set: an LRU cache of that size. ``kill()`` ends it (idempotent)."""
+
+    def __init__(self, exe: str, workdir: Path, maxmemory: str | None = None):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        limits = ["--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"] if maxmemory else []
+        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(workdir), *limits],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        self.kill()
+        raise RuntimeError("redis-server did not start")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

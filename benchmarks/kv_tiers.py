@@ -25,9 +25,7 @@ import gc
 import json
 import random
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import SHAPES, Log, checkpoint_dir, environment, write_json
+from benchmarks.common import SHAPES, Log, RedisServer, checkpoint_dir, environment, write_json
 from radixd import Engine, SamplingParams
 
 PRESETS = {
@@ -73,32 +71,6 @@ def model_dir(name: str, tmp: Path) -> tuple[str, dict]:
 def conversations(n: int, turns: int, turn_len: int, seed: int, vocab: int) -> list[list[list[int]]]:
     rng = random.Random(seed)
     return [[[rng.randrange(100, vocab) for _ in range(turn_len)] for _ in range(turns)] for _ in range(n)]
-
-
-class RedisServer:
-    def __init__(self, exe: str, workdir: Path, maxmemory: str = "8gb"):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(workdir), "--maxmemory", maxmemory,
-                                      "--maxmemory-policy", "allkeys-lru"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
 
 
 async def run_config(eng: Engine, chats, output_len: int, concurrency: int) -> dict:
@@ -211,7 +183,7 @@ def main() -> int:
                     log(f"{name}: skipped (needs redis-server on PATH and plugins-contrib/radixd-redis installed)")
                     runs[name].append({"skipped": "redis-server or radixd-redis missing"})
                     continue
-                redis = RedisServer(exe, tmp)
+                redis = RedisServer(exe, tmp, maxmemory="8gb")
                 opts["redis"] = {"url": redis.url, "timeout_s": 2.0}
             kw = dict(extra, device=p["device"], kv_cache_tokens=p["pool_tokens"], cache_tiers=tiers,
                       cache_page_tokens=p["page_tokens"], cache_write_policy=args.write_policy)
@@ -224,7 +196,7 @@ def main() -> int:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             if redis is not None:
-                redis.stop()
+                redis.kill()
                 redis = None
             res["engine_load_s"] = load_s
             res["round"] = rnd
@@ -242,7 +214,7 @@ def main() -> int:
                          f"evictions {st['evictions']}, errors {st['errors']}, used {st['used_bytes'] / 2**20:.0f} MiB")
     finally:
         if redis is not None:
-            redis.stop()
+            redis.kill()
         shutil.rmtree(tmp, ignore_errors=True)
     report["runs"] = runs
     summary = {}

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import logging
 import shutil
-import socket
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 from conftest import pip_install_contrib
 from test_kv_tiers import conversations, make_engine, reference, run_chats
 
+from benchmarks.common import RedisServer
 from radixd.core.errors import ConfigError
 from radixd.plugins import make_plugin_manager
 
@@ -32,38 +30,9 @@ def redis_plugin(tmp_path_factory):
     yield from pip_install_contrib(DIST, "redis", tmp_path_factory.mktemp("contrib"))
 
 
-class RedisServer:
-    """A throwaway ``redis-server`` on a free loopback port, no persistence."""
-
-    def __init__(self, workdir: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen([REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(workdir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        self.kill()
-        raise RuntimeError("redis-server did not start")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
 @pytest.fixture
 def redis_server(tmp_path):
-    server = RedisServer(tmp_path)
+    server = RedisServer(REDIS_SERVER, tmp_path)
     yield server
     server.kill()
 
