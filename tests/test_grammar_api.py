@@ -143,7 +143,7 @@ def test_generate_native_ebnf_and_schema_stream(http):
     r = http.post("/generate", json={"text": "A person in JSON: ", "stream": True, "sampling_params": {
         "json_schema": json.dumps(PERSON), "max_new_tokens": 80, "temperature": 0}})
     events = _sse(r)
-    assert events and events[-1]["meta_info"]["finish_reason"] == "stop", events[-1:]
+    assert events and events[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": events[-1]["output_ids"][-1]}, events[-1:]
     jsonschema.validate(json.loads(events[-1]["text"]), PERSON)
 
 

@@ -55,6 +55,17 @@ async def test_prompt_logprobs_match_transformers(tiny_models, chunk):
             want_c = hf_prompt_logprobs(path, c)
             assert len(got) == len(c) - 24
             assert max(abs(a - b) for a, b in zip(got, want_c[23:], strict=True)) < 1e-4
+        # with alternatives and ranks (over chunks when chunk is small), as transformers ranks them
+        params = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs_from=10, prompt_top_logprobs=3)
+        outs = [o async for o in eng.generate(input_ids=base, params=params)]
+        part = next(o for o in outs if o.prompt_logprobs is not None)
+        with torch.no_grad():
+            every = torch.log_softmax(_hf_model(path)(torch.tensor([base])).logits[0].float(), -1)
+        assert len(part.prompt_top) == len(part.prompt_ranks) == len(base) - 10
+        for q, row, rank in zip(range(10, len(base)), part.prompt_top, part.prompt_ranks, strict=True):
+            want = every[q - 1]
+            assert [t for t, _ in row] == want.topk(3).indices.tolist()
+            assert rank == int((want > want[base[q]]).sum()) + 1
         # beyond the prompt: nothing to compute, an empty list
         got, _ = await prompt_lp(eng, base, len(base))
         assert got == []
@@ -68,3 +79,7 @@ def test_prompt_logprobs_params_checked():
         SamplingParams(prompt_logprobs_from=-1)
     with pytest.raises(InvalidRequest, match="max_new_tokens"):
         SamplingParams(prompt_logprobs_from=0, max_new_tokens=0)
+    with pytest.raises(InvalidRequest, match="prompt_top_logprobs"):
+        SamplingParams(prompt_top_logprobs=2)  # alternatives of no positions
+    with pytest.raises(InvalidRequest, match="prompt_top_logprobs"):
+        SamplingParams(prompt_logprobs_from=0, prompt_top_logprobs=-1)

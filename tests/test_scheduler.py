@@ -70,7 +70,8 @@ class FakeWorker:
             self.fail_next = False
             raise RuntimeError("forward failed")
         picks = [pick(r, idx) for r, idx in zip(step.sampled, step.pick_index, strict=True)]
-        return StepOutput(next_tokens=picks, prompt_logprobs=[0.0] * len(b.prompt_lp_pos))
+        return StepOutput(next_tokens=picks, prompt_logprobs=[0.0] * len(b.prompt_lp_pos),
+                          prompt_ranks=[1] * len(b.prompt_lp_pos))
 
 
 def make(policy=FCFS, slots: int = 1024, **cfg) -> Scheduler:

@@ -159,7 +159,7 @@ def test_native_generate(http):
     r = http.post("/generate", json={"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
     assert r.status_code == 200
     out = r.json()
-    assert len(out["output_ids"]) == 4 and out["meta_info"]["finish_reason"] == "length"
+    assert len(out["output_ids"]) == 4 and out["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
     with http.stream("POST", "/generate", json={"input_ids": [1, 2, 3, 4], "stream": True,
                                                 "sampling_params": {"max_new_tokens": 3, "temperature": 0}}) as s:
         raw = s.read().decode()

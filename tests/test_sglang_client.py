@@ -179,6 +179,12 @@ def test_logprob_layout(tiny_models, daemon):
     assert outs[0][1] == int(logp[-1].argmax()) and abs(outs[0][0] - logp[-1].max().item()) < 1e-3
     assert [len(t) for t in meta["output_top_logprobs"]] == [2, 2, 2]
     assert meta["output_top_logprobs"][0][0][1] == outs[0][1]
+    tops = meta["input_top_logprobs"]  # the 2 most likely in each prompt token's place
+    assert len(tops) == len(ids) and tops[0] is None
+    for q, row in enumerate(tops[1:], start=1):
+        want = logp[q - 1].topk(2)
+        assert [e[1] for e in row] == want.indices.tolist() and [e[2] for e in row] == [tok.decode([e[1]]) for e in row]
+        assert max(abs(e[0] - v) for e, v in zip(row, want.values.tolist(), strict=True)) < 1e-3
     # the defaults: only the last prompt token, no text; max_new_tokens 0 returns no output
     r = httpx.post(daemon.url + "/generate", json={
         "text": ["The quick brown fox", "a b"], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True},
@@ -187,6 +193,27 @@ def test_logprob_layout(tiny_models, daemon):
     assert first["text"] == "" and first["output_ids"] == [] and first["meta_info"]["output_token_logprobs"] == []
     (entry,) = first["meta_info"]["input_token_logprobs"]
     assert entry[1:] == [ids[-1], None] and abs(entry[0] - logp[-2, ids[-1]].item()) < 1e-3
+
+
+def test_finish_reason_objects(daemon):
+    """SGLang's ``meta_info.finish_reason``: what matched (a stop token id or a stop string),
+    or the length reached."""
+    def meta(**sp):
+        r = httpx.post(daemon.url + "/generate", json={"text": "hello world", "sampling_params": {
+            "temperature": 0, **sp}}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    free = meta(max_new_tokens=8, ignore_eos=True)
+    assert free["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    ids, text = free["output_ids"], free["text"]
+    by_id = meta(max_new_tokens=8, stop_token_ids=[ids[2]])
+    assert by_id["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[2]}
+    assert by_id["output_ids"] == ids[:ids.index(ids[2]) + 1]
+    stop = text[len(text) // 2:][:2]
+    by_text = meta(max_new_tokens=8, stop=[stop, "never in it"])
+    assert by_text["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert by_text["text"] == text[:text.index(stop)]
 
 
 def test_stream_rid_and_abort(daemon):
@@ -207,7 +234,7 @@ def test_stream_rid_and_abort(daemon):
             events.append(json.loads(line[5:]))
             if len(events) == 3:
                 assert httpx.post(daemon.url + "/abort_request", json={"rid": "to-abort"}, timeout=30).status_code == 200
-    assert events[-1] is None and events[-2]["meta_info"]["finish_reason"] == "abort"
+    assert events[-1] is None and events[-2]["meta_info"]["finish_reason"]["type"] == "abort"
     texts = [e["text"] for e in events[:-1]]
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))  # cumulative
     assert events[-2]["meta_info"]["id"] == "to-abort" and events[-2]["meta_info"]["completion_tokens"] < most

@@ -11,6 +11,7 @@ import re
 import httpx
 import openai
 import pytest
+import torch
 from conftest import Daemon, make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -256,7 +257,10 @@ def test_echo_with_logprobs(client, tok):
     lp = c.logprobs
     assert len(lp.tokens) == len(ids) + 3 and "".join(lp.tokens[:len(ids)]) == prompt
     assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
-    assert lp.top_logprobs[:len(ids)] == [None] * len(ids) and all(1 <= len(t) <= 2 for t in lp.top_logprobs[len(ids):])
+    assert lp.top_logprobs[0] is None and all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])
+    for token, value, top in zip(lp.tokens[1:len(ids)], lp.token_logprobs[1:len(ids)], lp.top_logprobs[1:len(ids)],
+                                 strict=True):  # the prompt's alternatives, as the generated tokens'
+        assert max(top.values()) >= value and (token not in top or top[token] == pytest.approx(value))
     assert lp.text_offset[len(ids)] == len(prompt)
     # the same values as vLLM's prompt_logprobs, and streamed alike
     plp = complete(client, prompt=prompt, max_tokens=3, extra_body={"prompt_logprobs": 0}).choices[0]
@@ -271,7 +275,7 @@ def test_echo_with_logprobs(client, tok):
     assert text == c.text and toks == lp.tokens
 
 
-def test_prompt_logprobs(client, http, tok):
+def test_prompt_logprobs(client, http, tok, model_dir):
     r = chat(client, extra_body={"prompt_logprobs": 0})
     plp = r.model_extra["prompt_logprobs"]
     assert len(plp) == r.usage.prompt_tokens and plp[0] is None
@@ -280,7 +284,22 @@ def test_prompt_logprobs(client, http, tok):
         assert v["logprob"] <= 0 and v["decoded_token"] == tok.decode([int(tid)])
     c = complete(client, prompt=[5, 6, 7, 8], extra_body={"prompt_logprobs": 0}).choices[0]
     assert [list(d) if d else None for d in c.prompt_logprobs] == [None, ["6"], ["7"], ["8"]]
-    refused(http, "chat", {"prompt_logprobs": 2}, "prompt_logprobs")
+    # with alternatives: the token itself (its rank) and the 3 most likely, against transformers
+    from conftest import _hf_model
+    ids = [5, 6, 7, 8, 9, 10]
+    with torch.no_grad():
+        logp = torch.log_softmax(_hf_model(model_dir)(torch.tensor([ids])).logits[0].float(), -1)
+    c = complete(client, prompt=ids, extra_body={"prompt_logprobs": 3}).choices[0]
+    for q, entry in enumerate(c.prompt_logprobs[1:], start=1):
+        want = logp[q - 1]
+        top3 = want.topk(3).indices.tolist()
+        assert set(entry) == {str(t) for t in [ids[q], *top3]}
+        own = entry[str(ids[q])]
+        assert own["logprob"] == pytest.approx(want[ids[q]].item(), abs=1e-4)
+        assert own["rank"] == int((want > want[ids[q]]).sum()) + 1
+        assert [entry[str(t)]["rank"] for t in top3 if t != ids[q]] == [r + 1 for r, t in enumerate(top3) if t != ids[q]]
+        assert all(entry[str(t)]["logprob"] == pytest.approx(want[t].item(), abs=1e-4) for t in top3)
+    refused(http, "chat", {"prompt_logprobs": 21}, "prompt_logprobs")
     refused(http, "completion", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs")
 
 

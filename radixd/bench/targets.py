@@ -264,8 +264,8 @@ class HttpTarget(Target):
             rec.output_ids = list(ids)
             rec.output_text = event.get("text", rec.output_text)
             meta = event.get("meta_info") or {}
-            if meta.get("finish_reason") is not None:
-                rec.finish_reason = meta["finish_reason"]
+            if meta.get("finish_reason") is not None:  # SGLang's object: {"type": ..., ...}
+                rec.finish_reason = meta["finish_reason"]["type"]
             rec.usage_prompt_tokens = meta.get("prompt_tokens", rec.usage_prompt_tokens)
             rec.usage_completion_tokens = meta.get("completion_tokens", rec.usage_completion_tokens)
             rec.usage_cached_tokens = meta.get("cached_tokens", rec.usage_cached_tokens)

@@ -54,6 +54,7 @@ class BatchBuilder:
         lp_pos: list[int] = []
         lp_target: list[int] = []
         lp_reqs: list[tuple[Request, int]] = []
+        lp_top = 0
         if decoding:  # the plan starts with them: one token each, the last of their sequence
             dec = [r for r, _ in plan[:decoding]]
             kvs = [r.kv for r in dec]
@@ -88,6 +89,7 @@ class BatchBuilder:
                 lp_target.extend(prompt[q + 1] for q in qs)
                 if qs:
                     lp_reqs.append((r, len(qs)))
+                    lp_top = max(lp_top, r.params.prompt_top_logprobs)
             if r.unresolved and end == seq_len:  # its last token is a pending pick
                 ph_pos.append(len(ids) + n - 1)
                 ph_req.append(r)
@@ -131,6 +133,7 @@ class BatchBuilder:
             sampling=self.sampling_batch(sampled) if sampled else None,
             prompt_lp_pos=lp_pos,
             prompt_lp_target=lp_target,
+            prompt_lp_top=lp_top,
             placeholder_pos=ph_pos,
         )
         if cascade_members and decoding == len(plan) >= 2:

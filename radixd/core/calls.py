@@ -66,6 +66,9 @@ class Calls:
             raise InvalidRequest("n", f"must be <= {self.max_n}, got {params.n}")
         if params.top_logprobs > self.max_top_logprobs:
             raise InvalidRequest("top_logprobs", f"must be <= {self.max_top_logprobs}, got {params.top_logprobs}")
+        if params.prompt_top_logprobs > self.max_top_logprobs:
+            raise InvalidRequest("prompt_top_logprobs", f"must be <= {self.max_top_logprobs}, "
+                                                        f"got {params.prompt_top_logprobs}")
         if len(ids) >= self.context_len:
             raise ContextLengthExceeded(
                 "prompt", len(ids), self.context_len,

@@ -21,6 +21,7 @@ class IncrementalDetokenizer:
         self.text = ""          # decoded output text so far
         self.emitted = 0        # characters of ``text`` handed out
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend is not None:
@@ -61,6 +62,7 @@ class IncrementalDetokenizer:
             hits = [(i, -len(s)) for s in self.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
                 cut, minus_len = min(hits)  # the first stop string, the longest one there
+                self.matched = self.text[cut : cut - minus_len]
                 if self.keep_stop:
                     cut -= minus_len
                 out = self.text[self.emitted : cut]

@@ -72,6 +72,7 @@ class ForwardBatch:
     # each (whose logits predict it) and its id. Their logits follow the sampled rows'.
     prompt_lp_pos: list[int] = field(default_factory=list)
     prompt_lp_target: list[int] = field(default_factory=list)
+    prompt_lp_top: int = 0  # top alternatives per such position (the most any request asks)
     # KV loaded from lower cache tiers into this batch's slots on a side stream: per load,
     # one CUDA event per layer (layer l's attention waits for that layer's events only).
     wait_events: list = field(default_factory=list)
@@ -112,3 +113,5 @@ class StepOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float] | None = None  # in ``ForwardBatch.prompt_lp_pos`` order
+    prompt_ranks: list[int] | None = None       # likewise
+    prompt_top: list[list[tuple[int, float]]] | None = None  # likewise, ``prompt_lp_top`` each

@@ -53,6 +53,25 @@ class GenerateOutput:
     # With ``prompt_logprobs_from``: the prompt tokens' logprobs from that position on (in
     # the sample's first update only).
     prompt_logprobs: list[float] | None = None
+    # With finish_reason "stop": what ended the sample: the token id (a stop token, EOS, the
+    # last token of a completed grammar) or the stop string.
+    matched: int | str | None = None
+    # Beside ``prompt_logprobs``: each of those tokens' rank, and with prompt_top_logprobs the
+    # position's top alternatives as (token id, logprob).
+    prompt_ranks: list[int] | None = None
+    prompt_top: list[list[tuple[int, float]]] | None = None
+
+    def finish_object(self) -> dict | None:
+        """The finish reason as SGLang's native API reports it: ``{"type": "stop", "matched":
+        token id or stop string}``, ``{"type": "length", "length": tokens}``, ``{"type":
+        "abort", "message": ...}``; None before the end."""
+        if not self.finished or self.finish_reason is None:
+            return None
+        if self.finish_reason == "stop":
+            return {"type": "stop", "matched": self.matched}
+        if self.finish_reason == "length":
+            return {"type": "length", "length": self.completion_tokens}
+        return {"type": self.finish_reason, "message": "the request was aborted"}
 
 
 class OutputQueue:
@@ -249,15 +268,16 @@ class Outputs:
             detok = stream.detok
             p = r.params
             reason = r.finish_reason
-            if detok is None:
-                text = ""
-            elif reason == "stop" and (tok in p.stop_token_ids or (not p.ignore_eos and tok in eos)):
-                text = ""  # a stop token id or EOS: no text
+            stop_token = reason == "stop" and (tok in p.stop_token_ids or (not p.ignore_eos and tok in eos))
+            matched = tok if reason == "stop" else None  # a stop token / EOS, or a grammar's last
+            if detok is None or stop_token:
+                text = ""  # no tokenizer, or a stop token id / EOS: no text
             else:
                 text = detok.add(tok)
                 if detok.stopped:  # a stop string, even on the last allowed token
                     r.finish("stop")
                     reason = r.finish_reason
+                    matched = detok.matched
             finished = reason is not None
             if finished and detok is not None and not detok.stopped:
                 text += detok.finish()
@@ -265,19 +285,20 @@ class Outputs:
             if p.logprobs and out_logprobs is not None:
                 top = out.top_logprobs[i][: p.top_logprobs] if out.top_logprobs else []
                 lp = [TokenLogprob(tok, out_logprobs[i], top)]
-            plp = None
+            plp = ranks = ptop = None
             if p.prompt_logprobs_from is not None and not stream.prompt_lp_sent:
-                plp = list(r.prompt_logprobs)
+                plp, ranks = list(r.prompt_logprobs), list(r.prompt_ranks)
+                ptop = list(r.prompt_top) if p.prompt_top_logprobs else None
                 stream.prompt_lp_sent = True
             queue = stream.queue
             update = GenerateOutput(r.index, [tok], text, finished, reason, lp, len(r.prompt_ids),
-                                    r.num_output, r.cached_tokens or 0, plp)
+                                    r.num_output, r.cached_tokens or 0, plp, matched, ranks, ptop)
             if interval > 1:  # coalesce: send every ``interval`` tokens, and at the end
                 held = stream.held
                 if held is not None:
                     held.token_ids.append(tok)
                     held.text += text
-                    held.finished, held.finish_reason = finished, reason
+                    held.finished, held.finish_reason, held.matched = finished, reason, matched
                     held.completion_tokens = update.completion_tokens
                     if lp is not None:
                         held.logprobs = (held.logprobs or []) + lp

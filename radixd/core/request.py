@@ -54,6 +54,8 @@ class Request:
     cached_tokens: int | None = None      # prompt tokens served from the cache (first admission)
     preemptions: int = 0
     prompt_logprobs: list[float] = field(default_factory=list)  # from prompt_lp_start on
+    prompt_ranks: list[int] = field(default_factory=list)       # their ranks (1: the argmax)
+    prompt_top: list[list[tuple[int, float]]] = field(default_factory=list)  # with prompt_top_logprobs
     matcher: Matcher | None = None        # grammar matcher (a backend's) if constrained
     sampling_row: tuple | None = None     # constant sampling inputs, filled by the scheduler
 

@@ -57,6 +57,9 @@ class SampledTokens:
     top_ids: torch.Tensor | None = None
     top_vals: torch.Tensor | None = None
     prompt_logprobs: torch.Tensor | None = None
+    prompt_ranks: torch.Tensor | None = None
+    prompt_top_ids: torch.Tensor | None = None
+    prompt_top_vals: torch.Tensor | None = None
     # Tensor parallel: every shard's own copy of ``tokens`` (on its device) when each shard
     # sampled the same picks itself; None when only the first shard sampled.
     shard_tokens: list[torch.Tensor] | None = None
@@ -68,27 +71,37 @@ class SampledTokens:
         that reading waits on the event (which lets go of the GIL) rather than on a copy."""
         if not self.tokens.is_cuda:
             return
-        parts = (self.tokens, self.logprobs, self.top_ids, self.top_vals, self.prompt_logprobs)
+        parts = self._parts()
         self._host = tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                            for t in parts)
         self._done = torch.cuda.Event()
         self._done.record()
 
+    def _parts(self) -> tuple:
+        return (self.tokens, self.logprobs, self.top_ids, self.top_vals, self.prompt_logprobs, self.prompt_ranks,
+                self.prompt_top_ids, self.prompt_top_vals)
+
     def to_output(self) -> StepOutput:
-        tokens, logprobs, top_ids, top_vals, prompt_lp = (self.tokens, self.logprobs, self.top_ids, self.top_vals,
-                                                          self.prompt_logprobs)
+        parts = self._parts()
         if self._done is not None:
             self._done.synchronize()
-            tokens, logprobs, top_ids, top_vals, prompt_lp = self._host
+            parts = self._host
+        tokens, logprobs, top_ids, top_vals, prompt_lp, prompt_rank, prompt_top_ids, prompt_top_vals = parts
         out = StepOutput(next_tokens=tokens.tolist())
         if prompt_lp is not None:
-            out.prompt_logprobs = prompt_lp.tolist()
+            out.prompt_logprobs, out.prompt_ranks = prompt_lp.tolist(), prompt_rank.tolist()
+            if prompt_top_ids is not None:
+                out.prompt_top = _pairs(prompt_top_ids, prompt_top_vals)
         if logprobs is not None:
             out.logprobs = logprobs.tolist()
             if top_ids is not None:
-                out.top_logprobs = [list(zip(i, v, strict=True))
-                                    for i, v in zip(top_ids.tolist(), top_vals.tolist(), strict=True)]
+                out.top_logprobs = _pairs(top_ids, top_vals)
         return out
+
+
+def _pairs(ids: torch.Tensor, vals: torch.Tensor) -> list[list[tuple[int, float]]]:
+    """Per row, (token id, logprob) of its top alternatives."""
+    return [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> StepOutput:

@@ -66,6 +66,8 @@ class SamplingParams:
     # Return the log-probability of each prompt token from this position on (position 0 has
     # none); None = off. Cached KV before that position is reused, the rest is recomputed.
     prompt_logprobs_from: int | None = bounded(None, 0)
+    # With ``prompt_logprobs_from``: also the top alternatives of each of those positions.
+    prompt_top_logprobs: int = bounded(0, 0)  # at most the engine's max_top_logprobs
     # Structured generation: at most one of these (see radixd.grammars).
     regex: str | None = None
     json_schema: str | dict | bool | None = None  # a JSON Schema (object, or its JSON text)
@@ -106,6 +108,8 @@ class SamplingParams:
             self._check_logit_bias()
         if self.prompt_logprobs_from is not None and self.max_new_tokens == 0:
             raise InvalidRequest("max_new_tokens", "must be >= 1 when prompt_logprobs_from is set")
+        if self.prompt_top_logprobs and self.prompt_logprobs_from is None:
+            raise InvalidRequest("prompt_top_logprobs", "needs prompt_logprobs_from")
         given = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
         if len(given) > 1:
             raise InvalidRequest(given[1], f"give at most one constraint (regex, json_schema, ebnf); got {', '.join(given)}")

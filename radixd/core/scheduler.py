@@ -229,6 +229,9 @@ class Scheduler(SchedulerInterface):
         off = 0
         for r, k in step.prompt_lp_reqs:
             r.prompt_logprobs.extend(out.prompt_logprobs[off : off + k])
+            r.prompt_ranks.extend(out.prompt_ranks[off : off + k])
+            if (top := r.params.prompt_top_logprobs) and out.prompt_top is not None:
+                r.prompt_top.extend(row[:top] for row in out.prompt_top[off : off + k])
             off += k
         accepted = []
         eos, ctx_len = self.eos, self.context_len

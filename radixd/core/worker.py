@@ -179,10 +179,14 @@ class ModelWorker:
         than the first keeps its own copy of the picks on its device only)."""
         logits = self.forward(batch, prev)
         s = len(batch.sample_indices)
-        prompt_lp = None
+        prompt_lp = prompt_rank = top = None
         if batch.prompt_lp_pos:
             target = self.stager.to_device(torch.tensor(batch.prompt_lp_target, dtype=torch.int64))
-            prompt_lp = torch.log_softmax(logits[s:].float(), dim=-1).gather(1, target[:, None])[:, 0]
+            every = torch.log_softmax(logits[s:].float(), dim=-1)
+            prompt_lp = every.gather(1, target[:, None])[:, 0]
+            prompt_rank = (every > prompt_lp[:, None]).sum(1) + 1
+            if batch.prompt_lp_top:
+                top = every.topk(batch.prompt_lp_top, dim=-1)
             logits = logits[:s]
         if s:
             assert batch.sampling is not None
@@ -191,7 +195,9 @@ class ModelWorker:
             picks = SampledTokens(tokens=torch.empty(0, dtype=torch.int64, device=logits.device))
         else:
             return None
-        picks.prompt_logprobs = prompt_lp
+        picks.prompt_logprobs, picks.prompt_ranks = prompt_lp, prompt_rank
+        if top is not None:
+            picks.prompt_top_vals, picks.prompt_top_ids = top.values, top.indices
         if to_host:
             picks.start_copy()
         return picks

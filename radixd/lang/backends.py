@@ -162,7 +162,7 @@ class EngineRuntime:
             async for out in self.engine.generate(text, params=params):
                 if out.text:
                     on_text(out.text)
-                meta = {"finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
+                meta = {"finish_reason": out.finish_object(), "prompt_tokens": out.prompt_tokens,
                         "completion_tokens": out.completion_tokens, "cached_tokens": out.cached_tokens}
             return meta
 

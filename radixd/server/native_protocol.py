@@ -157,7 +157,7 @@ def parse_native(body: dict, tokenize: Callable[[str], list[int]]) -> NativeRequ
         top = tops[i] or 0
         drop = kw.get("max_new_tokens") == 0
         params.append(make_native_params({**kw, "logprobs": True, "top_logprobs": top,
-                                          "prompt_logprobs_from": start, **({"max_new_tokens": 1} if drop else {})}))
+                                          "prompt_logprobs_from": start, "prompt_top_logprobs": top, **({"max_new_tokens": 1} if drop else {})}))
         asks.append(LogprobAsk(start=start, top=top, drop_output=drop))
     stream = body.get("stream") or False
     if not isinstance(stream, bool):

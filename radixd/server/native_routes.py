@@ -59,6 +59,7 @@ class _Sample:
     def __init__(self, outs: list[GenerateOutput]):
         self.text, self.ids, self.lps = "", [], []
         self.prompt_lp: list[float] | None = None
+        self.prompt_top: list[list[tuple[int, float]]] | None = None
         self.last: GenerateOutput | None = None
         for out in outs:
             self.add(out)
@@ -68,7 +69,7 @@ class _Sample:
         self.ids.extend(out.token_ids)
         self.lps.extend(out.logprobs or [])
         if out.prompt_logprobs is not None:
-            self.prompt_lp = out.prompt_logprobs
+            self.prompt_lp, self.prompt_top = out.prompt_logprobs, out.prompt_top
         self.last = out
 
 
@@ -82,9 +83,11 @@ class _Answer:
     def item(self, k: int, sub: Submission, i: int, sample: _Sample) -> dict:
         ask, last, plp = self.req.logprobs[k], sample.last, sample.prompt_lp
         ids, text, lps = sample.ids, sample.text, sample.lps
+        finish = last.finish_object() if last else None
         if ask is not None and ask.drop_output:
             ids, text, lps = [], "", []
-        meta = {"id": sub.rid, "finish_reason": last.finish_reason if last and last.finished else None,
+            finish = {"type": "length", "length": 0}
+        meta = {"id": sub.rid, "finish_reason": finish,
                 "prompt_tokens": sub.prompt_tokens, "completion_tokens": len(ids),
                 "cached_tokens": last.cached_tokens if last else 0,
                 "e2e_latency": round(time.perf_counter() - self.t0, 6)}
@@ -97,6 +100,8 @@ class _Answer:
             meta["input_token_logprobs"] = [self._entry(v, t) for v, t in zip(values, prompt[ask.start:], strict=False)]
             meta["output_token_logprobs"] = [self._entry(lp.logprob, lp.token_id) for lp in lps]
             if ask.top:
+                first = [None] if ask.start == 0 else []
+                meta["input_top_logprobs"] = first + [[self._entry(v, t) for t, v in row] for row in sample.prompt_top or []]
                 meta["output_top_logprobs"] = [[self._entry(v, t) for t, v in lp.top] for lp in lps]
         elif self.req.params[k].logprobs:
             meta["output_token_logprobs"] = [self._entry(lp.logprob, lp.token_id) for lp in lps]

@@ -150,7 +150,7 @@ EXTRA_SCHEMAS: dict[str, dict] = {  # both OpenAI routes
     "include_stop_str_in_output": _opt(_BOOL),
     "spaces_between_special_tokens": _opt(_BOOL),
     "truncate_prompt_tokens": _opt({"type": "integer", "minimum": -1}),
-    "prompt_logprobs": _opt({"type": "integer", "minimum": 0, "maximum": 0}),
+    "prompt_logprobs": _opt({"type": "integer", "minimum": 0, "maximum": 20, "x-radixd": "top_logprobs"}),
 }
 CHAT_EXTRA_SCHEMAS = {"add_generation_prompt": _opt(_BOOL), "continue_final_message": _opt(_BOOL),
                       "chat_template_kwargs": _opt({"type": "object"})}
@@ -161,7 +161,8 @@ class Extras:
     """What vLLM's extras ask of the route (besides ``SamplingParams``)."""
 
     truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens (-1: what fits)
-    prompt_logprobs: bool = False              # the prompt tokens' logprobs in the response
+    prompt_logprobs: int | None = None         # the prompt tokens' logprobs in the response, and
+                                               # this many alternatives for each
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -182,10 +183,9 @@ def read_extras(body: dict, *, chat: bool) -> Extras:
         raise ApiError(400, f"'truncate_prompt_tokens' must be >= 1 or -1, got {trunc}", param="truncate_prompt_tokens")
     ex.truncate_prompt_tokens = trunc
     plp = _typed(body, "prompt_logprobs", int, "an integer")
-    if plp is not None and plp != 0:
-        raise ApiError(400, "'prompt_logprobs' > 0 (alternatives per prompt token) is not supported; 0 gives each "
-                            "prompt token's own logprob", param="prompt_logprobs", code="unsupported_parameter")
-    ex.prompt_logprobs = plp is not None
+    if plp is not None and plp < 0:
+        raise ApiError(400, f"'prompt_logprobs' must be >= 0, got {plp}", param="prompt_logprobs")
+    ex.prompt_logprobs = plp
     if chat:
         agp = _typed(body, "add_generation_prompt", bool, "a boolean")
         cfm = _typed(body, "continue_final_message", bool, "a boolean")

@@ -34,7 +34,7 @@ async def chat_completions(request: Request) -> Response:
 
     if not parsed.stream:
         outs = (await gen.collect())[0]
-        extra = {"prompt_logprobs": prompt_logprobs(tok, ids, outs)} if ex.prompt_logprobs else {}
+        extra = {"prompt_logprobs": prompt_logprobs(tok, ids, outs, ex.prompt_logprobs)} if ex.prompt_logprobs is not None else {}
         choices = [{
             "index": i,
             "message": {"role": "assistant", "content": "".join(o.text for o in mine)},
@@ -82,7 +82,7 @@ async def completions(request: Request) -> Response:
 
     def echoed(pi: int, outs: list[GenerateOutput]) -> tuple[str, dict | None]:
         """The choice's echoed prompt text and, with logprobs, its tokens' logprobs."""
-        return echoes[pi], (prompt_token_logprobs(tok, prompts[pi], outs) if echo_lp else None)
+        return echoes[pi], (prompt_token_logprobs(tok, prompts[pi], outs, params.top_logprobs) if echo_lp else None)
 
     if not parsed.stream:
         results = await gen.collect()
@@ -91,7 +91,8 @@ async def completions(request: Request) -> Response:
             "logprobs": (completion_logprobs(tok, mine, len(echoes[pi]), echoed(pi, mine)[1])
                          if params.logprobs else None),
             "finish_reason": mine[-1].finish_reason,
-            **({"prompt_logprobs": prompt_logprobs(tok, prompts[pi], mine)} if parsed.extras.prompt_logprobs else {}),
+            **({"prompt_logprobs": prompt_logprobs(tok, prompts[pi], mine, parsed.extras.prompt_logprobs)}
+               if parsed.extras.prompt_logprobs is not None else {}),
         } for pi, outs in enumerate(results) for i, mine in enumerate(samples(outs, n))]
         return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": st.model_name,
                              "choices": choices, "usage": gen.usage()})
@@ -140,25 +141,38 @@ def truncated(st, ids: list[int], parsed: protocol.ParsedRequest) -> list[int]:
     return ids if keep is None else ids[-keep:]
 
 
-def _prompt_values(outs: list[GenerateOutput]) -> list[float]:
-    return next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), [])
+def _prompt_part(outs: list[GenerateOutput]) -> GenerateOutput | None:
+    """The sample's update that carries the prompt's logprobs."""
+    return next((o for o in outs if o.prompt_logprobs is not None), None)
 
 
-def prompt_logprobs(tok, ids: list[int], outs: list[GenerateOutput]) -> list[dict | None]:
-    """vLLM's ``prompt_logprobs``: per prompt token, {id: {logprob, rank, decoded_token}}; the
-    first token has none."""
-    values = _prompt_values(outs)
-    return [None] + [{str(t): {"logprob": v, "rank": None, "decoded_token": token_text(tok, t)}}
-                     for t, v in zip(ids[1:], values, strict=False)]
+def prompt_logprobs(tok, ids: list[int], outs: list[GenerateOutput], top: int) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, {id: {logprob, rank, decoded_token}} for
+    the token itself and the ``top`` most likely in its place; the first token has none."""
+    part = _prompt_part(outs)
+    if part is None:
+        return [None]
+    alts = part.prompt_top or [[] for _ in part.prompt_logprobs]
+    out: list[dict | None] = [None]
+    for t, v, rank, row in zip(ids[1:], part.prompt_logprobs, part.prompt_ranks or [], alts, strict=False):
+        entry = {str(t): {"logprob": v, "rank": rank, "decoded_token": token_text(tok, t)}}
+        for r, (alt, alt_v) in enumerate(row[:top], start=1):
+            entry.setdefault(str(alt), {"logprob": alt_v, "rank": r, "decoded_token": token_text(tok, alt)})
+        out.append(entry)
+    return out
 
 
-def prompt_token_logprobs(tok, ids: list[int], outs: list[GenerateOutput]) -> dict:
-    """The echoed prompt's part of a completion's ``logprobs`` (its first token has none; only
-    the prompt tokens' own logprobs are known, so their ``top_logprobs`` are null)."""
+def prompt_token_logprobs(tok, ids: list[int], outs: list[GenerateOutput], top: int) -> dict:
+    """The echoed prompt's part of a completion's ``logprobs`` (its first token has none):
+    each token's logprob and, as for generated tokens, the most likely in its place."""
     texts = [token_text(tok, t) for t in ids]
     offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
-    return {"tokens": texts, "token_logprobs": [None, *_prompt_values(outs)][:len(ids)],
-            "top_logprobs": [None] * len(ids), "text_offset": offsets}
+    part = _prompt_part(outs)
+    values = part.prompt_logprobs if part else []
+    tops = [{token_text(tok, t): v for t, v in row[:top]} for row in part.prompt_top] if part and part.prompt_top else None
+    return {"tokens": texts, "token_logprobs": [None, *values][:len(ids)],
+            "top_logprobs": ([None, *tops] if tops is not None else [None] * len(ids))[:len(ids)],
+            "text_offset": offsets}
 
 
 def token_text(tok, token_id: int) -> str:

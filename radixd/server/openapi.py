@@ -61,16 +61,23 @@ COMPLETION = {
 }
 # SGLang's logprob entry: [logprob (null for the first prompt token), token id, text or null]
 _LP_LIST = {"type": "array", "items": {"type": "array", "minItems": 3, "maxItems": 3}}
+# SGLang's finish reason: {"type": "stop", "matched": id or text}, {"type": "length", "length": n}, ...
+_NATIVE_FINISH = {"type": ["object", "null"], "required": ["type"],
+                  "properties": {"type": {"enum": ["stop", "length", "abort"]},
+                                 "matched": {"type": ["integer", "string", "null"]}, "length": _INT,
+                                 "message": _STR}}
 _NATIVE_ITEM = {
     "type": "object", "required": ["index", "text", "output_ids", "meta_info"],
     "properties": {"index": _INT, "text": _STR, "output_ids": {"type": "array", "items": _INT},
                    "meta_info": {"type": "object", "required": ["id", "finish_reason", "prompt_tokens",
                                                                 "completion_tokens", "cached_tokens"],
-                                 "properties": {"id": _STR, "finish_reason": FINISH, "prompt_tokens": _INT,
+                                 "properties": {"id": _STR, "finish_reason": _NATIVE_FINISH, "prompt_tokens": _INT,
                                                 "completion_tokens": _INT, "cached_tokens": _INT,
                                                 "prompt_logprobs": {"type": "array", "items": _NUM},
                                                 "e2e_latency": _NUM, "input_token_logprobs": _LP_LIST,
                                                 "output_token_logprobs": _LP_LIST,
+                                                "input_top_logprobs": {"type": "array", "items": {
+                                                    "anyOf": [_LP_LIST, {"type": "null"}]}},
                                                 "output_top_logprobs": {"type": "array", "items": _LP_LIST}}}},
 }
 _NATIVE_ONE = {"anyOf": [_NATIVE_ITEM, {"type": "array", "items": _NATIVE_ITEM}]}

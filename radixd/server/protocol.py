@@ -277,10 +277,12 @@ def sampling_from_openai(body: dict, limits: Limits, *, chat: bool) -> ParsedReq
     kw.update(_constraint(body))
     kw.update(openai_extras.sampling_extras(body))
     ex = openai_extras.read_extras(body, chat=chat)
-    if ex.prompt_logprobs and stream:
+    if ex.prompt_logprobs is not None and stream:
         raise ApiError(400, "'prompt_logprobs' cannot be streamed", param="prompt_logprobs")
-    if ex.prompt_logprobs or (not chat and body.get("echo") is True and kw.get("logprobs")):
+    echo_top = kw.get("top_logprobs", 0) if not chat and body.get("echo") is True and kw.get("logprobs") else None
+    if ex.prompt_logprobs is not None or echo_top is not None:
         kw["prompt_logprobs_from"] = 0
+        kw["prompt_top_logprobs"] = max(ex.prompt_logprobs or 0, echo_top or 0)
     _typed(body, "user", table)
     model = _typed(body, "model", table)
     priority = _typed(body, "priority", table) or 0
@@ -331,7 +333,8 @@ def _constraint(body: dict) -> dict[str, Any]:
 
 
 # SamplingParams's (and the engine's) field names -> the OpenAI routes' names for them
-API_NAMES = {**{v: k for k, v in EXTENSIONS.items()}, "max_new_tokens": "max_tokens", "input_ids": "prompt"}
+API_NAMES = {**{v: k for k, v in EXTENSIONS.items()}, "max_new_tokens": "max_tokens", "input_ids": "prompt",
+             "prompt_top_logprobs": "prompt_logprobs"}
 
 
 def api_param(field_name: str) -> str:
