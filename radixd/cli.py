@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk = sub.add_parser("check-config", help="check a radixd.toml (and launch flags), print the merged "
                                               "settings and exit (0: valid, 2: invalid)")
     chk.add_argument("file", nargs="?", default=None)
-    launch_flags.add_to(chk)
+    launch_flags.add_to(chk, subcommand=True)
     pull = sub.add_parser("pull", help="fetch and convert a model into the local cache")
     pull.add_argument("model", nargs="?", default="default", help="'default', a .gguf file or a checkpoint directory")
     pull.add_argument("--cache-dir", default=None, help="cache directory (default: $RADIXD_CACHE or ~/.cache/radixd)")
@@ -39,7 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command not in (None, "check-config"):
+        given = [f.name for f in launch_flags.FLAGS if getattr(args, f.dest, None) is not None]
+        if given:  # they would be silently ignored
+            parser.error(f"{', '.join(given)}: launch flags apply to the daemon and check-config, not to "
+                         f"'{args.command}'")
     if args.command is None:
         from radixd.core.errors import ConfigError
         from radixd.server.daemon import serve_forever
@@ -85,10 +91,11 @@ def _check_config(args) -> int:
     from radixd.core.errors import ConfigError
     from radixd.settings import ConfigErrors, load_settings, render_settings
 
-    where = args.file or "(built-in defaults)"
+    file = args.file or args.config  # ``radixd --config FILE check-config`` checks FILE
+    where = file or "(built-in defaults)"
     try:
         flags = launch_flags.overrides(args)
-        settings = load_settings(args.file, flags)
+        settings = load_settings(file, flags)
         settings.api_keys()
     except ConfigErrors as exc:
         for e in exc.errors:

@@ -79,14 +79,18 @@ FLAGS: tuple[Flag, ...] = (
 )
 
 
-def add_to(parser: argparse.ArgumentParser) -> None:
+def add_to(parser: argparse.ArgumentParser, *, subcommand: bool = False) -> None:
+    """The flags on ``parser``. On a subcommand's parser they default to nothing at all, so
+    that flags given before the subcommand's name are kept (argparse would otherwise let the
+    subcommand's defaults overwrite them)."""
     group = parser.add_argument_group("SGLang launch flags (each sets a radixd.toml key; flags win over the file)")
+    default = argparse.SUPPRESS if subcommand else None
     for f in FLAGS:
         help_text = f"{f.help} ({f.key})"
         if f.type is None:
-            group.add_argument(f.name, *f.aliases, dest=f.dest, action="store_true", default=None, help=help_text)
+            group.add_argument(f.name, *f.aliases, dest=f.dest, action="store_true", default=default, help=help_text)
         else:
-            group.add_argument(f.name, *f.aliases, dest=f.dest, type=f.type, default=None, metavar=f.metavar,
+            group.add_argument(f.name, *f.aliases, dest=f.dest, type=f.type, default=default, metavar=f.metavar,
                                help=help_text)
 
 

@@ -89,6 +89,20 @@ def test_check_config_shows_the_merged_result(tmp_path: Path, capsys):
     assert main(["check-config"]) == 0  # no file: the defaults
 
 
+def test_flags_before_the_subcommand_are_kept(tmp_path: Path, capsys):
+    import tomllib
+
+    cfg = tmp_path / "radixd.toml"
+    cfg.write_text("[server]\nport = 9000\n")
+    assert main(["--max-running-requests", "5", "--config", str(cfg), "check-config", "--tp-size", "1"]) == 0
+    data = tomllib.loads(capsys.readouterr().out)
+    assert data["scheduler"]["max_running_requests"] == 5 and data["parallel"]["tp_size"] == 1
+    assert data["server"]["port"] == 9000  # --config before the subcommand names the file
+    with pytest.raises(SystemExit) as exc:  # a subcommand that would ignore them refuses them
+        main(["--port", "1234", "plugins"])
+    assert exc.value.code == 2 and "--port" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------ check-config, plugins
 
 

@@ -103,13 +103,13 @@ BOTH_NO_OPS = {"best_of": 1, "use_beam_search": False, "length_penalty": 1.0, "l
 CHAT_NO_OPS = {**BOTH_NO_OPS, "store": False, "metadata": {}, "tools": [], "functions": [], "tool_choice": "none",
                "function_call": "none", "parallel_tool_calls": True, "service_tier": "auto", "modalities": ["text"],
                "audio": None, "prediction": None, "reasoning_effort": None, "include_reasoning": True,
-               "echo": False, "chat_template": None, "documents": [], "mm_processor_kwargs": {}}
+               "chat_template": None, "documents": [], "mm_processor_kwargs": {}}
 COMPLETION_NO_OPS = {**BOTH_NO_OPS, "suffix": ""}
 # a value of each that asks for something radixd does not do: 400 naming the field
 ASKING = {"best_of": 2, "use_beam_search": True, "length_penalty": 0.5, "store": True, "tools": [
     {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "tool_choice": "auto",
     "lora_path": "adapter", "suffix": " end", "allowed_token_ids": [1, 2], "bad_words": ["x"],
-    "return_tokens_as_token_ids": True, "echo": True, "service_tier": "flex", "reasoning_effort": "high",
+    "return_tokens_as_token_ids": True, "service_tier": "flex", "reasoning_effort": "high",
     "metadata": {"a": "b"}, "modalities": ["audio"], "chat_template": "{{ messages }}"}
 
 
@@ -273,6 +273,22 @@ def test_echo_with_logprobs(client, tok):
     text = "".join(ch.choices[0].text for ch in streamed if ch.choices)
     toks = [t for ch in streamed if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
     assert text == c.text and toks == lp.tokens
+
+
+def test_chat_echo(client):
+    """vLLM's chat ``echo``: a reply to an assistant prefill leads with the prefill."""
+    prefill = msgs() + [{"role": "assistant", "content": "The capital"}]
+    plain = chat(client, messages=prefill, extra_body={"continue_final_message": True})
+    echoed = chat(client, messages=prefill, extra_body={"continue_final_message": True, "echo": True})
+    assert echoed.choices[0].message.content == "The capital" + plain.choices[0].message.content
+    assert (echoed.usage.prompt_tokens, echoed.usage.completion_tokens) == \
+        (plain.usage.prompt_tokens, plain.usage.completion_tokens)  # the echo is not generated
+    streamed = list(chat(client, messages=prefill, stream=True, extra_body={"continue_final_message": True,
+                                                                            "echo": True}))
+    deltas = [c.choices[0].delta.content for c in streamed if c.choices and c.choices[0].delta.content]
+    assert deltas[0] == "The capital" and "".join(deltas) == echoed.choices[0].message.content
+    # the last message is the user's: nothing to echo
+    assert chat(client, extra_body={"echo": True}).choices[0].message.content == chat(client).choices[0].message.content
 
 
 def test_prompt_logprobs(client, http, tok, model_dir):

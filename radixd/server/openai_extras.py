@@ -94,8 +94,6 @@ NO_OPS: dict[str, tuple[tuple[str, ...], NoOp]] = {
     "prediction": (_CHAT, NoOp(_NULL, lambda v, b: False, "accepted null: no predicted outputs")),
     "reasoning_effort": (_CHAT, NoOp(_NULL, lambda v, b: False, "accepted null")),
     "include_reasoning": (_CHAT, NoOp({"const": True}, _is(True), "accepted `true` (vLLM's default)")),
-    "echo": (_CHAT, NoOp({"const": False}, _is(False), "on chat, accepted `false` (vLLM's echo of the last "
-                                                       "message is not implemented)")),
     "suffix": (_COMPLETION, NoOp({"const": ""}, _is(""), "accepted `\"\"`: no insertion")),
     "lora_path": (_BOTH, NoOp(_NULL, lambda v, b: False, "accepted null: the base model")),
     "allowed_token_ids": (_BOTH, NoOp(_NULL, lambda v, b: False, "accepted null")),
@@ -152,7 +150,7 @@ EXTRA_SCHEMAS: dict[str, dict] = {  # both OpenAI routes
     "truncate_prompt_tokens": _opt({"type": "integer", "minimum": -1}),
     "prompt_logprobs": _opt({"type": "integer", "minimum": 0, "maximum": 20, "x-radixd": "top_logprobs"}),
 }
-CHAT_EXTRA_SCHEMAS = {"add_generation_prompt": _opt(_BOOL), "continue_final_message": _opt(_BOOL),
+CHAT_EXTRA_SCHEMAS = {"add_generation_prompt": _opt(_BOOL), "continue_final_message": _opt(_BOOL), "echo": _opt(_BOOL),
                       "chat_template_kwargs": _opt({"type": "object"})}
 
 
@@ -166,6 +164,7 @@ class Extras:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    echo: str = ""  # chat's ``echo``: the last message's text when it is the assistant's
 
 
 def _typed(body: dict, key: str, kind: type | tuple, what: str) -> Any:
@@ -195,12 +194,26 @@ def read_extras(body: dict, *, chat: bool) -> Extras:
             raise ApiError(400, "'continue_final_message' cannot be used with 'add_generation_prompt': true",
                            param="continue_final_message")
         ex.template_kwargs = _typed(body, "chat_template_kwargs", dict, "an object") or {}
+        if _typed(body, "echo", bool, "a boolean"):
+            ex.echo = _last_assistant_text(body.get("messages"))
         reserved = set(ex.template_kwargs) & {"messages", "add_generation_prompt", "continue_final_message",
                                               "tokenize", "conversation"}
         if reserved:
             raise ApiError(400, f"'chat_template_kwargs.{sorted(reserved)[0]}' is set by the request itself",
                            param="chat_template_kwargs")
     return ex
+
+
+def _last_assistant_text(messages: Any) -> str:
+    """vLLM's chat ``echo``: the reply leads with the last message when it is the assistant's
+    (a prefill the model continues); its text parts joined by newlines."""
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return ""
+    content = last.get("content") or ""
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
 
 
 def sampling_extras(body: dict) -> dict[str, Any]:

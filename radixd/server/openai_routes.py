@@ -37,7 +37,7 @@ async def chat_completions(request: Request) -> Response:
         extra = {"prompt_logprobs": prompt_logprobs(tok, ids, outs, ex.prompt_logprobs)} if ex.prompt_logprobs is not None else {}
         choices = [{
             "index": i,
-            "message": {"role": "assistant", "content": "".join(o.text for o in mine)},
+            "message": {"role": "assistant", "content": ex.echo + "".join(o.text for o in mine)},
             "logprobs": chat_logprobs(tok, mine) if params.logprobs else None,
             "finish_reason": mine[-1].finish_reason,
         } for i, mine in enumerate(samples(outs, params.n))]
@@ -53,6 +53,9 @@ async def chat_completions(request: Request) -> Response:
         for i in range(params.n):
             yield event({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]})
+            if ex.echo:
+                yield event({**base, "choices": [{"index": i, "delta": {"content": ex.echo}, "logprobs": None,
+                                                "finish_reason": None}]})
         async for _, out in gen.outputs():
             lp = chat_logprobs(tok, [out]) if params.logprobs and out.token_ids else None
             if out.text or lp or out.finished:
