@@ -4,11 +4,11 @@ Contract
 --------
 * The scheduler hands ``build`` a plan whose KV room it made, with the step's fresh slots;
   ``build`` lays the tokens out flat (input ids, positions, table rows and the table writes
-  each request had queued), marks placeholders (tokens still on the device) and the positions
-  of wanted prompt logprobs, and batches the sampling inputs of the requests that pick a
-  token. It appends the step's slots to each request's ``KVHandle`` and takes its
-  ``table_writes``; it changes nothing else of a request (committing the step is the
-  scheduler's and the KV manager's).
+  each request had queued), marks placeholders (tokens still on the device), the positions
+  of wanted prompt logprobs and those whose hidden states embedding requests pool, and
+  batches the sampling inputs of the requests that pick a token. It appends the step's slots
+  to each request's ``KVHandle`` and takes its ``table_writes``; it changes nothing else of a
+  request (committing the step is the scheduler's and the KV manager's).
 * Reuse across steps: while the same requests decode in the same order, the batched constant
   sampling rows and the cascade plan are kept, not rebuilt (both are compared at C speed).
 * The loops here run for every request every step: flat Python lists and one
@@ -54,6 +54,9 @@ class BatchBuilder:
         lp_pos: list[int] = []
         lp_target: list[int] = []
         lp_reqs: list[tuple[Request, int]] = []
+        pool_pos: list[int] = []
+        pool_row: list[int] = []
+        pool_reqs: list[tuple[Request, int, bool]] = []
         if decoding:  # the plan starts with them: one token each, the last of their sequence
             dec = [r for r, _ in plan[:decoding]]
             kvs = [r.kv for r in dec]
@@ -88,6 +91,11 @@ class BatchBuilder:
                 lp_target.extend(prompt[q + 1] for q in qs)
                 if qs:
                     lp_reqs.append((r, len(qs)))
+            if r.pool is not None:  # an embedding request: its wanted positions' hidden states
+                qs = r.pool.wanted(start, end)
+                pool_pos.extend(len(ids) + q - start for q in qs)
+                pool_row.extend([len(pool_reqs)] * len(qs))
+                pool_reqs.append((r, len(qs), end == seq_len))
             if r.unresolved and end == seq_len:  # its last token is a pending pick
                 ph_pos.append(len(ids) + n - 1)
                 ph_req.append(r)
@@ -110,7 +118,7 @@ class BatchBuilder:
             rows.append(kv.row)
             prefix_lens.append(start)
             extend_lens.append(n)
-            if end == seq_len:
+            if end == seq_len and r.pool is None:
                 sampled_idx.append(i)
             if end < seq_len - 1 or n > 1:
                 prefill_tokens += n
@@ -132,10 +140,14 @@ class BatchBuilder:
             prompt_lp_pos=lp_pos,
             prompt_lp_target=lp_target,
             placeholder_pos=ph_pos,
+            pool_pos=pool_pos,
+            pool_row=pool_row,
+            pool_rows=len(pool_reqs),
         )
         if cascade_members and decoding == len(plan) >= 2:
             batch.shared = self.shared_prefixes(reqs, rows, cascade_members)
-        return ScheduledStep(batch, reqs, sampled, placeholder_reqs=ph_req, prompt_lp_reqs=lp_reqs)
+        return ScheduledStep(batch, reqs, sampled, placeholder_reqs=ph_req, prompt_lp_reqs=lp_reqs,
+                             pool_reqs=pool_reqs)
 
     def shared_prefixes(self, reqs: list[Request], rows: list[int], members: int) -> cascade.SharedPrefixes | None:
         """Which requests of a decode batch read the same cached prefix (cascade decoding),

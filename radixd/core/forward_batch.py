@@ -72,6 +72,11 @@ class ForwardBatch:
     # each (whose logits predict it) and its id. Their logits follow the sampled rows'.
     prompt_lp_pos: list[int] = field(default_factory=list)
     prompt_lp_target: list[int] = field(default_factory=list)
+    # Embedding requests: the flat index of each position whose final hidden state is pooled,
+    # and the row (one per request, ``pool_rows`` in all) its hidden state is summed into.
+    pool_pos: list[int] = field(default_factory=list)
+    pool_row: list[int] = field(default_factory=list)
+    pool_rows: int = 0
     # KV loaded from lower cache tiers into this batch's slots on a side stream: per load,
     # one CUDA event per layer (layer l's attention waits for that layer's events only).
     wait_events: list = field(default_factory=list)
@@ -112,3 +117,4 @@ class StepOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float] | None = None  # in ``ForwardBatch.prompt_lp_pos`` order
+    pooled: torch.Tensor | None = None  # [pool_rows, hidden] float32 sums, on the host

@@ -57,6 +57,7 @@ class SampledTokens:
     top_ids: torch.Tensor | None = None
     top_vals: torch.Tensor | None = None
     prompt_logprobs: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None  # embedding requests' pooled rows (ForwardBatch.pool_rows)
     # Tensor parallel: every shard's own copy of ``tokens`` (on its device) when each shard
     # sampled the same picks itself; None when only the first shard sampled.
     shard_tokens: list[torch.Tensor] | None = None
@@ -68,19 +69,19 @@ class SampledTokens:
         that reading waits on the event (which lets go of the GIL) rather than on a copy."""
         if not self.tokens.is_cuda:
             return
-        parts = (self.tokens, self.logprobs, self.top_ids, self.top_vals, self.prompt_logprobs)
+        parts = (self.tokens, self.logprobs, self.top_ids, self.top_vals, self.prompt_logprobs, self.pooled)
         self._host = tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                            for t in parts)
         self._done = torch.cuda.Event()
         self._done.record()
 
     def to_output(self) -> StepOutput:
-        tokens, logprobs, top_ids, top_vals, prompt_lp = (self.tokens, self.logprobs, self.top_ids, self.top_vals,
-                                                          self.prompt_logprobs)
+        tokens, logprobs, top_ids, top_vals, prompt_lp, pooled = (self.tokens, self.logprobs, self.top_ids,
+                                                                  self.top_vals, self.prompt_logprobs, self.pooled)
         if self._done is not None:
             self._done.synchronize()
-            tokens, logprobs, top_ids, top_vals, prompt_lp = self._host
-        out = StepOutput(next_tokens=tokens.tolist())
+            tokens, logprobs, top_ids, top_vals, prompt_lp, pooled = self._host
+        out = StepOutput(next_tokens=tokens.tolist(), pooled=pooled)
         if prompt_lp is not None:
             out.prompt_logprobs = prompt_lp.tolist()
         if logprobs is not None:

@@ -52,14 +52,21 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn: AttentionBackend,
         logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """Logits (float32) at ``logits_indices`` of the flat token axis."""
+        hidden_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor | None, torch.Tensor]:
+        """Logits (float32) at ``logits_indices`` of the flat token axis; with
+        ``hidden_indices`` (embeddings) also the final hidden states there, after the last norm:
+        ``(logits or None when there are none, hidden)``."""
         x = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary, attn)
-        x, _ = self.layers[-1].add_norm(x[logits_indices], residual[logits_indices], self.norm)
-        return linear(x, self.lm_head, self.kernels).float()
+        idx = logits_indices if hidden_indices is None else torch.cat((logits_indices, hidden_indices))
+        x, _ = self.layers[-1].add_norm(x[idx], residual[idx], self.norm)
+        if hidden_indices is None:
+            return linear(x, self.lm_head, self.kernels).float()
+        n = logits_indices.numel()
+        return (linear(x[:n], self.lm_head, self.kernels).float() if n else None), x[n:]
 
     # ------------------------------------------------------------------ weights
 
