@@ -302,3 +302,66 @@ async def test_generation_model_refuses_embeddings(tiny_models):
         assert err["param"] == "model" and "'tiny-llama'" in err["message"] and "embeddings" in err["message"]
     finally:
         await engine.stop()
+
+
+def test_scheduler_batches_embeddings_with_generation():
+    """The scheduler alone (``test_scheduler``'s fake worker): embedding requests prefill in
+    the same steps as generation requests decode, are chunked, pool each wanted position
+    exactly once, sample nothing, read a prefix a generation request cached (last-token
+    pooling) and leave nothing behind."""
+    from test_scheduler import FakeWorker, drain, free_of_requests, make, pick, prompt, req
+
+    from radixd.core.pooling import PoolState
+
+    class PoolingWorker(FakeWorker):
+        def run(self, step, prev_picks=None):
+            out = super().run(step, prev_picks)
+            b = step.batch
+            out.pooled = torch.zeros(b.pool_rows, 2)  # per pooled position: (its position, 1)
+            for p, row in zip(b.pool_pos, b.pool_row, strict=True):
+                out.pooled[row] += torch.tensor([float(b.positions[p]), 1.0])
+            return out
+
+    s, w = make(max_prefill_tokens=24, chunked_prefill_size=16), PoolingWorker()
+    shared = prompt(30)
+    g = req(s, shared + [99], rid="gen", max_new_tokens=6)
+    drain(s, w)  # its prompt is cached now
+    gen = [req(s, prompt(10, base), rid=f"g{base}", max_new_tokens=8) for base in (5, 40)]
+    step_of = len(w.batches)
+    mean = req(s, prompt(40, 7), rid="mean", max_new_tokens=0)
+    mean.pool = PoolState(Pooling("mean", False), 40)
+    last = req(s, shared + [98, 97], rid="last", max_new_tokens=0)
+    last.pool = PoolState(Pooling("last", True), 32)
+    drain(s, w)
+    for r in gen + [g]:
+        assert r.output_ids == [pick(r, i) for i in range(r.params.max_new_tokens)]
+    mixed = [st for st in w.batches[step_of:] if st.pool_reqs and st.sampled]
+    assert mixed, "no step both pooled and sampled"
+    assert all(r.pool is None for st in w.batches for r in st.sampled)
+    assert sum(n for st in w.batches for r, n, _ in st.pool_reqs if r is mean) == 40
+    assert len([st for st in w.batches if any(r is mean for r, _, _ in st.pool_reqs)]) >= 3  # chunked
+    assert mean.pool.total.tolist() == [float(sum(range(40))), 40.0] and mean.output_ids == []
+    assert last.cached_tokens == 30 and last.pool.total.tolist() == [31.0, 1.0]
+    assert mean.finish_reason == last.finish_reason == "stop"
+    free_of_requests(s)
+
+
+async def test_headless_checkpoint(ckpts, tmp_path):
+    """Saved as Qwen3-Embedding is (the bare model: no "model." prefix, no LM head): an
+    embedding engine loads it; a generation engine still refuses the missing head."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "headless"
+    shutil.copytree(ckpts["lasttoken"], path)
+    weights = load_file(path / "model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in weights.items() if k != "lm_head.weight"},
+              path / "model.safetensors", metadata={"format": "pt"})
+    eng = make_engine(path)
+    try:
+        ids = prompts(1, 9, seed=7)[0]
+        out = await embed(eng, ids)
+        assert (torch.tensor(out.embedding) - oracle(ckpts["lasttoken"], ids, "lasttoken", True)).abs().max() < TOL
+    finally:
+        await eng.stop()
+    with pytest.raises(KeyError, match="lm_head"):
+        Engine(model=str(path), kv_cache_tokens=256, task="generate")

@@ -74,16 +74,18 @@ class ModelWorker:
         cascade_attention: bool = False,
         kernels: KernelChoice = ALL_KERNELS,
         model: torch.nn.Module | None = None,
+        head: bool = True,
     ):
         """``model``: already built on ``device`` (a tensor-parallel shard; ``model_cfg`` is
         then the shard's shape); otherwise loaded from ``model_path``. ``kernels``: the
-        optional kernels the model and attention take."""
+        optional kernels the model and attention take; ``head`` False (an embedding engine,
+        which never samples): the checkpoint may lack the LM head."""
         self.device = device
         self.model_cfg = model_cfg
         prebuilt = model is not None
         if model is None:
             model = load_model(model_path, model_cfg, dtype, device, random_weights=load_format == "dummy",
-                               kernels=kernels)
+                               kernels=kernels, head=head)
         self.model = model
         free = None
         if device.type == "cuda":

@@ -70,9 +70,10 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ weights
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, head: bool = True) -> None:
         """Copy Hugging Face-named tensors into the fused parameters; every parameter must
-        be covered (a missing tensor is an error, not random weights)."""
+        be covered (a missing tensor is an error, not random weights), but for an untied LM
+        head with ``head`` False (an embedding engine never reads it: zeros)."""
         params = dict(self.named_parameters())
         sizes = self._fused_sizes()
         loaded: set[str] = set()
@@ -107,6 +108,10 @@ class LlamaForCausalLM(nn.Module):
                 missing += [f"{pname}#{i}" for i in range(len(sizes[kind])) if f"{pname}#{i}" not in loaded]
             elif pname not in loaded:
                 missing.append(pname)
+        if not head and "lm_head.weight" in missing:
+            missing.remove("lm_head.weight")
+            with torch.no_grad():
+                self.lm_head.weight.zero_()
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
