@@ -54,7 +54,8 @@ class Pooling:
 
 def read_pooling(path: Path) -> Pooling | None:
     """The sentence-transformers pooling of the checkpoint at ``path`` (None: it has no
-    ``modules.json``); raises ``ConfigError`` for modules radixd cannot apply."""
+    ``modules.json``); raises ``ConfigError`` for modules radixd cannot apply (``[model] task
+    = "generate"`` serves such a checkpoint as a generation model, ignoring them)."""
     modules_file = path / "modules.json"
     if not modules_file.is_file():
         return None
@@ -62,21 +63,21 @@ def read_pooling(path: Path) -> Pooling | None:
     types = [m.get("type", "") for m in modules]
     other = [t for t in types if t not in _ST_PASSIVE]
     if other:
-        raise ConfigError("model.task", "embed", f"a checkpoint whose modules.json lists only Transformer, Pooling "
-                          f"and Normalize modules; {path} also has {other[0]}")
+        raise ConfigError("model.path", str(path), f"a checkpoint whose modules.json lists only Transformer, Pooling "
+                          f"and Normalize modules (this one also has {other[0]})")
     pools = [m for m in modules if m.get("type") == _ST + "Pooling"]
     if len(pools) != 1:
-        raise ConfigError("model.task", "embed", f"a checkpoint with one Pooling module in modules.json ({path} has "
-                          f"{len(pools)})")
+        raise ConfigError("model.path", str(path), f"a checkpoint with one Pooling module in modules.json (this one "
+                          f"has {len(pools)})")
     cfg = json.loads((path / pools[0].get("path", "1_Pooling") / "config.json").read_text())
     on = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v is True]
     if not on and isinstance(cfg.get("pooling_mode"), str):
         on = [cfg["pooling_mode"]]
     if len(on) != 1 or on[0] not in _ST_MODES:
-        raise ConfigError("model.task", "embed", "a Pooling config with one of pooling_mode_lasttoken, "
-                          f"pooling_mode_mean_tokens, pooling_mode_cls_token; {path} asks for {', '.join(on) or 'none'}")
+        raise ConfigError("model.path", str(path), "a Pooling config with one of pooling_mode_lasttoken, "
+                          f"pooling_mode_mean_tokens, pooling_mode_cls_token (this one asks for {', '.join(on) or 'none'})")
     if cfg.get("include_prompt", True) is not True:
-        raise ConfigError("model.task", "embed", f"a Pooling config that pools the whole prompt ({path} sets "
+        raise ConfigError("model.path", str(path), "a Pooling config that pools the whole prompt (this one sets "
                           "include_prompt = false)")
     return Pooling(_ST_MODES[on[0]], normalize=_ST + "Normalize" in types)
 
@@ -116,7 +117,7 @@ class PoolState:
 
     def add(self, part: torch.Tensor, n: int) -> None:
         """``part``: the float32 sum of the next ``n`` wanted positions' hidden states."""
-        self.total = part if self.total is None else self.total + part
+        self.total = part.clone() if self.total is None else self.total + part  # (not a view of the step's rows)
         self.done += n
 
     def embedding(self) -> list[float]:
