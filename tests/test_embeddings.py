@@ -94,6 +94,8 @@ async def test_embeddings_match_transformers_batched_and_chunked(ckpts, mode):
     normalize = mode != "mean_tokens"
     # a chunk of 8 tokens: the longer prompts are pooled over several steps
     eng = make_engine(path, chunked_prefill_size=8, max_prefill_tokens=24)
+    widest = []
+    eng.step_hook = lambda step: (eng.check_accounting(), widest.append(len(step.pool_reqs)))
     assert eng.pooling == Pooling({"lasttoken": "last", "mean_tokens": "mean", "cls_token": "cls"}[mode], normalize)
     ps = prompts(5, 3)
     try:
@@ -104,8 +106,22 @@ async def test_embeddings_match_transformers_batched_and_chunked(ckpts, mode):
             assert (torch.tensor(out.embedding) - want).abs().max() < TOL
             assert out.prompt_tokens == len(p)
         assert one.embedding == pytest.approx(together[0].embedding, abs=TOL)
+        assert max(widest) >= 3  # several embeddings in one step
         if normalize:
             assert torch.tensor(one.embedding).norm() == pytest.approx(1.0, abs=1e-5)
+        assert_idle(eng)
+    finally:
+        await eng.stop()
+
+
+async def test_tensor_parallel_embeddings(ckpts):
+    path = ckpts["lasttoken"]
+    eng = make_engine(path, tp_size=2)
+    try:
+        ps = prompts(3, 6, seed=9)
+        outs = await asyncio.gather(*(embed(eng, p) for p in ps))
+        for p, out in zip(ps, outs, strict=True):
+            assert (torch.tensor(out.embedding) - oracle(path, p, "lasttoken", True)).abs().max() < TOL
         assert_idle(eng)
     finally:
         await eng.stop()

@@ -34,7 +34,7 @@ async def embeddings(request: Request) -> Response:
     protocol.check_fields(body, set(protocol.EMBEDDING_SCHEMAS))
     protocol.check_model(body.get("model"), st.model_name)
     inputs = embedding_inputs(body)
-    fmt = body.get("encoding_format") or "float"
+    fmt = "float" if body.get("encoding_format") is None else body["encoding_format"]
     if fmt not in ("float", "base64"):
         raise ApiError(400, f"'encoding_format' must be 'float' or 'base64', got {fmt!r}", param="encoding_format")
     if body.get("user") is not None and not isinstance(body["user"], str):
