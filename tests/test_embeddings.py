@@ -151,8 +151,8 @@ async def test_cached_prefix_is_shared_where_the_pooling_allows(ckpts):
 
 
 async def test_embedding_calls_leave_no_kv_behind(ckpts):
-    """Aborted, preempted (a pool smaller than the batch) and finished embeddings: every slot
-    accounted for after every step and at the end."""
+    """Finished embeddings sharing a pool smaller than the batch, and an aborted one: every
+    slot accounted for after every step and at the end."""
     path = ckpts["mean_tokens"]
     eng = make_engine(path, kv_cache_tokens=96, chunked_prefill_size=16)
     ps = prompts(6, 20, seed=5)
@@ -323,9 +323,9 @@ async def test_generation_model_refuses_embeddings(tiny_models):
 def test_scheduler_batches_embeddings_with_generation():
     """The scheduler alone (``test_scheduler``'s fake worker): embedding requests prefill in
     the same steps as generation requests decode, are chunked, pool each wanted position
-    exactly once, sample nothing, read a prefix a generation request cached (last-token
-    pooling) and leave nothing behind."""
-    from test_scheduler import FakeWorker, drain, free_of_requests, make, pick, prompt, req
+    exactly once (also across a preemption), sample nothing, read a prefix a generation
+    request cached (last-token pooling) and leave nothing behind."""
+    from test_scheduler import FakeWorker, drain, free_of_requests, make, pick, prompt, req, step
 
     from radixd.core.pooling import PoolState
 
@@ -359,6 +359,18 @@ def test_scheduler_batches_embeddings_with_generation():
     assert mean.pool.total.tolist() == [float(sum(range(40))), 40.0] and mean.output_ids == []
     assert last.cached_tokens == 30 and last.pool.total.tolist() == [31.0, 1.0]
     assert mean.finish_reason == last.finish_reason == "stop"
+    free_of_requests(s)
+
+    # preempted mid-prompt (a decode needs its KV), it resumes without pooling a position twice
+    s, w = make(slots=48, max_prefill_tokens=8, chunked_prefill_size=8), PoolingWorker()
+    g = req(s, prompt(20), rid="gen", max_new_tokens=28)  # it needs the whole pool in the end
+    while g.kv.length < 20:
+        step(s, w)
+    mean = req(s, prompt(26, 50), rid="mean", max_new_tokens=0)
+    mean.pool = PoolState(Pooling("mean", False), 26)
+    drain(s, w)
+    assert mean.preemptions == 1 and g.output_ids == [pick(g, i) for i in range(28)]
+    assert mean.pool.total.tolist() == [float(sum(range(26))), 26.0] and mean.finish_reason == "stop"
     free_of_requests(s)
 
 
