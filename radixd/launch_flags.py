@@ -72,6 +72,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-running-requests", "scheduler.max_running_requests", int, "most requests in a batch"),
     Flag("--schedule-policy", "scheduler.policy", str, "fcfs or lpm (or a plugin's policy)", _policy),
     Flag("--disable-radix-cache", "cache.radix", None, "no prefix reuse", lambda v: not v),
+    Flag("--is-embedding", "model.task", None, "serve an embedding model (/v1/embeddings)", lambda v: "embed"),
     Flag("--log-level", "logging.level", str, "debug, info, warning or error", str.lower),
     Flag("--api-key", "auth.api_keys", str, "the one API key clients must send", lambda v: [v]),
     Flag("--served-model-name", "model.served_name", str, "the model name the API reports"),

@@ -1,6 +1,6 @@
 """Putting an engine together: what is known of the model before its weights load
-(``ModelSetup``: device, dtype, checkpoint, tokenizer, context, EOS ids; the parallel layout
-checked against it), the KV pool's size, the workers of each replica, and the identity that
+(``ModelSetup``: device, dtype, checkpoint, tokenizer, context, EOS ids, whether it embeds;
+the parallel layout checked against it), the KV pool's size, the workers of each replica, and the identity that
 stored KV pages carry.
 
     EngineConfig -> ModelSetup.load -> replica_devices(d) -> make_worker (ModelWorker or
@@ -22,6 +22,7 @@ from radixd.core.errors import ConfigError
 from radixd.core.kv_pool import kv_bytes_per_token
 from radixd.core.model_loader import read_config, resolve_model
 from radixd.core.models.config import ModelConfig
+from radixd.core.pooling import Pooling, engine_pooling
 from radixd.core.tiers import TierContext
 from radixd.core.triton_ops import KernelChoice
 from radixd.core.worker import ModelWorker, Worker, on_device
@@ -41,6 +42,7 @@ class ModelSetup:
     context_len: int
     eos_token_ids: tuple[int, ...]
     attention_backend: str        # "auto" resolved
+    pooling: Pooling | None       # how it embeds ([model] task); None: it generates
 
     @classmethod
     def load(cls, config: EngineConfig) -> ModelSetup:
@@ -55,7 +57,8 @@ class ModelSetup:
             backend = "triton" if device.type == "cuda" else "torch"
         return cls(device=device, dtype=pick_dtype(config.dtype, device), path=path, cfg=cfg, tokenizer=tokenizer,
                    context_len=min(cfg.context_len, config.max_context_len or 1 << 62),
-                   eos_token_ids=eos_ids(cfg, tokenizer), attention_backend=backend)
+                   eos_token_ids=eos_ids(cfg, tokenizer), attention_backend=backend,
+                   pooling=engine_pooling(config.task, path))
 
 
 def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.device]) -> Worker:
@@ -63,8 +66,10 @@ def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.dev
     kw = dict(model_path=setup.path, model_cfg=setup.cfg, dtype=setup.dtype, load_format=config.load_format,
               attention_backend=setup.attention_backend, kv_slots=lambda free: kv_slots(config, setup, free),
               max_rows=config.max_running_requests, max_context_len=setup.context_len,
-              cuda_graphs=config.cuda_graphs, cascade_attention=config.cascade_attention,
-              kernels=KernelChoice(fuse_one_row=config.fuse_one_row, rows_kernel=config.rows_kernel))
+              cuda_graphs=config.cuda_graphs and setup.pooling is None,  # (embedding engines never decode)
+              cascade_attention=config.cascade_attention,
+              kernels=KernelChoice(fuse_one_row=config.fuse_one_row, rows_kernel=config.rows_kernel),
+              head=setup.pooling is None)
     if len(devices) > 1:
         from radixd.core.tensor_parallel import TPWorker
 

@@ -4,11 +4,11 @@ Contract
 --------
 * The scheduler hands ``build`` a plan whose KV room it made, with the step's fresh slots;
   ``build`` lays the tokens out flat (input ids, positions, table rows and the table writes
-  each request had queued), marks placeholders (tokens still on the device) and the positions
-  of wanted prompt logprobs, and batches the sampling inputs of the requests that pick a
-  token. It appends the step's slots to each request's ``KVHandle`` and takes its
-  ``table_writes``; it changes nothing else of a request (committing the step is the
-  scheduler's and the KV manager's).
+  each request had queued), marks placeholders (tokens still on the device), the positions
+  of wanted prompt logprobs and those whose hidden states embedding requests pool, and
+  batches the sampling inputs of the requests that pick a token. It appends the step's slots
+  to each request's ``KVHandle`` and takes its ``table_writes``; it changes nothing else of a
+  request (committing the step is the scheduler's and the KV manager's).
 * Reuse across steps: while the same requests decode in the same order, the batched constant
   sampling rows and the cascade plan are kept, not rebuilt (both are compared at C speed).
 * The loops here run for every request every step: flat Python lists and one
@@ -55,6 +55,9 @@ class BatchBuilder:
         lp_target: list[int] = []
         lp_reqs: list[tuple[Request, int]] = []
         lp_top = 0
+        pool_pos: list[int] = []
+        pool_row: list[int] = []
+        pool_reqs: list[tuple[Request, int, bool]] = []
         if decoding:  # the plan starts with them: one token each, the last of their sequence
             dec = [r for r, _ in plan[:decoding]]
             kvs = [r.kv for r in dec]
@@ -90,6 +93,11 @@ class BatchBuilder:
                 if qs:
                     lp_reqs.append((r, len(qs)))
                     lp_top = max(lp_top, r.params.prompt_top_logprobs)
+            if r.pool is not None:  # an embedding request: its wanted positions' hidden states
+                qs = r.pool.wanted(start, end)
+                pool_pos.extend(len(ids) + q - start for q in qs)
+                pool_row.extend([len(pool_reqs)] * len(qs))
+                pool_reqs.append((r, len(qs), end == seq_len))
             if r.unresolved and end == seq_len:  # its last token is a pending pick
                 ph_pos.append(len(ids) + n - 1)
                 ph_req.append(r)
@@ -112,7 +120,7 @@ class BatchBuilder:
             rows.append(kv.row)
             prefix_lens.append(start)
             extend_lens.append(n)
-            if end == seq_len:
+            if end == seq_len and r.pool is None:
                 sampled_idx.append(i)
             if end < seq_len - 1 or n > 1:
                 prefill_tokens += n
@@ -135,10 +143,14 @@ class BatchBuilder:
             prompt_lp_target=lp_target,
             prompt_lp_top=lp_top,
             placeholder_pos=ph_pos,
+            pool_pos=pool_pos,
+            pool_row=pool_row,
+            pool_rows=len(pool_reqs),
         )
         if cascade_members and decoding == len(plan) >= 2:
             batch.shared = self.shared_prefixes(reqs, rows, cascade_members)
-        return ScheduledStep(batch, reqs, sampled, placeholder_reqs=ph_req, prompt_lp_reqs=lp_reqs)
+        return ScheduledStep(batch, reqs, sampled, placeholder_reqs=ph_req, prompt_lp_reqs=lp_reqs,
+                             pool_reqs=pool_reqs)
 
     def shared_prefixes(self, reqs: list[Request], rows: list[int], members: int) -> cascade.SharedPrefixes | None:
         """Which requests of a decode batch read the same cached prefix (cascade decoding),

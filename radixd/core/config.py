@@ -32,6 +32,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
 WRITE_POLICIES = ("write_back", "write_through", "write_through_hits")
 ROUTING_POLICIES = ("cache_aware", "round_robin")
+TASKS = ("auto", "generate", "embed")
 
 
 def option(default: Any, *, key: str | None = None, min: float | None = None, max: float | None = None,
@@ -153,6 +154,9 @@ class EngineConfig:
     dtype: str = option("auto", key="model.dtype", choices=DTYPES)
     device: str = option("auto", key="model.device", choices=DEVICES)
     attention_backend: str = option("auto", key="model.attention_backend", choices=ATTENTION_BACKENDS)
+    # "embed": an embedding model (/v1/embeddings only); "generate": text only; "auto": embed
+    # when the checkpoint has sentence-transformers files (modules.json), see core.pooling.
+    task: str = option("auto", key="model.task", choices=TASKS)
     # Capture decode steps as CUDA graphs (batch-size buckets up to max_running_requests).
     cuda_graphs: bool = option(True, key="model.cuda_graphs")
     # Decode requests that share a cached prefix read its KV once for all of them (two-level

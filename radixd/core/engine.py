@@ -40,6 +40,7 @@ from radixd.core.worker import Worker
 __all__ = ["Engine", "GenerateOutput", "GrammarCompiler", "StepStats", "Submission", "TokenLogprob"]
 
 log = logging.getLogger("radixd.engine")
+EMBED = SamplingParams(max_new_tokens=0)  # an embedding request's: it generates nothing
 
 
 class GrammarCompiler(Protocol):
@@ -73,6 +74,7 @@ class Engine:
         self.dtype, self.model_path, self.model_cfg = setup.dtype, setup.path, setup.cfg
         self.tokenizer = setup.tokenizer  # None: token ids in and out only
         self.context_len, self.eos_token_ids = setup.context_len, setup.eos_token_ids
+        self.pooling = setup.pooling  # an embedding engine's (core.pooling); None: it generates
         self.cache_tiers = list(tiers)  # shared by the replicas (content keys name any)
         self.grammars = grammars
         self.outputs = Outputs(tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
@@ -95,7 +97,8 @@ class Engine:
                                  capacity_tokens=self.replicas[0].allocator.total,
                                  loads=lambda: [rep.load for rep in self.replicas])
         self._calls = Calls(config, tokenizer=self.tokenizer, vocab_size=self.model_cfg.vocab_size,
-                            context_len=self.context_len, pool_slots=self.replicas[0].allocator.total)
+                            context_len=self.context_len, pool_slots=self.replicas[0].allocator.total,
+                            pooling=self.pooling)
         self._started = False
         self._stopping = False
         self.step_hook: Callable[[ScheduledStep], None] | None = None  # for tests and statistics
@@ -216,17 +219,9 @@ class Engine:
         """Check a request; return its prompt token ids. Raises ``InvalidRequest``."""
         return self._calls.check(prompt, input_ids, params)
 
-    def submit(
-        self,
-        prompt: str | None = None,
-        *,
-        input_ids: Sequence[int] | None = None,
-        params: SamplingParams | dict | None = None,
-        rid: str | None = None,
-        priority: int = 0,
-        max_unread: int = 0,
-        grammar=None,
-    ) -> Submission:
+    def submit(self, prompt: str | None = None, *, input_ids: Sequence[int] | None = None,
+               params: SamplingParams | dict | None = None, rid: str | None = None, priority: int = 0,
+               max_unread: int = 0, grammar=None) -> Submission:
         """Validate and queue one call now; iterate the returned ``Submission`` for outputs.
 
         Raises ``InvalidRequest`` (naming the field) or ``EngineStopped`` at once, before any
@@ -239,15 +234,26 @@ class Engine:
         if isinstance(params, dict):
             params = SamplingParams(**params)
         params = params or SamplingParams()
+        ids = self.validate(prompt, input_ids, params)
+        return self._queue(ids, self._calls.fitted(params, len(ids)), rid, priority, max_unread, grammar)
+
+    def embed(self, prompt: str | None = None, *, input_ids: Sequence[int] | None = None, rid: str | None = None,
+              priority: int = 0, max_unread: int = 0) -> Submission:
+        """Queue one embedding call (an engine with ``pooling``): its prompt is prefilled, batched
+        with the others and sharing cached prefixes, its final hidden states pooled instead of
+        a token sampled; its one output carries ``embedding``. Raises as ``submit`` does."""
+        return self._queue(self._calls.check_embed(prompt, input_ids), EMBED, rid, priority, max_unread, None)
+
+    def _queue(self, ids: list[int], params: SamplingParams, rid: str | None, priority: int, max_unread: int,
+               grammar) -> Submission:
+        """A checked call's requests onto a replica, each with its stream."""
         if self._stopping:
             raise EngineStopped("the engine is shutting down")
-        ids = self.validate(prompt, input_ids, params)
-        params = self._calls.fitted(params, len(ids))
         rid = rid or uuid.uuid4().hex
         if rid in self.outputs.by_rid:
             raise InvalidRequest("rid", f"a request with id {rid!r} is already running")
         self._ensure_started()
-        if params.max_new_tokens == 0:
+        if params.max_new_tokens == 0 and self.pooling is None:  # (an embedding call generates nothing)
             return self.outputs.empty(rid, params.n, len(ids))
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
@@ -272,15 +278,9 @@ class Engine:
         rep.wake.set()
         return sub
 
-    async def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        input_ids: Sequence[int] | None = None,
-        params: SamplingParams | dict | None = None,
-        rid: str | None = None,
-        priority: int = 0,
-    ) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, prompt: str | None = None, *, input_ids: Sequence[int] | None = None,
+                       params: SamplingParams | dict | None = None, rid: str | None = None,
+                       priority: int = 0) -> AsyncIterator[GenerateOutput]:
         """Stream outputs of one call (``params.n`` samples, told apart by ``index``);
         leaving the loop early aborts the call."""
         if isinstance(params, dict):

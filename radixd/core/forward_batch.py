@@ -73,6 +73,11 @@ class ForwardBatch:
     prompt_lp_pos: list[int] = field(default_factory=list)
     prompt_lp_target: list[int] = field(default_factory=list)
     prompt_lp_top: int = 0  # top alternatives per such position (the most any request asks)
+    # Embedding requests: the flat index of each position whose final hidden state is pooled,
+    # and the row (one per request, ``pool_rows`` in all) its hidden state is summed into.
+    pool_pos: list[int] = field(default_factory=list)
+    pool_row: list[int] = field(default_factory=list)
+    pool_rows: int = 0
     # KV loaded from lower cache tiers into this batch's slots on a side stream: per load,
     # one CUDA event per layer (layer l's attention waits for that layer's events only).
     wait_events: list = field(default_factory=list)
@@ -115,3 +120,4 @@ class StepOutput:
     prompt_logprobs: list[float] | None = None  # in ``ForwardBatch.prompt_lp_pos`` order
     prompt_ranks: list[int] | None = None       # likewise
     prompt_top: list[list[tuple[int, float]]] | None = None  # likewise, ``prompt_lp_top`` each
+    pooled: torch.Tensor | None = None  # [pool_rows, hidden] float32 sums, on the host

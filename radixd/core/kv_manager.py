@@ -96,6 +96,8 @@ class KVManager:
         missing = r.prompt_lp_missing
         if missing is not None:  # the logits before each wanted prompt token must be computed
             limit = min(limit, missing - 1)
+        if r.pool is not None and r.pool.missing is not None:  # hidden states are not cached
+            limit = min(limit, r.pool.missing)
         match = self.cache.match_prefix(seq[:limit], r.namespace)
         self.cache.lock(match.node)
         if self.tiers is not None and r.namespace == 0:

@@ -151,10 +151,12 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               *, random_weights: bool = False, kernels: KernelChoice = ALL_KERNELS) -> torch.nn.Module:
+               *, random_weights: bool = False, kernels: KernelChoice = ALL_KERNELS,
+               head: bool = True) -> torch.nn.Module:
     """Build radixd's model for ``cfg`` on ``device`` and fill it from the checkpoint, or
     with seeded random weights of the same shapes (``random_weights``, for benchmarks).
-    ``kernels``: the optional kernels its layers take."""
+    ``kernels``: the optional kernels its layers take; ``head`` False: the checkpoint may
+    lack the LM head (an embedding checkpoint saved without it; zeros then, never read)."""
     cls = model_class(cfg)
     with torch.device("meta"):
         model = cls(cfg, kernels=kernels)
@@ -171,7 +173,7 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
                 else:
                     p.normal_(0.0, 0.02, generator=gen)
     else:
-        model.load_weights(iter_safetensors(path))
+        model.load_weights(iter_safetensors(path), head=head)
     model = model.to(dtype=dtype).eval()
     # Rotary tables stay float32 whatever the weights' dtype.
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(device)

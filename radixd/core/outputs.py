@@ -60,6 +60,7 @@ class GenerateOutput:
     # position's top alternatives as (token id, logprob).
     prompt_ranks: list[int] | None = None
     prompt_top: list[list[tuple[int, float]]] | None = None
+    embedding: list[float] | None = None  # an embedding call's one output: the pooled vector
 
     def finish_object(self) -> dict | None:
         """The finish reason as SGLang's native API reports it: ``{"type": "stop", "matched":
@@ -203,7 +204,7 @@ class Outputs:
         queue = OutputQueue()
         for r in reqs:
             detok = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and r.pool is None:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
                                                stop=params.stop, keep_stop=params.include_stop_str_in_output)
             self.streams[r] = _Stream(queue, detok, rid=rid, limit=max_unread * len(reqs))
@@ -252,8 +253,14 @@ class Outputs:
     # ------------------------------------------------------------------ tokens
 
     def emit(self, step: ScheduledStep, out: StepOutput, accepted: list[int]) -> None:
-        """Stream the accepted picks of ``step`` (indices into ``step.sampled``)."""
+        """Stream the accepted picks of ``step`` (indices into ``step.sampled``), and the
+        embeddings of the embedding requests it finished."""
         streams = self.streams
+        for r, _, last in step.pool_reqs:
+            if last and r.finish_reason == "stop" and (stream := streams.get(r)) is not None:
+                stream.queue.put_nowait(GenerateOutput(r.index, [], "", True, "stop", prompt_tokens=len(r.prompt_ids),
+                                                       cached_tokens=r.cached_tokens or 0,
+                                                       embedding=r.pool.embedding()))
         interval = self.interval
         eos = self.eos
         sampled = step.sampled

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from radixd.core.constraints import Matcher
 from radixd.core.kv_handle import KVHandle
+from radixd.core.pooling import PoolState
 from radixd.core.radix_cache import TreeNode
 from radixd.core.sampling_params import SamplingParams
 
@@ -58,6 +59,7 @@ class Request:
     prompt_top: list[list[tuple[int, float]]] = field(default_factory=list)  # with prompt_top_logprobs
     matcher: Matcher | None = None        # grammar matcher (a backend's) if constrained
     sampling_row: tuple | None = None     # constant sampling inputs, filled by the scheduler
+    pool: PoolState | None = None         # an embedding request: pools its prompt, samples nothing
 
     def finish(self, reason: str) -> None:
         """The one writer of ``finish_reason``: the first reason stays, except that a stop (a
@@ -96,6 +98,12 @@ class Request:
         if start is None or start + len(self.prompt_logprobs) >= len(self.prompt_ids):
             return None
         return start + len(self.prompt_logprobs)
+
+    @property
+    def prefilling(self) -> bool:
+        """Prompt tokens are left to compute before it decodes (an embedding request: before
+        it is done; it never decodes)."""
+        return self.kv.length < self.seq_len - (self.pool is None)
 
     @property
     def is_follower(self) -> bool:

@@ -60,6 +60,7 @@ class SampledTokens:
     prompt_ranks: torch.Tensor | None = None
     prompt_top_ids: torch.Tensor | None = None
     prompt_top_vals: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None  # embedding requests' pooled rows (ForwardBatch.pool_rows)
     # Tensor parallel: every shard's own copy of ``tokens`` (on its device) when each shard
     # sampled the same picks itself; None when only the first shard sampled.
     shard_tokens: list[torch.Tensor] | None = None
@@ -79,15 +80,15 @@ class SampledTokens:
 
     def _parts(self) -> tuple:
         return (self.tokens, self.logprobs, self.top_ids, self.top_vals, self.prompt_logprobs, self.prompt_ranks,
-                self.prompt_top_ids, self.prompt_top_vals)
+                self.prompt_top_ids, self.prompt_top_vals, self.pooled)
 
     def to_output(self) -> StepOutput:
         parts = self._parts()
         if self._done is not None:
             self._done.synchronize()
             parts = self._host
-        tokens, logprobs, top_ids, top_vals, prompt_lp, prompt_rank, prompt_top_ids, prompt_top_vals = parts
-        out = StepOutput(next_tokens=tokens.tolist())
+        tokens, logprobs, top_ids, top_vals, prompt_lp, prompt_rank, prompt_top_ids, prompt_top_vals, pooled = parts
+        out = StepOutput(next_tokens=tokens.tolist(), pooled=pooled)
         if prompt_lp is not None:
             out.prompt_logprobs, out.prompt_ranks = prompt_lp.tolist(), prompt_rank.tolist()
             if prompt_top_ids is not None:

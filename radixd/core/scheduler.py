@@ -20,7 +20,7 @@ import itertools
 
 import numpy as np
 
-from radixd.core import constraints
+from radixd.core import constraints, pooling
 from radixd.core.batch_builder import BatchBuilder
 from radixd.core.config import EngineConfig
 from radixd.core.forward_batch import StepOutput
@@ -127,7 +127,7 @@ class Scheduler(SchedulerInterface):
         if not plan:
             if inflight:
                 return None  # the launched step's results decide what comes next
-            if any(r.finish_reason is None and r.kv.length < r.seq_len - 1 for r in self.running):
+            if any(r.finish_reason is None and r.prefilling for r in self.running):
                 # Everything running is stuck mid-prefill without memory: make one give way.
                 self._preempt(max(self.running, key=lambda r: r.arrival))
                 return self.schedule()
@@ -161,7 +161,7 @@ class Scheduler(SchedulerInterface):
             out_len = len(r.output_ids)
             last = len(r.prompt_ids) + out_len - 1
             length = r.kv.length
-            if length == last:
+            if length == last and r.pool is None:
                 # may it continue? (not finished, its pending pick counted; inlined: this runs
                 # for every request every step)
                 if (r.finish_reason is None and not r.aborted and out_len < r.params.max_new_tokens
@@ -169,7 +169,7 @@ class Scheduler(SchedulerInterface):
                     decoding.append(r)
                     if r.unresolved and r.params.needs_penalties:
                         host_picks = True
-            elif length < last:
+            elif length <= last:  # (equal: an embedding request's last prompt token)
                 mid_prefill = True
         return decoding, mid_prefill, host_picks
 
@@ -177,7 +177,7 @@ class Scheduler(SchedulerInterface):
         """Next chunks of running prefills onto ``plan`` (its decodes so far); the budget left."""
         planned = len(plan)
         for r in self.running:
-            if r.kv.length < r.seq_len - 1 and budget > 0 and not r.aborted:
+            if r.prefilling and budget > 0 and not r.aborted:
                 want = min(r.seq_len - r.kv.length, budget, self.config.chunked_prefill_size)
                 n = self.kv_manager.room_for(want, planned=planned)
                 if n == 0:
@@ -233,6 +233,8 @@ class Scheduler(SchedulerInterface):
             if (top := r.params.prompt_top_logprobs) and out.prompt_top is not None:
                 r.prompt_top.extend(row[:top] for row in out.prompt_top[off : off + k])
             off += k
+        if step.pool_reqs:
+            pooling.accumulate(step.pool_reqs, out.pooled)
         accepted = []
         eos, ctx_len = self.eos, self.context_len
         for i, (r, idx, tok) in enumerate(zip(step.sampled, step.pick_index, out.next_tokens, strict=True)):

@@ -44,6 +44,9 @@ class ScheduledStep:
     pick_index: list[int] = field(default_factory=list)  # where each pick goes in output_ids
     placeholder_reqs: list[Request] = field(default_factory=list)  # inputs pending on the device
     prompt_lp_reqs: list[tuple[Request, int]] = field(default_factory=list)  # prompt logprobs each gets
+    # embedding requests: (request, positions pooled, whether the step completes its prompt),
+    # in the order of the worker's pooled rows (``StepOutput.pooled``)
+    pool_reqs: list[tuple[Request, int, bool]] = field(default_factory=list)
     step_ms: float = 0.0         # wall time of the step, set by the engine once it ran
 
 
@@ -93,7 +96,8 @@ class SchedulerInterface(Protocol):
 
     def process(self, step: ScheduledStep, out: StepOutput) -> list[int]:
         """Put ``out``'s picks in place of ``step``'s placeholders, feed the grammar matchers
-        and finish requests that hit a stop token, their length or a complete grammar.
+        and finish requests that hit a stop token, their length or a complete grammar; add
+        the pooled rows to embedding requests, finishing those whose prompt is computed.
         Returns the indices into ``step.sampled`` of the picks that count (a request that
         finished while the step was in flight gets none). Called once per step that ran."""
         ...

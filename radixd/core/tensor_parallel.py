@@ -175,7 +175,7 @@ class TPWorker:
     def __init__(self, *, devices: list[torch.device], model_path, model_cfg: ModelConfig, dtype: torch.dtype,
                  attention_backend: str, load_format: str, kv_slots, max_rows: int, max_context_len: int,
                  cuda_graphs: bool = False, cascade_attention: bool = False, peer_all_reduce: bool = True,
-                 kernels: KernelChoice = ALL_KERNELS):
+                 kernels: KernelChoice = ALL_KERNELS, head: bool = True):
         tp = len(devices)
         self.devices = devices
         self.device = devices[0]
@@ -187,7 +187,8 @@ class TPWorker:
                           for r, dev in enumerate(devices)]
         # The whole model once (the same weights as tp_size = 1 would load), then its shards.
         staging = devices[0] if (self.cuda and load_format == "dummy") else torch.device("cpu")
-        full = load_model(model_path, model_cfg, dtype, staging, random_weights=load_format == "dummy", kernels=kernels)
+        full = load_model(model_path, model_cfg, dtype, staging, random_weights=load_format == "dummy", kernels=kernels,
+                          head=head)
         models = [shard_model(full, model_cfg, r, tp, dev, dtype) for r, dev in enumerate(devices)]
         del full
         free = None

@@ -74,16 +74,18 @@ class ModelWorker:
         cascade_attention: bool = False,
         kernels: KernelChoice = ALL_KERNELS,
         model: torch.nn.Module | None = None,
+        head: bool = True,
     ):
         """``model``: already built on ``device`` (a tensor-parallel shard; ``model_cfg`` is
         then the shard's shape); otherwise loaded from ``model_path``. ``kernels``: the
-        optional kernels the model and attention take."""
+        optional kernels the model and attention take; ``head`` False (an embedding engine,
+        which never samples): the checkpoint may lack the LM head."""
         self.device = device
         self.model_cfg = model_cfg
         prebuilt = model is not None
         if model is None:
             model = load_model(model_path, model_cfg, dtype, device, random_weights=load_format == "dummy",
-                               kernels=kernels)
+                               kernels=kernels, head=head)
         self.model = model
         free = None
         if device.type == "cuda":
@@ -129,7 +131,8 @@ class ModelWorker:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> torch.Tensor:
         """Run the batch; return float32 logits of the sampled requests' last tokens (on a
-        CUDA graph's output buffer: valid until the next forward, clone to keep).
+        CUDA graph's output buffer: valid until the next forward, clone to keep); with pooled
+        positions (``batch.pool_pos``) the model's ``(logits or None, hidden states)``.
 
         Tokens the scheduler did not know yet (``batch.placeholder_pos``: picks of the step
         before, still on the device) are filled in from ``prev`` here, on the device."""
@@ -149,7 +152,8 @@ class ModelWorker:
         # Pages loaded from lower tiers, still arriving on a side stream: each layer waits for its part.
         attn = LayerWait(self.attn, batch.wait_events) if batch.wait_events else self.attn
         attn.begin(batch, stage)
-        return self.model(input_ids, stage(batch.positions), attn, stage(batch.logits_indices()))
+        pooled = (stage(batch.pool_pos),) if batch.pool_pos else ()
+        return self.model(input_ids, stage(batch.positions), attn, stage(batch.logits_indices()), *pooled)
 
     def _write_table(self, batch: ForwardBatch, stage, *, new_slots: bool) -> None:
         """The batch's ``table_writes`` (and, with ``new_slots``, each new token's slot at
@@ -177,7 +181,9 @@ class ModelWorker:
         """Queue the forward pass and sampling on the device; returns without waiting.
         ``to_host``: also queue the picks' copy to the host (a tensor-parallel shard other
         than the first keeps its own copy of the picks on its device only)."""
-        logits = self.forward(batch, prev)
+        out = self.forward(batch, prev)
+        logits, hidden = out if batch.pool_pos else (out, None)
+        pooled = self._pool(batch, hidden) if batch.pool_rows else None
         s = len(batch.sample_indices)
         prompt_lp = prompt_rank = top = None
         if batch.prompt_lp_pos:
@@ -191,16 +197,25 @@ class ModelWorker:
         if s:
             assert batch.sampling is not None
             picks = sample_on_device(logits, _to_device(batch.sampling, self.stager.to_device))
-        elif prompt_lp is not None:
-            picks = SampledTokens(tokens=torch.empty(0, dtype=torch.int64, device=logits.device))
+        elif prompt_lp is not None or pooled is not None:
+            picks = SampledTokens(tokens=torch.empty(0, dtype=torch.int64, device=self.device))
         else:
             return None
         picks.prompt_logprobs, picks.prompt_ranks = prompt_lp, prompt_rank
         if top is not None:
             picks.prompt_top_vals, picks.prompt_top_ids = top.values, top.indices
+        picks.pooled = pooled
         if to_host:
             picks.start_copy()
         return picks
+
+    def _pool(self, batch: ForwardBatch, hidden: torch.Tensor | None) -> torch.Tensor:
+        """[pool_rows, hidden size] float32: each embedding request's pooled positions summed
+        into its row (a row with none this step stays zero)."""
+        rows = torch.zeros(batch.pool_rows, self.model_cfg.hidden_size, dtype=torch.float32, device=self.device)
+        if hidden is not None:
+            rows.index_add_(0, self.stager.to_device(batch.pool_row), hidden.float())
+        return rows
 
     @staticmethod
     def resolve(picks: SampledTokens | None) -> StepOutput:

@@ -35,7 +35,8 @@ def _model_card(st: ServerState) -> dict:
 
 
 async def health(request: Request) -> Response:
-    """200 only if the batching loop is alive and completes a one-token generation in time."""
+    """200 only if the batching loop is alive and completes a one-token generation (an embedding
+    model: a one-token embedding) in time."""
     st = state_of(request)
     if st.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
@@ -44,8 +45,9 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "stalled", "reason": stalled}, status_code=503)
     t0 = time.perf_counter()
     try:
-        sub = st.engine.submit(input_ids=[st.engine.eos_token_ids[0] if st.engine.eos_token_ids else 0],
-                               params=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+        one = [st.engine.eos_token_ids[0] if st.engine.eos_token_ids else 0]
+        sub = (st.engine.embed(input_ids=one) if st.engine.pooling is not None else  # (an embedding model)
+               st.engine.submit(input_ids=one, params=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)))
         async with asyncio.timeout(st.settings.server.health_timeout_s):
             async for _ in sub:
                 pass

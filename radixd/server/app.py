@@ -1,6 +1,7 @@
 """The starlette application: the route table over one ``Engine``, and its error handlers.
 
-Routes live by concern: ``openai_routes`` (chat completions, completions), ``native_routes``
+Routes live by concern: ``openai_routes`` (chat completions, completions), ``embedding_routes``
+(embeddings), ``native_routes``
 (SGLang's native API, the tokenizer routes), ``admin_routes`` (models, health, metrics,
 inspection); plugins add theirs through ``radixd_routes``. Every request passes the ``Gate``
 (``radixd.server.gate``); every error leaves as OpenAI's error JSON.
@@ -23,6 +24,7 @@ from radixd.server.admin_routes import (
     openapi,
     server_info,
 )
+from radixd.server.embedding_routes import embeddings
 from radixd.server.errors import ApiError
 from radixd.server.gate import ErrorsAsJsonGate
 from radixd.server.native_routes import (
@@ -61,6 +63,7 @@ def build_app(state: ServerState) -> Starlette:
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model_by_id, methods=["GET"]),
         Route("/generate", native_generate, methods=["POST"]),

@@ -1,9 +1,9 @@
 """One HTTP request's generation: admission, submission, collecting or streaming outputs.
 
-Every generation route (chat completions, completions, native ``/generate``) goes through
-``Generation``: ``Generation.start`` compiles grammars, applies admission control and
-submits each prompt (engine errors become HTTP errors; a failure closes what was already
-submitted); ``collect`` runs the submissions to completion (aborting them all if the client
+Every generation route (chat completions, completions, native ``/generate``), and the
+embeddings route, goes through ``Generation``: ``Generation.start`` compiles grammars, applies
+admission control and submits each prompt (engine errors become HTTP errors; a failure closes
+what was already submitted); ``collect`` runs the submissions to completion (aborting them all if the client
 disconnects), ``outputs`` interleaves them for a stream and ``stream`` frames that stream as
 server-sent events ending in ``[DONE]``. Whichever way a request ends, its submissions are
 closed and it is reported once (metrics, access log, ``radixd_request_finished``).
@@ -40,8 +40,9 @@ async def compile_grammar(st: ServerState, params: SamplingParams, param_prefix:
 
 def submit(st: ServerState, request: Request, *, params: SamplingParams, prompt: str | None = None,
            input_ids: list[int] | None = None, priority: int = 0, shown: Any = None,
-           grammar=None, rid: str | None = None) -> Submission:
-    """Admission control + ``Engine.submit`` with engine errors mapped to HTTP errors.
+           grammar=None, rid: str | None = None, embed: bool = False) -> Submission:
+    """Admission control + ``Engine.submit`` (``embed``: ``Engine.embed``, the prompt is the
+    body's ``input``) with engine errors mapped to HTTP errors.
     ``shown``: what to log as the prompt (``logging.log_prompts``; default the prompt)."""
     if st.draining:
         raise ApiError(503, "the server is shutting down", code="shutting_down")
@@ -50,13 +51,15 @@ def submit(st: ServerState, request: Request, *, params: SamplingParams, prompt:
     queued = st.engine.num_waiting
     if queued + params.n > st.settings.limits.max_queued_requests:
         raise ApiError(503, f"the server is overloaded ({queued} requests queued); retry later", code="queue_full")
+    call = dict(input_ids=input_ids, priority=priority, rid=rid, max_unread=st.settings.server.stream_buffer)
+    param = protocol.api_param if not embed else lambda f: "input" if f in ("prompt", "input_ids") else f
     try:
-        sub = st.engine.submit(prompt, input_ids=input_ids, params=params, priority=priority, rid=rid,
-                               max_unread=st.settings.server.stream_buffer, grammar=grammar)
+        sub = (st.engine.embed(prompt, **call) if embed else
+               st.engine.submit(prompt, params=params, grammar=grammar, **call))
     except ContextLengthExceeded as exc:
-        raise ApiError(400, exc.message, param=protocol.api_param(exc.field), code="context_length_exceeded") from exc
+        raise ApiError(400, exc.message, param=param(exc.field), code="context_length_exceeded") from exc
     except InvalidRequest as exc:
-        raise ApiError(400, exc.message, param=protocol.api_param(exc.field)) from exc
+        raise ApiError(400, exc.message, param=param(exc.field)) from exc
     except EngineStopped as exc:
         raise ApiError(503, str(exc), code="shutting_down") from exc
     info = request.scope["state"]["radixd"]
@@ -258,11 +261,11 @@ class Generation:
     @classmethod
     async def start(cls, st: ServerState, request: Request, prompts: list[str | list[int]],
                     params: list[SamplingParams], *, priority: int = 0, shown: Any = None,
-                    param_prefix: str = "", rids: list[str | None] | None = None) -> Generation:
+                    param_prefix: str = "", rids: list[str | None] | None = None, embed: bool = False) -> Generation:
         """Compile each distinct ``params``' grammar, then submit ``prompts[i]`` (text or token
         ids) with ``params[i]``. ``param_prefix``: where the sampling fields sit in the body
         (``"sampling_params."``), for the errors of grammars; ``shown``: see ``submit``; ``rids``:
-        the request id of each prompt (None: the engine picks)."""
+        the request id of each prompt (None: the engine picks); ``embed``: embedding calls."""
         grammars: dict[int, Any] = {}
         for p in params:
             if id(p) not in grammars:
@@ -272,7 +275,7 @@ class Generation:
             for prompt, p, rid in zip(prompts, params, rids or [None] * len(prompts), strict=True):
                 kw = {"prompt": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
                 subs.append(submit(st, request, params=p, priority=priority, shown=shown,
-                                   grammar=grammars[id(p)], rid=rid, **kw))
+                                   grammar=grammars[id(p)], rid=rid, embed=embed, **kw))
         except ApiError:
             for s in subs:
                 s.close()

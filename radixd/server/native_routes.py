@@ -117,7 +117,7 @@ async def get_model_info(request: Request) -> Response:
     st = state_of(request)
     model = st.settings.model
     return JSONResponse({"model_path": model.path, "tokenizer_path": model.tokenizer or model.path,
-                         "is_generation": True, "preferred_sampling_params": None,
+                         "is_generation": st.engine.pooling is None, "preferred_sampling_params": None,
                          "served_model_name": st.model_name})
 
 

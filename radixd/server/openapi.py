@@ -59,6 +59,18 @@ COMPLETION = {
             "properties": {"index": _INT, "text": _STR, "finish_reason": FINISH, "logprobs": COMPLETION_LOGPROBS}}},
     },
 }
+EMBEDDINGS = {
+    "type": "object", "required": ["object", "data", "model", "usage"],
+    "properties": {
+        "object": {"const": "list"}, "model": _STR,
+        "data": {"type": "array", "items": {
+            "type": "object", "required": ["object", "index", "embedding"],
+            "properties": {"object": {"const": "embedding"}, "index": _INT,
+                           "embedding": {"anyOf": [{"type": "array", "items": _NUM}, _STR]}}}},
+        "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"],
+                  "properties": {"prompt_tokens": _INT, "total_tokens": _INT}},
+    },
+}
 # SGLang's logprob entry: [logprob (null for the first prompt token), token id, text or null]
 _LP_LIST = {"type": "array", "items": {"type": "array", "minItems": 3, "maxItems": 3}}
 # SGLang's finish reason: {"type": "stop", "matched": id or text}, {"type": "length", "length": n}, ...
@@ -153,6 +165,10 @@ def openapi_document(state) -> dict:
         "/v1/chat/completions": _generation("OpenAI chat completions", _body(p.CHAT_SCHEMAS, ["messages"]),
                                             CHAT_COMPLETION),
         "/v1/completions": _generation("OpenAI completions", _body(p.COMPLETION_SCHEMAS, ["prompt"]), COMPLETION),
+        "/v1/embeddings": {"post": {"summary": "OpenAI embeddings (an embedding model)",
+                                    "requestBody": _body(p.EMBEDDING_SCHEMAS, ["input"]), "responses": {
+                                        "200": {"description": "One embedding per input", "content": _json(EMBEDDINGS)},
+                                        **_errors(*GENERATION_ERRORS)}}},
         "/generate": _generation("Native generation (text or input_ids; a list is a batch)",
                                  _body(p.NATIVE_SCHEMAS, one_of=p.NATIVE_ONE_OF), NATIVE),
         "/v1/models": {"get": {"summary": "The served model", "responses": {
@@ -236,6 +252,8 @@ def _fill(node: Any, state) -> None:
         node["maximum"] = lim.max_n
     elif what == "top_logprobs":
         node["maximum"] = lim.max_top_logprobs
+    elif what == "dimensions":
+        node["maximum"] = state.engine.model_cfg.hidden_size
     elif what == "stop":
         node["maxItems"] = lim.max_stop_sequences
     for value in node.values():

@@ -104,6 +104,9 @@ CHAT_SCHEMAS = {**openai_extras.no_op_schemas("chat"), **SAMPLING_SCHEMAS, **ope
 PROMPT = {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _TEXT},
                     {"type": "array", "minItems": 1, "items": _TOKEN},
                     {"type": "array", "minItems": 1, "items": {**_IDS, "minItems": 1}}]}
+EMBEDDING_SCHEMAS = {"input": PROMPT, "model": _opt(_MODEL), "encoding_format": _opt({"enum": ["float", "base64"]}),
+                     "dimensions": _opt({"type": "integer", "minimum": 1, "x-radixd": "dimensions"}),
+                     "user": _opt(_STR)}  # /v1/embeddings (parsed by embedding_routes)
 COMPLETION_SCHEMAS = {**openai_extras.no_op_schemas("completion"), **SAMPLING_SCHEMAS, "prompt": PROMPT, "echo": _opt(_BOOL),
                       "logprobs": _opt({"type": "integer", "minimum": 0, "maximum": 5})}
 NATIVE_PARAM_SCHEMAS = {  # SamplingParams's own field names (SGLang's too); null: the default

@@ -52,20 +52,28 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn: AttentionBackend,
         logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """Logits (float32) at ``logits_indices`` of the flat token axis."""
+        hidden_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor | None, torch.Tensor]:
+        """Logits (float32) at ``logits_indices`` of the flat token axis; with
+        ``hidden_indices`` (embeddings) also the final hidden states there, after the last norm:
+        ``(logits or None when there are none, hidden)``."""
         x = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary, attn)
-        x, _ = self.layers[-1].add_norm(x[logits_indices], residual[logits_indices], self.norm)
-        return linear(x, self.lm_head, self.kernels).float()
+        idx = logits_indices if hidden_indices is None else torch.cat((logits_indices, hidden_indices))
+        x, _ = self.layers[-1].add_norm(x[idx], residual[idx], self.norm)
+        if hidden_indices is None:
+            return linear(x, self.lm_head, self.kernels).float()
+        n = logits_indices.numel()
+        return (linear(x[:n], self.lm_head, self.kernels).float() if n else None), x[n:]
 
     # ------------------------------------------------------------------ weights
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, head: bool = True) -> None:
         """Copy Hugging Face-named tensors into the fused parameters; every parameter must
-        be covered (a missing tensor is an error, not random weights)."""
+        be covered (a missing tensor is an error, not random weights), but for an untied LM
+        head with ``head`` False (an embedding engine never reads it: zeros)."""
         params = dict(self.named_parameters())
         sizes = self._fused_sizes()
         loaded: set[str] = set()
@@ -100,6 +108,10 @@ class LlamaForCausalLM(nn.Module):
                 missing += [f"{pname}#{i}" for i in range(len(sizes[kind])) if f"{pname}#{i}" not in loaded]
             elif pname not in loaded:
                 missing.append(pname)
+        if not head and "lm_head.weight" in missing:
+            missing.remove("lm_head.weight")
+            with torch.no_grad():
+                self.lm_head.weight.zero_()
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
