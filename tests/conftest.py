@@ -122,7 +122,9 @@ def hf_greedy(path: Path, prompt_ids: list[int], max_new: int) -> tuple[list[int
     """transformers' greedy tokens and per-step logits (fp32, CPU): the correctness oracle."""
 
     model = _hf_model(path)
-    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new, min_new_tokens=max_new,
+    ids = torch.tensor([prompt_ids])
+    # an explicit mask: a prompt token equal to the pad id is still a token, not padding
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
                          do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=1)
     toks = out.sequences[0, len(prompt_ids):].tolist()
     return toks, torch.stack(out.logits, 1)[0]
