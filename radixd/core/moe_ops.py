@@ -91,10 +91,6 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
     flat = ids.flatten()
     n = flat.numel()
     dev = flat.device
-    if n <= PAIRS_UNSORTED:
-        rows = torch.full((n, block_m), n, dtype=torch.int64, device=dev)
-        rows[:, 0] = torch.arange(n, device=dev)
-        return rows.flatten(), flat, torch.full((1,), n * block_m, dtype=torch.int64, device=dev)
     max_blocks = min(n, triton.cdiv(n, block_m) + num_experts)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     blocks = (counts + block_m - 1) // block_m
@@ -111,16 +107,21 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
 @triton.jit
 def _experts_kernel(X, W, Y, Sorted, BlockExpert, Used, Weights, n_pairs, N, K, x_row_div,
                     stride_xm, stride_we, stride_wn, stride_ym,
-                    GATE_UP: tl.constexpr, EVEN_K: tl.constexpr,
+                    GATE_UP: tl.constexpr, UNSORTED: tl.constexpr, EVEN_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One BLOCK_M x BLOCK_N tile of Y for one block of pairs, all of one expert e: with
     GATE_UP, Y[p] = SiLU(W[e, gate] @ x) * (W[e, up] @ x), W[e]'s rows N gate then N up, x
-    row p // x_row_div of X (the pair's token); else Y[p] = Weights[p] * W[e] @ X[p]."""
+    row p // x_row_div of X (the pair's token); else Y[p] = Weights[p] * W[e] @ X[p].
+    The blocks: ``align_pairs``' (Sorted, BlockExpert, Used), or with UNSORTED block b is
+    pair b alone and BlockExpert the pairs' expert ids (Sorted and Used unread)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(Used):
-        return
-    pairs = tl.load(Sorted + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if UNSORTED:
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, n_pairs)
+    else:
+        if pid_m * BLOCK_M >= tl.load(Used):
+            return
+        pairs = tl.load(Sorted + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < n_pairs
     rows = pairs // x_row_div
     e = tl.load(BlockExpert + pid_m)
@@ -161,8 +162,14 @@ def experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, w
     k = ids.shape[1]
     n = t * k
     bm, up_tiles, down_tiles = tiles or moe_tiles(n)
-    sorted_ids, block_expert, used = align_pairs(ids, num_experts, bm)
-    blocks = sorted_ids.numel() // bm
+    unsorted = n <= PAIRS_UNSORTED
+    if unsorted:
+        block_expert = ids.flatten()
+        sorted_ids = used = block_expert  # (unread)
+        blocks = n
+    else:
+        sorted_ids, block_expert, used = align_pairs(ids, num_experts, bm)
+        blocks = sorted_ids.numel() // bm
     flat_w = weights.flatten()
     act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((n, h), dtype=x.dtype, device=x.device)
@@ -172,6 +179,6 @@ def experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, w
         _experts_kernel[(blocks, triton.cdiv(width, bn))](
             src, w, dst, sorted_ids, block_expert, used, flat_w, n, width, depth, row_div,
             src.stride(0), w.stride(0), w.stride(1), dst.stride(0),
-            GATE_UP=gate, EVEN_K=depth % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            GATE_UP=gate, UNSORTED=unsorted, EVEN_K=depth % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             num_warps=warps, num_stages=stages)
     return out.view(t, k, h).sum(1)
