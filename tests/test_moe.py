@@ -131,6 +131,32 @@ def test_missing_expert_tensor_is_an_error(tmp_path):
         Engine(model=str(path), kv_cache_tokens=64)
 
 
+async def test_stacked_expert_checkpoint_loads(tiny_moe_models, tmp_path):
+    """A checkpoint of transformers 5's in-memory layout (each layer's experts already
+    stacked: ``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj``) gives the
+    same tokens as the per-expert one."""
+    import shutil
+
+    from conftest import _hf_model
+    from safetensors.torch import save_file
+
+    src = tiny_moe_models["qwen3-moe"]
+    state = {k: v.contiguous() for k, v in _hf_model(src).state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    dst = tmp_path / "stacked"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    p = prompts(1, 20, seed=6)[0]
+    outs = []
+    for path in (src, dst):
+        eng = make_engine(path)
+        try:
+            outs.append(await collect(eng, p, 8))
+        finally:
+            await eng.stop()
+    assert outs[0] == outs[1]
+
+
 # ------------------------------------------------------------------------ kernels
 
 
@@ -177,6 +203,9 @@ def test_experts_triton_matches_the_reference(t, e, k, h, i, idle, tiles):
     torch.testing.assert_close(ref.double(), want, rtol=1e-5, atol=1e-5)
     got = experts_triton(x, gate_up, down, weights, ids, tiles=tiles)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    if t > 100:  # in chunks of tokens, the last one short
+        got = experts_triton(x, gate_up, down, weights, ids, tiles=tiles, chunk_tokens=128)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("t", [1, 40])

@@ -35,6 +35,7 @@ import triton.language as tl
 from radixd.core.triton_ops import silu_mul
 
 PAIRS_UNSORTED = 16  # up to this many (token, slot) pairs: one block per pair, no sort
+CHUNK_TOKENS = 4096  # tokens per launch pair (a 16k-token prefill at top-8 would hold ~0.7 GB of pair rows)
 
 
 class MoETiles(NamedTuple):
@@ -153,9 +154,21 @@ def _experts_kernel(X, W, Y, Sorted, BlockExpert, Used, Weights, n_pairs, N, K, 
 
 
 def experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                   ids: torch.Tensor, *, tiles: MoETiles | None = None) -> torch.Tensor:
+                   ids: torch.Tensor, *, tiles: MoETiles | None = None,
+                   chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
     """The two grouped GEMMs over ``align_pairs``' blocks, then the sum over each token's k
-    slots. ``tiles``: instead of ``moe_tiles``' choice (benchmarks sweep them)."""
+    slots; ``chunk_tokens`` tokens at a time (a long prefill's pair buffers stay bounded).
+    ``tiles``: instead of ``moe_tiles``' choice (benchmarks sweep them)."""
+    if x.shape[0] <= chunk_tokens:
+        return _experts_triton(x, gate_up, down, weights, ids, tiles)
+    out = torch.empty_like(x)
+    for s in range(0, x.shape[0], chunk_tokens):
+        e = s + chunk_tokens
+        out[s:e] = _experts_triton(x[s:e], gate_up, down, weights[s:e], ids[s:e], tiles)
+    return out
+
+
+def _experts_triton(x, gate_up, down, weights, ids, tiles: MoETiles | None) -> torch.Tensor:
     t, h = x.shape
     num_experts, two_i, _ = gate_up.shape
     inter = two_i // 2

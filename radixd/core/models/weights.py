@@ -4,8 +4,9 @@ Checkpoints keep q/k/v, gate/up and every expert's projections as tensors of the
 models fuse them (``qkv_proj``, ``gate_up_proj``) and stack the experts of a layer
 (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]). Each checkpoint tensor
 fills one *part* of one parameter: ``()`` all of it, ``(s,)`` shard s of a fused projection,
-``(e, s)`` / ``(e,)`` expert e's gate or up rows / its down projection. Every part of every
-parameter must be filled: a missing tensor is an error, not random weights.
+``(e, s)`` / ``(e,)`` expert e's gate or up rows / its down projection (a checkpoint that
+already stacks them, as transformers 5 holds them in memory, fills ``()``). Every part of
+every parameter must be filled: a missing tensor is an error, not random weights.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
             _copy(_view(target, param, part, qkv_sizes), tensor, name)
         loaded.add((target, part))
     missing = [f"{p}{'#' + ','.join(map(str, part)) if part else ''}"
-               for p, param in params.items() if not (p == "lm_head.weight" and tied)
+               for p, param in params.items() if not (p == "lm_head.weight" and tied) and (p, ()) not in loaded
                for part in _parts(p, param) if (p, part) not in loaded]
     if missing:
         raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -82,14 +83,14 @@ def _parts(pname: str, param: torch.Tensor) -> list[Part]:
 
 def _view(pname: str, param: torch.Tensor, part: Part, qkv_sizes: list[int]) -> torch.Tensor:
     """The slice of ``param`` that ``part`` names."""
+    if not part:
+        return param
     if pname.endswith(".experts.gate_up_proj"):
         e, s = part
         half = param.shape[1] // 2
         return param[e].narrow(0, s * half, half)
     if pname.endswith(".experts.down_proj"):
         return param[part[0]]
-    if not part:
-        return param
     sizes = qkv_sizes if pname.rsplit(".", 2)[-2] == "qkv_proj" else [param.shape[0] // 2] * 2
     return param.narrow(0, sum(sizes[: part[0]]), sizes[part[0]])
 
