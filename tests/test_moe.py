@@ -43,6 +43,29 @@ async def test_moe_greedy_matches_transformers(tiny_moe_models, arch):
         await eng.stop()
 
 
+async def test_moe_through_the_triton_kernels_matches_transformers(tiny_moe_models, monkeypatch):
+    """The model with its experts run by the fused Triton kernels (the interpreter here):
+    prefill (pairs sorted by expert) and decode (a block per pair) give transformers' tokens."""
+    from radixd.core import moe_ops
+    from radixd.core.models import moe
+
+    calls = []
+
+    def triton_experts(*args):
+        calls.append(args[0].shape[0])
+        return moe_ops.fused_experts(*args, use_triton=True)
+
+    monkeypatch.setattr(moe, "fused_experts", triton_experts)
+    path = tiny_moe_models["qwen2-moe"]
+    eng = make_engine(path)
+    try:
+        p = prompts(1, 20, seed=5)[0]
+        assert_greedy_matches(path, p, await collect(eng, p, 4), 4)
+        assert 20 in calls and 1 in calls
+    finally:
+        await eng.stop()
+
+
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 async def test_moe_mid_flight_arrivals_and_small_chunks(tiny_moe_models, arch):
     path = tiny_moe_models[arch]
