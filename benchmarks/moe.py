@@ -51,7 +51,7 @@ from benchmarks.common import (
 )
 from radixd import Engine, SamplingParams
 from radixd.core.kv_pool import kv_bytes_per_token
-from radixd.core.moe_ops import experts_torch, experts_triton
+from radixd.core.moe_ops import PAIRS_UNSORTED, MoETiles, experts_torch, experts_triton, moe_tiles
 
 # Qwen3-30B-A3B's config.json (the peer script builds the same shape)
 QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, num_hidden_layers=48,
@@ -172,6 +172,45 @@ def kernel(run: Run) -> dict:
     return {"layer": dict(experts=e, top_k=k, hidden=h, inter=i), "cases": cases}
 
 
+GEMM_TILES = [(bn, bk, 4, st) for bn in (16, 32, 64, 128) for bk in (64, 128, 256) for st in (3, 4) if bn * bk <= 16384]
+
+
+def tiles(run: Run) -> dict:
+    """The fused kernels' tiles swept per token count (CUDA graph time): the gate/up GEMM's
+    over ``GEMM_TILES`` with the default down tiles, then the down GEMM's with the best
+    gate/up tiles, for each BLOCK_M that suits the count; the best against the default."""
+    sh = run.shape
+    e, k, h, i = sh["num_experts"], sh["num_experts_per_tok"], sh["hidden_size"], sh["moe_intermediate_size"]
+    if run.tiny and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"skipped": "--tiny without the Triton interpreter"}
+    dtype = torch.float32 if run.tiny else torch.bfloat16
+    g = torch.Generator(device=run.device).manual_seed(1)
+    gate_up = (torch.randn(e, 2 * i, h, device=run.device, generator=g) * h**-0.5).to(dtype)
+    down = (torch.randn(e, h, i, device=run.device, generator=g) * i**-0.5).to(dtype)
+    grid = GEMM_TILES[:1] if run.tiny else GEMM_TILES
+    out = []
+    for t in ([1, 40] if run.tiny else [1, 16, 64, 512]):
+        x = torch.randn(t, h, device=run.device, generator=g).to(dtype)
+        weights, ids = torch.randn(t, e, device=run.device, generator=g).softmax(-1).topk(k, dim=-1)
+
+        def timed(choice: MoETiles, x=x, weights=weights, ids=ids) -> float:
+            return _time(run, lambda: experts_triton(x, gate_up, down, weights, ids, tiles=choice), graph=not run.tiny)
+
+        default = moe_tiles(t * k)
+        default_s = timed(default)
+        best = (default_s, default)
+        for bm in ([16] if t * k <= PAIRS_UNSORTED else [16, 64]):
+            base = MoETiles(bm, default.gate_up, default.down)
+            up = min((timed(base._replace(gate_up=c)), c) for c in grid)[1]
+            best = min(best, *((timed(base._replace(gate_up=up, down=c)), base._replace(gate_up=up, down=c))
+                               for c in grid))
+        case = {"tokens": t, "default": list(default), "default_us": round(default_s * 1e6, 1),
+                "best": [best[1].block_m, list(best[1].gate_up), list(best[1].down)], "best_us": round(best[0] * 1e6, 1)}
+        out.append(case)
+        print(json.dumps(case), flush=True)
+    return {"cases": out}
+
+
 async def _generate_all(eng: Engine, prompts: list[list[int]], new: int) -> dict:
     t0 = time.perf_counter()
     firsts, ends = [], []
@@ -273,13 +312,14 @@ def peer(run: Run) -> dict:
     return {"cases": json.loads(dest.read_text())}
 
 
-SECTIONS = {"ceilings": ceilings, "kernel": kernel, "decode": decode, "prefill": prefill, "peer": peer}
+SECTIONS = {"ceilings": ceilings, "kernel": kernel, "tiles": tiles, "decode": decode, "prefill": prefill,
+            "peer": peer}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sections", default="ceilings,kernel,decode,prefill,peer")
+    ap.add_argument("--sections", default="ceilings,kernel,tiles,decode,prefill,peer")
     ap.add_argument("--peer", default=None, help="path to the transformers peer script (hf_baseline.py)")
     ap.add_argument("--peer-timeout", type=int, default=900)
     ap.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU: the script's logic, not a figure")

@@ -291,6 +291,8 @@ def test_moe_benchmark_runs_tiny(tmp_path):
     kernel = json.loads((tmp_path / "kernel.json").read_text())
     assert [c["tokens"] for c in kernel["cases"]] == [1, 3, 40]
     assert all(c["rel_err_vs_loop"] < 1e-5 and c["fused_us"] > 0 for c in kernel["cases"])
+    swept = json.loads((tmp_path / "tiles.json").read_text())["cases"]
+    assert [c["tokens"] for c in swept] == [1, 40] and all(0 < c["best_us"] <= c["default_us"] for c in swept)
     decode = json.loads((tmp_path / "decode.json").read_text())
     assert [c["batch"] for c in decode["cases"]] == [1, 2]
     assert decode["cases"][0]["experts_per_layer"] == 2  # batch 1: its top-k

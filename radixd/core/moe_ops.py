@@ -46,7 +46,7 @@ class MoETiles(NamedTuple):
     down: tuple[int, int, int, int]        # the same for the down GEMM
 
 
-FEW_PAIRS_TILES = MoETiles(16, (64, 128, 4, 4), (64, 128, 4, 4))   # decode: weight reads dominate
+FEW_PAIRS_TILES = MoETiles(16, (32, 128, 4, 4), (64, 128, 4, 4))   # decode: weight reads dominate
 MANY_PAIRS_TILES = MoETiles(64, (64, 64, 4, 3), (128, 64, 4, 3))   # prefill and large batches
 
 
