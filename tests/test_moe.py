@@ -299,3 +299,26 @@ def test_moe_benchmark_runs_tiny(tmp_path):
     assert all(c["decode_tok_s"] > 0 and c["roofline_fraction"] > 0 for c in decode["cases"])
     assert json.loads((tmp_path / "prefill.json").read_text())["tok_s"] > 0
     assert "environment" in json.loads((tmp_path / "summary.json").read_text())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+async def test_moe_engine_on_gpu_graphs_match_eager_and_the_torch_loop(tiny_moe_models, arch, monkeypatch):
+    """fp16 on the GPU: twelve requests finishing at different steps, so decode replays
+    graphs of pairs sorted by expert (batch > 8 at top-2) and of a block per pair (<= 8),
+    against eager and against the per-expert torch loop with the torch attention backend."""
+    from test_gpu_decode import assert_same_greedy, greedy_runs
+
+    from radixd.core import moe_ops
+    from radixd.core.models import moe
+
+    path = tiny_moe_models[arch]
+    prompts_ = [list(range(3 + i, 20 + 7 * i)) for i in range(12)]
+    max_new = [6 + 3 * i for i in range(12)]
+    graphs = await greedy_runs(path, prompts_, max_new, cuda_graphs=True)
+    eager = await greedy_runs(path, prompts_, max_new, cuda_graphs=False)
+    assert_same_greedy(graphs, eager)
+    monkeypatch.setattr(moe, "fused_experts", lambda *a: moe_ops.fused_experts(*a, use_triton=False))
+    ref = await greedy_runs(path, prompts_, max_new, attention_backend="torch", cuda_graphs=False)
+    assert_same_greedy(graphs, ref)
