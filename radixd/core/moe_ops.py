@@ -15,8 +15,9 @@ outputs summed with the router's weights.
   activation in its epilogue), a second the down projection times the pair's weight; the k
   slots of each token are summed last. A block of pairs reads only its expert's weights and
   only experts with tokens have blocks, so a decode step reads the chosen experts' weights
-  and no others. Up to ``PAIRS_UNSORTED`` pairs (decode at batch 1 or 2) each pair is its own
-  block in pair order: no sort at all.
+  and no others. Up to ``PAIRS_UNSORTED`` pairs (decode at batch 1 and 2 of a top-8 model)
+  each pair is its own block in pair order and the kernels read the router's ids as the
+  blocks' experts: no alignment step at all.
 
 The Triton path keeps everything on the device with sizes known from T alone (no host sync),
 so it runs inside a CUDA graph: the grid covers the most blocks T*k pairs can need and the
