@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from benchmarks.common import (
     CPU_ENGINE,
@@ -194,7 +195,11 @@ def tiles(run: Run) -> dict:
         weights, ids = torch.randn(t, e, device=run.device, generator=g).softmax(-1).topk(k, dim=-1)
 
         def timed(choice: MoETiles, x=x, weights=weights, ids=ids) -> float:
-            return _time(run, lambda: experts_triton(x, gate_up, down, weights, ids, tiles=choice), graph=not run.tiny)
+            try:
+                return _time(run, lambda: experts_triton(x, gate_up, down, weights, ids, tiles=choice),
+                             graph=not run.tiny)
+            except OutOfResources:  # (tiles whose pipeline stages exceed the shared memory)
+                return float("inf")
 
         default = moe_tiles(t * k)
         default_s = timed(default)
