@@ -5,10 +5,10 @@ A shard is radixd's own model built for a narrower shape (``num_heads / tp`` hea
 mixture-of-experts MLP every expert's and the shared expert's intermediate columns / tp):
 its fused q/k/v and gate/up projections hold the rows of its heads and columns (column
 parallel), its o_proj and down_proj the matching input columns (row parallel), so their
-outputs are partial sums that an all-reduce completes (``DecoderLayer.all_reduce``). The MoE
-router and the shared expert's gate are replicated: every shard routes each token alike. lm_head is split by vocabulary rows
-(``VocabParallelHead``: each shard computes its rows' logits, an all-gather joins them; the
-first shard's are sampled). Embedding and norms are replicated.
+outputs are partial sums that an all-reduce completes (``DecoderLayer.all_reduce``). lm_head
+is split by vocabulary rows (``VocabParallelHead``: each shard computes its rows' logits, an
+all-gather joins them; the first shard's are sampled). Embedding, norms, the MoE router and
+the shared expert's gate are replicated (so every shard routes each token alike).
 
 Each shard has its own worker thread, KV pool (its KV heads) and attention backend; the
 scheduler's slots index every shard's pool alike. The all-reduce:
