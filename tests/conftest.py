@@ -57,8 +57,11 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: s
         AutoModelForCausalLM,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     torch.manual_seed(seed)
@@ -77,12 +80,22 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: s
         cfg = Qwen2Config(**kw, tie_word_embeddings=False)
     elif arch == "qwen3":
         cfg = Qwen3Config(**kw, head_dim=32, tie_word_embeddings=False)
+    elif arch == "qwen3-moe":  # layer 1 of 3 dense (mlp_only_layers)
+        cfg = Qwen3MoeConfig(**{**kw, "num_hidden_layers": 3}, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+                             tie_word_embeddings=False)
+    elif arch == "qwen2-moe":  # a shared expert with its sigmoid gate; top-k weights not renormalised
+        cfg = Qwen2MoeConfig(**kw, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=False)
+    elif arch == "mixtral":
+        cfg = MixtralConfig(**{**kw, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,
+                            tie_word_embeddings=False)
     else:
         raise ValueError(arch)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # random init is tiny; widen it so logits are not all near-ties
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # (matrices, and the experts' stacked [E, out, in] projections)
                 p.normal_(0, 0.15)
     model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     _tokenizer().save_pretrained(path)
@@ -95,11 +108,23 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return {a: make_tiny_checkpoint(root / a, a) for a in ("llama", "llama-tied", "llama3-rope", "mistral", "qwen2", "qwen3")}
 
 
+MOE_ARCHS = ("qwen3-moe", "qwen2-moe", "mixtral")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_models(tmp_path_factory) -> dict[str, Path]:
+    """Mixture-of-experts checkpoints, apart from ``tiny_models`` so only their tests pay for them."""
+    root = tmp_path_factory.mktemp("moe_models")
+    return {a: make_tiny_checkpoint(root / a, a) for a in MOE_ARCHS}
+
+
 def hf_greedy(path: Path, prompt_ids: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy tokens and per-step logits (fp32, CPU): the correctness oracle."""
 
     model = _hf_model(path)
-    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new, min_new_tokens=max_new,
+    ids = torch.tensor([prompt_ids])
+    # an explicit mask: a prompt token equal to the pad id is still a token, not padding
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
                          do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=1)
     toks = out.sequences[0, len(prompt_ids):].tolist()
     return toks, torch.stack(out.logits, 1)[0]

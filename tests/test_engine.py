@@ -68,11 +68,9 @@ async def test_greedy_matches_transformers(tiny_models, arch):
         await eng.stop()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-async def test_mid_flight_arrivals_and_small_chunks(tiny_models, arch):
-    """Requests join while others decode; prompts are prefilled 5 tokens at a time."""
-    path = tiny_models[arch]
-    eng = make_engine(path, chunked_prefill_size=5, max_prefill_tokens=8)
+async def arrive_mid_flight(eng: Engine, ps: list[list[int]], max_new: list[int]) -> list[list[int]]:
+    """Each prompt's greedy tokens, submitted a few engine steps after the one before it
+    (so each arrives while the earlier ones decode); accounting checked after every step."""
     steps = 0
 
     def hook(step):
@@ -81,16 +79,23 @@ async def test_mid_flight_arrivals_and_small_chunks(tiny_models, arch):
         eng.check_accounting()
 
     eng.step_hook = hook
+    tasks = [asyncio.ensure_future(collect(eng, ps[0], max_new[0]))]
+    for p, n in zip(ps[1:], max_new[1:], strict=True):
+        start = steps
+        while steps < start + 3:  # let a few steps run before the next arrival
+            await asyncio.sleep(0.001)
+        tasks.append(asyncio.ensure_future(collect(eng, p, n)))
+    return await asyncio.gather(*tasks)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+async def test_mid_flight_arrivals_and_small_chunks(tiny_models, arch):
+    """Requests join while others decode; prompts are prefilled 5 tokens at a time."""
+    path = tiny_models[arch]
+    eng = make_engine(path, chunked_prefill_size=5, max_prefill_tokens=8)
     try:
         ps = prompts(4, 23, seed=2)
-        first = asyncio.ensure_future(collect(eng, ps[0], 24))
-        tasks = [first]
-        for p in ps[1:]:
-            start = steps
-            while steps < start + 3:  # let a few steps run before the next arrival
-                await asyncio.sleep(0.001)
-            tasks.append(asyncio.ensure_future(collect(eng, p, 12)))
-        outs = await asyncio.gather(*tasks)
+        outs = await arrive_mid_flight(eng, ps, [24, 12, 12, 12])
         for p, got, n in zip(ps, outs, [24, 12, 12, 12], strict=True):
             assert_greedy_matches(path, p, got, n)
         assert eng.scheduler.stats.steps > 20
@@ -100,7 +105,12 @@ async def test_mid_flight_arrivals_and_small_chunks(tiny_models, arch):
 
 
 async def test_prefix_served_from_cache(tiny_models):
-    path = tiny_models["llama"]
+    await check_prefix_served_from_cache(tiny_models["llama"])
+
+
+async def check_prefix_served_from_cache(path):
+    """A prompt extending an earlier request's prompt and output: all but its last 2 tokens
+    come from the cache, and the tokens are still exact."""
     eng = make_engine(path)
     try:
         base = prompts(1, 40, seed=3)[0]
@@ -162,8 +172,11 @@ async def test_radix_cache_off_computes_every_prompt(tiny_models):
 
 @pytest.mark.parametrize("radix", [True, False])
 async def test_preemption_keeps_tokens(tiny_models, radix):
+    await check_preemption_keeps_tokens(tiny_models["qwen2"], radix)
+
+
+async def check_preemption_keeps_tokens(path, radix: bool):
     """A pool too small for the batch forces preemption; outputs are still exact."""
-    path = tiny_models["qwen2"]
     eng = make_engine(path, kv_cache_tokens=150, schedule_conservativeness=0.0, radix_cache=radix)
     try:
         ps = prompts(4, 30, seed=5)

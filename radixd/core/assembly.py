@@ -96,8 +96,11 @@ def kv_slots(config: EngineConfig, setup: ModelSetup, free_bytes: int | None) ->
 def check_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:
     """dp_size/tp_size against the model's shape and the visible devices."""
     tp = config.tp_size
-    for what, n in (("KV heads", cfg.num_kv_heads), ("attention heads", cfg.num_heads),
-                    ("MLP width", cfg.intermediate_size)):
+    widths = [("KV heads", cfg.num_kv_heads), ("attention heads", cfg.num_heads), ("MLP width", cfg.intermediate_size)]
+    if cfg.moe is not None:
+        widths += [("experts' MLP width", cfg.moe.intermediate_size),
+                   ("shared expert's MLP width", cfg.moe.shared_intermediate_size)]
+    for what, n in widths:
         if n % tp:
             raise ConfigError("tp_size", tp, f"a divisor of the model's {what} ({n}); the model has "
                               f"{cfg.num_heads} heads, {cfg.num_kv_heads} KV heads")

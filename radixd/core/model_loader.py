@@ -160,11 +160,11 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     cls = model_class(cfg)
     with torch.device("meta"):
         model = cls(cfg, kernels=kernels)
-    model = model.to_empty(device=device)
+    # (in ``dtype`` from the start: float32 first would need twice a 16-bit model's memory)
+    model = model.to(dtype=dtype).to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if random_weights:
-        model = model.to(dtype=dtype)
         gen = torch.Generator(device=device).manual_seed(0)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -174,7 +174,7 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
                     p.normal_(0.0, 0.02, generator=gen)
     else:
         model.load_weights(iter_safetensors(path), head=head)
-    model = model.to(dtype=dtype).eval()
+    model = model.eval()
     # Rotary tables stay float32 whatever the weights' dtype.
     model.rotary = type(model.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(device)
     return model

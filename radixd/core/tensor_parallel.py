@@ -1,12 +1,14 @@
 """Tensor parallelism in one process: one replica's model split over ``tp`` devices.
 
 A shard is radixd's own model built for a narrower shape (``num_heads / tp`` heads,
-``num_kv_heads / tp`` KV heads, ``intermediate_size / tp`` MLP columns): its fused q/k/v and
-gate/up projections hold the rows of its heads and columns (column parallel), its o_proj and
-down_proj the matching input columns (row parallel), so their outputs are partial sums that
-an all-reduce completes (``DecoderLayer.all_reduce``). lm_head is split by vocabulary rows
-(``VocabParallelHead``: each shard computes its rows' logits, an all-gather joins them; the
-first shard's are sampled). Embedding and norms are replicated.
+``num_kv_heads / tp`` KV heads, ``intermediate_size / tp`` MLP columns, and of a
+mixture-of-experts MLP every expert's and the shared expert's intermediate columns / tp):
+its fused q/k/v and gate/up projections hold the rows of its heads and columns (column
+parallel), its o_proj and down_proj the matching input columns (row parallel), so their
+outputs are partial sums that an all-reduce completes (``DecoderLayer.all_reduce``). lm_head
+is split by vocabulary rows (``VocabParallelHead``: each shard computes its rows' logits, an
+all-gather joins them; the first shard's are sampled). Embedding, norms, the MoE router and
+the shared expert's gate are replicated (so every shard routes each token alike).
 
 Each shard has its own worker thread, KV pool (its KV heads) and attention backend; the
 scheduler's slots index every shard's pool alike. The all-reduce:
@@ -41,8 +43,10 @@ log = logging.getLogger("radixd.tp")
 
 
 def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    moe = cfg.moe and replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // tp,
+                              shared_intermediate_size=cfg.moe.shared_intermediate_size // tp)
     return replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
-                   intermediate_size=cfg.intermediate_size // tp)
+                   intermediate_size=cfg.intermediate_size // tp, moe=moe)
 
 
 def shard_tensor(name: str, w: torch.Tensor, cfg: ModelConfig, rank: int, tp: int) -> torch.Tensor:
@@ -51,16 +55,17 @@ def shard_tensor(name: str, w: torch.Tensor, cfg: ModelConfig, rank: int, tp: in
     if ".qkv_proj." in name:  # rows: [q heads | k heads | v heads], each split by head
         q, k, v = w.split((cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d), dim=0)
         return torch.cat([part.chunk(tp, dim=0)[rank] for part in (q, k, v)], dim=0)
-    if ".gate_up_proj." in name:  # rows: [gate | up], each split by column
-        gate, up = w.split(cfg.intermediate_size, dim=0)
-        return torch.cat((gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]), dim=0)
-    if name.endswith(".o_proj.weight") or name.endswith(".down_proj.weight"):  # input columns
-        return w.chunk(tp, dim=1)[rank]
+    if ".gate_up_proj." in name or name.endswith(".experts.gate_up_proj"):
+        # rows (of each expert's [2I, H]): [gate | up], each split by column
+        gate, up = w.chunk(2, dim=-2)
+        return torch.cat((gate.chunk(tp, dim=-2)[rank], up.chunk(tp, dim=-2)[rank]), dim=-2)
+    if name.endswith((".o_proj.weight", ".down_proj.weight", ".experts.down_proj")):  # input columns
+        return w.chunk(tp, dim=-1)[rank]
     if name == "lm_head.weight":  # rows: the vocabulary, padded to a multiple of tp
         part = -(-w.shape[0] // tp)
         rows = w[rank * part:(rank + 1) * part]
         return torch.cat((rows, rows.new_zeros(part - rows.shape[0], w.shape[1]))) if rows.shape[0] < part else rows
-    return w  # embedding, norms, q/k norms: every shard has them whole
+    return w  # embedding, norms, q/k norms, MoE router and shared-expert gate: every shard has them whole
 
 
 def shard_model(full: torch.nn.Module, cfg: ModelConfig, rank: int, tp: int, device: torch.device,

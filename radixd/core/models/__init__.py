@@ -11,8 +11,11 @@ from radixd.core.models.config import ModelConfig
 ARCHITECTURES = {
     "LlamaForCausalLM": "radixd.core.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "radixd.core.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "radixd.core.models.mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "radixd.core.models.qwen2:Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM": "radixd.core.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM": "radixd.core.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "radixd.core.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 

@@ -1,9 +1,54 @@
-"""The model shape radixd needs, read from a Hugging Face ``config.json``."""
+"""The model shape radixd needs, read from a Hugging Face ``config.json``; a field asking
+for something radixd does not implement is refused here, naming the field and its value."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP's shape and routing."""
+
+    num_experts: int
+    top_k: int                     # experts per token
+    intermediate_size: int         # each expert's MLP width
+    renormalize: bool              # top-k weights rescaled to sum to 1 (Qwen's ``norm_topk_prob``)
+    shared_intermediate_size: int  # Qwen2-MoE's shared expert's width (0: none)
+    dense_layers: tuple[int, ...]  # layers whose MLP is dense (``intermediate_size`` wide)
+
+    @classmethod
+    def from_hf(cls, arch: str, hf: dict[str, Any]) -> MoEConfig | None:
+        """Mixtral: softmax over the top-k logits (the same as softmax, top-k, renormalise);
+        Qwen2-MoE / Qwen3-MoE: softmax, top-k, renormalised if ``norm_topk_prob``; their
+        ``mlp_only_layers`` and the layers off ``decoder_sparse_step`` are dense."""
+        if arch == "MixtralForCausalLM":
+            return cls(num_experts=hf["num_local_experts"], top_k=hf.get("num_experts_per_tok", 2),
+                       intermediate_size=hf["intermediate_size"], renormalize=True,
+                       shared_intermediate_size=0, dense_layers=()).checked()
+        if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+            return None
+        experts = hf.get("num_experts", hf.get("num_local_experts"))  # (transformers 5 writes the latter)
+        step = hf.get("decoder_sparse_step", 1)
+        if not isinstance(step, int) or step < 1:
+            raise unsupported("decoder_sparse_step", step, "an integer >= 1")
+        only = set(hf.get("mlp_only_layers") or ())
+        dense = tuple(i for i in range(hf["num_hidden_layers"])
+                      if i in only or not experts or (i + 1) % step)
+        shared = (hf.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+        return cls(num_experts=experts or 0, top_k=hf.get("num_experts_per_tok", 1),
+                   intermediate_size=hf["moe_intermediate_size"], renormalize=bool(hf.get("norm_topk_prob", False)),
+                   shared_intermediate_size=shared, dense_layers=dense).checked()
+
+    def checked(self) -> MoEConfig:
+        if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+            raise unsupported("num_experts_per_tok", self.top_k, f"1..{self.num_experts} (the experts)")
+        return self
+
+
+def unsupported(field: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"model config field {field!r} = {value!r} is not supported; radixd implements {allowed}")
 
 
 @dataclass(frozen=True)
@@ -24,6 +69,7 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
+    moe: MoEConfig | None = None  # None: every layer's MLP is dense
 
     @property
     def context_len(self) -> int:
@@ -35,6 +81,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise unsupported("hidden_act", act, "'silu' (SwiGLU MLPs)")
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         eos = hf.get("eos_token_id")
@@ -63,7 +112,11 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch in QKV_BIAS))),
             eos_token_ids=eos_ids,
             sliding_window=window,
+            moe=MoEConfig.from_hf(arch, hf),
         )
+
+
+QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # bias on q/k/v unless the config says otherwise

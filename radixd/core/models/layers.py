@@ -121,12 +121,13 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, layer: int, *, qkv_bias: bool = False, qk_norm: bool = False,
-                 kernels: KernelChoice = ALL_KERNELS):
+                 kernels: KernelChoice = ALL_KERNELS, mlp: nn.Module | None = None):
+        """``mlp``: the block's MLP (a mixture of experts), else a dense ``GatedMLP``."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer, qkv_bias=qkv_bias, qk_norm=qk_norm, kernels=kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, kernels=kernels)
+        self.mlp = mlp if mlp is not None else GatedMLP(cfg.hidden_size, cfg.intermediate_size, kernels=kernels)
         # Tensor parallel: sums the shards' partial o_proj / down_proj outputs before the add
         # and norm that follow each (``all_reduce.add_norm``, fused where it can be).
         self.all_reduce = None

@@ -1,0 +1,347 @@
+"""Mixture-of-experts serving on a CUDA GPU: Qwen3-30B-A3B's shape with random bf16 weights
+(48 layers, 128 experts, 8 per token; no downloads), timed in one run.
+
+    python -m benchmarks.moe --out DIR [--sections ...] [--peer PATH/TO/hf_baseline.py] [--tiny]
+
+Sections (each writes DIR/<section>.json and a line to stdout; a failing section is reported
+and the run goes on):
+  ceilings  copy bandwidth (bytes read + written) and the bf16 matmul rate, measured now
+  kernel    one MoE layer (x [T, 2048] through 128 experts, top 8) at T = 1, 16, 64, 512, 4096:
+            the fused Triton kernels (eager and in a CUDA graph) against a per-expert loop
+            of cuBLAS GEMMs on the same routing (``moe_ops.experts_torch``); bytes of the
+            distinct experts the routing touches over the time, as a fraction of the copy
+            bandwidth
+  decode    output tokens/s at batch 1, 16 and 64 (512-token prompts, 128 new tokens), each
+            against its roofline: the bytes a step reads (attention weights, norms, routers,
+            lm_head, the experts the batch touches: 8 per layer at batch 1, at batch B the
+            expected distinct experts of B uniform top-8 draws, E(1 - (1 - k/E)^B); and the
+            KV) over the copy bandwidth
+  prefill   8 x 2048-token prompts: tokens/s and the fraction of the matmul rate (2 x the
+            active parameters per token, plus causal attention)
+  peer      the transformers generate() peer (``--peer``: hf_baseline.py --model
+            qwen3-30b-a3b, batches 1 and 16, 512-token prompts, 32 new tokens), a separate
+            process in the same run
+
+``--tiny``: a tiny Qwen3-MoE shape on the CPU (float32, the torch attention backend; the
+fused kernel only where the Triton interpreter is on): the script's logic, not a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from triton.runtime.errors import OutOfResources
+
+from benchmarks.common import (
+    CPU_ENGINE,
+    CUDA_ENGINE,
+    cuda_median_s,
+    environment,
+    free,
+    timed_section,
+    write_json,
+)
+from radixd import Engine, SamplingParams
+from radixd.core.kv_pool import kv_bytes_per_token
+from radixd.core.moe_ops import PAIRS_UNSORTED, MoETiles, experts_torch, experts_triton, moe_tiles
+
+# Qwen3-30B-A3B's config.json (the peer script builds the same shape)
+QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                     moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936, max_position_embeddings=40960,
+                     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0)
+TINY = {**QWEN3_30B_A3B, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "moe_intermediate_size": 32,
+        "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 512, "max_position_embeddings": 4096}
+
+
+class Run:
+    """One run's shape, device and measured ceilings."""
+
+    def __init__(self, args):
+        self.tiny = args.tiny
+        self.shape = TINY if args.tiny else QWEN3_30B_A3B
+        self.device = "cpu" if args.tiny else "cuda"
+        self.out = Path(args.out)
+        self.path = self.out / "checkpoint"
+        write_json(self.path / "config.json", self.shape)
+        self.copy_Bps = 1e10 if args.tiny else None  # (placeholders on the CPU: the logic runs)
+        self.matmul_flops = 1e11 if args.tiny else None
+        self.batches = [1, 2] if args.tiny else [1, 16, 64]
+        self.prompt, self.new = (16, 6) if args.tiny else (512, 128)
+        self.args = args
+
+    def engine(self, **kw) -> Engine:
+        if self.tiny:
+            kw = {"kv_cache_tokens": 4096, "max_running_requests": 16, **kw, **CPU_ENGINE}
+        else:
+            kw = {**CUDA_ENGINE, "kv_cache_tokens": 120_000, **kw}
+        return Engine(model=str(self.path), tokenizer="none", load_format="dummy", **kw)
+
+    def vocab_hi(self) -> int:
+        return min(40000, self.shape["vocab_size"])
+
+
+def expert_bytes(hidden: int, inter: int, dtype_bytes: int) -> int:
+    """One expert's gate, up and down projections."""
+    return 3 * hidden * inter * dtype_bytes
+
+
+def distinct_experts(experts: int, top_k: int, batch: int) -> float:
+    """Expected distinct experts ``batch`` tokens touch per layer under uniform top-k routing."""
+    return experts * (1 - (1 - top_k / experts) ** batch)
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def ceilings(run: Run) -> dict:
+    if run.tiny:
+        return {"skipped": "--tiny: placeholders"}
+    x = torch.randn(1024**3 // 2, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    y = torch.empty_like(x)
+    t = cuda_median_s(lambda: y.copy_(x), reps=20)
+    run.copy_Bps = 2 * x.numel() * x.element_size() / t
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    run.matmul_flops = 2 * n**3 / cuda_median_s(lambda: a @ b, reps=10)
+    return {"copy_TBps": round(run.copy_Bps / 1e12, 3), "bf16_matmul_TFLOPs": round(run.matmul_flops / 1e12, 1),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+
+def _time(run: Run, fn, graph: bool = False) -> float:
+    if run.tiny:
+        fn()
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+    if not graph:
+        return cuda_median_s(fn, reps=20)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return cuda_median_s(g.replay, reps=50)
+
+
+def kernel(run: Run) -> dict:
+    sh = run.shape
+    e, k, h, i = sh["num_experts"], sh["num_experts_per_tok"], sh["hidden_size"], sh["moe_intermediate_size"]
+    dtype = torch.float32 if run.tiny else torch.bfloat16
+    g = torch.Generator(device=run.device).manual_seed(0)
+    gate_up = (torch.randn(e, 2 * i, h, device=run.device, generator=g) * h**-0.5).to(dtype)
+    down = (torch.randn(e, h, i, device=run.device, generator=g) * i**-0.5).to(dtype)
+    fused_here = not run.tiny or os.environ.get("TRITON_INTERPRET") == "1"
+    cases = []
+    for t in ([1, 3, 40] if run.tiny else [1, 16, 64, 512, 4096]):
+        x = torch.randn(t, h, device=run.device, generator=g).to(dtype)
+        weights, ids = torch.randn(t, e, device=run.device, generator=g).softmax(-1).topk(k, dim=-1)
+        touched = int(torch.unique(ids).numel())
+        moved = touched * expert_bytes(h, i, x.element_size()) + 2 * t * k * (h + i) * x.element_size()
+        case = {"tokens": t, "distinct_experts": touched}
+        loop_s = _time(run, lambda x=x, w=weights, ids=ids: experts_torch(x, gate_up, down, w, ids))
+        case["per_expert_loop_us"] = round(loop_s * 1e6, 1)
+        if fused_here:
+            ref = experts_torch(x, gate_up, down, weights, ids).float()
+            got = experts_triton(x, gate_up, down, weights, ids).float()
+            case["rel_err_vs_loop"] = round(float((got - ref).norm() / ref.norm()), 5)
+            fused_s = _time(run, lambda x=x, w=weights, ids=ids: experts_triton(x, gate_up, down, w, ids))
+            graph_s = fused_s if run.tiny else _time(run, lambda x=x, w=weights, ids=ids: experts_triton(
+                x, gate_up, down, w, ids), graph=True)
+            case.update(fused_us=round(fused_s * 1e6, 1), fused_graph_us=round(graph_s * 1e6, 1),
+                        loop_over_fused=round(loop_s / graph_s, 2),
+                        fused_graph_copy_fraction=round(moved / graph_s / run.copy_Bps, 3),
+                        fused_graph_TFLOPs=round(6 * t * k * h * i / graph_s / 1e12, 2))
+        cases.append(case)
+        print(json.dumps(case), flush=True)
+    return {"layer": dict(experts=e, top_k=k, hidden=h, inter=i), "cases": cases}
+
+
+GEMM_TILES = [(bn, bk, 4, st) for bn in (16, 32, 64, 128) for bk in (64, 128, 256) for st in (3, 4) if bn * bk <= 16384]
+
+
+def tiles(run: Run) -> dict:
+    """The fused kernels' tiles swept per token count (CUDA graph time): the gate/up GEMM's
+    over ``GEMM_TILES`` with the default down tiles, then the down GEMM's with the best
+    gate/up tiles, for each BLOCK_M that suits the count; the best against the default."""
+    sh = run.shape
+    e, k, h, i = sh["num_experts"], sh["num_experts_per_tok"], sh["hidden_size"], sh["moe_intermediate_size"]
+    if run.tiny and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"skipped": "--tiny without the Triton interpreter"}
+    dtype = torch.float32 if run.tiny else torch.bfloat16
+    g = torch.Generator(device=run.device).manual_seed(1)
+    gate_up = (torch.randn(e, 2 * i, h, device=run.device, generator=g) * h**-0.5).to(dtype)
+    down = (torch.randn(e, h, i, device=run.device, generator=g) * i**-0.5).to(dtype)
+    grid = GEMM_TILES[:1] if run.tiny else GEMM_TILES
+    out = []
+    for t in ([1, 40] if run.tiny else [1, 16, 64, 512]):
+        x = torch.randn(t, h, device=run.device, generator=g).to(dtype)
+        weights, ids = torch.randn(t, e, device=run.device, generator=g).softmax(-1).topk(k, dim=-1)
+
+        def timed(choice: MoETiles, x=x, weights=weights, ids=ids) -> float:
+            try:
+                return _time(run, lambda: experts_triton(x, gate_up, down, weights, ids, tiles=choice),
+                             graph=not run.tiny)
+            except OutOfResources:  # (tiles whose pipeline stages exceed the shared memory)
+                return float("inf")
+
+        default = moe_tiles(t * k)
+        default_s = timed(default)
+        best = (default_s, default)
+        for bm in ([16] if t * k <= PAIRS_UNSORTED else [16, 64]):
+            base = MoETiles(bm, default.gate_up, default.down)
+            up = min((timed(base._replace(gate_up=c)), c) for c in grid)[1]
+            best = min(best, *((timed(base._replace(gate_up=up, down=c)), base._replace(gate_up=up, down=c))
+                               for c in grid))
+        case = {"tokens": t, "default": list(default), "default_us": round(default_s * 1e6, 1),
+                "best": [best[1].block_m, list(best[1].gate_up), list(best[1].down)], "best_us": round(best[0] * 1e6, 1)}
+        out.append(case)
+        print(json.dumps(case), flush=True)
+    return {"cases": out}
+
+
+async def _generate_all(eng: Engine, prompts: list[list[int]], new: int) -> dict:
+    t0 = time.perf_counter()
+    firsts, ends = [], []
+
+    async def one(p):
+        first = None
+        async for out in eng.generate(input_ids=p, params=SamplingParams(max_new_tokens=new, temperature=0,
+                                                                         ignore_eos=True)):
+            if first is None and out.token_ids:
+                first = time.perf_counter()
+        firsts.append(first)
+        ends.append(time.perf_counter())
+
+    await asyncio.gather(*(one(p) for p in prompts))
+    return {"t0": t0, "all_first": max(firsts), "end": max(ends)}
+
+
+def _weight_bytes(eng: Engine) -> tuple[int, int]:
+    """(bytes of the weights every decode step reads whatever the routing: all but the
+    experts and the embedding table, of which it reads a row per token; one expert's bytes)."""
+    model = eng.worker.model
+    fixed = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                if ".experts." not in name and name != "embed_tokens.weight")
+    c = eng.model_cfg
+    return fixed, expert_bytes(c.hidden_size, c.moe.intermediate_size, model.embed_tokens.weight.element_size())
+
+
+def decode(run: Run) -> dict:
+    eng = run.engine()
+    cfg = eng.model_cfg
+    fixed, per_expert = _weight_bytes(eng)
+    moe_layers = cfg.num_layers - len(cfg.moe.dense_layers)
+    kv_tok = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, eng.worker.model.embed_tokens.weight.dtype)
+    rng = random.Random(1)
+    out = {"fixed_weights_read_per_step_GB": round(fixed / 1e9, 3), "expert_MB": round(per_expert / 1e6, 3),
+           "kv_bytes_per_token": kv_tok, "cases": []}
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(_generate_all(eng, [[rng.randrange(100, run.vocab_hi()) for _ in range(64)]
+                                                    for _ in range(4)], 4))
+        for bs in run.batches:
+            prompts = [[rng.randrange(100, run.vocab_hi()) for _ in range(run.prompt)] for _ in range(bs)]
+            r = loop.run_until_complete(_generate_all(eng, prompts, run.new))
+            tok_s = bs * (run.new - 1) / (r["end"] - r["all_first"])
+            experts = distinct_experts(cfg.moe.num_experts, cfg.moe.top_k, bs)
+            step = fixed + moe_layers * experts * per_expert + bs * (run.prompt + run.new // 2) * kv_tok
+            roof = bs * run.copy_Bps / step
+            case = {"batch": bs, "decode_tok_s": round(tok_s, 1), "roofline_tok_s": round(roof, 1),
+                    "roofline_fraction": round(tok_s / roof, 3), "experts_per_layer": round(experts, 2),
+                    "step_GB": round(step / 1e9, 3)}
+            out["cases"].append(case)
+            print(json.dumps(case), flush=True)
+    finally:
+        loop.run_until_complete(eng.stop())
+        loop.close()
+        eng = None
+        free()
+    return out
+
+
+def prefill(run: Run) -> dict:
+    n, length = (2, 64) if run.tiny else (8, 2048)
+    eng = run.engine(max_prefill_tokens=16384, chunked_prefill_size=16384)
+    cfg = eng.model_cfg
+    fixed, per_expert = _weight_bytes(eng)
+    rng = random.Random(2)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(_generate_all(eng, [[rng.randrange(100, run.vocab_hi()) for _ in range(length)]
+                                                    for _ in range(n)], 1))
+        eng.flush_cache()
+        r = loop.run_until_complete(_generate_all(eng, [[rng.randrange(100, run.vocab_hi()) for _ in range(length)]
+                                                        for _ in range(n)], 1))
+    finally:
+        loop.run_until_complete(eng.stop())
+        loop.close()
+        eng = None
+        free()
+    t = r["end"] - r["t0"]
+    tokens = n * length
+    moe_layers = cfg.num_layers - len(cfg.moe.dense_layers)
+    active_params = (fixed + moe_layers * cfg.moe.top_k * per_expert) / 2
+    attn = n * 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length * length / 2
+    flops = 2 * active_params * tokens + attn
+    return {"prompts": n, "prompt_tokens": length, "seconds": round(t, 4), "tok_s": round(tokens / t, 1),
+            "matmul_fraction": round(flops / t / run.matmul_flops, 3)}
+
+
+def peer(run: Run) -> dict:
+    script = run.args.peer
+    if not script or not Path(script).exists():
+        return {"skipped": "no --peer script"}
+    dest = run.out / "peer_plain.json"
+    cmd = [sys.executable, script, "--model", "qwen3-30b-a3b", "--batches", "1,16", "--prompt", "512", "--out", "32",
+           "--json", str(dest)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=run.args.peer_timeout)
+    if p.returncode != 0:
+        return {"error": p.stderr[-2000:]}
+    return {"cases": json.loads(dest.read_text())}
+
+
+SECTIONS = {"ceilings": ceilings, "kernel": kernel, "tiles": tiles, "decode": decode, "prefill": prefill,
+            "peer": peer}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sections", default="ceilings,kernel,tiles,decode,prefill,peer")
+    ap.add_argument("--peer", default=None, help="path to the transformers peer script (hf_baseline.py)")
+    ap.add_argument("--peer-timeout", type=int, default=900)
+    ap.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU: the script's logic, not a figure")
+    args = ap.parse_args(argv)
+    run = Run(args)
+    summary: dict = {"environment": environment(), "shape": run.shape}
+    for name in args.sections.split(","):
+        if name != "ceilings" and run.copy_Bps is None:
+            summary["ceilings"] = ceilings(run)
+        res = timed_section(lambda name=name: SECTIONS[name](run))
+        summary[name] = res
+        write_json(run.out / f"{name}.json", res)
+        print(f"== {name}: {json.dumps(res)[:1500]}", flush=True)
+    # (a section's error is in its result; the exit status says whether any failed)
+    write_json(run.out / "summary.json", summary)
+    return 1 if any(isinstance(v, dict) and "error" in v for v in summary.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

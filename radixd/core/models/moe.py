@@ -1,0 +1,76 @@
+"""The sparse mixture-of-experts MLP block the MoE families share:
+
+    logits = router(x); weights, ids = top-k of softmax(logits) (renormalised or not)
+    y = sum over the k chosen experts of weight * expert(x)      (``moe_ops.fused_experts``)
+      [+ sigmoid(shared_gate(x)) * shared_expert(x)]              (Qwen2-MoE)
+
+Parameter names follow the Hugging Face checkpoints (``gate`` the router, ``experts``,
+``shared_expert``, ``shared_expert_gate``); the experts' projections are stacked per layer
+(``weights`` fills them from the per-expert tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixd.core.models.config import ModelConfig, MoEConfig
+from radixd.core.models.layers import GatedMLP
+from radixd.core.moe_ops import fused_experts
+from radixd.core.triton_ops import ALL_KERNELS, KernelChoice, linear
+
+
+def moe_mlp(cfg: ModelConfig, layer: int, kernels: KernelChoice) -> nn.Module | None:
+    """Layer ``layer``'s MLP: the sparse block, or None (the dense MLP) on a dense layer."""
+    if cfg.moe is None or layer in cfg.moe.dense_layers:
+        return None
+    return SparseMoE(cfg.hidden_size, cfg.moe, kernels=kernels)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 [T, k], expert ids [T, k]): the top-k of the softmax over all experts,
+    rescaled to sum to 1 if ``renormalize`` (then equal to a softmax over the top-k logits)."""
+    weights, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class Experts(nn.Module):
+    """A layer's experts, stacked: ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows) and
+    ``down_proj`` [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+
+
+class SparseMoE(nn.Module):
+    """Router, experts and (if ``moe.shared_intermediate_size``) the gated shared expert.
+
+    Under tensor parallelism each shard holds every expert's slice of the intermediate
+    columns (and the shared expert's): its output is a partial sum like a dense MLP's; the
+    router and the shared expert's gate are replicated, so every shard routes alike."""
+
+    def __init__(self, hidden: int, moe: MoEConfig, *, kernels: KernelChoice = ALL_KERNELS):
+        super().__init__()
+        self.top_k = moe.top_k
+        self.renormalize = moe.renormalize
+        self.kernels = kernels
+        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
+        self.experts = Experts(moe.num_experts, hidden, moe.intermediate_size)
+        self.shared_expert = None
+        if moe.shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden, moe.shared_intermediate_size, kernels=kernels)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(linear(x, self.gate, self.kernels), self.top_k, self.renormalize)
+        y = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(linear(x, self.shared_expert_gate, self.kernels)) * self.shared_expert(x)
+        return y

@@ -1,0 +1,106 @@
+"""Hugging Face checkpoint tensors -> a radixd model's parameters.
+
+Checkpoints keep q/k/v, gate/up and every expert's projections as tensors of their own; radixd's
+models fuse them (``qkv_proj``, ``gate_up_proj``) and stack the experts of a layer
+(``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]). Each checkpoint tensor
+fills one *part* of one parameter: ``()`` all of it, ``(s,)`` shard s of a fused projection,
+``(e, s)`` / ``(e,)`` expert e's gate or up rows / its down projection (a checkpoint that
+already stacks them, as transformers 5 holds them in memory, fills ``()``). Every part of
+every parameter must be filled: a missing tensor is an error, not random weights.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+# checkpoint suffix -> (fused parameter suffix, shard index)
+FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+Part = tuple[int, ...]
+
+
+def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *, qkv_sizes: list[int],
+                    renames: tuple[tuple[str, str], ...] = (), head: bool = True) -> None:
+    """Copy Hugging Face-named ``weights`` into ``model``'s parameters. ``qkv_sizes``: the
+    rows of q, k and v in ``qkv_proj``; ``renames``: (regex, replacement) pairs applied to
+    each checkpoint name first (a family's names onto radixd's); ``head`` False: an untied
+    LM head may be missing (zeros then: an embedding engine never reads it)."""
+    tied = model.cfg.tie_word_embeddings
+    params = dict(model.named_parameters())
+    loaded: set[tuple[str, Part]] = set()
+    for name, tensor in weights:
+        name = name.removeprefix("model.")
+        for pattern, repl in renames:
+            name = re.sub(pattern, repl, name)
+        if "rotary_emb" in name or (name == "lm_head.weight" and tied):
+            continue
+        target, part = _place(name)
+        param = params.get(target)
+        if param is None:
+            raise KeyError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        with torch.no_grad():
+            _copy(_view(target, param, part, qkv_sizes), tensor, name)
+        loaded.add((target, part))
+    missing = [f"{p}{'#' + ','.join(map(str, part)) if part else ''}"
+               for p, param in params.items() if not (p == "lm_head.weight" and tied) and (p, ()) not in loaded
+               for part in _parts(p, param) if (p, part) not in loaded]
+    if not head and "lm_head.weight" in missing:
+        missing.remove("lm_head.weight")
+        with torch.no_grad():
+            params["lm_head.weight"].zero_()
+    if missing:
+        raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _place(name: str) -> tuple[str, Part]:
+    """The parameter a checkpoint tensor goes to, and which part of it."""
+    m = EXPERT.match(name)
+    if m:
+        base, e, proj = m.groups()
+        if proj == "down_proj":
+            return f"{base}.down_proj", (int(e),)
+        return f"{base}.gate_up_proj", (int(e), 0 if proj == "gate_proj" else 1)
+    for ckpt, (fused, idx) in FUSED.items():
+        if f".{ckpt}." in name:
+            return name.replace(ckpt, fused), (idx,)
+    return name, ()
+
+
+def _parts(pname: str, param: torch.Tensor) -> list[Part]:
+    """Every part of a parameter the checkpoint must fill."""
+    if pname.endswith(".experts.gate_up_proj"):
+        return [(e, s) for e in range(param.shape[0]) for s in (0, 1)]
+    if pname.endswith(".experts.down_proj"):
+        return [(e,) for e in range(param.shape[0])]
+    kind = pname.rsplit(".", 2)[-2] if "." in pname else ""
+    return {"qkv_proj": [(0,), (1,), (2,)], "gate_up_proj": [(0,), (1,)]}.get(kind, [()])
+
+
+def _view(pname: str, param: torch.Tensor, part: Part, qkv_sizes: list[int]) -> torch.Tensor:
+    """The slice of ``param`` that ``part`` names."""
+    if not part:
+        return param
+    if pname.endswith(".experts.gate_up_proj"):
+        e, s = part
+        half = param.shape[1] // 2
+        return param[e].narrow(0, s * half, half)
+    if pname.endswith(".experts.down_proj"):
+        return param[part[0]]
+    sizes = qkv_sizes if pname.rsplit(".", 2)[-2] == "qkv_proj" else [param.shape[0] // 2] * 2
+    return param.narrow(0, sum(sizes[: part[0]]), sizes[part[0]])
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+    dst.copy_(src)

@@ -1,0 +1,324 @@
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral): greedy tokens equal
+transformers' (fp32, CPU) under batching, mid-flight arrivals with small chunked prefill,
+cache hits, preemption and tensor parallelism; the fused MoE Triton kernels against the torch
+reference (through the interpreter at tiny shapes; at Qwen3-30B-A3B's layer shape on a GPU,
+``-m gpu``); configs radixd does not implement refused, naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+from conftest import MOE_ARCHS
+from test_engine import (
+    arrive_mid_flight,
+    assert_greedy_matches,
+    assert_idle,
+    check_preemption_keeps_tokens,
+    check_prefix_served_from_cache,
+    collect,
+    make_engine,
+    prompts,
+)
+
+from radixd.core.models.config import ModelConfig
+from radixd.core.moe_ops import PAIRS_UNSORTED, MoETiles, align_pairs, experts_torch, experts_triton
+
+GPU = torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+async def test_moe_greedy_matches_transformers(tiny_moe_models, arch):
+    path = tiny_moe_models[arch]
+    eng = make_engine(path)
+    try:
+        ps = prompts(3, 20, seed=1)
+        outs = await asyncio.gather(*(collect(eng, p, 16) for p in ps))
+        for p, got in zip(ps, outs, strict=True):
+            assert_greedy_matches(path, p, got, 16)
+        await assert_idle(eng)
+    finally:
+        await eng.stop()
+
+
+async def test_moe_through_the_triton_kernels_matches_transformers(tiny_moe_models, monkeypatch):
+    """The model with its experts run by the fused Triton kernels (the interpreter here):
+    prefill (pairs sorted by expert) and decode (a block per pair) give transformers' tokens."""
+    from radixd.core import moe_ops
+    from radixd.core.models import moe
+
+    calls = []
+
+    def triton_experts(*args):
+        calls.append(args[0].shape[0])
+        return moe_ops.fused_experts(*args, use_triton=True)
+
+    monkeypatch.setattr(moe, "fused_experts", triton_experts)
+    path = tiny_moe_models["qwen2-moe"]
+    eng = make_engine(path)
+    try:
+        p = prompts(1, 20, seed=5)[0]
+        assert_greedy_matches(path, p, await collect(eng, p, 4), 4)
+        assert 20 in calls and 1 in calls
+    finally:
+        await eng.stop()
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+async def test_moe_mid_flight_arrivals_and_small_chunks(tiny_moe_models, arch):
+    path = tiny_moe_models[arch]
+    eng = make_engine(path, chunked_prefill_size=5, max_prefill_tokens=8)
+    try:
+        ps = prompts(3, 23, seed=2)
+        outs = await arrive_mid_flight(eng, ps, [16, 8, 8])
+        for p, got, n in zip(ps, outs, [16, 8, 8], strict=True):
+            assert_greedy_matches(path, p, got, n)
+        assert eng.scheduler.stats.steps > 15
+        await assert_idle(eng)
+    finally:
+        await eng.stop()
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+async def test_moe_prefix_served_from_cache(tiny_moe_models, arch):
+    await check_prefix_served_from_cache(tiny_moe_models[arch])
+
+
+@pytest.mark.parametrize("arch", ["qwen2-moe", "mixtral"])
+async def test_moe_preemption_keeps_tokens(tiny_moe_models, arch):
+    await check_preemption_keeps_tokens(tiny_moe_models[arch], radix=True)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+async def test_moe_tp2_gives_the_tp1_tokens(tiny_moe_models, arch):
+    """Experts split by their intermediate columns (the shared expert too), router
+    replicated: two shards give one model's tokens."""
+    path = tiny_moe_models[arch]
+    ps = prompts(3, 20, seed=4)
+    runs = []
+    for tp in (1, 2):
+        eng = make_engine(path, tp_size=tp)
+        try:
+            runs.append(await asyncio.gather(*(collect(eng, p, 10) for p in ps)))
+            if tp == 2:
+                shard = eng.replicas[0].worker.shards[1].model
+                moe = next(layer.mlp for layer in shard.layers if hasattr(layer.mlp, "experts"))
+                cfg = eng.model_cfg.moe
+                assert moe.experts.down_proj.shape[-1] == cfg.intermediate_size // 2
+                assert moe.gate.weight.shape[0] == cfg.num_experts
+            await assert_idle(eng)
+        finally:
+            await eng.stop()
+    assert runs[0] == runs[1]
+
+
+def test_moe_config_layout(tiny_moe_models):
+    """Dense layers from mlp_only_layers / decoder_sparse_step; Mixtral renormalises."""
+    def cfg(arch, **over):
+        hf = json.loads((tiny_moe_models[arch] / "config.json").read_text())
+        return ModelConfig.from_hf({**hf, **over})
+
+    q3 = cfg("qwen3-moe")
+    assert q3.moe.dense_layers == (1,) and q3.moe.renormalize and q3.moe.shared_intermediate_size == 0
+    assert cfg("qwen3-moe", mlp_only_layers=[], decoder_sparse_step=2).moe.dense_layers == (0, 2)
+    q2 = cfg("qwen2-moe")
+    assert q2.moe.shared_intermediate_size == 48 and not q2.moe.renormalize and q2.attention_bias
+    assert cfg("mixtral").moe.renormalize and cfg("mixtral").moe.num_experts == 4
+
+
+@pytest.mark.parametrize("arch,field,value", [
+    ("qwen3-moe", "hidden_act", "gelu"),
+    ("qwen2-moe", "num_experts_per_tok", 7),
+    ("mixtral", "num_experts_per_tok", 0),
+    ("qwen3-moe", "decoder_sparse_step", 0),
+])
+def test_unimplemented_moe_config_is_refused(tiny_moe_models, arch, field, value):
+    hf = json.loads((tiny_moe_models[arch] / "config.json").read_text())
+    with pytest.raises(ValueError, match=rf"{field}.*{value!r}"):
+        ModelConfig.from_hf({**hf, field: value})
+
+
+def test_missing_expert_tensor_is_an_error(tmp_path):
+    from conftest import make_tiny_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    from radixd import Engine
+
+    path = make_tiny_checkpoint(tmp_path / "broken", "mixtral", seed=4)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(KeyError, match=r"lacks 1 tensors.*layers\.1\.mlp\.experts\.gate_up_proj#3,1"):
+        Engine(model=str(path), kv_cache_tokens=64)
+
+
+async def test_stacked_expert_checkpoint_loads(tiny_moe_models, tmp_path):
+    """A checkpoint of transformers 5's in-memory layout (each layer's experts already
+    stacked: ``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj``) gives the
+    same tokens as the per-expert one."""
+    import shutil
+
+    from conftest import _hf_model
+    from safetensors.torch import save_file
+
+    src = tiny_moe_models["qwen3-moe"]
+    state = {k: v.contiguous() for k, v in _hf_model(src).state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    dst = tmp_path / "stacked"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    p = prompts(1, 20, seed=6)[0]
+    outs = []
+    for path in (src, dst):
+        eng = make_engine(path)
+        try:
+            outs.append(await collect(eng, p, 8))
+        finally:
+            await eng.stop()
+    assert outs[0] == outs[1]
+
+
+# ------------------------------------------------------------------------ kernels
+
+
+def moe_case(t: int, e: int, k: int, h: int, i: int, dtype=torch.float32, device="cpu", seed: int = 0,
+             idle: int = 0):
+    """Random x, stacked expert weights and a softmax top-k routing (``idle``: that many
+    experts get no token)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g)
+    gate_up = torch.randn(e, 2 * i, h, generator=g) * h**-0.5
+    down = torch.randn(e, h, i, generator=g) * i**-0.5
+    logits = torch.randn(t, e, generator=g)
+    logits[:, e - idle:] = -1e9
+    weights, ids = logits.softmax(-1).topk(k, dim=-1)
+    return [a.to(device) for a in (x.to(dtype), gate_up.to(dtype), down.to(dtype), weights, ids)]
+
+
+def naive_moe(x, gate_up, down, weights, ids):
+    """Token by token, slot by slot, in float64 (the definition)."""
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (gate_up[e].double() @ x[t].double()).chunk(2)
+            out[t] += float(weights[t, j]) * (down[e].double() @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+SMALL_TILES = MoETiles(16, (32, 32, 1, 1), (32, 32, 1, 1))
+
+
+@pytest.mark.parametrize("t,e,k,h,i,idle,tiles", [
+    (1, 8, 2, 64, 32, 0, None),          # batch-1 decode: a block per pair, no sort
+    (3, 8, 2, 48, 40, 0, SMALL_TILES),   # K and N not multiples of the tiles
+    (20, 8, 2, 48, 40, 0, SMALL_TILES),  # the same, sorted by expert
+    (40, 6, 2, 32, 32, 2, SMALL_TILES),  # sorted by expert; two experts idle
+    (300, 8, 4, 64, 32, 0, None),        # more pairs than the decode tiles take: BLOCK_M 64
+])
+def test_experts_triton_matches_the_reference(t, e, k, h, i, idle, tiles):
+    assert (t * k <= PAIRS_UNSORTED) == (t <= 3)
+    x, gate_up, down, weights, ids = moe_case(t, e, k, h, i, idle=idle, seed=t)
+    want = naive_moe(x, gate_up, down, weights, ids)
+    ref = experts_torch(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(ref.double(), want, rtol=1e-5, atol=1e-5)
+    got = experts_triton(x, gate_up, down, weights, ids, tiles=tiles)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    if t > 100:  # in chunks of tokens, the last one short
+        got = experts_triton(x, gate_up, down, weights, ids, tiles=tiles, chunk_tokens=128)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t", [1, 40])
+def test_experts_triton_reads_only_the_chosen_experts(t):
+    """Every expert no token chose has NaN weights: the output is still exact."""
+    x, gate_up, down, weights, ids = moe_case(t, 8, 2, 32, 32, idle=3, seed=7)
+    chosen = torch.zeros(8, dtype=torch.bool)
+    chosen[ids.flatten()] = True
+    want = experts_torch(x, gate_up, down, weights, ids)
+    gate_up[~chosen] = float("nan")
+    down[~chosen] = float("nan")
+    got = experts_triton(x, gate_up, down, weights, ids, tiles=SMALL_TILES)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,k,e,bm", [(1, 8, 128, 16), (2, 8, 128, 16), (33, 2, 8, 16), (500, 8, 16, 64)])
+def test_align_pairs_groups_each_expert_in_whole_blocks(t, k, e, bm):
+    ids = torch.stack([torch.randperm(e, generator=torch.Generator().manual_seed(s))[:k] for s in range(t)])
+    sorted_ids, block_expert, used = align_pairs(ids, e, bm)
+    n = t * k
+    used = int(used)
+    assert used % bm == 0 and sorted_ids.numel() >= used and sorted_ids.numel() // bm == block_expert.numel()
+    real = sorted_ids[:used]
+    assert sorted(real[real < n].tolist()) == list(range(n))  # every pair once, in a block in use
+    assert bool((sorted_ids[used:] == n).all())
+    flat = ids.flatten()
+    for b in range(used // bm):
+        block = sorted_ids[b * bm:(b + 1) * bm]
+        block = block[block < n]
+        assert block.numel() > 0 and bool((flat[block] == block_expert[b]).all())
+
+
+QWEN3_30B_LAYER = dict(e=128, k=8, h=2048, i=768)  # Qwen3-30B-A3B's MoE layer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("t", [1, 2, 16, 64, 512, 4096])
+def test_experts_triton_at_qwen3_30b_shape_on_gpu(t):
+    """bf16 on the GPU against the per-expert torch loop, and both against float64."""
+    x, gate_up, down, weights, ids = moe_case(t, **QWEN3_30B_LAYER, dtype=torch.bfloat16, device="cuda", seed=t)
+    got = experts_triton(x, gate_up, down, weights, ids)
+    ref = experts_torch(x, gate_up, down, weights, ids)
+    want = naive_moe(x[:8], gate_up, down, weights[:8], ids[:8]) if t > 8 else naive_moe(x, gate_up, down, weights, ids)
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    assert not got.isnan().any()
+    assert rel(got, ref) < 2e-2
+    assert rel(got[: want.shape[0]], want) < 2e-2 and rel(ref[: want.shape[0]], want) < 2e-2
+
+
+def test_moe_benchmark_runs_tiny(tmp_path):
+    """``python -m benchmarks.moe --tiny``: every section's logic on a tiny shape on the CPU
+    (the fused kernel through the interpreter)."""
+    from benchmarks import moe
+
+    assert moe.main(["--tiny", "--out", str(tmp_path)]) == 0
+    kernel = json.loads((tmp_path / "kernel.json").read_text())
+    assert [c["tokens"] for c in kernel["cases"]] == [1, 3, 40]
+    assert all(c["rel_err_vs_loop"] < 1e-5 and c["fused_us"] > 0 for c in kernel["cases"])
+    swept = json.loads((tmp_path / "tiles.json").read_text())["cases"]
+    assert [c["tokens"] for c in swept] == [1, 40] and all(0 < c["best_us"] <= c["default_us"] for c in swept)
+    decode = json.loads((tmp_path / "decode.json").read_text())
+    assert [c["batch"] for c in decode["cases"]] == [1, 2]
+    assert decode["cases"][0]["experts_per_layer"] == 2  # batch 1: its top-k
+    assert all(c["decode_tok_s"] > 0 and c["roofline_fraction"] > 0 for c in decode["cases"])
+    assert json.loads((tmp_path / "prefill.json").read_text())["tok_s"] > 0
+    assert "environment" in json.loads((tmp_path / "summary.json").read_text())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+async def test_moe_engine_on_gpu_graphs_match_eager_and_the_torch_loop(tiny_moe_models, arch, monkeypatch):
+    """fp16 on the GPU: twelve requests finishing at different steps, so decode replays
+    graphs of pairs sorted by expert (batch > 8 at top-2) and of a block per pair (<= 8),
+    against eager and against the per-expert torch loop with the torch attention backend."""
+    from test_gpu_decode import assert_same_greedy, greedy_runs
+
+    from radixd.core import moe_ops
+    from radixd.core.models import moe
+
+    path = tiny_moe_models[arch]
+    prompts_ = [list(range(3 + i, 20 + 7 * i)) for i in range(12)]
+    max_new = [6 + 3 * i for i in range(12)]
+    graphs = await greedy_runs(path, prompts_, max_new, cuda_graphs=True)
+    eager = await greedy_runs(path, prompts_, max_new, cuda_graphs=False)
+    assert_same_greedy(graphs, eager)
+    monkeypatch.setattr(moe, "fused_experts", lambda *a: moe_ops.fused_experts(*a, use_triton=False))
+    ref = await greedy_runs(path, prompts_, max_new, attention_backend="torch", cuda_graphs=False)
+    assert_same_greedy(graphs, ref)
