@@ -32,7 +32,8 @@ _STATUS = {"enum": ["in_progress", "completed", "incomplete"]}
 
 
 def _obj(props: dict[str, dict], required: tuple[str, ...] = ()) -> dict:
-    return {"type": "object", "properties": props, "required": list(required), "additionalProperties": False}
+    return {"type": "object", "properties": props, "additionalProperties": False,
+            **({"required": list(required)} if required else {})}
 
 
 def _typed(kind: str, props: dict[str, dict], required: tuple[str, ...] = ()) -> dict:
