@@ -319,6 +319,17 @@ def test_message_list_input(client):
     assert r.output_text == want and r.usage.input_tokens == prompt_tokens
 
 
+def test_output_items_sent_back_as_input(client):
+    first = client.responses.create(model="llama", input="hello", max_output_tokens=3, temperature=0)
+    r = client.responses.create(model="llama", input=[{"role": "user", "content": "hello"}, *first.output,
+                                                      {"role": "user", "content": "more"}],
+                                max_output_tokens=3, temperature=0)
+    want, prompt_tokens = chat_text(client, [{"role": "user", "content": "hello"},
+                                             {"role": "assistant", "content": first.output_text},
+                                             {"role": "user", "content": "more"}], 3)
+    assert r.output_text == want and r.usage.input_tokens == prompt_tokens
+
+
 def test_stream_events(client, http):
     want = client.responses.create(model="llama", input="hello world", max_output_tokens=5, temperature=0)
     with client.responses.create(model="llama", input="hello world", max_output_tokens=5, temperature=0,
@@ -362,6 +373,9 @@ def test_stream_helper_with_text_format(client):
         final = stream.get_final_response()
     assert final.status == "completed" and "".join(deltas) == final.output_text
     assert isinstance(final.output_parsed, Answer)
+    parsed = client.responses.parse(model="llama", input="answer", max_output_tokens=30, temperature=0,
+                                    text_format=Answer)
+    assert parsed.output_parsed == final.output_parsed
 
 
 @pytest.mark.parametrize("kw, param", [
