@@ -103,6 +103,8 @@ def test_text_format_becomes_response_format(fmt, want):
     ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice", "'allowed_tools'"),
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text", "lacks the required field 'name'"),
     ({"metadata": {"k": 1}}, "metadata", "'metadata.k' must be a string"),
+    ({"tools": 5}, "tools", "must be a list or null"),
+    ({"stream_options": {"include_obfuscation": 0}}, "stream_options", "must be False"),
 ])
 def test_refused_bodies_name_the_field(body, param, words):
     with pytest.raises(ApiError) as err:

@@ -253,7 +253,8 @@ def parse_responses(body: dict) -> ResponsesRequest:
             check_no_op(key, body, True, RESPONSES_NO_OPS)
         elif key not in RESPONSES_FIELDS:
             raise ApiError(400, f"unrecognized request argument: '{key}'", param=key, code="unknown_parameter")
-    for i, tool in enumerate(body.get("tools") or []):
+    tools = body.get("tools")
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
         if isinstance(tool, dict) and tool.get("type") != "function":
             raise ApiError(400, f"'tools[{i}].type' {tool.get('type')!r} is not supported by this server (function "
                                 "tools only)", param="tools", code="unsupported_parameter")
