@@ -28,18 +28,18 @@ async def chat_completions(request: Request) -> Response:
     call = await start_chat(st, request, req)
     if not req.parsed.stream:
         return JSONResponse(await call.result())
-    event = chunks(call.gen, req.parsed.continuous_usage)
-    return call.gen.stream(lambda: (event(chunk) async for chunk in call.chunks()))
+    return call.gen.stream(lambda: call.chunks(chunks(call.gen, req.parsed.continuous_usage)))
 
 
 class ChatCall(NamedTuple):
     """A started chat completion: await ``result()`` for the ``chat.completion`` object, or
-    iterate ``chunks()`` for its ``chat.completion.chunk`` objects (unframed); one of the two,
-    once. Other routes (``/v1/responses``) reshape these."""
+    iterate ``chunks(event)`` for its ``chat.completion.chunk`` objects, each passed through
+    ``event`` (the route's SSE framing; by default none); one of the two, once. Other routes
+    (``/v1/responses``) reshape these."""
 
     gen: Generation
     result: Callable[[], Awaitable[dict]]
-    chunks: Callable[[], AsyncIterator[dict]]
+    chunks: Callable[..., AsyncIterator[dict]]
 
 
 async def start_chat(st, request: Request, req: protocol.ChatRequest) -> ChatCall:
@@ -67,20 +67,20 @@ async def start_chat(st, request: Request, req: protocol.ChatRequest) -> ChatCal
             "choices": choices, "usage": gen.usage(), "system_fingerprint": f"radixd-{__version__}", **extra,
         }
 
-    async def events():
+    async def events(event: Callable[[dict], dict] = lambda chunk: chunk):
         base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
                 "system_fingerprint": f"radixd-{__version__}"}
         for i in range(params.n):
-            yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}]}
+            yield event({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
         async for _, out in gen.outputs():
             lp = chat_logprobs(tok, [out]) if params.logprobs and out.token_ids else None
             if out.text or lp or out.finished:
-                yield {**base, "choices": [{
+                yield event({**base, "choices": [{
                     "index": out.index, "delta": {"content": out.text} if out.text else {}, "logprobs": lp,
-                    "finish_reason": out.finish_reason if out.finished else None}]}
+                    "finish_reason": out.finish_reason if out.finished else None}]})
         if parsed.include_usage:
-            yield {**base, "choices": [], "usage": gen.usage()}
+            yield event({**base, "choices": [], "usage": gen.usage()})
 
     return ChatCall(gen, result, events)
 
