@@ -402,6 +402,35 @@ def test_absent_store_and_null_no_ops_are_accepted(client):
     assert r.store is False and r.usage.output_tokens == 1
 
 
+def test_tool_loop_end_to_end(client, http):
+    """Function tools through the chat route's tool calling: a required call whose arguments
+    validate, streamed and not, then its output sent back. (Runs once the chat route takes
+    ``tools``; before that the chat route's refusal is the answer, checked above.)"""
+    tools = [{"type": "function", "name": "weather", "description": "the weather in a city", "parameters": WEATHER,
+              "strict": True}]
+    probe = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+                                                    "tools": [{"type": "function", "function": {"name": "f"}}]})
+    if probe.status_code == 400 and probe.json()["error"]["param"] == "tools":
+        pytest.skip("the chat route does not take tools yet")
+    r = client.responses.create(model="llama", input="weather in Paris?", tools=tools, tool_choice="required",
+                                max_output_tokens=60, temperature=0)
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert calls and r.status == "completed", r.output
+    for c in calls:
+        assert c.name == "weather" and c.call_id
+        jsonschema.validate(json.loads(c.arguments), WEATHER)
+    with client.responses.create(model="llama", input="weather in Paris?", tools=tools, tool_choice="required",
+                                 max_output_tokens=60, temperature=0, stream=True) as stream:
+        events = list(stream)
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == "".join(c.arguments for c in calls) and events[-1].type == "response.completed"
+    follow = client.responses.create(model="llama", tools=tools, max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "weather in Paris?"}, *calls,
+        *[{"type": "function_call_output", "call_id": c.call_id, "output": "sunny"} for c in calls]])
+    assert follow.output and follow.usage.input_tokens > r.usage.input_tokens
+    assert_idle(http)
+
+
 # ------------------------------------------------------------------------ the default model
 
 
