@@ -104,6 +104,7 @@ def test_text_format_becomes_response_format(fmt, want):
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text", "lacks the required field 'name'"),
     ({"metadata": {"k": 1}}, "metadata", "'metadata.k' must be a string"),
     ({"tools": 5}, "tools", "must be a list or null"),
+    ({"input": None}, "input", "'input' is required"),
     ({"stream_options": {"include_obfuscation": 0}}, "stream_options", "must be False"),
 ])
 def test_refused_bodies_name_the_field(body, param, words):

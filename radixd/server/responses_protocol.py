@@ -258,7 +258,7 @@ def parse_responses(body: dict) -> ResponsesRequest:
         if isinstance(tool, dict) and tool.get("type") != "function":
             raise ApiError(400, f"'tools[{i}].type' {tool.get('type')!r} is not supported by this server (function "
                                 "tools only)", param="tools", code="unsupported_parameter")
-    if "input" not in body:
+    if body.get("input") is None:
         raise ApiError(400, "'input' is required", param="input")
     for key, value in body.items():
         if value is not None:
