@@ -11,7 +11,7 @@ import httpx
 import pytest
 from conftest import Daemon
 
-from radixd.server import protocol
+from radixd.server import protocol, responses_protocol
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -75,6 +75,7 @@ def test_request_schemas_are_the_parsers_tables(document, daemon):
     assert fields("/v1/chat/completions") == protocol.CHAT_FIELDS
     assert fields("/v1/completions") == protocol.COMPLETION_FIELDS
     assert fields("/generate") == protocol.NATIVE_FIELDS
+    assert fields("/v1/responses") == responses_protocol.RESPONSES_FIELDS
     # every documented route exists on the server and every route is documented
     from unittest.mock import MagicMock
 

@@ -1,9 +1,9 @@
 """The starlette application: the route table over one ``Engine``, and its error handlers.
 
-Routes live by concern: ``openai_routes`` (chat completions, completions), ``embedding_routes``
-(embeddings), ``native_routes``
-(SGLang's native API, the tokenizer routes), ``admin_routes`` (models, health, metrics,
-inspection); plugins add theirs through ``radixd_routes``. Every request passes the ``Gate``
+Routes live by concern: ``openai_routes`` (chat completions, completions), ``responses``
+(the Responses API over chat), ``embedding_routes`` (embeddings), ``native_routes`` (SGLang's
+native API, the tokenizer routes), ``admin_routes`` (models, health, metrics, inspection);
+plugins add theirs through ``radixd_routes``. Every request passes the ``Gate``
 (``radixd.server.gate``); every error leaves as OpenAI's error JSON.
 """
 
@@ -37,6 +37,7 @@ from radixd.server.native_routes import (
     tokenize,
 )
 from radixd.server.openai_routes import chat_completions, completions
+from radixd.server.responses import create_response
 from radixd.server.state import ServerState, state_of
 
 __all__ = ["ServerState", "build_app"]
@@ -64,6 +65,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model_by_id, methods=["GET"]),
         Route("/generate", native_generate, methods=["POST"]),

@@ -205,16 +205,18 @@ async def merged(subs: list[Submission], maxsize: int = 0) -> AsyncIterator[tupl
 
 
 def sse_response(events: AsyncIterator[dict], subs: list[Submission], tracker: Tracker,
-                 ping_s: float = 0.0) -> Response:
-    """Stream ``events`` as SSE, end with ``[DONE]``; however the stream ends (finished,
-    client gone), close the submissions and report the request once. ``ping_s`` > 0: a
-    keep-alive comment every that many seconds (``server.sse_ping_s``; 0: none)."""
+                 ping_s: float = 0.0, done: bool = True) -> Response:
+    """Stream ``events`` as SSE, end with ``[DONE]`` (unless not ``done``: the Responses API
+    ends at its last event); however the stream ends (finished, client gone), close the
+    submissions and report the request once. ``ping_s`` > 0: a keep-alive comment every that
+    many seconds (``server.sse_ping_s``; 0: none)."""
 
     async def framed():
         try:
             async for event in events:
                 yield event
-            yield {"data": "[DONE]"}
+            if done:
+                yield {"data": "[DONE]"}
         except (asyncio.CancelledError, GeneratorExit):  # the client left: the response is cancelled
             tracker.info.setdefault("outcome", "client_disconnected")
             raise
@@ -306,9 +308,9 @@ class Generation:
             self.tracker.see(out, i)
             yield i, out
 
-    def stream(self, events: Callable[[], AsyncIterator[dict]]) -> Response:
-        """``events()`` as server-sent events, then ``[DONE]``."""
-        return sse_response(events(), self.subs, self.tracker, self.st.settings.server.sse_ping_s)
+    def stream(self, events: Callable[[], AsyncIterator[dict]], done: bool = True) -> Response:
+        """``events()`` as server-sent events, then ``[DONE]`` if ``done``."""
+        return sse_response(events(), self.subs, self.tracker, self.st.settings.server.sse_ping_s, done)
 
 
 def samples(outs: list[GenerateOutput], n: int) -> list[list[GenerateOutput]]:

@@ -117,11 +117,11 @@ def no_op_schemas(route: str) -> dict[str, dict]:
     return {k: _opt(op.schema) for k, (routes, op) in NO_OPS.items() if route in routes}
 
 
-def check_no_op(key: str, body: dict, route_takes: bool) -> None:
-    """A ``NO_OPS`` field: fine, on a route that takes it, at a value that asks for nothing;
-    a 400 naming it otherwise."""
+def check_no_op(key: str, body: dict, route_takes: bool, table: dict | None = None) -> None:
+    """A ``NO_OPS`` field (or one of ``table``, a route's own table of that shape): fine, on a
+    route that takes it, at a value that asks for nothing; a 400 naming it otherwise."""
     value = body[key]
-    op = NO_OPS[key][1]
+    op = (NO_OPS if table is None else table)[key][1]
     if route_takes and (value is None or op.idle(value, body)):
         return
     how = f" ({key}: {op.meaning})" if route_takes else ""

@@ -8,6 +8,8 @@ extras: prompt logprobs, usage in every chunk, prompts cut to their last tokens)
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import NamedTuple
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -23,6 +25,25 @@ from radixd.server.state import state_of
 async def chat_completions(request: Request) -> Response:
     st = state_of(request)
     req = protocol.parse_chat(await protocol.read_json(request), st.limits, st.model_name)
+    call = await start_chat(st, request, req)
+    if not req.parsed.stream:
+        return JSONResponse(await call.result())
+    return call.gen.stream(lambda: call.chunks(chunks(call.gen, req.parsed.continuous_usage)))
+
+
+class ChatCall(NamedTuple):
+    """A started chat completion: await ``result()`` for the ``chat.completion`` object, or
+    iterate ``chunks(event)`` for its ``chat.completion.chunk`` objects, each passed through
+    ``event`` (the route's SSE framing; by default none); one of the two, once. Other routes
+    (``/v1/responses``) reshape these."""
+
+    gen: Generation
+    result: Callable[[], Awaitable[dict]]
+    chunks: Callable[..., AsyncIterator[dict]]
+
+
+async def start_chat(st, request: Request, req: protocol.ChatRequest) -> ChatCall:
+    """The chat route's internals for a parsed body: the prompt rendered and submitted."""
     parsed, params, ex = req.parsed, req.parsed.params, req.parsed.extras
     ids = truncated(st, chat_prompt_ids(st, req.messages, add_generation_prompt=ex.add_generation_prompt,
                                         continue_final_message=ex.continue_final_message,
@@ -32,7 +53,7 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     tok = st.engine.tokenizer
 
-    if not parsed.stream:
+    async def result() -> dict:
         outs = (await gen.collect())[0]
         extra = {"prompt_logprobs": prompt_logprobs(tok, ids, outs, ex.prompt_logprobs)} if ex.prompt_logprobs is not None else {}
         choices = [{
@@ -41,15 +62,14 @@ async def chat_completions(request: Request) -> Response:
             "logprobs": chat_logprobs(tok, mine) if params.logprobs else None,
             "finish_reason": mine[-1].finish_reason,
         } for i, mine in enumerate(samples(outs, params.n))]
-        return JSONResponse({
+        return {
             "id": cid, "object": "chat.completion", "created": created, "model": st.model_name,
             "choices": choices, "usage": gen.usage(), "system_fingerprint": f"radixd-{__version__}", **extra,
-        })
+        }
 
-    async def events():
+    async def events(event: Callable[[dict], dict] = lambda chunk: chunk):
         base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
                 "system_fingerprint": f"radixd-{__version__}"}
-        event = chunks(gen, parsed.continuous_usage)
         for i in range(params.n):
             yield event({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]})
@@ -65,7 +85,7 @@ async def chat_completions(request: Request) -> Response:
         if parsed.include_usage:
             yield event({**base, "choices": [], "usage": gen.usage()})
 
-    return gen.stream(events)
+    return ChatCall(gen, result, events)
 
 
 async def completions(request: Request) -> Response:

@@ -11,7 +11,7 @@ import copy
 from typing import Any
 
 from radixd import __version__
-from radixd.server import protocol
+from radixd.server import protocol, responses_protocol
 
 _NUM = {"type": "number"}
 _INT = {"type": "integer"}
@@ -114,6 +114,30 @@ MODEL_INFO = {"type": "object", "required": ["model_path", "tokenizer_path", "is
 SGL_SERVER_INFO = {"type": "object", "required": ["model_path", "version", "internal_states", "radixd"],
                    "properties": {"model_path": _STR, "version": _STR, "radixd": SERVER_INFO,
                                   "internal_states": {"type": "array", "items": {"type": "object"}}}}
+_OUTPUT_ITEM = {"type": "object", "required": ["type", "id", "status"], "properties": {
+    "type": {"enum": ["message", "function_call", "reasoning"]}, "id": _STR,
+    "status": {"enum": ["completed", "incomplete"]}, "role": {"const": "assistant"},
+    "content": {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                           "properties": {"type": {"enum": ["output_text", "reasoning_text"]},
+                                                          "text": _STR}}},
+    "call_id": _STR, "name": _STR, "arguments": _STR, "summary": {"type": "array", "maxItems": 0}}}
+RESPONSE = {
+    "type": "object", "required": ["id", "object", "created_at", "model", "status", "output", "usage",
+                                   "parallel_tool_calls", "tool_choice", "tools"],
+    "properties": {
+        "id": _STR, "object": {"const": "response"}, "created_at": _INT, "model": _STR,
+        "status": {"enum": ["completed", "incomplete", "failed"]}, "output": {"type": "array", "items": _OUTPUT_ITEM},
+        "incomplete_details": {"type": ["object", "null"], "properties": {"reason": {"const": "max_output_tokens"}}},
+        "error": {"type": ["object", "null"], "properties": {"code": _STR, "message": _STR}},
+        "usage": {"type": "object", "required": ["input_tokens", "output_tokens", "total_tokens"], "properties": {
+            "input_tokens": _INT, "output_tokens": _INT, "total_tokens": _INT,
+            "input_tokens_details": {"type": "object", "properties": {"cached_tokens": _INT}},
+            "output_tokens_details": {"type": "object", "properties": {"reasoning_tokens": _INT}}}},
+        "parallel_tool_calls": {"type": "boolean"}, "tool_choice": {"type": ["string", "object"]},
+        "tools": {"type": "array"}, "store": {"const": False}, "metadata": {"type": "object"},
+        "instructions": _NULLABLE_STR, "temperature": _NUM, "top_p": _NUM, "text": {"type": "object"},
+    },
+}
 # one server-sent event: its data is a JSON chunk of the route's stream, or [DONE] last
 SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": _STR, "event": _STR}}
 
@@ -141,11 +165,10 @@ def _body(fields: dict[str, dict], required: list[str] | None = None, one_of: li
 GENERATION_ERRORS = (400, 401, 404, 413, 500, 503)
 
 
-def _generation(summary: str, body: dict, result: dict) -> dict:
+def _generation(summary: str, body: dict, result: dict, events: str = "JSON chunks, then data: [DONE]") -> dict:
     return {"post": {
         "summary": summary, "requestBody": body,
-        "responses": {"200": {"description": "The result, or with \"stream\": true server-sent events "
-                                             "(JSON chunks, then data: [DONE])",
+        "responses": {"200": {"description": f"The result, or with \"stream\": true server-sent events ({events})",
                               "content": {**_json(result), "text/event-stream": {"schema": SSE_EVENT}}},
                       **_errors(*GENERATION_ERRORS)}}}
 
@@ -169,6 +192,9 @@ def openapi_document(state) -> dict:
                                     "requestBody": _body(p.EMBEDDING_SCHEMAS, ["input"]), "responses": {
                                         "200": {"description": "One embedding per input", "content": _json(EMBEDDINGS)},
                                         **_errors(*GENERATION_ERRORS)}}},
+        "/v1/responses": _generation("OpenAI Responses API, stateless (no stored responses)",
+                                     _body(copy.deepcopy(responses_protocol.RESPONSES_SCHEMAS), ["input"]), RESPONSE,
+                                     "event: and data: lines, the Responses event types, numbered"),
         "/generate": _generation("Native generation (text or input_ids; a list is a batch)",
                                  _body(p.NATIVE_SCHEMAS, one_of=p.NATIVE_ONE_OF), NATIVE),
         "/v1/models": {"get": {"summary": "The served model", "responses": {

@@ -378,6 +378,8 @@ def chat_messages(body: dict) -> list[dict]:
             content = "".join(parts)
         elif content is None and role == "assistant":
             content = ""
+        if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
+            raise ApiError(400, f"'messages[{i}].tool_calls' must be a list", param="messages")
         if m.get("tool_calls"):  # until tool calling lands: refused, never silently dropped
             raise ApiError(400, f"'messages[{i}].tool_calls' is not supported by this server (no tool calling)",
                            param=f"messages[{i}].tool_calls", code="unsupported_parameter")
