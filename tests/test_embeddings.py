@@ -393,3 +393,25 @@ async def test_headless_checkpoint(ckpts, tmp_path):
         await eng.stop()
     with pytest.raises(KeyError, match="lm_head"):
         Engine(model=str(path), kv_cache_tokens=256, task="generate")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["lasttoken", "mean_tokens"])
+async def test_cuda_embeddings_match_transformers(ckpts, mode):
+    """The CUDA path (bf16 weights, the Triton attention, pooled rows copied back with the
+    picks) against transformers' fp32 pooled hidden states, within bf16 tolerance."""
+    path = ckpts[mode]
+    normalize = mode != "mean_tokens"
+    eng = make_engine(path, device="cuda", dtype="bfloat16", chunked_prefill_size=8, max_prefill_tokens=24)
+    try:
+        ps = prompts(4, 6)
+        outs = await asyncio.gather(*(embed(eng, p) for p in ps))
+        for p, out in zip(ps, outs, strict=True):
+            want = oracle(path, p, mode, normalize)
+            got = torch.tensor(out.embedding)
+            assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.999
+            assert (got - want).abs().max() < 0.05 * want.abs().max()
+        assert_idle(eng)
+    finally:
+        await eng.stop()
