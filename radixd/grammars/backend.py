@@ -7,7 +7,7 @@ import threading
 from radixd.grammars import GrammarError
 from radixd.grammars.automaton import TokenGrammar
 from radixd.grammars.budget import Budget, ClosingMatcher, ClosingShared
-from radixd.grammars.json_schema import SchemaError, schema_to_lark
+from radixd.grammars.json_schema import SchemaError, schema_to_lark, unsupported
 from radixd.grammars.lark_grammar import GrammarSyntaxError, compile_lark
 from radixd.grammars.lexers import SharedLexers, Terminal
 from radixd.grammars.parsers import SingleTerminalParser
@@ -87,7 +87,7 @@ class RadixdBackend:
             else:
                 raise GrammarError(kind, f"unknown grammar kind {kind!r}")
         except SchemaError as exc:
-            raise GrammarError("json_schema", f"unsupported JSON Schema keyword '{exc.keyword}': {exc}") from None
+            raise unsupported(exc, "json_schema") from None
         except RegexError as exc:
             raise GrammarError(kind, str(exc)) from None
         except GrammarSyntaxError as exc:

@@ -31,7 +31,7 @@ import numpy as np
 
 from radixd.grammars import GrammarError
 from radixd.grammars.automaton import Matcher, TokenGrammar
-from radixd.grammars.json_schema import SchemaError, SchemaGrammar
+from radixd.grammars.json_schema import SchemaError, SchemaGrammar, unsupported
 from radixd.grammars.lark_grammar import GrammarSyntaxError, compile_lark
 from radixd.grammars.triggers import Triggers
 from radixd.grammars.vocab import TokenizerInfo
@@ -163,8 +163,7 @@ def _group(trigger: str, structures: list[tuple[int, tuple[str, object, str]]], 
         try:
             value = g.top(schema)
         except SchemaError as exc:
-            raise GrammarError(FIELD, f"structures[{i}].schema: unsupported JSON Schema keyword "
-                                      f"'{exc.keyword}': {exc}") from None
+            raise unsupported(exc, FIELD, f"structures[{i}].schema: ") from None
         parts = []
         for text in (begin[len(trigger):], None, end):
             if text is None:
