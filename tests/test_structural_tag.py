@@ -257,6 +257,13 @@ def test_default_model_tokenizer(smol):
         assert _feed(tok, m, "<think>The user wants JSON, so") == (True, True)
         assert _feed(tok, m, '.</think>{"city": "Rome"}') == (True, True) and m.is_terminated()
         assert _feed(tok, after.matcher(), '</think>{"city": 5}')[0] is False
+        # nested: reasoning first (free, a trigger there opens nothing), then the tool calls
+        nested = service.compile_now("structural_tag", json.dumps(QWEN), "</think>")
+        m = nested.matcher()
+        assert _feed(tok, m, "<think>I could write <tool_call> here") == (True, True)
+        assert _feed(tok, m, "</think>Calling. " + call[:-5]) == (True, False)
+        assert _feed(tok, m, call[-5:] + "\n") == (True, True)
+        assert _feed(tok, nested.matcher(), '</think><tool_call>\n{"name": "nope"')[0] is False
     finally:
         service.shutdown()
 
