@@ -136,7 +136,7 @@ def compile_structural_tag(spec: str, vocab: TokenizerInfo, *, max_ws: int, mask
                            warm_budget_s: float) -> StructuralTag:
     triggers, structures = parse_spec(spec)
     try:
-        scan = Triggers([t.encode() for t in triggers], vocab)
+        scan = Triggers([t.encode() for t in triggers], vocab, warm_budget_s / 2)
     except ValueError as exc:
         raise GrammarError(FIELD, f"'triggers': {exc}") from None
     opened: list[list[int]] = [[] for _ in triggers]
@@ -150,7 +150,7 @@ def compile_structural_tag(spec: str, vocab: TokenizerInfo, *, max_ws: int, mask
         if not opened[j]:
             raise GrammarError(FIELD, f"trigger {t!r} opens no structure (no begin starts with it)")
     groups = [_group(triggers[j], [(i, structures[i]) for i in opened[j]], vocab, max_ws, mask_cache_size,
-                     shared, warm_budget_s / len(triggers)) for j in range(len(triggers))]
+                     shared, warm_budget_s / 2 / len(triggers)) for j in range(len(triggers))]
     return StructuralTag(scan, groups)
 
 

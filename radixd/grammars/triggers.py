@@ -21,6 +21,7 @@ only from the first occurrence of a marker text in the output on (before it, fre
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -37,10 +38,11 @@ class FreeScan(NamedTuple):
 
 class Triggers:
     """The automaton over ``triggers`` (none may contain another) for one vocabulary.
-    ``scan(state)`` is computed once per state; state 0 (no trigger begun) at construction
-    (in a compile worker). Read-only once built, but for its scan cache."""
+    ``scan(state)`` is computed once per state: at construction (in a compile worker) state 0
+    (no trigger begun), then the others, shallowest first, within ``warm_budget_s`` of CPU
+    time; the rest when first reached. Read-only once built, but for its scan cache."""
 
-    def __init__(self, triggers: list[bytes], vocab: TokenizerInfo):
+    def __init__(self, triggers: list[bytes], vocab: TokenizerInfo, warm_budget_s: float = 0.1):
         for i, a in enumerate(triggers):
             if not a:
                 raise ValueError("a trigger must not be empty")
@@ -74,7 +76,11 @@ class Triggers:
         self.delta = delta
         self.term = np.array(term, dtype=np.int32)  # (no fail chain reaches a trigger's end:
         self._scans: dict[int, FreeScan] = {}     # no trigger contains another)
-        self.scan(0)
+        deadline = time.thread_time() + warm_budget_s
+        for q in order:  # (breadth first)
+            if q and time.thread_time() > deadline:
+                break
+            self.scan(q)
 
     def scan(self, state: int) -> FreeScan:
         got = self._scans.get(state)
@@ -121,9 +127,9 @@ class AfterText:
     """A compiled grammar (``inner``, any kind, any backend) that applies from the first
     occurrence of ``marker`` in the output on; ``matcher()`` as the backend contract."""
 
-    def __init__(self, inner, marker: str, vocab: TokenizerInfo):
+    def __init__(self, inner, marker: str, vocab: TokenizerInfo, warm_budget_s: float = 0.1):
         self.inner = inner
-        self.triggers = Triggers([marker.encode()], vocab)
+        self.triggers = Triggers([marker.encode()], vocab, warm_budget_s)
         self._cls: type[AfterTextMatcher] | None = None
 
     def matcher(self) -> AfterTextMatcher:
