@@ -206,6 +206,33 @@ def test_sampling_params_fields():
     assert info.value.field == "structural_tag"
 
 
+def test_tiny_tokenizer_special_and_added_triggers():
+    """From a Hugging Face tokenizer: a special token (skipped by the grammars, its text kept
+    for triggers) and an added plain token each open their structure."""
+    from conftest import _tokenizer
+
+    tok = _tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})
+    tok.add_tokens(["<tool_call>"])
+    py, call = tok.convert_tokens_to_ids(["<|python_tag|>", "<tool_call>"])
+    backend = RadixdBackend(None, tokenizer=tok, vocab_size=len(tok), eos_ids=(0,))
+    assert backend.vocab.token_bytes[py] is None and backend.vocab.special[py] == b"<|python_tag|>"
+    spec = {"structures": [{"begin": "<|python_tag|>{", "schema": {"enum": [1, 2]}, "end": "}"},
+                           {"begin": "<tool_call>[", "schema": {"type": "boolean"}, "end": "]"}],
+            "triggers": ["<|python_tag|>", "<tool_call>"]}
+    tag = backend.compile("structural_tag", json.dumps(spec))
+    v = backend.vocab
+    for trigger, text, bad in ((py, "{2}", "{3"), (call, "[true]", "[1")):
+        m = tag.matcher()
+        row = _walk(m, v, tok("hello ").input_ids + [trigger])
+        assert not row[0] and not row[py]  # in a structure: no EOS, no special token
+        row = _walk(m, v, tok(text).input_ids)
+        assert row.all()  # free text again
+        m = tag.matcher()
+        _walk(m, v, [trigger] + tok(bad[:-1]).input_ids)
+        assert not m.accept_token(tok.convert_tokens_to_ids(bad[-1]))
+
+
 # ------------------------------------------------------------------------------- the default model
 
 
