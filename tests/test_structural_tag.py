@@ -154,6 +154,7 @@ def test_several_triggers_and_structures():
     ({"type": "structural_tag", "format": {"type": "triggered_tags"}}, "'format'"),
     ({"type": "json_schema", "structures": [], "triggers": []}, "'type'"),
     ("{nope", "not valid JSON"),
+    ('{"structures": [{"begin": "<\\ud800>", "end": "."}], "triggers": ["<\\ud800>"]}', "valid Unicode"),
 ])
 def test_bad_structural_tags_are_refused(spec, message):
     with pytest.raises(GrammarError) as info:
@@ -197,7 +198,7 @@ def test_sampling_params_fields():
     with pytest.raises(InvalidRequest) as info:
         SamplingParams(json_schema={}, structural_tag="{}")
     assert info.value.field == "structural_tag"
-    for bad in ("", 3):
+    for bad in ("", 3, "\ud800"):
         with pytest.raises(InvalidRequest) as info:
             SamplingParams(regex="a", grammar_after=bad)
         assert info.value.field == "grammar_after"

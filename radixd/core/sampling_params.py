@@ -133,8 +133,9 @@ class SamplingParams:
             raise InvalidRequest("json_schema", "must be a JSON Schema (an object) or its JSON text")
         if self.structural_tag is not None and not isinstance(self.structural_tag, str | dict):
             raise InvalidRequest("structural_tag", "must be a structural tag (an object) or its JSON text")
-        if self.grammar_after is not None and not (isinstance(self.grammar_after, str) and self.grammar_after):
-            raise InvalidRequest("grammar_after", "must be a non-empty string")
+        if self.grammar_after is not None and not (isinstance(self.grammar_after, str) and self.grammar_after
+                                                   and _unicode(self.grammar_after)):
+            raise InvalidRequest("grammar_after", "must be a non-empty string of valid Unicode")
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
@@ -188,6 +189,15 @@ def json_schema(name: str) -> dict[str, Any]:
 
 def _plain(x: float) -> float | int:
     return int(x) if float(x).is_integer() else x
+
+
+def _unicode(text: str) -> bool:
+    """No lone surrogates (JSON's "\ud800" decodes to one; it has no UTF-8 bytes to match)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _in_range(name: str, value: object, meta: dict) -> None:

@@ -73,7 +73,18 @@ def parse_spec(spec: str | dict) -> tuple[list[str], list[tuple[str, object, str
         if schema is not None and not isinstance(schema, dict | bool):
             raise GrammarError(FIELD, f"structures[{i}].schema must be a JSON Schema (an object)")
         out.append((s["begin"], True if schema is None else schema, s["end"]))
+    for text in [*triggers, *(t for b, _, e in out for t in (b, e))]:
+        if not text.isascii() and not _encodable(text):
+            raise GrammarError(FIELD, f"{text!r} is not valid Unicode (a lone surrogate)")
     return triggers, out
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class StructuralTag:
