@@ -36,6 +36,7 @@ ARGS = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
 
 
 def _vocab() -> TokenizerInfo:
+    """Ids 0..255 the single bytes (``list(b"...")`` spells a text), then specials, then MULTI."""
     toks = [bytes([b]) for b in range(256)] + [None, None, None] + MULTI
     special = {EOS: b"</s>", PY_TAG: b"<|python_tag|>", TOOL_CALLS: b"[TOOL_CALLS]"}
     return TokenizerInfo(toks, len(toks), (EOS,), special)
@@ -62,10 +63,6 @@ def _walk(m, vocab: TokenizerInfo, ids: list[int]) -> np.ndarray:
     return row
 
 
-def _bytes(vocab: TokenizerInfo, text: bytes) -> list[int]:
-    return list(text)  # ids 0..255 are the single bytes
-
-
 def test_special_token_trigger_opens_its_structure():
     """Llama's <|python_tag|> as one special token: free text (EOS allowed), then the rest of
     begin, JSON valid for the schema and end exactly (no EOS inside), then free text again."""
@@ -73,18 +70,18 @@ def test_special_token_trigger_opens_its_structure():
     tag = _tag(v, [{"begin": '<|python_tag|>{"name": "weather", "parameters": ', "schema": ARGS, "end": "}"}],
                ["<|python_tag|>"])
     m = tag.matcher()
-    row = _walk(m, v, _bytes(v, b"Let me check. "))
+    row = _walk(m, v, list(b"Let me check. "))
     assert row.all()  # free text: every token, EOS and special tokens included
     row = _walk(m, v, [PY_TAG])
     assert set(np.flatnonzero(row)) == {ord("{"), _id(v, b'{"')}  # only the rest of begin: no EOS
-    row = _walk(m, v, _bytes(v, b'{"name": "weather", "parameters": '))
+    row = _walk(m, v, list(b'{"name": "weather", "parameters": '))
     assert not row[EOS] and row[ord("{")] and not row[PY_TAG]
-    row = _walk(m, v, _bytes(v, b'{"city": "Oslo", "days": 3}'))
+    row = _walk(m, v, list(b'{"city": "Oslo", "days": 3}'))
     assert row.sum() == 1 and row[ord("}")]  # end, exactly: no whitespace before it
-    row = _walk(m, v, _bytes(v, b"}"))
+    row = _walk(m, v, list(b"}"))
     assert row.all() and not m.is_terminated()
     m2 = tag.matcher()
-    _walk(m2, v, [PY_TAG] + _bytes(v, b'{"name": "weather", "parameters": {'))
+    _walk(m2, v, [PY_TAG] + list(b'{"name": "weather", "parameters": {'))
     assert not m2.accept_token(ord("}"))  # "city" is required
 
 
@@ -95,22 +92,22 @@ def test_plain_text_trigger_and_straddling_tokens():
     tag = _tag(v, [{"begin": '<tool_call>\n{"name": "weather", "arguments": ', "schema": ARGS, "end": "}\n</tool_call>"}],
                ["<tool_call>"])
     m = tag.matcher()
-    row = _walk(m, v, _bytes(v, b"ok "))
+    row = _walk(m, v, list(b"ok "))
     assert row[_id(v, b"<tool_call>")] and row[_id(v, b"<tool")] and row[_id(v, b"call>\n")]
     row = _walk(m, v, [_id(v, b"<tool"), ord("_")])
     assert not row[_id(v, b"call>\n")]  # would complete the trigger and run on: masked out
     assert row[ord("c")] and row[EOS]
-    row = _walk(m, v, _bytes(v, b"call>"))
+    row = _walk(m, v, list(b"call>"))
     assert row.sum() == 1 and row[ord("\n")]  # in the structure: the rest of begin
     m = tag.matcher()
     row = _walk(m, v, [_id(v, b"<tool_call>"), ord("\n"), _id(v, b'{"'), _id(v, b"name"), _id(v, b'":'),
-                       _id(v, b' "')] + _bytes(v, b'weather", "arguments": {"city": "x"}'))
+                       _id(v, b' "')] + list(b'weather", "arguments": {"city": "x"}'))
     assert row[_id(v, b"}\n")] and not row[EOS]
-    row = _walk(m, v, [_id(v, b"}\n")] + _bytes(v, b"</tool_call>"))
+    row = _walk(m, v, [_id(v, b"}\n")] + list(b"</tool_call>"))
     assert row.all()  # free again
     # a token that completes the end and runs on is masked out
     m = tag.matcher()
-    row = _walk(m, v, [_id(v, b"<tool_call>")] + _bytes(v, b'\n{"name": "weather", "arguments": {"city": "x"}}\n</tool_'))
+    row = _walk(m, v, [_id(v, b"<tool_call>")] + list(b'\n{"name": "weather", "arguments": {"city": "x"}}\n</tool_'))
     assert row.sum() == 1 and row[ord("c")] and not row[_id(v, b"call>\n")]
     # a plain-text trigger made of JSON itself: {"name": (the Llama JSON style without a tag)
     tag = _tag(v, [{"begin": '{"name": "weather", "parameters": ', "schema": ARGS, "end": "}"}], ['{"name":'])
@@ -131,12 +128,12 @@ def test_several_triggers_and_structures():
     m = tag.matcher()
     row = _walk(m, v, [TOOL_CALLS])
     assert row[ord("w")] and row[ord("s")] and row.sum() == 2
-    row = _walk(m, v, _bytes(v, b'search:{"q":"b"}'))
+    row = _walk(m, v, list(b'search:{"q":"b"}'))
     assert row.sum() == 1 and row[ord(";")]
-    row = _walk(m, v, _bytes(v, b';') + [_id(v, b"<tool_call>")] + _bytes(v, b'[1, {"x": null}]</tool_call>'))
+    row = _walk(m, v, list(b';') + [_id(v, b"<tool_call>")] + list(b'[1, {"x": null}]</tool_call>'))
     assert row.all()  # a null schema: any JSON value
     m = tag.matcher()
-    _walk(m, v, [TOOL_CALLS] + _bytes(v, b'search:{"q":'))
+    _walk(m, v, [TOOL_CALLS] + list(b'search:{"q":'))
     assert not m.accept_token(ord("1"))
 
 
@@ -176,14 +173,14 @@ def test_grammar_after_frees_the_text_before_the_marker():
 
     after = AfterText(Compiled(), "</think>", v)
     m = after.matcher()
-    row = _walk(m, v, _bytes(v, b"hmm, <"))
+    row = _walk(m, v, list(b"hmm, <"))
     assert row.all() and not m.is_terminated()
-    row = _walk(m, v, _bytes(v, b"/"))
+    row = _walk(m, v, list(b"/"))
     assert row[ord("t")] and not row[_id(v, b"think>\n")] and row[EOS]  # it would run past the marker
-    row = _walk(m, v, _bytes(v, b"think"))
-    row = _walk(m, v, _bytes(v, b">"))
+    row = _walk(m, v, list(b"think"))
+    row = _walk(m, v, list(b">"))
     assert row.sum() == 10 and row[ord("7")] and not row[EOS]  # the regex from here on
-    row = _walk(m, v, _bytes(v, b"42"))
+    row = _walk(m, v, list(b"42"))
     assert m.is_terminated() and row[EOS]
     m = after.matcher()
     row = _walk(m, v, [_id(v, b"</think>")])
