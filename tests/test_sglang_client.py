@@ -123,7 +123,7 @@ BODY_NOOPS = {"lora_path": None, "image_data": None, "video_data": None, "audio_
               "token_ids_logprob": None, "modalities": [], "session_params": None, "custom_logit_processor": None,
               "return_hidden_states": False, "log_metrics": True, "bootstrap_host": None, "bootstrap_port": None,
               "bootstrap_room": None, "data_parallel_rank": None}
-PARAM_ASKS = {"spaces_between_special_tokens": False, "no_stop_trim": True, "structural_tag": "{}",
+PARAM_ASKS = {"spaces_between_special_tokens": False, "no_stop_trim": True,
               "custom_params": {"a": 1}, "stream_interval": 4, "logit_bias": {"5": 1.0}}
 BODY_ASKS = {"lora_path": "adapter", "image_data": "x.png", "return_hidden_states": True, "log_metrics": False,
              "data_parallel_rank": 0, "session_params": {"id": "s"}}
@@ -158,6 +158,28 @@ def test_asking_for_missing_behaviour_is_refused(daemon, key):
     r = httpx.post(daemon.url + "/generate", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert r.json()["error"]["code"] == "unsupported_parameter"
+
+
+def test_structural_tag(daemon):
+    """``sampling_params.structural_tag``, SGLang's JSON text: free text, then each trigger's
+    structure (a plain-text trigger the random model writes soon: the letter e)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"]}
+    tag = json.dumps({"structures": [{"begin": "e=", "schema": schema, "end": ";"}], "triggers": ["e"]})
+    sp = [{"structural_tag": tag, "max_new_tokens": 60, "temperature": 1.0, "seed": seed} for seed in range(8)]
+    r = httpx.post(daemon.url + "/generate", json={"text": ["hello"] * 8, "sampling_params": sp}, timeout=60)
+    assert r.status_code == 200, r.text
+    found = 0
+    for out in r.json():
+        text = out["text"]
+        calls = re.findall(r"e=(.*?);", text, re.S)
+        assert all(0 <= json.loads(c)["n"] <= 9 for c in calls), text
+        assert not re.search(r"e(?!=|\Z)", text), text  # every e of the free text opened a structure
+        found += len(calls)
+    assert found
+    r = httpx.post(daemon.url + "/generate", json={"text": "hi", "sampling_params": {"structural_tag": "{}"}},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.structural_tag", r.text
 
 
 def test_logprob_layout(tiny_models, daemon):

@@ -412,3 +412,34 @@ def test_logit_bias_changes_greedy_token(client, http):
     refused(http, "completion", {"logit_bias": {"5": 101}}, "logit_bias")
     refused(http, "completion", {"logit_bias": {"256": 1}}, "logit_bias")
     refused(http, "completion", {"logit_bias": {"x": 1}}, "logit_bias")
+
+
+def test_response_format_structural_tag(client, http):
+    """SGLang's structural tag as response_format on both routes: the random model, pushed
+    towards the trigger (<pad>, a special token), writes structures that validate."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    begin = '{"name": "f", "arguments": '
+    tag = {"type": "structural_tag", "triggers": ["<pad>"],
+           "structures": [{"begin": "<pad>" + begin, "schema": schema, "end": "}"}]}
+    for route in (chat, complete):  # (the client's completions.create has no response_format argument)
+        r = route(client, max_tokens=60, temperature=1, seed=4, logit_bias={"1": 8.0},
+                  extra_body={"skip_special_tokens": False, "response_format": tag})
+        c = r.choices[0]
+        text = c.message.content if hasattr(c, "message") else c.text
+        done = 0
+        for piece in text.split("<pad>")[1:]:
+            assert piece.startswith(begin) or begin.startswith(piece), text
+            rest = piece[len(begin):].lstrip(" \t\n\r")
+            try:
+                doc, at = json.JSONDecoder().raw_decode(rest)
+            except json.JSONDecodeError:
+                continue  # cut short by max_tokens
+            assert 0 <= doc["n"] <= 99 and set(doc) == {"n"} and rest[at:at + 1] in ("}", ""), text
+            done += rest[at:at + 1] == "}"
+        assert done, text
+    err = refused(http, "chat", {"response_format": {"type": "structural_tag", "structures": [], "triggers": ["<a>"]}},
+                  "structural_tag")
+    assert "'structures'" in err["message"]
+    refused(http, "chat", {"response_format": {"type": "structural_tag", "triggers": ["<a>"], "schema": {}}},
+            "response_format")

@@ -7,11 +7,12 @@ import threading
 from radixd.grammars import GrammarError
 from radixd.grammars.automaton import TokenGrammar
 from radixd.grammars.budget import Budget, ClosingMatcher, ClosingShared
-from radixd.grammars.json_schema import SchemaError, schema_to_lark
+from radixd.grammars.json_schema import SchemaError, schema_to_lark, unsupported
 from radixd.grammars.lark_grammar import GrammarSyntaxError, compile_lark
 from radixd.grammars.lexers import SharedLexers, Terminal
 from radixd.grammars.parsers import SingleTerminalParser
 from radixd.grammars.regex_dfa import RegexError, parse
+from radixd.grammars.structural_tag import StructuralTag, compile_structural_tag
 from radixd.grammars.vocab import TokenizerInfo
 from radixd.plugins import hookimpl
 
@@ -28,7 +29,7 @@ class RadixdCompiled:
 
 
 class RadixdBackend:
-    """Regex, JSON Schema and Lark (LALR) constraints: byte-level DFAs per lexer state,
+    """Regex, JSON Schema, Lark (LALR) and structural-tag constraints: byte-level DFAs per lexer state,
     masks computed vectorized over the vocabulary the first time a configuration is reached."""
 
     name = "radixd"
@@ -66,7 +67,7 @@ class RadixdBackend:
     def tokenizer_key(self) -> str:
         return self.vocab.key
 
-    def compile(self, kind: str, spec: str) -> RadixdCompiled:
+    def compile(self, kind: str, spec: str) -> RadixdCompiled | StructuralTag:
         vocab = self.vocab
         try:
             if kind == "regex":
@@ -77,13 +78,16 @@ class RadixdBackend:
             elif kind == "json_schema":
                 g = compile_lark(schema_to_lark(spec, self.max_ws), vocab, mask_cache_size=self.mask_cache_size,
                                  shared=self.shared, warm_budget_s=self.warm_budget_s)
+            elif kind == "structural_tag":
+                return compile_structural_tag(spec, vocab, max_ws=self.max_ws, mask_cache_size=self.mask_cache_size,
+                                              shared=self.shared, warm_budget_s=self.warm_budget_s)
             elif kind == "ebnf":
                 g = compile_lark(spec, vocab, mask_cache_size=self.mask_cache_size, shared=self.shared,
                                  warm_budget_s=self.warm_budget_s)
             else:
                 raise GrammarError(kind, f"unknown grammar kind {kind!r}")
         except SchemaError as exc:
-            raise GrammarError("json_schema", f"unsupported JSON Schema keyword '{exc.keyword}': {exc}") from None
+            raise unsupported(exc, "json_schema") from None
         except RegexError as exc:
             raise GrammarError(kind, str(exc)) from None
         except GrammarSyntaxError as exc:

@@ -11,8 +11,12 @@ numbers have no exponent) and ``multipleOf`` where the last digits decide it, ar
 ``anyOf``, ``oneOf`` (branches proven mutually exclusive) and ``allOf`` (merged when exact; see
 ``schema_algebra``), ``nullable``, ``$ref`` to ``#``, ``#/$defs/..`` and ``#/definitions/..``
 (recursion included; keywords beside a ``$ref`` are merged with it as an allOf).
-Annotations (title, description, default, examples, ...) are accepted. Anything else raises
-``SchemaError`` naming the keyword, so nothing is silently left unenforced.
+Annotations (title, description, default, examples, ...) are accepted. A keyword applies only
+to the instances of the type it is for (``schema_model.TYPE_KEYWORDS``): under a type list or
+an untyped schema each type takes its own keywords, and ``{"type": "null", "maxLength": 3}``
+is just null; keywords beside anyOf/oneOf apply to every branch (merged as an allOf).
+Anything else raises ``SchemaError`` naming the keyword, so nothing is silently left
+unenforced; ``check_schema`` makes that check alone.
 
 Whitespace between tokens is one ignored terminal of 1..``max_ws`` characters, never two in
 a row, so a model cannot loop on blanks.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import json
 import re
 
+from radixd.grammars import GrammarError
 from radixd.grammars.regex_dfa import is_empty
 from radixd.grammars.schema_algebra import Algebra
 from radixd.grammars.schema_model import (
@@ -35,7 +40,9 @@ from radixd.grammars.schema_model import (
     SchemaError,
     count_bounds,
     fits_type,
-    implied_type,
+    for_type,
+    foreign_to,
+    implied_types,
     value_key,
 )
 from radixd.grammars.schema_numbers import NUMBER, admits_number, integer_regex, number_regex
@@ -70,11 +77,22 @@ class SchemaGrammar:
         self.terminals: dict[str, str] = {}     # regex -> terminal name
         self.memo: dict[str, str] = {}          # canonical schema / ref -> rule name
         self._n = 0
+        self._roots = 0  # memo keys are per root: the same $ref means another schema elsewhere
         self.algebra = Algebra(self.resolve)
 
     def build(self) -> str:
-        top = self.value(self.root, "#")
-        lines = [f"start: {top}"]
+        return self.grammar(f"start: {self.top(self.root)}")
+
+    def top(self, schema) -> str:
+        """The symbol of the documents valid under the root ``schema``. One grammar may hold
+        several roots (a structural tag's structures), each resolving its own ``$ref``s."""
+        self.root = schema
+        self._roots += 1
+        return self.value(schema, "#")
+
+    def grammar(self, start: str) -> str:
+        """The grammar text: the ``start`` rule, then the rules and terminals made so far."""
+        lines = [start]
         lines += [f"{name}: {body}" for name, body in self.rules.items()]
         lines += [f"{name}: {_lark_regex(rx)}" for rx, name in self.terminals.items()]
         if self.max_ws > 0:
@@ -125,13 +143,14 @@ class SchemaGrammar:
                 rest = {k: v for k, v in schema.items() if k != "$ref"}
                 return self.value({"allOf": [{"$ref": schema["$ref"]}, rest]}, path)
             ref = schema["$ref"]
-            name = self.memo.get("ref:" + str(ref))
+            key = f"ref:{self._roots}:{ref}"
+            name = self.memo.get(key)
             if name is None:
-                name = self.memo["ref:" + str(ref)] = self._name("ref")
+                name = self.memo[key] = self._name("ref")
                 self.rules[name] = ""  # reserve: recursion refers to it before it is built
                 self.rules[name] = self.value(self.resolve(ref), str(ref))
             return name
-        key = json.dumps(schema, sort_keys=True)
+        key = f"{self._roots}:{json.dumps(schema, sort_keys=True)}"
         if key in self.memo:
             return self.memo[key]
         name = self._name("v")
@@ -151,8 +170,8 @@ class SchemaGrammar:
                 if not isinstance(alts, list) or not alts:
                     raise SchemaError(kw, f"{kw} must be a non-empty list (at {path})")
                 rest = {k: v for k, v in s.items() if k != kw and k not in ANNOTATIONS}
-                if rest:
-                    raise SchemaError(sorted(rest)[0], f"keywords beside {kw} are not supported ({sorted(rest)}) at {path}")
+                if rest:  # keywords beside the choice apply to every branch
+                    return self.value({kw: [{"allOf": [rest, a]} for a in alts]}, path)
                 if kw == "oneOf":
                     self.algebra.check_one_of(alts, path)
                 return " | ".join(self.value(a, f"{path}/{kw}/{i}") for i, a in enumerate(alts))
@@ -162,20 +181,21 @@ class SchemaGrammar:
         if "const" in s or "enum" in s:
             return " | ".join(self.term(_literal_regex(v)) for v in self._listed_values(s, path))
         t = s.get("type")
+        if t is None:  # untyped: the types its keywords are of, else any value
+            implied = implied_types(s)
+            if not implied:
+                self._check(s, set(), path)
+                return self.any_value()
+            t = implied[0] if len(implied) == 1 else implied
         if isinstance(t, list):
             if not t:
                 raise SchemaError("type", f"type must not be an empty list (at {path})")
             return " | ".join(self.value({**s, "type": one}, path) for one in t)
-        if t is None:  # untyped: the type its keywords imply, else any value
-            t = implied_type(s)
-            if t is None:
-                self._check(s, set(), path)
-                return self.any_value()
         builder = {"string": self._string, "integer": self._integer, "number": self._number,
                    "boolean": self._boolean, "null": self._null, "object": self._object, "array": self._array}
         if t not in builder:
             raise SchemaError("type", f"unknown type {t!r} at {path}")
-        return builder[t](s, path)
+        return builder[t](for_type(s, t), path)  # (the keywords of other types say nothing here)
 
     def _listed_values(self, s: dict, path: str) -> list:
         """The const/enum values that also satisfy the keywords beside them (scalar ones:
@@ -190,6 +210,8 @@ class SchemaGrammar:
             del rest["enum"]
         else:
             rest.pop("enum", None)
+        for kw in foreign_to(rest, vals):  # no listed value is of the type they are for
+            del rest[kw]
         scalar = {"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength",
                   "maxLength", "pattern", "format"}
         if set(rest) - scalar:
@@ -381,6 +403,21 @@ def _admits(v, s: dict, path: str) -> bool:
     if isinstance(v, str) and not admits_string(v, s, path):
         return False
     return True
+
+
+def unsupported(exc: SchemaError, field: str, where: str = "") -> GrammarError:
+    """The ``GrammarError`` (HTTP 400 naming ``field``) for a schema radixd cannot enforce."""
+    return GrammarError(field, f"{where}unsupported JSON Schema keyword '{exc.keyword}': {exc}")
+
+
+def check_schema(schema, field: str = "json_schema") -> None:
+    """Raise ``GrammarError(field, ...)`` naming the first keyword of ``schema`` (a dict/bool,
+    or its JSON text) that radixd cannot enforce, as compiling it would, without compiling it
+    for a vocabulary (cheap enough for the request path: ``strict: true`` function tools)."""
+    try:
+        schema_to_lark(schema)
+    except SchemaError as exc:
+        raise unsupported(exc, field) from None
 
 
 def schema_to_lark(schema, max_ws: int = 2) -> str:

@@ -17,7 +17,7 @@ from radixd.grammars.schema_model import (
     ANNOTATIONS,
     SchemaError,
     fits_type,
-    implied_type,
+    implied_types,
     json_type,
     value_key,
 )
@@ -58,9 +58,9 @@ class Algebra:
                 return set().union(*(self.gen_types(a, depth + 1) for a in s[kw]))
         out = self.valid_types(s, depth)
         if "type" not in s and "const" not in s and "enum" not in s:
-            implied = implied_type(s)
+            implied = _types_of(implied_types(s))
             if implied:
-                out = {implied} | ({"null"} if s.get("nullable") is True else set())
+                out = implied | ({"null"} if s.get("nullable") is True else set())
         return out
 
     def valid_types(self, s, depth: int = 0) -> set[str]:

@@ -1,6 +1,7 @@
 """What a JSON Schema says, apart from how a grammar is built for it: the error naming a
-keyword radixd cannot enforce, the keywords that only annotate, the type an untyped schema's
-keywords imply, length and size ranges, and JSON values compared, typed and read as exact
+keyword radixd cannot enforce, the keywords that only annotate, the keywords of each type
+(which say nothing of instances of other types) and so the types an untyped schema's keywords
+imply, length and size ranges, and JSON values compared, typed and read as exact
 decimals as JSON Schema does.
 
 Shared by the grammar builder (``json_schema`` and the terminal modules beside it) and the
@@ -23,16 +24,38 @@ class SchemaError(ValueError):
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "$defs", "definitions", "strict", "name"}
-# an untyped schema with these keywords is generated as that type (valid: others pass too)
-IMPLIED_TYPES = (("object", {"properties", "required", "additionalProperties", "patternProperties"}),
-            ("array", {"items", "minItems", "maxItems", "prefixItems", "additionalItems"}),
-            ("string", {"minLength", "maxLength", "pattern", "format"}),
-            ("number", {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}))
+# The keywords that apply to the instances of one type only: a keyword says nothing about
+# instances of the other types (JSON Schema), so {"type": ["string", "null"], "maxLength": 3}
+# allows null. radixd enforces some of each type's and refuses the others by name.
+TYPE_KEYWORDS: dict[str, frozenset[str]] = {
+    "object": frozenset({"properties", "required", "additionalProperties", "patternProperties", "minProperties",
+                         "maxProperties", "propertyNames", "dependentRequired", "dependentSchemas", "dependencies",
+                         "unevaluatedProperties"}),
+    "array": frozenset({"items", "minItems", "maxItems", "prefixItems", "additionalItems", "uniqueItems", "contains",
+                        "minContains", "maxContains", "unevaluatedItems"}),
+    "string": frozenset({"minLength", "maxLength", "pattern", "format", "contentEncoding", "contentMediaType",
+                         "contentSchema"}),
+    "number": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}),
+}
+_TYPED = frozenset().union(*TYPE_KEYWORDS.values())
 
 
-def implied_type(s: dict) -> str | None:
-    """The type an untyped schema is generated as, from its keywords (None: any value)."""
-    return next((t for t, kws in IMPLIED_TYPES if kws & s.keys()), None)
+def for_type(s: dict, t: str) -> dict:
+    """``s`` as it applies to the instances of type ``t``: less the keywords of other types."""
+    own = TYPE_KEYWORDS.get("number" if t == "integer" else t, frozenset())
+    return {k: v for k, v in s.items() if k in own or k not in _TYPED}
+
+
+def implied_types(s: dict) -> list[str]:
+    """The types whose keywords an untyped schema has, in the order object, array, string,
+    number: it is generated as those types (valid: values of other types pass too)."""
+    return [t for t, kws in TYPE_KEYWORDS.items() if kws & s.keys()]
+
+
+def foreign_to(s: dict, values: list) -> set[str]:
+    """The keywords of ``s`` that apply to no type among ``values`` (they say nothing of them)."""
+    kinds = {json_type(v) for v in values}
+    return {k for k in s if any(k in kws and t not in kinds for t, kws in TYPE_KEYWORDS.items())}
 
 
 def count_bounds(s: dict, lo_kw: str, hi_kw: str, path: str) -> tuple[int, int | None]:

@@ -56,9 +56,11 @@ def radixd_grammar_backends() -> dict[str, type]:
     vocab_size=..., eos_ids=...)`` (``config``: the ``EngineConfig``; ``tokenizer``: the Hugging
     Face tokenizer; ``vocab_size``: the logits' width; ``eos_ids``: the model's EOS ids) and
     must follow the contract in :mod:`radixd.grammars`: ``compile(kind, spec)`` for kind
-    ``regex``/``json_schema``/``ebnf`` returns a compiled grammar whose ``matcher()`` has
-    ``accept_token``, ``fill_mask`` and ``is_terminated``; unsupported input raises
-    ``radixd.grammars.GrammarError``. ``grammar.backend`` in radixd.toml picks one by name.
+    ``regex``/``json_schema``/``ebnf``/``structural_tag`` returns a compiled grammar whose
+    ``matcher()`` has ``accept_token``, ``fill_mask`` and ``is_terminated``; unsupported input
+    (a kind it lacks included) raises ``radixd.grammars.GrammarError``. ``grammar_after`` needs
+    nothing of a backend (the grammar service wraps its grammars). ``grammar.backend`` in
+    radixd.toml picks one by name.
     """
 
 
