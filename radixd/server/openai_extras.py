@@ -93,7 +93,6 @@ NO_OPS: dict[str, tuple[tuple[str, ...], NoOp]] = {
     "audio": (_CHAT, NoOp(_NULL, lambda v, b: False, "accepted null: no audio")),
     "prediction": (_CHAT, NoOp(_NULL, lambda v, b: False, "accepted null: no predicted outputs")),
     "reasoning_effort": (_CHAT, NoOp(_NULL, lambda v, b: False, "accepted null")),
-    "include_reasoning": (_CHAT, NoOp({"const": True}, _is(True), "accepted `true` (vLLM's default)")),
     "echo": (_CHAT, NoOp({"const": False}, _is(False), "on chat, accepted `false` (vLLM's echo of the last "
                                                        "message is not implemented)")),
     "suffix": (_COMPLETION, NoOp({"const": ""}, _is(""), "accepted `\"\"`: no insertion")),

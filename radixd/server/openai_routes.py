@@ -2,7 +2,8 @@
 
 Bodies are parsed by ``protocol``; submission, collection and streaming by ``Generation``;
 this module shapes OpenAI's response objects, stream chunks and logprobs (with vLLM's
-extras: prompt logprobs, usage in every chunk, prompts cut to their last tokens).
+extras: prompt logprobs, usage in every chunk, prompts cut to their last tokens); chat
+output passes ``reasoning`` first (the thinking apart from the content).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from radixd import __version__
 from radixd.core.outputs import GenerateOutput
-from radixd.server import protocol
+from radixd.server import protocol, reasoning
 from radixd.server.chat import chat_prompt_ids
 from radixd.server.generation import Generation, samples, sse
 from radixd.server.state import state_of
@@ -22,7 +23,9 @@ from radixd.server.state import state_of
 
 async def chat_completions(request: Request) -> Response:
     st = state_of(request)
-    req = protocol.parse_chat(await protocol.read_json(request), st.limits, st.model_name)
+    body = await protocol.read_json(request)
+    req = protocol.parse_chat(body, st.limits, st.model_name)
+    think = reasoning.for_chat(st.reasoning, body, req)
     parsed, params, ex = req.parsed, req.parsed.params, req.parsed.extras
     ids = truncated(st, chat_prompt_ids(st, req.messages, add_generation_prompt=ex.add_generation_prompt,
                                         continue_final_message=ex.continue_final_message,
@@ -37,7 +40,7 @@ async def chat_completions(request: Request) -> Response:
         extra = {"prompt_logprobs": prompt_logprobs(tok, ids, outs)} if ex.prompt_logprobs else {}
         choices = [{
             "index": i,
-            "message": {"role": "assistant", "content": "".join(o.text for o in mine)},
+            "message": {"role": "assistant", **think.message("".join(o.text for o in mine))},
             "logprobs": chat_logprobs(tok, mine) if params.logprobs else None,
             "finish_reason": mine[-1].finish_reason,
         } for i, mine in enumerate(samples(outs, params.n))]
@@ -55,9 +58,10 @@ async def chat_completions(request: Request) -> Response:
                                             "logprobs": None, "finish_reason": None}]})
         async for _, out in gen.outputs():
             lp = chat_logprobs(tok, [out]) if params.logprobs and out.token_ids else None
-            if out.text or lp or out.finished:
+            delta = think.delta(out.index, out.text, out.finished)
+            if delta or lp or out.finished:
                 yield event({**base, "choices": [{
-                    "index": out.index, "delta": {"content": out.text} if out.text else {}, "logprobs": lp,
+                    "index": out.index, "delta": delta, "logprobs": lp,
                     "finish_reason": out.finish_reason if out.finished else None}]})
         if parsed.include_usage:
             yield event({**base, "choices": [], "usage": gen.usage()})
