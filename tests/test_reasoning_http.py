@@ -125,6 +125,14 @@ def test_reasoning_apart_from_content(client, closing):
     sr, sc, chunks = streamed(client, bias, max_tokens=k + 6, stream_options={"include_usage": True})
     assert (sr, sc) == (reasoning, content)
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == tokens and chunks[-2].choices[0].finish_reason == r.choices[0].finish_reason
+    both = chat(client, bias, max_tokens=k + 6, n=2)  # a splitter per choice
+    assert [fields(c.message) for c in both.choices] == [(reasoning, content)] * 2
+    per = {0: ["", ""], 1: ["", ""]}
+    for chunk in chat(client, bias, max_tokens=k + 6, n=2, stream=True):
+        for c in chunk.choices:
+            per[c.index][0] += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            per[c.index][1] += c.delta.content or ""
+    assert per == {0: [reasoning, content], 1: [reasoning, content]}
     # SGLang's stream_reasoning false: the reasoning in one delta
     one = [c for c in chat(client, bias, max_tokens=k + 6, stream=True, extra_body={"stream_reasoning": False})
            if c.choices and (c.choices[0].delta.model_extra or {}).get("reasoning_content")]
