@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from radixd.core.errors import ConfigError
+from radixd.core.sampling_params import SamplingParams
 from radixd.plugins import hookimpl, make_plugin_manager
 from radixd.plugins.reasoning import DeepSeekR1, Qwen3, Qwen3Thinking
 from radixd.server import reasoning
@@ -199,6 +200,11 @@ def test_reasoning_end_and_grammar_after():
     assert ChatReasoning.of(None, {}, {}).reasoning_end() is None
     assert ChatReasoning.of(q, {}, {}, previous="<think>a</think>b").reasoning_end() is None  # closed before
     assert ChatReasoning.of(DeepSeekR1(), {}, OFF).reasoning_end() == "</think>"
+    free = SamplingParams(max_new_tokens=4)
+    assert ChatReasoning.of(q, {}, {}).constrain(free) is free  # no grammar, nothing to defer
+    schema = SamplingParams(max_new_tokens=4, json_schema={"type": "object"})
+    assert ChatReasoning.of(q, {}, {}).constrain(schema).grammar_after == "</think>"
+    assert ChatReasoning.of(q, {}, OFF).constrain(schema).grammar_after is None
 
 
 # ------------------------------------------------------------------------ the command line

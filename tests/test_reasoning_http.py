@@ -1,6 +1,6 @@
 """Reasoning over HTTP with the official ``openai`` client: ``reasoning_content`` apart from
 ``content``, streamed and not, ``enable_thinking: false``, SGLang's and vLLM's request fields,
-and ``response_format``.
+and ``response_format`` applying after the reasoning (vllm #47027).
 
 The model is a tiny random Qwen3 whose tokenizer has ``<think>`` / ``</think>`` as added
 tokens and whose chat template handles thinking as Qwen3's does (so ``reasoning_parser =
@@ -10,6 +10,8 @@ tokens and whose chat template handles thinking as Qwen3's does (so ``reasoning_
 so every output here is deterministic."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import openai
@@ -169,6 +171,25 @@ def test_continued_message_inside_the_reasoning(client, closing):
     r = chat(client, {}, messages=done, max_tokens=4, extra_body={"continue_final_message": True,
                                                                     "add_generation_prompt": False})
     assert fields(r.choices[0].message)[0] is None and r.choices[0].message.content
+
+
+def test_response_format_after_the_reasoning(client, closing):
+    bias, k = closing
+    free, _ = fields(chat(client, bias, max_tokens=k + 6).choices[0].message)
+    rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    r = chat(client, bias, max_tokens=k + 40, response_format=rf)
+    reasoning, content = fields(r.choices[0].message)
+    assert reasoning == free  # the reasoning is not held to the schema
+    doc = json.loads(content)
+    assert set(doc) == {"ok", "n"} and isinstance(doc["ok"], bool) and 0 <= doc["n"] <= 99
+    sr, sc, _ = streamed(client, bias, max_tokens=k + 40, response_format=rf)
+    assert (sr, sc) == (reasoning, content)
+    # json_object too; and with thinking off the grammar holds from the first token
+    r = chat(client, bias, max_tokens=k + 40, response_format={"type": "json_object"})
+    assert fields(r.choices[0].message)[0] == free and isinstance(json.loads(r.choices[0].message.content), dict)
+    r = chat(client, bias, max_tokens=40, response_format=rf, extra_body=OFF)
+    reasoning, content = fields(r.choices[0].message)
+    assert reasoning is None and set(json.loads(content)) == {"ok", "n"}
 
 
 def test_bad_fields(http):

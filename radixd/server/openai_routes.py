@@ -26,7 +26,7 @@ async def chat_completions(request: Request) -> Response:
     body = await protocol.read_json(request)
     req = protocol.parse_chat(body, st.limits, st.model_name)
     think = reasoning.for_chat(st.reasoning, body, req)
-    parsed, params, ex = req.parsed, req.parsed.params, req.parsed.extras
+    parsed, params, ex = req.parsed, think.constrain(req.parsed.params), req.parsed.extras
     ids = truncated(st, chat_prompt_ids(st, req.messages, add_generation_prompt=ex.add_generation_prompt,
                                         continue_final_message=ex.continue_final_message,
                                         template_kwargs=ex.template_kwargs), parsed)

@@ -22,10 +22,11 @@ in the tools' code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from radixd.core.errors import ConfigError
+from radixd.core.sampling_params import SamplingParams
 from radixd.server.errors import ApiError
 
 SETTING = "model.reasoning_parser"
@@ -210,6 +211,13 @@ class ChatReasoning:
     def reasoning_end(self) -> str | None:
         """The marker after which the request's grammars apply (None: from the start)."""
         return self.parser.end if self.thinks else None
+
+    def constrain(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its grammar (if any) starting after the reasoning."""
+        end = self.reasoning_end()
+        if end is None or params.constraint is None:
+            return params
+        return replace(params, grammar_after=end)
 
     def split(self, text: str) -> tuple[str | None, str]:
         """A whole reply: ``(reasoning or None, content)``."""
