@@ -539,7 +539,7 @@ class _Tags:
         return template_kwargs.get("think", True)
 
     @classmethod
-    def detect(cls, chat_template):
+    def detect(cls, chat_template, generation_prompt):
         return False
 
 

@@ -114,22 +114,49 @@ def test_resume_after_a_continued_message():
 
 # ------------------------------------------------------------------------ choosing the parser
 
-QWEN3_TEMPLATE = ("{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-                  "{%- endif %}{{ content.split('</think>')[-1] }}")
-R1_TEMPLATE = "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}<think>\n"
+QWEN3_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}"
+                  "<assistant>{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+                  "{% endif %}{% endif %}")
+_HISTORY = ("{% for m in messages %}{% set c = m.content %}{% if '</think>' in c %}{% set c = c.split('</think>')[-1] %}"
+            "{% endif %}<{{ m.role }}>{{ c }}{% endfor %}")
+R1_TEMPLATE = _HISTORY + "{% if add_generation_prompt %}<assistant><think>\n{% endif %}"
+INSTRUCT_TEMPLATE = _HISTORY + "{% if add_generation_prompt %}<assistant>{% endif %}"  # strips, never thinks
+V31_TEMPLATE = _HISTORY + "{% if add_generation_prompt %}<assistant>{% if thinking %}<think>{% else %}</think>{% endif %}{% endif %}"
+
+
+def tokenizer(template: str | None):
+    from conftest import _tokenizer
+
+    tok = _tokenizer()
+    tok.chat_template = template
+    return tok
 
 
 def test_builtin_parsers_and_auto():
     table = reasoning.available(make_plugin_manager(load_entry_points=False))
     assert {"qwen3", "qwen3-thinking", "deepseek-r1"} <= set(table)
-    assert isinstance(reasoning.choose("auto", table, QWEN3_TEMPLATE), Qwen3)
-    assert isinstance(reasoning.choose("auto", table, R1_TEMPLATE), DeepSeekR1)
-    assert reasoning.choose("auto", table, "{{ messages }}") is None
-    assert reasoning.choose("auto", table, None) is None
-    assert reasoning.choose("none", table, QWEN3_TEMPLATE) is None
-    assert isinstance(reasoning.choose("deepseek-r1", table, QWEN3_TEMPLATE), DeepSeekR1)
+    assert isinstance(reasoning.choose("auto", table, tokenizer(QWEN3_TEMPLATE)), Qwen3)
+    assert isinstance(reasoning.choose("auto", table, tokenizer(R1_TEMPLATE)), DeepSeekR1)
+    for other in (INSTRUCT_TEMPLATE, V31_TEMPLATE, "{{ messages }}", None):  # no open block: no parser
+        assert reasoning.choose("auto", table, tokenizer(other)) is None, other
+    assert reasoning.choose("none", table, tokenizer(QWEN3_TEMPLATE)) is None
+    assert isinstance(reasoning.choose("deepseek-r1", table, tokenizer(QWEN3_TEMPLATE)), DeepSeekR1)
     with pytest.raises(ConfigError, match="auto, none or one of deepseek-r1, qwen3, qwen3-thinking"):
-        reasoning.choose("qwen", table, QWEN3_TEMPLATE)
+        reasoning.choose("qwen", table, tokenizer(QWEN3_TEMPLATE))
+
+
+@pytest.mark.parametrize("template, parser, kwargs, inside", [
+    (QWEN3_TEMPLATE, Qwen3, {}, True),             # the model writes <think> itself
+    (QWEN3_TEMPLATE, Qwen3, OFF, False),           # the template closed an empty block
+    (R1_TEMPLATE, DeepSeekR1, {}, True),           # the template opened it
+    (V31_TEMPLATE, DeepSeekR1, {}, False),         # closed: no thinking this time
+    (V31_TEMPLATE, DeepSeekR1, {"thinking": True}, True),
+    (INSTRUCT_TEMPLATE, DeepSeekR1, {}, True),     # no marker: the parser's rule (R1 always thinks)
+    ("{{ raise_exception('no') }}", Qwen3, OFF, False),  # no rendering: the parser's rule
+])
+def test_where_the_output_starts(template, parser, kwargs, inside):
+    opening = reasoning.generation_prompt(tokenizer(template), kwargs)
+    assert reasoning.starts_inside(parser(), opening, kwargs) is inside
 
 
 class _Twice:
@@ -139,8 +166,8 @@ class _Twice:
         return True
 
     @classmethod
-    def detect(cls, template):
-        return "</think>" in template
+    def detect(cls, template, generation_prompt):
+        return generation_prompt.endswith("<think>\n")
 
 
 class Parsers:
@@ -160,9 +187,9 @@ def test_a_name_two_plugins_give_is_refused():
 
 def test_auto_refuses_a_template_that_several_parsers_fit():
     table = reasoning.available(make_plugin_manager(load_entry_points=False, extra=[Parsers("tees")]))
-    assert isinstance(reasoning.choose("tees", table, R1_TEMPLATE), _Twice)
+    assert isinstance(reasoning.choose("tees", table, tokenizer(R1_TEMPLATE)), _Twice)
     with pytest.raises(ConfigError, match="deepseek-r1, tees"):
-        reasoning.choose("auto", table, R1_TEMPLATE)
+        reasoning.choose("auto", table, tokenizer(R1_TEMPLATE))
 
 
 # ------------------------------------------------------------------------ a request's handling

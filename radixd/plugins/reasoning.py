@@ -8,11 +8,13 @@ given here). What a parser class provides (the hook's contract):
 - ``implicit_ends``: markers that also end the reasoning and stay in the content (Qwen3.5
   may open ``<tool_call>`` without closing ``</think>`` first);
 - ``thinks(template_kwargs) -> bool``: whether the output of a request rendered with these
-  ``chat_template_kwargs`` starts inside the reasoning (its template opened the block in the
-  prompt, or the model always thinks); a leading ``start`` in the output is dropped either
-  way, and an output that does not think may still open with ``start``;
-- ``detect(chat_template) -> bool`` (a classmethod): whether ``reasoning_parser = "auto"``
-  should pick it for a model whose chat template is this text.
+  ``chat_template_kwargs`` starts inside the reasoning, asked only when the template writes
+  neither marker in the assistant's turn (one that opens or closes a block there decides);
+  a leading ``start`` in the output is dropped either way, and an output that does not think
+  may still open with ``start``;
+- ``detect(chat_template, generation_prompt) -> bool`` (a classmethod): whether
+  ``reasoning_parser = "auto"`` should pick it for a model whose chat template is this text
+  and writes ``generation_prompt`` for the assistant's turn.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class ThinkTags:
         return True
 
     @classmethod
-    def detect(cls, chat_template: str) -> bool:
+    def detect(cls, chat_template: str, generation_prompt: str) -> bool:
         return False
 
 
@@ -50,21 +52,24 @@ class Qwen3(ThinkTags):
         return template_kwargs.get("enable_thinking", True) is not False
 
     @classmethod
-    def detect(cls, chat_template: str) -> bool:
+    def detect(cls, chat_template: str, generation_prompt: str) -> bool:
         return "enable_thinking" in chat_template and cls.end in chat_template
 
 
 class Qwen3Thinking(ThinkTags):
-    """Qwen3's thinking-only releases (``-Thinking-2507``): no switch, the prompt opens the block."""
+    """Qwen3's thinking-only releases (``-Thinking-2507``): no switch, the prompt opens the block
+    (SGLang's name; "auto" picks ``deepseek-r1`` for them, which reads them alike)."""
 
 
 class DeepSeekR1(ThinkTags):
     """DeepSeek-R1 style: the template opens ``<think>`` in the prompt, so the output starts
-    inside the reasoning and holds only ``</think>`` (R1-0528 repeats ``<think>``: dropped)."""
+    inside the reasoning and holds only ``</think>`` (a repeated ``<think>``: dropped). "auto"
+    picks it for templates whose assistant turn ends inside an open block (R1-0528, Qwen3's
+    thinking releases); not for those that merely strip old reasoning from the history."""
 
     @classmethod
-    def detect(cls, chat_template: str) -> bool:
-        return "enable_thinking" not in chat_template and cls.end in chat_template
+    def detect(cls, chat_template: str, generation_prompt: str) -> bool:
+        return "enable_thinking" not in chat_template and generation_prompt.rstrip().endswith(cls.start)
 
 
 @hookimpl

@@ -25,7 +25,7 @@ async def chat_completions(request: Request) -> Response:
     st = state_of(request)
     body = await protocol.read_json(request)
     req = protocol.parse_chat(body, st.limits, st.model_name)
-    think = reasoning.for_chat(st.reasoning, body, req)
+    think = reasoning.for_chat(st, body, req)
     parsed, params, ex = req.parsed, think.constrain(req.parsed.params), req.parsed.extras
     ids = truncated(st, chat_prompt_ids(st, req.messages, add_generation_prompt=ex.add_generation_prompt,
                                         continue_final_message=ex.continue_final_message,

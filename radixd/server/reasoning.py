@@ -3,7 +3,9 @@
     [model] reasoning_parser ("auto" | a name | "none")
       -> parsers from ``radixd_reasoning_parsers`` (built-ins: radixd.plugins.reasoning)
       -> ``ServerState.reasoning``: the parser this server uses, or None
-    chat request -> ``ChatReasoning`` (the request's options) -> a ``ReasoningSplitter`` per choice
+    chat request -> ``ChatReasoning`` (the request's options; whether its output starts inside
+       the reasoning, from what the template writes for the assistant's turn)
+       -> a ``ReasoningSplitter`` per choice
 
 ``ReasoningSplitter`` is a per-choice state machine over the output text: ``feed(delta) ->
 (reasoning_delta, content_delta)`` in output order, ``flush()`` at the end, or
@@ -53,15 +55,20 @@ def check_setting(name: str, table: dict[str, type]) -> None:
         raise ConfigError(SETTING, name, "auto, none or one of " + ", ".join(sorted(table)))
 
 
-def choose(name: str, table: dict[str, type], chat_template: str | None):
+def choose(name: str, table: dict[str, type], tokenizer):
     """The parser for ``[model] reasoning_parser`` (an instance), or None; "auto": the one whose
-    ``detect`` knows the chat template (none: no reasoning parsing; several: name one)."""
+    ``detect`` knows the tokenizer's chat template (none: no reasoning parsing; several: name
+    one)."""
     check_setting(name, table)
     if name == "none":
         return None
     if name != "auto":
         return table[name]()
-    found = sorted(n for n, cls in table.items() if chat_template and cls.detect(chat_template))
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return None
+    opening = generation_prompt(tokenizer, {}) or ""
+    found = sorted(n for n, cls in table.items() if cls.detect(template, opening))
     if len(found) > 1:
         raise ConfigError(SETTING, "auto", f"one name: the chat template fits {', '.join(found)}")
     return table[found[0]]() if found else None
@@ -163,12 +170,38 @@ class ReasoningSplitter:
         return keep
 
 
-def for_chat(parser, body: dict, req) -> ChatReasoning:
-    """A chat request's reasoning handling (``parser``: the server's, or None; ``req``: the
-    parsed ``protocol.ChatRequest`` of ``body``)."""
+def for_chat(st, body: dict, req) -> ChatReasoning:
+    """A chat request's reasoning handling (``st``: the ``ServerState``; ``req``: the parsed
+    ``protocol.ChatRequest`` of ``body``)."""
     ex, last = req.parsed.extras, req.messages[-1]
-    previous = last["content"] if ex.continue_final_message and last["role"] == "assistant" else ""
-    return ChatReasoning.of(parser, body, ex.template_kwargs, previous)
+    if ex.continue_final_message and last["role"] == "assistant":  # the continued text decides
+        return ChatReasoning.of(st.reasoning, body, ex.template_kwargs, previous=last["content"])
+    opening = None if st.reasoning is None else generation_prompt(st.engine.tokenizer, ex.template_kwargs)
+    return ChatReasoning.of(st.reasoning, body, ex.template_kwargs, opening=opening)
+
+
+def generation_prompt(tokenizer, template_kwargs: dict) -> str | None:
+    """What the chat template writes for the assistant's turn (``add_generation_prompt``),
+    rendered around a stand-in message; None when the template will not render one."""
+    one = [{"role": "user", "content": "x"}]
+    try:
+        head = tokenizer.apply_chat_template(one, tokenize=False, add_generation_prompt=False, **template_kwargs)
+        full = tokenizer.apply_chat_template(one, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    except Exception:  # a template that wants other messages: the parser's own rule decides
+        return None
+    return full[len(head):] if full.startswith(head) else None
+
+
+def starts_inside(parser, opening: str | None, template_kwargs: dict) -> bool:
+    """Whether the output starts inside the reasoning: the template opened a block in the
+    assistant's turn (R1, Qwen3.5, Qwen3's thinking releases), closed one (Qwen3 with
+    ``enable_thinking: false``, DeepSeek-V3.1 without ``thinking``), or, writing neither
+    marker, left it to the parser's ``thinks``."""
+    opened = -1 if opening is None else opening.rfind(parser.start)
+    closed = -1 if opening is None else opening.rfind(parser.end)
+    if opened < 0 and closed < 0:
+        return bool(parser.thinks(template_kwargs))
+    return opened > closed
 
 
 def _flag(body: dict, key: str) -> bool:
@@ -184,11 +217,12 @@ def _flag(body: dict, key: str) -> bool:
 class ChatReasoning:
     """One chat request's reasoning handling (``parser`` None: none, all output is content).
 
-    ``previous``: with ``continue_final_message``, the assistant text the output continues
-    (it decides whether the output starts inside the reasoning, as in SGLang)."""
+    ``inside``: the output starts inside the reasoning (``starts_inside``); ``previous``: with
+    ``continue_final_message``, the assistant text the output continues (where it left off
+    decides, as in SGLang)."""
 
     parser: Any = None
-    template_kwargs: dict | None = None
+    inside: bool = False
     stream_reasoning: bool = True
     include: bool = True
     previous: str = ""
@@ -197,12 +231,14 @@ class ChatReasoning:
         self._splitters: dict[int, ReasoningSplitter] = {}
 
     @classmethod
-    def of(cls, parser, body: dict, template_kwargs: dict, previous: str = "") -> ChatReasoning:
-        """The request's handling from its body's fields (``FIELDS``; null: the default)."""
+    def of(cls, parser, body: dict, template_kwargs: dict, *, opening: str | None = None,
+           previous: str = "") -> ChatReasoning:
+        """The request's handling from its body's fields (``FIELDS``; null: the default);
+        ``opening``: the template's ``generation_prompt`` for it (None: unknown)."""
         separate, stream, include = (_flag(body, k) for k in FIELDS)
         if parser is None or not separate:
             return cls()
-        return cls(parser, template_kwargs, stream, include, previous)
+        return cls(parser, starts_inside(parser, opening, template_kwargs), stream, include, previous)
 
     @property
     def thinks(self) -> bool:
@@ -259,7 +295,7 @@ class ChatReasoning:
 
     def _splitter(self) -> ReasoningSplitter:
         p = self.parser
-        s = ReasoningSplitter(p.start, p.end, tuple(p.implicit_ends), inside=p.thinks(self.template_kwargs or {}),
+        s = ReasoningSplitter(p.start, p.end, tuple(p.implicit_ends), inside=self.inside,
                               stream_reasoning=self.stream_reasoning)
         if self.previous:
             s.resume(self.previous)

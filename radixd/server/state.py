@@ -46,7 +46,7 @@ class ServerState:
                                    plugin=plugin, hook=hook, kind=kind).inc())
         self.idle.set()
         self.reasoning = reasoning.choose(self.settings.model.reasoning_parser, reasoning.available(self.plugins),
-                                          getattr(self.engine.tokenizer, "chat_template", None))
+                                          self.engine.tokenizer)
 
     def stalled(self) -> str | None:
         """Why the batching loop counts as stalled (a step running longer than
