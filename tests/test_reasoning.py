@@ -181,7 +181,7 @@ class Parsers:
 
 def test_a_name_two_plugins_give_is_refused():
     pm = make_plugin_manager(load_entry_points=False, extra=[Parsers("qwen3")])
-    with pytest.raises(ConfigError, match="two plugins"):
+    with pytest.raises(ValueError, match="two plugins provide a reasoning parser named 'qwen3'"):
         reasoning.available(pm)
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from radixd.core.errors import ConfigError
 from radixd.core.sampling_params import SamplingParams
+from radixd.plugins.wiring import provided
 from radixd.server.errors import ApiError
 
 SETTING = "model.reasoning_parser"
@@ -39,14 +40,8 @@ _OPENING, _REASONING, _CONTENT = range(3)
 
 
 def available(pm) -> dict[str, type]:
-    """``{name: parser class}`` of every loaded plugin; a name given twice is an error."""
-    table: dict[str, type] = {}
-    for part in pm.hook.radixd_reasoning_parsers():
-        for name, cls in (part or {}).items():
-            if name in table and table[name] is not cls:
-                raise ConfigError(SETTING, name, "names that one plugin gives (two plugins provide it)")
-            table[name] = cls
-    return table
+    """``{name: parser class}`` of every loaded plugin (a name two plugins give: ``ValueError``)."""
+    return provided(pm.hook.radixd_reasoning_parsers, "reasoning parser")
 
 
 def check_setting(name: str, table: dict[str, type]) -> None:
