@@ -65,8 +65,9 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: s
     )
 
     tok = tokenizer if tokenizer is not None else _tokenizer()
+    vocab = TINY["vocab_size"] if tokenizer is None else max(TINY["vocab_size"], max(tokenizer.get_vocab().values()) + 1)
     torch.manual_seed(seed)
-    kw = dict(TINY, vocab_size=max(TINY["vocab_size"], len(tok)), eos_token_id=0, pad_token_id=1, bos_token_id=None)
+    kw = dict(TINY, vocab_size=vocab, eos_token_id=0, pad_token_id=1, bos_token_id=None)
     if arch == "llama":
         cfg = LlamaConfig(**kw, rope_theta=10000.0, tie_word_embeddings=False)
     elif arch == "llama-tied":
