@@ -192,6 +192,10 @@ def test_response_format_after_the_reasoning(client, closing):
     assert reasoning is None and set(json.loads(content)) == {"ok", "n"}
 
 
+def test_server_info_names_the_parser(http):
+    assert http.get("/get_server_info").json()["reasoning_parser"] == "qwen3"  # "auto" found it
+
+
 def test_bad_fields(http):
     for key in ("separate_reasoning", "stream_reasoning", "include_reasoning"):
         r = http.post("/v1/chat/completions", json={"model": "qwen3-think", "messages": MESSAGES, key: "no"})

@@ -55,18 +55,25 @@ def choose(name: str, table: dict[str, type], tokenizer):
     ``detect`` knows the tokenizer's chat template (none: no reasoning parsing; several: name
     one)."""
     check_setting(name, table)
+    if name == "auto":
+        name = _detected(table, tokenizer)
     if name == "none":
         return None
-    if name != "auto":
-        return table[name]()
+    parser = table[name]()
+    parser.name = name  # what /get_server_info reports, as SGLang's server arguments do
+    return parser
+
+
+def _detected(table: dict[str, type], tokenizer) -> str:
+    """The one parser whose ``detect`` knows the tokenizer's chat template, else "none"."""
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str):
-        return None
+        return "none"
     opening = generation_prompt(tokenizer, {}) or ""
     found = sorted(n for n, cls in table.items() if cls.detect(template, opening))
     if len(found) > 1:
         raise ConfigError(SETTING, "auto", f"one name: the chat template fits {', '.join(found)}")
-    return table[found[0]]() if found else None
+    return found[0] if found else "none"
 
 
 class ReasoningSplitter:
