@@ -97,6 +97,7 @@ def _check_config(args) -> int:
         flags = launch_flags.overrides(args)
         settings = load_settings(file, flags)
         settings.api_keys()
+        _check_plugin_names(settings, flags)
     except ConfigErrors as exc:
         for e in exc.errors:
             print(f"radixd: {where}: {e}", file=sys.stderr)
@@ -107,6 +108,22 @@ def _check_config(args) -> int:
     print(f"# {where}: ok" + (f"; flags: {' '.join(launch_flags.flag_of(k) or k for k in flags)}" if flags else ""))
     print(render_settings(settings, {k: launch_flags.flag_of(k) for k in flags}))
     return 0
+
+
+def _check_plugin_names(settings, flags: dict) -> None:
+    """Keys that name what plugins provide, checked against the plugins that load (an error
+    names the launch flag that set the key, if one did)."""
+    from radixd.core.errors import ConfigError
+    from radixd.plugins import make_plugin_manager
+    from radixd.server import reasoning
+
+    pm = make_plugin_manager(load_entry_points=settings.plugins.entry_points,
+                             allow=settings.plugins.allow or None, block=settings.plugins.block)
+    try:
+        reasoning.check_setting(settings.model.reasoning_parser, reasoning.available(pm))
+    except ConfigError as exc:
+        flag = launch_flags.flag_of(exc.key) if exc.key in flags else None
+        raise ConfigError(f"{flag} ({exc.key})", exc.value, exc.allowed) if flag else exc from exc
 
 
 def _bench_argv(argv: list[str] | None) -> list[str]:

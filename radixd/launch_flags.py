@@ -23,7 +23,7 @@ SGLANG_ONLY_POLICIES = ("random", "dfs-weight", "lof", "routing-key")
 
 
 METAVARS = {"--mem-fraction-static": "FRACTION", "--chunked-prefill-size": "TOKENS",
-            "--max-running-requests": "N", "--context-length": "TOKENS"}
+            "--max-running-requests": "N", "--context-length": "TOKENS", "--reasoning-parser": "NAME"}
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--api-key", "auth.api_keys", str, "the one API key clients must send", lambda v: [v]),
     Flag("--served-model-name", "model.served_name", str, "the model name the API reports"),
     Flag("--context-length", "model.max_context_len", int, "context length (at most the model's)"),
+    Flag("--reasoning-parser", "model.reasoning_parser", str, "qwen3, qwen3-thinking, deepseek-r1 or a plugin's "
+         "(radixd also takes auto and none)"),
 )
 
 

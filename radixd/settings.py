@@ -68,6 +68,8 @@ class AuthSection:
 @dataclass(frozen=True)
 class _ModelKeys:  # [model] keys of the HTTP layer
     served_name: str = option("")
+    # "auto", "none" or a parser's name; the names come from plugins, checked where they load
+    reasoning_parser: str = option("auto")
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,10 @@ def _tokenizer():
     return fast
 
 
-def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: str | None = None) -> Path:
+def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: str | None = None,
+                         tokenizer=None) -> Path:
+    """A random-weight checkpoint of ``arch`` with ``_tokenizer()`` (or ``tokenizer``, e.g. one
+    with added tokens: the vocabulary is sized to it)."""
     from transformers import (
         AutoModelForCausalLM,
         LlamaConfig,
@@ -64,8 +67,10 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: s
         Qwen3MoeConfig,
     )
 
+    tok = tokenizer if tokenizer is not None else _tokenizer()
+    vocab = TINY["vocab_size"] if tokenizer is None else max(TINY["vocab_size"], max(tokenizer.get_vocab().values()) + 1)
     torch.manual_seed(seed)
-    kw = dict(TINY, eos_token_id=0, pad_token_id=1, bos_token_id=None)
+    kw = dict(TINY, vocab_size=vocab, eos_token_id=0, pad_token_id=1, bos_token_id=None)
     if arch == "llama":
         cfg = LlamaConfig(**kw, rope_theta=10000.0, tie_word_embeddings=False)
     elif arch == "llama-tied":
@@ -98,7 +103,7 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: s
             if p.dim() >= 2:  # (matrices, and the experts' stacked [E, out, in] projections)
                 p.normal_(0, 0.15)
     model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
-    _tokenizer().save_pretrained(path)
+    tok.save_pretrained(path)
     return path
 
 

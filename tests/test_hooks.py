@@ -34,7 +34,7 @@ from radixd.core.tiers import CacheTier, Page
 from radixd.plugins import hookimpl, hookspecs, make_plugin_manager
 from radixd.plugins.policies import FCFS
 from radixd.server.app import ServerState, build_app
-from radixd.settings import Settings
+from radixd.settings import Settings, load_settings
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "PLUGINS.md"
 STEP_KEYS = {"batch_size", "prefill_tokens", "decode_tokens", "running", "waiting", "kv_usage", "step_ms"}
@@ -67,11 +67,12 @@ def test_every_hook_documented():
 
 
 @contextlib.asynccontextmanager
-async def served(tiny_models, *plugins, api_keys=()):
+async def served(tiny_models, *plugins, api_keys=(), settings: Settings | None = None):
     pm = make_plugin_manager(load_entry_points=False, extra=list(plugins))
     engine = Engine(model=str(tiny_models["llama"]), kv_cache_tokens=2048, plugin_manager=pm)
-    state = ServerState(engine=engine, settings=Settings(), model_name="tiny", api_keys=list(api_keys), plugins=pm)
     try:
+        state = ServerState(engine=engine, settings=settings or Settings(), model_name="tiny",
+                            api_keys=list(api_keys), plugins=pm)
         app = build_app(state)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
             client.app = app  # for tests that drive the ASGI app directly
@@ -520,6 +521,59 @@ def test_step_stats_step_ms(daemon_run):
     assert steps and all(set(s) == STEP_KEYS for s in steps)
     assert all(0.0 < s["step_ms"] < 60_000 for s in steps)
 
+
+
+# ------------------------------------------------------------------------ reasoning parsers
+
+
+class _Tags:
+    """``<<...>>`` reasoning; thinking unless the template's ``think`` is false."""
+
+    start, end, implicit_ends = "<<", ">>", ()
+    made = 0
+
+    def __init__(self):
+        _Tags.made += 1
+
+    def thinks(self, template_kwargs):
+        return template_kwargs.get("think", True)
+
+    @classmethod
+    def detect(cls, chat_template, generation_prompt):
+        return False
+
+
+class TagsProbe:
+    @hookimpl
+    def radixd_reasoning_parsers(self):
+        return {"hookprobe-tags": _Tags}
+
+
+async def test_hook_radixd_reasoning_parsers(tiny_models):
+    from radixd.plugins import describe_plugins
+
+    _Tags.made = 0
+    settings = load_settings(None, {"model.reasoning_parser": "hookprobe-tags"})
+    async with served(tiny_models, TagsProbe(), settings=settings) as (state, client):
+        assert isinstance(state.reasoning, _Tags) and _Tags.made == 1
+        body = {**CHAT, "max_tokens": 6}
+        raw = (await client.post("/v1/chat/completions", json={**body, "separate_reasoning": False})).json()
+        text = raw["choices"][0]["message"]["content"]
+        assert text and "<<" not in text and ">>" not in text
+        msg = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
+        assert msg["reasoning_content"] == text and msg["content"] is None  # thinking, never closed
+        off = {**body, "chat_template_kwargs": {"think": False}}
+        msg = (await client.post("/v1/chat/completions", json=off)).json()["choices"][0]["message"]
+        assert msg["content"] == text and msg["reasoning_content"] is None
+        provides = {name: what for name, _, what in describe_plugins(state.plugins)}
+        assert any(p.get("reasoning parsers") == ["hookprobe-tags"] for p in provides.values())
+    async with served(tiny_models) as (state, client):  # "auto": the tiny template has no markers
+        assert state.reasoning is None
+        msg = (await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 6})).json()["choices"][0]
+        assert "reasoning_content" not in msg["message"]
+    with pytest.raises(ConfigError, match="hookprobe-tags"):
+        async with served(tiny_models, TagsProbe(), settings=load_settings(None, {"model.reasoning_parser": "x"})):
+            pass
 
 
 # ------------------------------------------------------------------------ grammar backends

@@ -65,6 +65,26 @@ def radixd_grammar_backends() -> dict[str, type]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Chat output
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def radixd_reasoning_parsers() -> dict[str, type]:
+    """Return the reasoning parsers this plugin provides, by name.
+
+    A parser class describes one model family's thinking markup (the contract is in
+    :mod:`radixd.plugins.reasoning`): ``start`` and ``end`` markers, ``implicit_ends``,
+    ``thinks(template_kwargs) -> bool`` (the output of a request with these
+    ``chat_template_kwargs`` starts inside the reasoning, where the template's assistant turn
+    writes no marker) and the classmethod ``detect(chat_template, generation_prompt) -> bool``
+    (``reasoning_parser = "auto"`` picks it for this template). The server instantiates the chosen class once as ``cls()``; chat replies then
+    carry the text between the markers as ``reasoning_content``. ``[model] reasoning_parser``
+    names one; names must be unique across plugins.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
 # Daemon lifecycle (called once; may return an awaitable, which the daemon awaits)
 # ---------------------------------------------------------------------------------------------
 

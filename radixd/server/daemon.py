@@ -26,6 +26,7 @@ from radixd.core.replica import StepStats
 from radixd.logs import configure_logging
 from radixd.plugins import make_plugin_manager
 from radixd.plugins.wiring import Engine
+from radixd.server import reasoning
 from radixd.server.app import ServerState, build_app
 from radixd.server.notify import notify, watchdog_interval
 from radixd.settings import SECTIONS, Settings, load_settings, section_of
@@ -73,6 +74,7 @@ class Daemon:
         pm = make_plugin_manager(load_entry_points=s.plugins.entry_points, allow=s.plugins.allow or None,
                                  block=s.plugins.block)
         api_keys = s.api_keys()  # a bad key file is refused before the model loads
+        reasoning.check_setting(s.model.reasoning_parser, reasoning.available(pm))  # and a misspelt parser
         t0 = time.perf_counter()
         engine = await asyncio.to_thread(Engine, s.engine_config(), plugin_manager=pm)
         name = s.model.served_name or _default_name(engine)

@@ -135,6 +135,7 @@ async def get_server_info(request: Request) -> Response:
         "max_running_requests": s.scheduler.max_running_requests, "schedule_policy": s.scheduler.policy,
         "disable_radix_cache": not s.cache.radix, "stream_interval": s.scheduler.stream_interval,
         "log_level": s.logging.level, "random_seed": s.scheduler.seed,
+        "reasoning_parser": getattr(st.reasoning, "name", None),
         "internal_states": [stats], "version": __version__, "radixd": server_info_body(st)})
 
 

@@ -93,7 +93,6 @@ NO_OPS: dict[str, tuple[tuple[str, ...], NoOp]] = {
     "audio": (_CHAT, NoOp(_NULL, lambda v, b: False, "accepted null: no audio")),
     "prediction": (_CHAT, NoOp(_NULL, lambda v, b: False, "accepted null: no predicted outputs")),
     "reasoning_effort": (_CHAT, NoOp(_NULL, lambda v, b: False, "accepted null")),
-    "include_reasoning": (_CHAT, NoOp({"const": True}, _is(True), "accepted `true` (vLLM's default)")),
     "suffix": (_COMPLETION, NoOp({"const": ""}, _is(""), "accepted `\"\"`: no insertion")),
     "lora_path": (_BOTH, NoOp(_NULL, lambda v, b: False, "accepted null: the base model")),
     "allowed_token_ids": (_BOTH, NoOp(_NULL, lambda v, b: False, "accepted null")),

@@ -2,7 +2,8 @@
 
 Bodies are parsed by ``protocol``; submission, collection and streaming by ``Generation``;
 this module shapes OpenAI's response objects, stream chunks and logprobs (with vLLM's
-extras: prompt logprobs, usage in every chunk, prompts cut to their last tokens).
+extras: prompt logprobs, usage in every chunk, prompts cut to their last tokens); chat
+output passes ``reasoning`` first (the thinking apart from the content).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from radixd import __version__
 from radixd.core.outputs import GenerateOutput
-from radixd.server import protocol
+from radixd.server import protocol, reasoning
 from radixd.server.chat import chat_prompt_ids
 from radixd.server.generation import Generation, samples, sse
 from radixd.server.state import state_of
@@ -24,8 +25,9 @@ from radixd.server.state import state_of
 
 async def chat_completions(request: Request) -> Response:
     st = state_of(request)
-    req = protocol.parse_chat(await protocol.read_json(request), st.limits, st.model_name)
-    call = await start_chat(st, request, req)
+    body = await protocol.read_json(request)
+    req = protocol.parse_chat(body, st.limits, st.model_name)
+    call = await start_chat(st, request, req, body)
     if not req.parsed.stream:
         return JSONResponse(await call.result())
     return call.gen.stream(lambda: call.chunks(chunks(call.gen, req.parsed.continuous_usage)))
@@ -42,9 +44,10 @@ class ChatCall(NamedTuple):
     chunks: Callable[..., AsyncIterator[dict]]
 
 
-async def start_chat(st, request: Request, req: protocol.ChatRequest) -> ChatCall:
-    """The chat route's internals for a parsed body: the prompt rendered and submitted."""
-    parsed, params, ex = req.parsed, req.parsed.params, req.parsed.extras
+async def start_chat(st, request: Request, req: protocol.ChatRequest, body: dict) -> ChatCall:
+    """The chat route's internals for a parsed ``body``: the prompt rendered and submitted."""
+    think = reasoning.for_chat(st, body, req)
+    parsed, params, ex = req.parsed, think.constrain(req.parsed.params), req.parsed.extras
     ids = truncated(st, chat_prompt_ids(st, req.messages, add_generation_prompt=ex.add_generation_prompt,
                                         continue_final_message=ex.continue_final_message,
                                         template_kwargs=ex.template_kwargs), parsed)
@@ -58,7 +61,7 @@ async def start_chat(st, request: Request, req: protocol.ChatRequest) -> ChatCal
         extra = {"prompt_logprobs": prompt_logprobs(tok, ids, outs, ex.prompt_logprobs)} if ex.prompt_logprobs is not None else {}
         choices = [{
             "index": i,
-            "message": {"role": "assistant", "content": ex.echo + "".join(o.text for o in mine)},
+            "message": {"role": "assistant", **with_echo(ex.echo, think.message("".join(o.text for o in mine)))},
             "logprobs": chat_logprobs(tok, mine) if params.logprobs else None,
             "finish_reason": mine[-1].finish_reason,
         } for i, mine in enumerate(samples(outs, params.n))]
@@ -78,14 +81,20 @@ async def start_chat(st, request: Request, req: protocol.ChatRequest) -> ChatCal
                                                 "finish_reason": None}]})
         async for _, out in gen.outputs():
             lp = chat_logprobs(tok, [out]) if params.logprobs and out.token_ids else None
-            if out.text or lp or out.finished:
+            delta = think.delta(out.index, out.text, out.finished)
+            if delta or lp or out.finished:
                 yield event({**base, "choices": [{
-                    "index": out.index, "delta": {"content": out.text} if out.text else {}, "logprobs": lp,
+                    "index": out.index, "delta": delta, "logprobs": lp,
                     "finish_reason": out.finish_reason if out.finished else None}]})
         if parsed.include_usage:
             yield event({**base, "choices": [], "usage": gen.usage()})
 
     return ChatCall(gen, result, events)
+
+
+def with_echo(echo: str, message: dict) -> dict:
+    """vLLM's chat ``echo``: the assistant prefill leads the reply's content."""
+    return {**message, "content": echo + (message["content"] or "")} if echo else message
 
 
 async def completions(request: Request) -> Response:

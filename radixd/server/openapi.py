@@ -43,7 +43,9 @@ CHAT_COMPLETION = {
             "type": "object", "required": ["index", "message", "finish_reason"],
             "properties": {"index": _INT, "finish_reason": FINISH, "logprobs": CHAT_LOGPROBS,
                            "message": {"type": "object", "required": ["role", "content"],
-                                       "properties": {"role": {"const": "assistant"}, "content": _STR}}}}},
+                                       "properties": {"role": {"const": "assistant"}, "content": _NULLABLE_STR,
+                                                      "reasoning_content": _NULLABLE_STR,
+                                                      "reasoning": _NULLABLE_STR}}}}},
     },
 }
 COMPLETION_LOGPROBS = {"type": ["object", "null"], "properties": {

@@ -20,7 +20,7 @@ from typing import Any
 
 from radixd.core.errors import InvalidRequest
 from radixd.core.sampling_params import INT32_MAX, SamplingParams, json_schema
-from radixd.server import openai_extras
+from radixd.server import openai_extras, reasoning
 from radixd.server.errors import ApiError
 
 EXTENSIONS = {
@@ -101,7 +101,8 @@ MESSAGE_SCHEMA = {  # (an assistant message's content may also be null)
                    "tool_calls": _opt({"type": "array", "maxItems": 0})},  # no tool calling yet
 }
 MESSAGES = {"type": "array", "minItems": 1, "items": MESSAGE_SCHEMA}
-CHAT_SCHEMAS = {**openai_extras.no_op_schemas("chat"), **SAMPLING_SCHEMAS, **openai_extras.CHAT_EXTRA_SCHEMAS, "messages": MESSAGES,
+CHAT_SCHEMAS = {**openai_extras.no_op_schemas("chat"), **SAMPLING_SCHEMAS, **openai_extras.CHAT_EXTRA_SCHEMAS,
+                **reasoning.SCHEMAS, "messages": MESSAGES,
                 "max_completion_tokens": _opt(json_schema("max_new_tokens")),
                 "logprobs": _opt(_BOOL), "top_logprobs": _opt(_TOP_LOGPROBS)}
 PROMPT = {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _TEXT},

@@ -42,7 +42,7 @@ async def create_response(request: Request) -> Response:
     req = parse_responses(await protocol.read_json(request))
     try:
         chat = protocol.parse_chat(req.chat, st.limits, st.model_name)
-        call = await start_chat(st, request, chat)
+        call = await start_chat(st, request, chat, req.chat)
     except ApiError as exc:
         raise renamed(exc) from exc
     builder = ResponseBuilder(f"resp_{call.gen.rid}", st.model_name, settings(req.echo, chat.parsed.params),

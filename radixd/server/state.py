@@ -17,7 +17,7 @@ from starlette.requests import Request
 
 from radixd.core.engine import Engine
 from radixd.plugins.guard import HookGuard
-from radixd.server import protocol
+from radixd.server import protocol, reasoning
 from radixd.server.metrics import Metrics
 from radixd.settings import Settings
 
@@ -31,6 +31,7 @@ class ServerState:
     plugins: Any
     metrics: Metrics = field(init=False)
     hooks: HookGuard = field(init=False)
+    reasoning: Any = field(init=False)  # the reasoning parser chat replies are split by, or None
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     log: Any = field(default_factory=lambda: structlog.get_logger("radixd.server"))
@@ -44,6 +45,8 @@ class ServerState:
                                on_fault=lambda plugin, hook, kind: self.metrics.plugin_faults.labels(
                                    plugin=plugin, hook=hook, kind=kind).inc())
         self.idle.set()
+        self.reasoning = reasoning.choose(self.settings.model.reasoning_parser, reasoning.available(self.plugins),
+                                          self.engine.tokenizer)
 
     def stalled(self) -> str | None:
         """Why the batching loop counts as stalled (a step running longer than
