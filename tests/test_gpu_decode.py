@@ -14,17 +14,21 @@ from radixd import Engine, SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-async def greedy_runs(path, prompts: list[list[int]], max_new: list[int], **kw) -> list[tuple[list[int], list[float]]]:
-    """Each prompt's greedy tokens and their logprobs, all submitted at once to one fp16 engine."""
+async def greedy_runs(path, prompts: list[list[int]], max_new: list[int], *, top_logprobs: int = 0,
+                      **kw) -> list[tuple]:
+    """Each prompt's greedy tokens and their logprobs (with ``top_logprobs``, also each step's
+    top alternatives), all submitted at once to one fp16 engine."""
     eng = Engine(model=str(path), device="cuda", dtype="float16", kv_cache_tokens=4096, max_running_requests=8, **kw)
 
     async def one(prompt, n):
-        toks, lps = [], []
-        params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, logprobs=True)
+        toks, lps, tops = [], [], []
+        params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, logprobs=True,
+                                top_logprobs=top_logprobs)
         async for out in eng.generate(input_ids=prompt, params=params):
             toks += out.token_ids
             lps += [lp.logprob for lp in out.logprobs or []]
-        return toks, lps
+            tops += [lp.top for lp in out.logprobs or []]
+        return (toks, lps, tops) if top_logprobs else (toks, lps)
 
     try:
         return await asyncio.gather(*(one(p, n) for p, n in zip(prompts, max_new, strict=True)))
@@ -33,7 +37,7 @@ async def greedy_runs(path, prompts: list[list[int]], max_new: list[int], **kw) 
 
 
 def assert_same_greedy(a, b) -> None:
-    for (t1, lp1), (t2, lp2) in zip(a, b, strict=True):
+    for (t1, lp1, *_), (t2, lp2, *_) in zip(a, b, strict=True):
         assert t1 == t2
         assert max(abs(x - y) for x, y in zip(lp1, lp2, strict=True)) < 2e-2
 

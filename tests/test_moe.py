@@ -316,9 +316,22 @@ async def test_moe_engine_on_gpu_graphs_match_eager_and_the_torch_loop(tiny_moe_
     path = tiny_moe_models[arch]
     prompts_ = [list(range(3 + i, 20 + 7 * i)) for i in range(12)]
     max_new = [6 + 3 * i for i in range(12)]
-    graphs = await greedy_runs(path, prompts_, max_new, cuda_graphs=True)
-    eager = await greedy_runs(path, prompts_, max_new, cuda_graphs=False)
-    assert_same_greedy(graphs, eager)
+    graphs = await greedy_runs(path, prompts_, max_new, cuda_graphs=True, top_logprobs=2)
+    eager = await greedy_runs(path, prompts_, max_new, cuda_graphs=False, top_logprobs=2)
+    assert_same_greedy(graphs, eager)  # the same kernels: the same tokens
     monkeypatch.setattr(moe, "fused_experts", lambda *a: moe_ops.fused_experts(*a, use_triton=False))
-    ref = await greedy_runs(path, prompts_, max_new, attention_backend="torch", cuda_graphs=False)
-    assert_same_greedy(graphs, ref)
+    ref = await greedy_runs(path, prompts_, max_new, attention_backend="torch", cuda_graphs=False, top_logprobs=2)
+    assert_same_greedy_up_to_ties(graphs, ref)
+
+
+def assert_same_greedy_up_to_ties(a, b, tie: float = 0.05, tol: float = 2e-2) -> None:
+    """Other kernels, fp16: the same tokens and logprobs within ``tol``, up to a step where
+    either run's two best tokens were within ``tie`` of each other (fp16 noise, and a router
+    choice it tips, may pick either there; what follows is then another sequence)."""
+    for (t1, lp1, top1), (t2, lp2, top2) in zip(a, b, strict=True):
+        for k, (x, y) in enumerate(zip(t1, t2, strict=True)):
+            if x != y:
+                margins = [top[k][0][1] - top[k][1][1] for top in (top1, top2)]
+                assert min(margins) < tie, (k, t1, t2, margins)
+                break
+            assert abs(lp1[k] - lp2[k]) < tol, (k, lp1[k], lp2[k])
