@@ -58,9 +58,11 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: s
     with added tokens: the vocabulary is sized to it)."""
     from transformers import (
         AutoModelForCausalLM,
+        GraniteConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
+        Olmo2Config,
         Qwen2Config,
         Qwen2MoeConfig,
         Qwen3Config,
@@ -95,6 +97,11 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: s
     elif arch == "mixtral":
         cfg = MixtralConfig(**{**kw, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,
                             tie_word_embeddings=False)
+    elif arch == "olmo2":
+        cfg = Olmo2Config(**kw, tie_word_embeddings=False)
+    elif arch == "granite":  # every scaling away from 1, so a missed one changes the tokens
+        cfg = GraniteConfig(**kw, attention_multiplier=0.3, embedding_multiplier=4.0, residual_multiplier=0.6,
+                            logits_scaling=2.5, tie_word_embeddings=True)
     else:
         raise ValueError(arch)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -121,6 +128,16 @@ def tiny_moe_models(tmp_path_factory) -> dict[str, Path]:
     """Mixture-of-experts checkpoints, apart from ``tiny_models`` so only their tests pay for them."""
     root = tmp_path_factory.mktemp("moe_models")
     return {a: make_tiny_checkpoint(root / a, a) for a in MOE_ARCHS}
+
+
+DENSE_ARCHS = ("olmo2", "granite")
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_models(tmp_path_factory) -> dict[str, Path]:
+    """The dense families beyond Llama/Qwen, apart from ``tiny_models`` so only their tests pay for them."""
+    root = tmp_path_factory.mktemp("dense_models")
+    return {a: make_tiny_checkpoint(root / a, a) for a in DENSE_ARCHS}
 
 
 def hf_greedy(path: Path, prompt_ids: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:

@@ -71,6 +71,8 @@ def shard_tensor(name: str, w: torch.Tensor, cfg: ModelConfig, rank: int, tp: in
 def shard_model(full: torch.nn.Module, cfg: ModelConfig, rank: int, tp: int, device: torch.device,
                 dtype: torch.dtype) -> torch.nn.Module:
     """Shard ``rank`` of ``full`` (built for ``cfg``) as a model of its own on ``device``."""
+    if not type(full).tensor_parallel:
+        raise ValueError(f"architecture {cfg.architecture!r} does not support tensor parallelism (tp_size = 1)")
     part_cfg = shard_config(cfg, tp)
     with torch.device("meta"):
         model = type(full)(part_cfg, kernels=full.kernels)

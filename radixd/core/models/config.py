@@ -70,6 +70,17 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
     moe: MoEConfig | None = None  # None: every layer's MLP is dense
+    # Granite's scalings: q.k times ``attention_multiplier`` (None: head_dim ** -0.5), the
+    # embeddings times ``embedding_multiplier``, each block's output times
+    # ``residual_multiplier`` before it joins the stream, the logits over ``logits_scaling``.
+    attention_multiplier: float | None = None
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+
+    @property
+    def attention_scale(self) -> float:
+        return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier
 
     @property
     def context_len(self) -> int:
@@ -84,6 +95,8 @@ class ModelConfig:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise unsupported("hidden_act", act, "'silu' (SwiGLU MLPs)")
+        if hf.get("mlp_bias"):
+            raise unsupported("mlp_bias", hf["mlp_bias"], "MLPs without bias (false)")
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         eos = hf.get("eos_token_id")
@@ -116,7 +129,15 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sliding_window=window,
             moe=MoEConfig.from_hf(arch, hf),
+            **(granite_scalings(hf) if arch == "GraniteForCausalLM" else {}),
         )
+
+
+def granite_scalings(hf: dict[str, Any]) -> dict[str, Any]:
+    return dict(attention_multiplier=hf.get("attention_multiplier"),
+                embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+                logits_scaling=float(hf.get("logits_scaling", 1.0)))
 
 
 QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # bias on q/k/v unless the config says otherwise

@@ -1,0 +1,88 @@
+"""Dense families beyond Llama/Qwen (OLMo 2, Granite 3): greedy tokens equal transformers'
+(fp32, CPU) under batching, mid-flight arrivals with small chunked prefill, cache hits and
+preemption; what a family's config asks for that radixd lacks is refused at load, naming
+the field."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from conftest import DENSE_ARCHS
+from test_engine import (
+    arrive_mid_flight,
+    assert_greedy_matches,
+    assert_idle,
+    check_preemption_keeps_tokens,
+    check_prefix_served_from_cache,
+    collect,
+    make_engine,
+    prompts,
+)
+
+from radixd.core.models.config import ModelConfig
+
+
+@pytest.mark.parametrize("arch", DENSE_ARCHS)
+async def test_greedy_matches_transformers(tiny_dense_models, arch):
+    path = tiny_dense_models[arch]
+    eng = make_engine(path)
+    try:
+        ps = prompts(3, 20, seed=1)
+        outs = await asyncio.gather(*(collect(eng, p, 16) for p in ps))
+        for p, got in zip(ps, outs, strict=True):
+            assert_greedy_matches(path, p, got, 16)
+        await assert_idle(eng)
+    finally:
+        await eng.stop()
+
+
+@pytest.mark.parametrize("arch", DENSE_ARCHS)
+async def test_mid_flight_arrivals_and_small_chunks(tiny_dense_models, arch):
+    path = tiny_dense_models[arch]
+    eng = make_engine(path, chunked_prefill_size=5, max_prefill_tokens=8)
+    try:
+        ps = prompts(3, 23, seed=2)
+        outs = await arrive_mid_flight(eng, ps, [16, 8, 8])
+        for p, got, n in zip(ps, outs, [16, 8, 8], strict=True):
+            assert_greedy_matches(path, p, got, n)
+        assert eng.scheduler.stats.steps > 15
+        await assert_idle(eng)
+    finally:
+        await eng.stop()
+
+
+@pytest.mark.parametrize("arch", DENSE_ARCHS)
+async def test_prefix_served_from_cache(tiny_dense_models, arch):
+    await check_prefix_served_from_cache(tiny_dense_models[arch])
+
+
+@pytest.mark.parametrize("arch", DENSE_ARCHS)
+async def test_preemption_keeps_tokens(tiny_dense_models, arch):
+    await check_preemption_keeps_tokens(tiny_dense_models[arch], radix=True)
+
+
+async def test_granite_tp2_gives_the_tp1_tokens(tiny_dense_models):
+    """The folded residual multiplier and the scalings hold on each shard."""
+    path = tiny_dense_models["granite"]
+    p = prompts(1, 20, seed=4)[0]
+    runs = []
+    for tp in (1, 2):
+        eng = make_engine(path, tp_size=tp)
+        try:
+            runs.append(await collect(eng, p, 8))
+        finally:
+            await eng.stop()
+    assert runs[0] == runs[1]
+
+
+def test_refused_configs(tiny_dense_models):
+    hf = json.loads((tiny_dense_models["olmo2"] / "config.json").read_text())
+    with pytest.raises(ValueError, match="'mlp_bias' = True"):
+        ModelConfig.from_hf({**hf, "mlp_bias": True})
+
+
+async def test_olmo2_refuses_tensor_parallel(tiny_dense_models):
+    with pytest.raises(ValueError, match="Olmo2ForCausalLM.*tensor parallel"):
+        make_engine(tiny_dense_models["olmo2"], tp_size=2)
