@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from radixd.core.models.rope import ROPE_TYPES, rope_type, served_positions
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -84,10 +86,10 @@ class ModelConfig:
 
     @property
     def context_len(self) -> int:
-        """Longest sequence the model serves exactly (a sliding window caps it)."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
+        """Longest sequence the model serves exactly (a sliding window caps it; ``dynamic``
+        rope scaling stretches it by its factor)."""
+        served = served_positions(self.max_position_embeddings, self.rope_scaling)
+        return min(served, self.sliding_window) if self.sliding_window else served
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -111,6 +113,7 @@ class ModelConfig:
             rope_theta = rope_theta or rope_params.get("rope_theta")
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
+        rope_scaling = checked_rope(rope_scaling, hf)
         return cls(
             architecture=arch,
             hidden_size=hf["hidden_size"],
@@ -131,6 +134,22 @@ class ModelConfig:
             moe=MoEConfig.from_hf(arch, hf),
             **(granite_scalings(hf) if arch == "GraniteForCausalLM" else {}),
         )
+
+
+def checked_rope(scaling: dict | None, hf: dict[str, Any]) -> dict | None:
+    """The rope scaling with Phi-3's top-level ``original_max_position_embeddings`` in it;
+    a type or a partial rotary radixd lacks refused."""
+    kind = rope_type(scaling)
+    if kind not in ROPE_TYPES:
+        raise unsupported("rope_scaling.rope_type", kind, ", ".join(ROPE_TYPES))
+    for params in (hf, scaling or {}):
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise unsupported("partial_rotary_factor", params["partial_rotary_factor"], "1.0 (rotary on every dimension)")
+    if kind in ("yarn", "longrope") and "original_max_position_embeddings" not in scaling:
+        if "original_max_position_embeddings" not in hf:
+            raise unsupported("rope_scaling.original_max_position_embeddings", None, f"it set for {kind!r}")
+        scaling = {**scaling, "original_max_position_embeddings": hf["original_max_position_embeddings"]}
+    return scaling
 
 
 def granite_scalings(hf: dict[str, Any]) -> dict[str, Any]:
