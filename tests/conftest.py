@@ -63,6 +63,7 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: s
         MistralConfig,
         MixtralConfig,
         Olmo2Config,
+        Phi3Config,
         Qwen2Config,
         Qwen2MoeConfig,
         Qwen3Config,
@@ -102,6 +103,11 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: s
     elif arch == "granite":  # every scaling away from 1, so a missed one changes the tokens
         cfg = GraniteConfig(**kw, attention_multiplier=0.3, embedding_multiplier=4.0, residual_multiplier=0.6,
                             logits_scaling=2.5, tie_word_embeddings=True)
+    elif arch == "phi3":  # longrope past an original context of 16 (the tests' prompts are longer)
+        half = kw["hidden_size"] // kw["num_attention_heads"] // 2
+        rope = dict(rope_type="longrope", rope_theta=10000.0, long_factor=[1.0 + 0.7 * i for i in range(half)],
+                    short_factor=[1.0 + 0.1 * i for i in range(half)])
+        cfg = Phi3Config(**kw, original_max_position_embeddings=16, rope_parameters=rope, tie_word_embeddings=False)
     else:
         raise ValueError(arch)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -130,7 +136,7 @@ def tiny_moe_models(tmp_path_factory) -> dict[str, Path]:
     return {a: make_tiny_checkpoint(root / a, a) for a in MOE_ARCHS}
 
 
-DENSE_ARCHS = ("olmo2", "granite")
+DENSE_ARCHS = ("olmo2", "granite", "phi3")
 
 
 @pytest.fixture(scope="session")

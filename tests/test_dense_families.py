@@ -1,4 +1,4 @@
-"""Dense families beyond Llama/Qwen (OLMo 2, Granite 3): greedy tokens equal transformers'
+"""Dense families beyond Llama/Qwen (OLMo 2, Granite 3, Phi-3 / Phi-4 with longrope): greedy tokens equal transformers'
 (fp32, CPU) under batching, mid-flight arrivals with small chunked prefill, cache hits and
 preemption; what a family's config asks for that radixd lacks is refused at load, naming
 the field."""
