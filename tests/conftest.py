@@ -58,6 +58,8 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: s
     with added tokens: the vocabulary is sized to it)."""
     from transformers import (
         AutoModelForCausalLM,
+        Gemma2Config,
+        Gemma3TextConfig,
         GraniteConfig,
         LlamaConfig,
         MistralConfig,
@@ -108,6 +110,15 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: s
         rope = dict(rope_type="longrope", rope_theta=10000.0, long_factor=[1.0 + 0.7 * i for i in range(half)],
                     short_factor=[1.0 + 0.1 * i for i in range(half)])
         cfg = Phi3Config(**kw, original_max_position_embeddings=16, rope_parameters=rope, tie_word_embeddings=False)
+    elif arch == "gemma2":  # windows of 8 on layers 0 and 2; caps low enough to bite at these scales
+        cfg = Gemma2Config(**{**kw, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                           attn_logit_softcapping=0.5, final_logit_softcapping=3.0, tie_word_embeddings=True)
+    elif arch == "gemma3":  # two sliding layers (base 10^4), then a global one (10^6, linearly scaled)
+        rope = {"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1000000.0)}
+        cfg = Gemma3TextConfig(**{**kw, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=16,
+                               sliding_window=8, layer_types=["sliding_attention"] * 2 + ["full_attention"],
+                               rope_parameters=rope, tie_word_embeddings=True)
     else:
         raise ValueError(arch)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -136,7 +147,7 @@ def tiny_moe_models(tmp_path_factory) -> dict[str, Path]:
     return {a: make_tiny_checkpoint(root / a, a) for a in MOE_ARCHS}
 
 
-DENSE_ARCHS = ("olmo2", "granite", "phi3")
+DENSE_ARCHS = ("olmo2", "granite", "phi3", "gemma2", "gemma3")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
-"""Dense families beyond Llama/Qwen (OLMo 2, Granite 3, Phi-3 / Phi-4 with longrope): greedy tokens equal transformers'
-(fp32, CPU) under batching, mid-flight arrivals with small chunked prefill, cache hits and
+"""Dense families beyond Llama/Qwen (OLMo 2, Granite 3, Phi-3 / Phi-4 with longrope, Gemma 2
+and Gemma 3 with sliding-window layers and soft-capping): greedy tokens equal transformers'
+(fp32, CPU, the torch backend; the triton one in test_window_attention) under batching, mid-flight arrivals with small chunked prefill, cache hits and
 preemption; what a family's config asks for that radixd lacks is refused at load, naming
 the field."""
 
@@ -77,12 +78,30 @@ async def test_granite_tp2_gives_the_tp1_tokens(tiny_dense_models):
     assert runs[0] == runs[1]
 
 
-def test_refused_configs(tiny_dense_models):
-    hf = json.loads((tiny_dense_models["olmo2"] / "config.json").read_text())
-    with pytest.raises(ValueError, match="'mlp_bias' = True"):
-        ModelConfig.from_hf({**hf, "mlp_bias": True})
+@pytest.mark.parametrize("arch, over, field", [
+    ("olmo2", {"mlp_bias": True}, "'mlp_bias' = True"),
+    ("gemma2", {"hidden_activation": "gelu"}, "'hidden_activation' = 'gelu'"),
+    ("gemma3", {"layer_types": ["chunked_attention"] * 3}, "'layer_types' = 'chunked_attention'"),
+    ("gemma3", {"use_bidirectional_attention": True}, "'use_bidirectional_attention' = True"),
+    ("gemma3", {"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+     "'rope_parameters.sliding_attention.rope_type' = 'yarn'"),
+])
+def test_refused_configs(tiny_dense_models, arch, over, field):
+    hf = json.loads((tiny_dense_models[arch] / "config.json").read_text())
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        ModelConfig.from_hf({**hf, **over})
 
 
-async def test_olmo2_refuses_tensor_parallel(tiny_dense_models):
-    with pytest.raises(ValueError, match="Olmo2ForCausalLM.*tensor parallel"):
-        make_engine(tiny_dense_models["olmo2"], tp_size=2)
+def test_gemma_config(tiny_dense_models):
+    """Windows on the sliding layers only; the context is the global layers' (no cap)."""
+    cfg = ModelConfig.from_hf(json.loads((tiny_dense_models["gemma3"] / "config.json").read_text()))
+    assert cfg.layer_windows == (8, 8, 0) and cfg.context_len == 512
+    assert (cfg.local_rope_theta, cfg.rope_theta, cfg.rope_scaling["factor"]) == (1e4, 1e6, 2.0)
+    assert cfg.attention_scale == 16**-0.5 and cfg.tie_word_embeddings
+
+
+@pytest.mark.parametrize("arch", ["olmo2", "gemma2"])
+async def test_refuses_tensor_parallel(tiny_dense_models, arch):
+    with pytest.raises(ValueError, match="ForCausalLM.*tensor parallel"):
+        make_engine(tiny_dense_models[arch], tp_size=2)

@@ -110,6 +110,8 @@ class ModelWorker:
             scale=model_cfg.attention_scale,
             cascade=cascade_attention,
             fuse_one_row=kernels.fuse_one_row,
+            windows=model_cfg.layer_windows,
+            softcap=model_cfg.attn_softcap,
         )
         self.cascade_members = self.attn.cascade_members
         self.stager = Stager(device)

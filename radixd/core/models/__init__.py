@@ -9,6 +9,8 @@ from torch import nn
 from radixd.core.models.config import ModelConfig
 
 ARCHITECTURES = {
+    "Gemma2ForCausalLM": "radixd.core.models.gemma:GemmaForCausalLM",
+    "Gemma3ForCausalLM": "radixd.core.models.gemma:GemmaForCausalLM",
     "GraniteForCausalLM": "radixd.core.models.granite:GraniteForCausalLM",
     "LlamaForCausalLM": "radixd.core.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "radixd.core.models.llama:LlamaForCausalLM",

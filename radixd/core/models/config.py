@@ -79,6 +79,14 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # Gemma 2 / 3: the MLP's activation, each layer's sliding window (0: global; () no
+    # windows), tanh soft-capping of attention scores and of the final logits (0: none), the
+    # sliding layers' own rope base (None: the model's).
+    hidden_act: str = "silu"
+    layer_windows: tuple[int, ...] = ()
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    local_rope_theta: float | None = None
 
     @property
     def attention_scale(self) -> float:
@@ -94,8 +102,13 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+        gemma = arch in GEMMA
         act = hf.get("hidden_act", "silu")
-        if act != "silu":
+        if gemma:
+            act = hf.get("hidden_activation") or act
+            if act != "gelu_pytorch_tanh":
+                raise unsupported("hidden_activation", act, "'gelu_pytorch_tanh' (GeGLU) for Gemma")
+        elif act != "silu":
             raise unsupported("hidden_act", act, "'silu' (SwiGLU MLPs)")
         if hf.get("mlp_bias"):
             raise unsupported("mlp_bias", hf["mlp_bias"], "MLPs without bias (false)")
@@ -109,6 +122,11 @@ class ModelConfig:
         rope_theta = hf.get("rope_theta")
         rope_scaling = hf.get("rope_scaling")
         rope_params = hf.get("rope_parameters")  # transformers >= 5 keeps both here
+        extra = gemma_fields(arch, hf) if gemma else {}
+        if gemma:
+            window = None  # (per layer: ``layer_windows``; the global layers see the whole context)
+            if rope_params and "full_attention" in rope_params:  # per layer type (transformers >= 5)
+                rope_params = rope_params["full_attention"]
         if rope_params:
             rope_theta = rope_theta or rope_params.get("rope_theta")
             if rope_params.get("rope_type", "default") != "default":
@@ -127,12 +145,13 @@ class ModelConfig:
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),  # (Gemma's default: tied)
             attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch in QKV_BIAS))),
             eos_token_ids=eos_ids,
             sliding_window=window,
             moe=MoEConfig.from_hf(arch, hf),
             **(granite_scalings(hf) if arch == "GraniteForCausalLM" else {}),
+            **extra,
         )
 
 
@@ -152,6 +171,34 @@ def checked_rope(scaling: dict | None, hf: dict[str, Any]) -> dict | None:
     return scaling
 
 
+def gemma_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 / 3's layer types and windows, scalings, soft-caps and local rope base."""
+    layers = hf["num_hidden_layers"]
+    pattern = hf.get("sliding_window_pattern", 2 if arch == "Gemma2ForCausalLM" else 6)
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    for t in types:
+        if t not in ("sliding_attention", "full_attention"):
+            raise unsupported("layer_types", t, "'sliding_attention', 'full_attention'")
+    if hf.get("use_bidirectional_attention"):
+        raise unsupported("use_bidirectional_attention", True, "causal attention (false)")
+    local_theta = None
+    if arch == "Gemma3ForCausalLM":
+        params = hf.get("rope_parameters") or {}
+        local = params.get("sliding_attention") or {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+        if rope_type(local) != "default":
+            raise unsupported("rope_parameters.sliding_attention.rope_type", rope_type(local), "'default'")
+        local_theta = float(local["rope_theta"])
+    window = hf["sliding_window"]
+    return dict(hidden_act="gelu_pytorch_tanh",
+                layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+                attention_multiplier=hf["query_pre_attn_scalar"] ** -0.5,
+                embedding_multiplier=hf["hidden_size"] ** 0.5,
+                attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
+                final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+                local_rope_theta=local_theta)
+
+
 def granite_scalings(hf: dict[str, Any]) -> dict[str, Any]:
     return dict(attention_multiplier=hf.get("attention_multiplier"),
                 embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
@@ -159,4 +206,5 @@ def granite_scalings(hf: dict[str, Any]) -> dict[str, Any]:
                 logits_scaling=float(hf.get("logits_scaling", 1.0)))
 
 
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # bias on q/k/v unless the config says otherwise

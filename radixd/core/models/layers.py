@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from radixd.core.attention import AttentionBackend
@@ -48,16 +49,23 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class GatedMLP(nn.Module):
-    """SiLU(gate) * up -> down, with gate and up fused into one matmul."""
+    """act(gate) * up -> down, with gate and up fused into one matmul: SiLU (SwiGLU, one
+    fused kernel on CUDA) or ``gelu_pytorch_tanh`` (Gemma's GeGLU)."""
 
-    def __init__(self, hidden: int, inter: int, *, kernels: KernelChoice = ALL_KERNELS):
+    def __init__(self, hidden: int, inter: int, *, kernels: KernelChoice = ALL_KERNELS, act: str = "silu"):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.kernels = kernels
+        self.gelu = act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(gate_up_silu(x, self.gate_up_proj, self.kernels), self.down_proj, self.kernels)
+        if self.gelu:
+            gate, up = linear(x, self.gate_up_proj, self.kernels).chunk(2, dim=-1)
+            h = F.gelu(gate, approximate="tanh") * up
+        else:
+            h = gate_up_silu(x, self.gate_up_proj, self.kernels)
+        return linear(h, self.down_proj, self.kernels)
 
 
 class Attention(nn.Module):

@@ -35,7 +35,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = self.make_rotary(cfg)
 
     def forward(
         self,
@@ -66,6 +66,10 @@ class LlamaForCausalLM(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states (families that scale or cap them override this)."""
         return linear(x, self.lm_head, self.kernels).float()
+
+    def make_rotary(self, cfg: ModelConfig) -> nn.Module:
+        """The rotary embedding the layers are given (float32 tables, rebuilt after loading)."""
+        return Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
 
     def make_layer(self, cfg: ModelConfig, layer: int) -> nn.Module:
         """Decoder layer ``layer``: ``forward(x, residual, positions, rotary, attn) -> (x,
