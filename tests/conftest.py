@@ -62,6 +62,7 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: s
         Gemma3TextConfig,
         GraniteConfig,
         LlamaConfig,
+        MinistralConfig,
         MistralConfig,
         MixtralConfig,
         Olmo2Config,
@@ -119,6 +120,11 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: s
         cfg = Gemma3TextConfig(**{**kw, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=16,
                                sliding_window=8, layer_types=["sliding_attention"] * 2 + ["full_attention"],
                                rope_parameters=rope, tie_word_embeddings=True)
+    elif arch == "mistral-swa":  # every layer's window 8 tokens, shorter than the tests' prompts
+        cfg = MistralConfig(**kw, sliding_window=8, tie_word_embeddings=False)
+    elif arch == "ministral":  # a sliding layer, then a global one
+        cfg = MinistralConfig(**kw, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                              tie_word_embeddings=False)
     else:
         raise ValueError(arch)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -147,7 +153,7 @@ def tiny_moe_models(tmp_path_factory) -> dict[str, Path]:
     return {a: make_tiny_checkpoint(root / a, a) for a in MOE_ARCHS}
 
 
-DENSE_ARCHS = ("olmo2", "granite", "phi3", "gemma2", "gemma3")
+DENSE_ARCHS = ("olmo2", "granite", "phi3", "gemma2", "gemma3", "mistral-swa", "ministral")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """Dense families beyond Llama/Qwen (OLMo 2, Granite 3, Phi-3 / Phi-4 with longrope, Gemma 2
-and Gemma 3 with sliding-window layers and soft-capping): greedy tokens equal transformers'
+and Gemma 3 with sliding-window layers and soft-capping, Mistral / Ministral with windows): greedy tokens equal transformers'
 (fp32, CPU, the torch backend; the triton one in test_window_attention) under batching, mid-flight arrivals with small chunked prefill, cache hits and
 preemption; what a family's config asks for that radixd lacks is refused at load, naming
 the field."""
@@ -64,9 +64,10 @@ async def test_preemption_keeps_tokens(tiny_dense_models, arch):
     await check_preemption_keeps_tokens(tiny_dense_models[arch], radix=True)
 
 
-async def test_granite_tp2_gives_the_tp1_tokens(tiny_dense_models):
-    """The folded residual multiplier and the scalings hold on each shard."""
-    path = tiny_dense_models["granite"]
+@pytest.mark.parametrize("arch", ["granite", "mistral-swa"])
+async def test_tp2_gives_the_tp1_tokens(tiny_dense_models, arch):
+    """Granite's folded residual multiplier and scalings, Mistral's windows, hold on each shard."""
+    path = tiny_dense_models[arch]
     p = prompts(1, 20, seed=4)[0]
     runs = []
     for tp in (1, 2):
@@ -93,12 +94,17 @@ def test_refused_configs(tiny_dense_models, arch, over, field):
         ModelConfig.from_hf({**hf, **over})
 
 
-def test_gemma_config(tiny_dense_models):
-    """Windows on the sliding layers only; the context is the global layers' (no cap)."""
+def test_window_configs(tiny_dense_models):
+    """Windows on the sliding layers only; the context is the global layers' (no cap); a
+    window as wide as the context is none."""
     cfg = ModelConfig.from_hf(json.loads((tiny_dense_models["gemma3"] / "config.json").read_text()))
     assert cfg.layer_windows == (8, 8, 0) and cfg.context_len == 512
     assert (cfg.local_rope_theta, cfg.rope_theta, cfg.rope_scaling["factor"]) == (1e4, 1e6, 2.0)
     assert cfg.attention_scale == 16**-0.5 and cfg.tie_word_embeddings
+    hf = json.loads((tiny_dense_models["ministral"] / "config.json").read_text())
+    assert ModelConfig.from_hf(hf).layer_windows == (8, 0)
+    assert ModelConfig.from_hf({**hf, "sliding_window": 512}).layer_windows == ()
+    assert ModelConfig.from_hf({**hf, "layer_types": None}).layer_windows == (8, 8)
 
 
 @pytest.mark.parametrize("arch", ["olmo2", "gemma2"])

@@ -13,6 +13,7 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": "radixd.core.models.gemma:GemmaForCausalLM",
     "GraniteForCausalLM": "radixd.core.models.granite:GraniteForCausalLM",
     "LlamaForCausalLM": "radixd.core.models.llama:LlamaForCausalLM",
+    "MinistralForCausalLM": "radixd.core.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "radixd.core.models.llama:LlamaForCausalLM",
     "MixtralForCausalLM": "radixd.core.models.mixtral:MixtralForCausalLM",
     "Olmo2ForCausalLM": "radixd.core.models.olmo2:Olmo2ForCausalLM",

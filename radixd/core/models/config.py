@@ -70,7 +70,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None
+    sliding_window: int | None  # caps the context (Qwen's); windows per layer: ``layer_windows``
     moe: MoEConfig | None = None  # None: every layer's MLP is dense
     # Granite's scalings: q.k times ``attention_multiplier`` (None: head_dim ** -0.5), the
     # embeddings times ``embedding_multiplier``, each block's output times
@@ -79,11 +79,11 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    # Gemma 2 / 3: the MLP's activation, each layer's sliding window (0: global; () no
-    # windows), tanh soft-capping of attention scores and of the final logits (0: none), the
+    # Each layer's sliding window (0: global; (): no windows; Mistral, Ministral, Gemma).
+    # Gemma 2 / 3: the MLP's activation, tanh soft-capping of attention scores and of the final logits (0: none), the
     # sliding layers' own rope base (None: the model's).
-    hidden_act: str = "silu"
     layer_windows: tuple[int, ...] = ()
+    hidden_act: str = "silu"
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     local_rope_theta: float | None = None
@@ -123,10 +123,12 @@ class ModelConfig:
         rope_scaling = hf.get("rope_scaling")
         rope_params = hf.get("rope_parameters")  # transformers >= 5 keeps both here
         extra = gemma_fields(arch, hf) if gemma else {}
-        if gemma:
-            window = None  # (per layer: ``layer_windows``; the global layers see the whole context)
-            if rope_params and "full_attention" in rope_params:  # per layer type (transformers >= 5)
-                rope_params = rope_params["full_attention"]
+        if arch in WINDOWED:
+            # per layer (the global layers, if any, see the whole context), not a cap
+            extra["layer_windows"] = layer_windows(arch, hf) if window else ()
+            window = None
+        if gemma and rope_params and "full_attention" in rope_params:  # per layer type (transformers >= 5)
+            rope_params = rope_params["full_attention"]
         if rope_params:
             rope_theta = rope_theta or rope_params.get("rope_theta")
             if rope_params.get("rope_type", "default") != "default":
@@ -171,15 +173,28 @@ def checked_rope(scaling: dict | None, hf: dict[str, Any]) -> dict | None:
     return scaling
 
 
-def gemma_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 2 / 3's layer types and windows, scalings, soft-caps and local rope base."""
+def layer_windows(arch: str, hf: dict[str, Any]) -> tuple[int, ...]:
+    """``sliding_window`` on the ``layer_types`` that slide; without the list, transformers'
+    default: Gemma 2 every other layer from the first, Gemma 3 five of every six (its
+    ``sliding_window_pattern``), Mistral / Ministral all."""
     layers = hf["num_hidden_layers"]
-    pattern = hf.get("sliding_window_pattern", 2 if arch == "Gemma2ForCausalLM" else 6)
+    pattern = hf.get("sliding_window_pattern", {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}.get(arch, 0))
     types = hf.get("layer_types") or [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        "full_attention" if pattern and not (i + 1) % pattern else "sliding_attention" for i in range(layers)]
     for t in types:
         if t not in ("sliding_attention", "full_attention"):
             raise unsupported("layer_types", t, "'sliding_attention', 'full_attention'")
+    window = hf["sliding_window"]
+    if window >= hf.get("max_position_embeddings", 4096):
+        window = 0  # (as wide as the context: no window at all, and the kernels' unwindowed paths)
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
+
+
+def gemma_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 / 3's scalings, soft-caps and local rope base."""
+    if not hf.get("sliding_window"):
+        raise unsupported("sliding_window", hf.get("sliding_window"), "a window for Gemma's sliding layers")
     if hf.get("use_bidirectional_attention"):
         raise unsupported("use_bidirectional_attention", True, "causal attention (false)")
     local_theta = None
@@ -189,9 +204,7 @@ def gemma_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         if rope_type(local) != "default":
             raise unsupported("rope_parameters.sliding_attention.rope_type", rope_type(local), "'default'")
         local_theta = float(local["rope_theta"])
-    window = hf["sliding_window"]
     return dict(hidden_act="gelu_pytorch_tanh",
-                layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
                 attention_multiplier=hf["query_pre_attn_scalar"] ** -0.5,
                 embedding_multiplier=hf["hidden_size"] ** 0.5,
                 attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
@@ -207,4 +220,5 @@ def granite_scalings(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+WINDOWED = (*GEMMA, "MistralForCausalLM", "MinistralForCausalLM")  # sliding windows per layer
 QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # bias on q/k/v unless the config says otherwise
