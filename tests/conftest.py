@@ -125,6 +125,9 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: s
     elif arch == "ministral":  # a sliding layer, then a global one
         cfg = MinistralConfig(**kw, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                               tie_word_embeddings=False)
+    elif arch == "qwen2-swa":  # layer 0 global, layer 1 (from max_window_layers on) a window of 8
+        cfg = Qwen2Config(**kw, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                          tie_word_embeddings=False)
     else:
         raise ValueError(arch)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -153,7 +156,7 @@ def tiny_moe_models(tmp_path_factory) -> dict[str, Path]:
     return {a: make_tiny_checkpoint(root / a, a) for a in MOE_ARCHS}
 
 
-DENSE_ARCHS = ("olmo2", "granite", "phi3", "gemma2", "gemma3", "mistral-swa", "ministral")
+DENSE_ARCHS = ("olmo2", "granite", "phi3", "gemma2", "gemma3", "mistral-swa", "ministral", "qwen2-swa")
 
 
 @pytest.fixture(scope="session")

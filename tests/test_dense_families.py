@@ -1,5 +1,5 @@
 """Dense families beyond Llama/Qwen (OLMo 2, Granite 3, Phi-3 / Phi-4 with longrope, Gemma 2
-and Gemma 3 with sliding-window layers and soft-capping, Mistral / Ministral with windows): greedy tokens equal transformers'
+and Gemma 3 with sliding-window layers and soft-capping, Mistral / Ministral / Qwen2 with windows): greedy tokens equal transformers'
 (fp32, CPU, the torch backend; the triton one in test_window_attention) under batching, mid-flight arrivals with small chunked prefill, cache hits and
 preemption; what a family's config asks for that radixd lacks is refused at load, naming
 the field."""
@@ -105,6 +105,9 @@ def test_window_configs(tiny_dense_models):
     assert ModelConfig.from_hf(hf).layer_windows == (8, 0)
     assert ModelConfig.from_hf({**hf, "sliding_window": 512}).layer_windows == ()
     assert ModelConfig.from_hf({**hf, "layer_types": None}).layer_windows == (8, 8)
+    hf = json.loads((tiny_dense_models["qwen2-swa"] / "config.json").read_text())
+    assert ModelConfig.from_hf({**hf, "layer_types": None}).layer_windows == (0, 8)
+    assert ModelConfig.from_hf({**hf, "use_sliding_window": False}).layer_windows == ()
 
 
 @pytest.mark.parametrize("arch", ["olmo2", "gemma2"])

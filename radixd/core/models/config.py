@@ -70,7 +70,6 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None  # caps the context (Qwen's); windows per layer: ``layer_windows``
     moe: MoEConfig | None = None  # None: every layer's MLP is dense
     # Granite's scalings: q.k times ``attention_multiplier`` (None: head_dim ** -0.5), the
     # embeddings times ``embedding_multiplier``, each block's output times
@@ -79,7 +78,7 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    # Each layer's sliding window (0: global; (): no windows; Mistral, Ministral, Gemma).
+    # Each layer's sliding window (0: global; (): no windows).
     # Gemma 2 / 3: the MLP's activation, tanh soft-capping of attention scores and of the final logits (0: none), the
     # sliding layers' own rope base (None: the model's).
     layer_windows: tuple[int, ...] = ()
@@ -94,10 +93,9 @@ class ModelConfig:
 
     @property
     def context_len(self) -> int:
-        """Longest sequence the model serves exactly (a sliding window caps it; ``dynamic``
-        rope scaling stretches it by its factor)."""
-        served = served_positions(self.max_position_embeddings, self.rope_scaling)
-        return min(served, self.sliding_window) if self.sliding_window else served
+        """Longest sequence the model serves (``dynamic`` rope scaling stretches it by its
+        factor; sliding windows do not shorten it)."""
+        return served_positions(self.max_position_embeddings, self.rope_scaling)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -123,10 +121,7 @@ class ModelConfig:
         rope_scaling = hf.get("rope_scaling")
         rope_params = hf.get("rope_parameters")  # transformers >= 5 keeps both here
         extra = gemma_fields(arch, hf) if gemma else {}
-        if arch in WINDOWED:
-            # per layer (the global layers, if any, see the whole context), not a cap
-            extra["layer_windows"] = layer_windows(arch, hf) if window else ()
-            window = None
+        extra["layer_windows"] = layer_windows(arch, hf) if window else ()
         if gemma and rope_params and "full_attention" in rope_params:  # per layer type (transformers >= 5)
             rope_params = rope_params["full_attention"]
         if rope_params:
@@ -150,7 +145,6 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),  # (Gemma's default: tied)
             attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch in QKV_BIAS))),
             eos_token_ids=eos_ids,
-            sliding_window=window,
             moe=MoEConfig.from_hf(arch, hf),
             **(granite_scalings(hf) if arch == "GraniteForCausalLM" else {}),
             **extra,
@@ -176,11 +170,13 @@ def checked_rope(scaling: dict | None, hf: dict[str, Any]) -> dict | None:
 def layer_windows(arch: str, hf: dict[str, Any]) -> tuple[int, ...]:
     """``sliding_window`` on the ``layer_types`` that slide; without the list, transformers'
     default: Gemma 2 every other layer from the first, Gemma 3 five of every six (its
-    ``sliding_window_pattern``), Mistral / Ministral all."""
+    ``sliding_window_pattern``), Qwen those from ``max_window_layers`` on, others all."""
     layers = hf["num_hidden_layers"]
     pattern = hf.get("sliding_window_pattern", {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}.get(arch, 0))
+    first = hf.get("max_window_layers", 28) if arch.startswith("Qwen") else 0
     types = hf.get("layer_types") or [
-        "full_attention" if pattern and not (i + 1) % pattern else "sliding_attention" for i in range(layers)]
+        "full_attention" if (pattern and not (i + 1) % pattern) or i < first else "sliding_attention"
+        for i in range(layers)]
     for t in types:
         if t not in ("sliding_attention", "full_attention"):
             raise unsupported("layer_types", t, "'sliding_attention', 'full_attention'")
@@ -220,5 +216,4 @@ def granite_scalings(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-WINDOWED = (*GEMMA, "MistralForCausalLM", "MinistralForCausalLM")  # sliding windows per layer
 QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # bias on q/k/v unless the config says otherwise
