@@ -81,6 +81,7 @@ async def test_tp2_gives_the_tp1_tokens(tiny_dense_models, arch):
 
 @pytest.mark.parametrize("arch, over, field", [
     ("olmo2", {"mlp_bias": True}, "'mlp_bias' = True"),
+    ("granite", {"attention_bias": True}, "'attention_bias' = True"),
     ("gemma2", {"hidden_activation": "gelu"}, "'hidden_activation' = 'gelu'"),
     ("gemma3", {"layer_types": ["chunked_attention"] * 3}, "'layer_types' = 'chunked_attention'"),
     ("gemma3", {"use_bidirectional_attention": True}, "'use_bidirectional_attention' = True"),

@@ -110,6 +110,8 @@ class ModelConfig:
             raise unsupported("hidden_act", act, "'silu' (SwiGLU MLPs)")
         if hf.get("mlp_bias"):
             raise unsupported("mlp_bias", hf["mlp_bias"], "MLPs without bias (false)")
+        if hf.get("attention_bias") and arch not in QKV_BIAS:  # (transformers then biases o_proj too)
+            raise unsupported("attention_bias", hf["attention_bias"], "attention without bias (false)")
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         eos = hf.get("eos_token_id")

@@ -28,7 +28,7 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
 class Olmo2DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, kernels: KernelChoice):
         super().__init__()
-        self.self_attn = Attention(cfg, layer, qkv_bias=cfg.attention_bias, qk_norm=False, kernels=kernels)
+        self.self_attn = Attention(cfg, layer, qkv_bias=False, qk_norm=False, kernels=kernels)
         self.self_attn.q_norm = ProjectionNorm(cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps)
         self.self_attn.k_norm = ProjectionNorm(cfg.num_kv_heads * cfg.head_dim, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
