@@ -128,6 +128,9 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: s
     elif arch == "qwen2-swa":  # layer 0 global, layer 1 (from max_window_layers on) a window of 8
         cfg = Qwen2Config(**kw, use_sliding_window=True, sliding_window=8, max_window_layers=1,
                           tie_word_embeddings=False)
+    elif arch == "qwen2-yarn":  # Qwen2.5's long-context setting: yarn past an original context of 32
+        rope = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=10000.0)
+        cfg = Qwen2Config(**kw, rope_parameters=rope, tie_word_embeddings=False)
     else:
         raise ValueError(arch)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

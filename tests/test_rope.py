@@ -4,8 +4,12 @@ refused at load, naming the field."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
+from conftest import make_tiny_checkpoint
+from test_engine import assert_greedy_matches, assert_idle, collect, make_engine, prompts
 
 from radixd.core.models.config import ModelConfig
 from radixd.core.models.layers import Rotary
@@ -93,3 +97,17 @@ def test_longrope_matches_transformers(max_pos):
 def test_unsupported_rope_refused(hf, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         radixd_tables(hf)
+
+
+async def test_yarn_model_greedy_matches_transformers(tmp_path):
+    """A Qwen2.5-style checkpoint with yarn: the engine's tokens are transformers'."""
+    path = make_tiny_checkpoint(tmp_path / "qwen2-yarn", "qwen2-yarn")
+    eng = make_engine(path, chunked_prefill_size=16)
+    try:
+        ps = prompts(2, 40, seed=6)
+        outs = await asyncio.gather(*(collect(eng, p, 10) for p in ps))
+        for p, got in zip(ps, outs, strict=True):
+            assert_greedy_matches(path, p, got, 10)
+        await assert_idle(eng)
+    finally:
+        await eng.stop()

@@ -78,10 +78,9 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    # Each layer's sliding window (0: global; (): no windows).
-    # Gemma 2 / 3: the MLP's activation, tanh soft-capping of attention scores and of the final logits (0: none), the
-    # sliding layers' own rope base (None: the model's).
-    layer_windows: tuple[int, ...] = ()
+    layer_windows: tuple[int, ...] = ()  # each layer's sliding window (0: global; (): no windows)
+    # Gemma 2 / 3: the MLP's activation, tanh soft-capping of attention scores and of the
+    # final logits (0: none), the sliding layers' own rope base (None: the model's).
     hidden_act: str = "silu"
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
@@ -89,6 +88,7 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
+        """The attention backend's q.k scale."""
         return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier
 
     @property
