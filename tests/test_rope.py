@@ -1,6 +1,6 @@
 """Rope scalings: radixd's rotary tables against transformers' rotary embedding for the same
-config (each position's cos and sin, the attention factor folded in); types radixd lacks
-refused at load, naming the field."""
+config (each position's cos and sin, the attention factor folded in), and a yarn model's
+greedy tokens; types radixd lacks refused at load, naming the field."""
 
 from __future__ import annotations
 
