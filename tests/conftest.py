@@ -58,9 +58,15 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: s
     with added tokens: the vocabulary is sized to it)."""
     from transformers import (
         AutoModelForCausalLM,
+        Gemma2Config,
+        Gemma3TextConfig,
+        GraniteConfig,
         LlamaConfig,
+        MinistralConfig,
         MistralConfig,
         MixtralConfig,
+        Olmo2Config,
+        Phi3Config,
         Qwen2Config,
         Qwen2MoeConfig,
         Qwen3Config,
@@ -95,6 +101,36 @@ def make_tiny_checkpoint(path: Path, arch: str, seed: int = 0, max_shard_size: s
     elif arch == "mixtral":
         cfg = MixtralConfig(**{**kw, "intermediate_size": 48}, num_local_experts=4, num_experts_per_tok=2,
                             tie_word_embeddings=False)
+    elif arch == "olmo2":
+        cfg = Olmo2Config(**kw, tie_word_embeddings=False)
+    elif arch == "granite":  # every scaling away from 1, so a missed one changes the tokens
+        cfg = GraniteConfig(**kw, attention_multiplier=0.3, embedding_multiplier=4.0, residual_multiplier=0.6,
+                            logits_scaling=2.5, tie_word_embeddings=True)
+    elif arch == "phi3":  # longrope past an original context of 16 (the tests' prompts are longer)
+        half = kw["hidden_size"] // kw["num_attention_heads"] // 2
+        rope = dict(rope_type="longrope", rope_theta=10000.0, long_factor=[1.0 + 0.7 * i for i in range(half)],
+                    short_factor=[1.0 + 0.1 * i for i in range(half)])
+        cfg = Phi3Config(**kw, original_max_position_embeddings=16, rope_parameters=rope, tie_word_embeddings=False)
+    elif arch == "gemma2":  # windows of 8 on layers 0 and 2; caps low enough to bite at these scales
+        cfg = Gemma2Config(**{**kw, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                           attn_logit_softcapping=0.5, final_logit_softcapping=3.0, tie_word_embeddings=True)
+    elif arch == "gemma3":  # two sliding layers (base 10^4), then a global one (10^6, linearly scaled)
+        rope = {"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1000000.0)}
+        cfg = Gemma3TextConfig(**{**kw, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=16,
+                               sliding_window=8, layer_types=["sliding_attention"] * 2 + ["full_attention"],
+                               rope_parameters=rope, tie_word_embeddings=True)
+    elif arch == "mistral-swa":  # every layer's window 8 tokens, shorter than the tests' prompts
+        cfg = MistralConfig(**kw, sliding_window=8, tie_word_embeddings=False)
+    elif arch == "ministral":  # a sliding layer, then a global one
+        cfg = MinistralConfig(**kw, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                              tie_word_embeddings=False)
+    elif arch == "qwen2-swa":  # layer 0 global, layer 1 (from max_window_layers on) a window of 8
+        cfg = Qwen2Config(**kw, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                          tie_word_embeddings=False)
+    elif arch == "qwen2-yarn":  # Qwen2.5's long-context setting: yarn past an original context of 32
+        rope = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=10000.0)
+        cfg = Qwen2Config(**kw, rope_parameters=rope, tie_word_embeddings=False)
     else:
         raise ValueError(arch)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -121,6 +157,16 @@ def tiny_moe_models(tmp_path_factory) -> dict[str, Path]:
     """Mixture-of-experts checkpoints, apart from ``tiny_models`` so only their tests pay for them."""
     root = tmp_path_factory.mktemp("moe_models")
     return {a: make_tiny_checkpoint(root / a, a) for a in MOE_ARCHS}
+
+
+DENSE_ARCHS = ("olmo2", "granite", "phi3", "gemma2", "gemma3", "mistral-swa", "ministral", "qwen2-swa")
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_models(tmp_path_factory) -> dict[str, Path]:
+    """The dense families beyond Llama/Qwen, apart from ``tiny_models`` so only their tests pay for them."""
+    root = tmp_path_factory.mktemp("dense_models")
+    return {a: make_tiny_checkpoint(root / a, a) for a in DENSE_ARCHS}
 
 
 def hf_greedy(path: Path, prompt_ids: list[int], max_new: int) -> tuple[list[int], torch.Tensor]:

@@ -176,5 +176,5 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
         model.load_weights(iter_safetensors(path), head=head)
     model = model.eval()
     # Rotary tables stay float32 whatever the weights' dtype.
-    model.rotary = type(model.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.rotary = model.make_rotary(cfg).to(device)
     return model

@@ -34,7 +34,6 @@ import torch
 from radixd.core.forward_batch import ForwardBatch, StepOutput
 from radixd.core.model_loader import load_model
 from radixd.core.models.config import ModelConfig
-from radixd.core.models.layers import Rotary
 from radixd.core.sampler import SampledTokens
 from radixd.core.triton_ops import ALL_KERNELS, KernelChoice, linear_weight
 from radixd.core.worker import ModelWorker, bind_device, on_device
@@ -71,6 +70,8 @@ def shard_tensor(name: str, w: torch.Tensor, cfg: ModelConfig, rank: int, tp: in
 def shard_model(full: torch.nn.Module, cfg: ModelConfig, rank: int, tp: int, device: torch.device,
                 dtype: torch.dtype) -> torch.nn.Module:
     """Shard ``rank`` of ``full`` (built for ``cfg``) as a model of its own on ``device``."""
+    if not type(full).tensor_parallel:
+        raise ValueError(f"architecture {cfg.architecture!r} does not support tensor parallelism (tp_size = 1)")
     part_cfg = shard_config(cfg, tp)
     with torch.device("meta"):
         model = type(full)(part_cfg, kernels=full.kernels)
@@ -83,7 +84,7 @@ def shard_model(full: torch.nn.Module, cfg: ModelConfig, rank: int, tp: int, dev
         for name, p in model.named_parameters():
             if name != "lm_head.weight":
                 p.copy_(shard_tensor(name, whole[name], cfg, rank, tp))
-    model.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.rotary = model.make_rotary(cfg).to(device)
     return model.eval()
 
 

@@ -107,9 +107,11 @@ class ModelWorker:
             self.pool,
             num_heads=model_cfg.num_heads,
             head_dim=model_cfg.head_dim,
-            scale=model_cfg.head_dim**-0.5,
+            scale=model_cfg.attention_scale,
             cascade=cascade_attention,
             fuse_one_row=kernels.fuse_one_row,
+            windows=model_cfg.layer_windows,
+            softcap=model_cfg.attn_softcap,
         )
         self.cascade_members = self.attn.cascade_members
         self.stager = Stager(device)

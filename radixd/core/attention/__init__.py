@@ -3,7 +3,9 @@
 ``AttentionBackend`` is the interface: ``begin`` builds the batch's metadata once, ``forward``
 stores the new tokens' K/V in the pool and attends (extend over the cached prefix plus the new
 tokens, causally; decode is extend with one token), ``project_forward`` may do the same from
-the layer's input. ``torch`` is the reference and CPU path.
+the layer's input. ``torch`` is the reference and CPU path. Per layer, a backend may be given
+a sliding window (a query sees only the newest ``window`` keys, itself included) and, for all
+layers, a soft-cap on the attention scores (``cap * tanh(score / cap)``, before the mask).
 
 ``GraphAttention`` is what ``cuda_graph.DecodeGraphs`` needs on top to capture decode steps:
 ``set_decode`` points the backend at device tensors the graph owns (its replays refill them),
@@ -53,18 +55,22 @@ class GraphAttention(AttentionBackend, Protocol):
 
 
 def make_backend(name: str, pool: KVPool, *, num_heads: int, head_dim: int, scale: float,
-                 cascade: bool = False, fuse_one_row: bool = True) -> AttentionBackend:
+                 cascade: bool = False, fuse_one_row: bool = True, windows: tuple[int, ...] = (),
+                 softcap: float = 0.0) -> AttentionBackend:
     """``cascade``: decode batches whose requests share a cached prefix read it once per
-    item (``ForwardBatch.shared``; the ``triton`` backend; ``torch`` attends per request).
-    ``fuse_one_row``: one-request decode steps project, rotate and store K/V in one kernel
-    (``triton``)."""
+    item (``ForwardBatch.shared``; the ``triton`` backend; ``torch`` attends per request;
+    not with windows). ``fuse_one_row``: one-request decode steps project, rotate and store
+    K/V in one kernel (``triton``). ``windows``: each layer's sliding window (0: none; empty:
+    no layer has one); ``softcap``: the score soft-cap (0: none)."""
     if name == "torch":
         from radixd.core.attention.torch_backend import TorchAttention
 
-        return TorchAttention(pool, num_heads=num_heads, head_dim=head_dim, scale=scale)
+        return TorchAttention(pool, num_heads=num_heads, head_dim=head_dim, scale=scale, windows=windows,
+                              softcap=softcap)
     if name == "triton":
         from radixd.core.attention.triton_backend import TritonAttention
 
-        return TritonAttention(pool, num_heads=num_heads, head_dim=head_dim, scale=scale, cascade=cascade,
-                               fuse_one_row=fuse_one_row)
+        return TritonAttention(pool, num_heads=num_heads, head_dim=head_dim, scale=scale,
+                               cascade=cascade and not any(windows), fuse_one_row=fuse_one_row, windows=windows,
+                               softcap=softcap)
     raise ValueError(f"attention backend {name!r} is not available (available: 'torch', 'triton')")

@@ -1,7 +1,9 @@
 """Reference attention: gather each request's KV through the table, then SDPA.
 
 Decode requests (one new token) are padded into one batched SDPA call; extend requests run
-one SDPA each with a causal mask offset by their cached prefix.
+one SDPA each with a causal mask offset by their cached prefix. A layer's sliding window
+narrows the mask; a score soft-cap (which SDPA cannot apply) takes the explicit
+softmax(cap * tanh(q.k * scale / cap)) path.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from radixd.core.kv_pool import KVPool
 class TorchAttention:
     cascade_members = 0  # attends per request, shared prefixes too
 
-    def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float):
+    def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float, windows: tuple[int, ...] = (),
+                 softcap: float = 0.0):
         self.pool = pool
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.windows = windows or (0,) * len(pool.k_buffers)
+        self.softcap = softcap
 
     def begin(self, batch: ForwardBatch, stage=None) -> None:
         device = self.pool.device
@@ -30,26 +35,30 @@ class TorchAttention:
             starts.append(starts[-1] + e)
         table = self.pool.req_to_token
         decode = [i for i, e in enumerate(batch.extend_lens) if e == 1]
+        windows = set(self.windows)
         self.extends = []
         for i, e in enumerate(batch.extend_lens):
             if e == 1:
                 continue
             p = batch.prefix_lens[i]
             kv_idx = table[batch.rows[i], : p + e]
-            q_pos = torch.arange(p, p + e, device=device)
-            mask = torch.arange(p + e, device=device)[None, :] <= q_pos[:, None]
-            self.extends.append((starts[i], e, kv_idx, mask))
+            q_pos = torch.arange(p, p + e, device=device)[:, None]
+            kv_pos = torch.arange(p + e, device=device)[None, :]
+            masks = {w: (kv_pos <= q_pos) & (kv_pos > q_pos - w if w else True) for w in windows}
+            self.extends.append((starts[i], e, kv_idx, masks))
         self.decode_tok = None
         if decode:
             lens = torch.tensor([batch.prefix_lens[i] + 1 for i in decode], device=device)
             max_len = int(lens.max())
             rows = torch.tensor([batch.rows[i] for i in decode], device=device)
             kv_idx = table[rows, :max_len]                      # [Bd, L]; padding reads slot 0..
-            valid = torch.arange(max_len, device=device)[None, :] < lens[:, None]
+            kv_pos = torch.arange(max_len, device=device)[None, :]
+            valid = kv_pos < lens[:, None]
             kv_idx = torch.where(valid, kv_idx, torch.zeros_like(kv_idx))
             self.decode_tok = torch.tensor([starts[i] for i in decode], device=device)
             self.decode_kv_idx = kv_idx
-            self.decode_mask = valid[:, None, None, :]          # [Bd, 1, 1, L]
+            self.decode_masks = {w: (valid & (kv_pos >= lens[:, None] - w if w else True))[:, None, None, :]
+                                 for w in windows}  # [Bd, 1, 1, L]
 
     def project_forward(self, x, proj, layer: int, positions, rotary) -> None:
         return None  # no fused projection: the layer projects and calls forward
@@ -60,17 +69,26 @@ class TorchAttention:
         self.pool.store(layer, self.out_cache_loc, k, v)
         k_buf = self.pool.k_buffers[layer]
         v_buf = self.pool.v_buffers[layer]
+        window = self.windows[layer]
         out = torch.empty_like(q)
-        for start, e, kv_idx, mask in self.extends:
+        for start, e, kv_idx, masks in self.extends:
             qi = q[start : start + e].transpose(0, 1)[None]          # [1, H, e, D]
             ki = k_buf[kv_idx].transpose(0, 1)[None].to(q.dtype)     # [1, Hkv, S, D]
             vi = v_buf[kv_idx].transpose(0, 1)[None].to(q.dtype)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=True)
-            out[start : start + e] = o[0].transpose(0, 1)
+            out[start : start + e] = self._attend(qi, ki, vi, masks[window])[0].transpose(0, 1)
         if self.decode_tok is not None:
             qd = q[self.decode_tok][:, :, None, :]                    # [Bd, H, 1, D]
             kd = k_buf[self.decode_kv_idx].transpose(1, 2).to(q.dtype)  # [Bd, Hkv, L, D]
             vd = v_buf[self.decode_kv_idx].transpose(1, 2).to(q.dtype)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=self.scale, enable_gqa=True)
-            out[self.decode_tok] = o[:, :, 0, :]
+            out[self.decode_tok] = self._attend(qd, kd, vd, self.decode_masks[window])[:, :, 0, :]
         return out
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, H, M, D], k/v [B, Hkv, S, D], mask broadcastable to [B, H, M, S]."""
+        if not self.softcap:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.tanh(q.float() @ k.float().transpose(-1, -2) * (self.scale / self.softcap)) * self.softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return (scores.softmax(-1) @ v.float()).to(q.dtype)

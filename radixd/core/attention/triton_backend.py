@@ -40,8 +40,10 @@ class TritonAttention:
     """A ``GraphAttention``. ``fuse_one_row``: take ``project_forward``'s one-kernel path."""
 
     def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float, cascade: bool = False,
-                 fuse_one_row: bool = True):
+                 fuse_one_row: bool = True, windows: tuple[int, ...] = (), softcap: float = 0.0):
         self.pool = pool
+        self.windows = windows or (0,) * len(pool.k_buffers)
+        self.softcap = softcap
         self.fuse_one_row = fuse_one_row
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -126,7 +128,8 @@ class TritonAttention:
         if self.decode:
             return self._decode(q, layer)
         return extend_attention(q, k_buf, v_buf, self.pool.req_to_token, self.rows, self.prefix_lens,
-                                self.extend_lens, self.q_starts, self.max_extend, self.scale)
+                                self.extend_lens, self.q_starts, self.max_extend, self.scale,
+                                window=self.windows[layer], softcap=self.softcap)
 
     def project_forward(self, x: torch.Tensor, proj: torch.nn.Linear, layer: int, positions: torch.Tensor,
                         rotary) -> torch.Tensor | None:
@@ -147,7 +150,7 @@ class TritonAttention:
             return cascade_decode_attention(
                 q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token, self.rows,
                 self.seq_lens, self.scale, shares, parts, item_rows, item_lens, members, num_splits=self.splits,
-                prefix_splits=PREFIX_SPLITS, mid_o=self.mid_o, mid_lse=self.mid_lse)
+                prefix_splits=PREFIX_SPLITS, mid_o=self.mid_o, mid_lse=self.mid_lse, softcap=self.softcap)
         return decode_attention(q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token,
                                 self.rows, self.seq_lens, self.scale, num_splits=self.splits, mid_o=self.mid_o,
-                                mid_lse=self.mid_lse)
+                                mid_lse=self.mid_lse, window=self.windows[layer], softcap=self.softcap)

@@ -26,12 +26,18 @@ PREFIX_PROGRAMS = 64        # programs per (KV head, split) walking the shared-p
 
 
 @triton.jit
+def _tanh(x):
+    return 2 * tl.sigmoid(2 * x) - 1
+
+
+@triton.jit
 def _attend_span(q, rows_ok, K, V, Table, row, kvh, start, end, scale,
                  stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr):
     """A tile of query rows (``rows_ok``: the real ones) of one KV head over the keys at
     positions ``[start, end)`` of table row ``row``, online softmax: (normalised output,
-    log-sum-exp; -inf for a span with no key)."""
+    log-sum-exp; -inf for a span with no key). ``SOFTCAP`` > 0: scores capped to
+    ``SOFTCAP * tanh(score / SOFTCAP)``."""
     m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     lsum = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
@@ -42,6 +48,8 @@ def _attend_span(q, rows_ok, K, V, Table, row, kvh, start, end, scale,
         k = tl.load(K + slots[None, :] * stride_kn + kvh * stride_kh + offs_d[:, None],
                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)
         qk = tl.dot(q, k) * scale
+        if SOFTCAP > 0:
+            qk = SOFTCAP * _tanh(qk / SOFTCAP)
         qk = tl.where(rows_ok[:, None] & mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -66,10 +74,12 @@ def _decode_stage1(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
     HAS_START: tl.constexpr, WRITE_LSE: tl.constexpr, MERGE_PREFIX: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """``MERGE_PREFIX`` (cascade with one split): the shared level's ``PrefixParts[b]``
     partials, in split slots ``SPLITS ...`` of ``MidO``/``MidLse``, are already there; they
-    are merged with this program's own span and the result goes to ``Out``."""
+    are merged with this program's own span and the result goes to ``Out``. ``WINDOW`` > 0:
+    only the newest ``WINDOW`` keys are read (not with a start)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -78,6 +88,8 @@ def _decode_stage1(
     first = 0
     if HAS_START:  # (cascade: the shared prefix before ``first`` is attended by _prefix_stage)
         first = tl.load(Starts + b)
+    if WINDOW > 0:
+        first = tl.maximum(seq_len - WINDOW, 0)
     split_len = tl.cdiv(tl.cdiv(seq_len - first, SPLITS), BLOCK_N) * BLOCK_N  # whole tiles per split
     start = first + sp * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -92,7 +104,7 @@ def _decode_stage1(
 
     out, lse = _attend_span(q, mask_g, K, V, Table, row, kvh, start, end, scale,
                             stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                            BLOCK_H, BLOCK_N, BLOCK_D)
+                            BLOCK_H, BLOCK_N, BLOCK_D, SOFTCAP)
     mask_gd = mask_g[:, None] & mask_d[None, :]
     if MERGE_PREFIX:
         for s in range(tl.load(PrefixParts + b)):
@@ -146,13 +158,14 @@ def decode_attention(
     q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, table: torch.Tensor,
     rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, num_splits: int = 8,
     out: torch.Tensor | None = None, mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int, int] | None = None, window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """``q`` [B, H, D] (one token per request) -> [B, H, D]. ``rows``/``seq_lens`` [B] on the
     device; the launch shape depends only on B, so it can be captured in a CUDA graph.
     ``config``: stage 1's (tokens per tile, warps, pipeline stages) instead of the default
     (benchmarks sweep them). With one split, stage 1 writes ``out`` itself and stage 2 does
-    not run."""
+    not run. ``window`` > 0: each request attends to its newest ``window`` keys;
+    ``softcap`` > 0: scores soft-capped (``softcap * tanh(score / softcap)``)."""
     B, H, D = q.shape
     Hkv = k_buf.shape[1]
     group = H // Hkv
@@ -172,7 +185,7 @@ def decode_attention(
         out.stride(0), out.stride(1),  # (Starts, Out, PrefixParts: unread without a start or a merge)
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, HAS_START=False, WRITE_LSE=num_splits > 1,
-        MERGE_PREFIX=False, num_warps=warps, num_stages=stages,
+        MERGE_PREFIX=False, WINDOW=window, SOFTCAP=softcap, num_warps=warps, num_stages=stages,
     )
     if num_splits == 1:
         return out
@@ -199,7 +212,7 @@ def _prefix_stage(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, SLOT0: tl.constexpr,
-    PROGRAMS: tl.constexpr,
+    PROGRAMS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Cascade decoding, the shared level: the requests of one item share the KV of their
     first ``ItemLens[i]`` positions (the same pool slots), so each K/V tile of it is read
@@ -229,7 +242,7 @@ def _prefix_stage(
             end = tl.minimum(start + split_len, length)
             out, lse = _attend_span(q, valid, K, V, Table, row, kvh, start, end, scale,
                                     stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                                    BLOCK_R, BLOCK_N, BLOCK_D)
+                                    BLOCK_R, BLOCK_N, BLOCK_D, SOFTCAP)
             slot = SLOT0 + sp
             tl.store(MidO + b[:, None] * stride_ob + heads[:, None] * stride_oh + slot * stride_os + offs_d[None, :],
                      out, mask=valid[:, None] & mask_d[None, :])
@@ -242,7 +255,7 @@ def cascade_decode_attention(
     item_rows: torch.Tensor, item_lens: torch.Tensor, members: torch.Tensor, *,
     num_splits: int, prefix_splits: int, out: torch.Tensor | None = None,
     mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int, int] | None = None, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention in two levels (cascade): the prefix shared by the requests of an
     item is read once for all of them, each request's own rest (from ``shares[b]``, 0 for a
@@ -281,7 +294,7 @@ def cascade_decode_attention(
             q.stride(0), q.stride(1), *common, *mids, out.stride(0), out.stride(1),
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
             HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, HAS_START=True, WRITE_LSE=True,
-            MERGE_PREFIX=merge, num_warps=warps, num_stages=stages,
+            MERGE_PREFIX=merge, WINDOW=0, SOFTCAP=softcap, num_warps=warps, num_stages=stages,
         )
 
     if not merge:
@@ -293,7 +306,7 @@ def cascade_decode_attention(
         q.stride(0), q.stride(1), *common, members.stride(0), *mids,
         GROUP=group, MEMBERS=members_n, BLOCK_R=max(16, triton.next_power_of_2(members_n * group)),
         BLOCK_N=PREFIX_CONFIG[0], HEAD_DIM=D, BLOCK_D=block_d, SPLITS=prefix_splits, SLOT0=num_splits,
-        PROGRAMS=programs, num_warps=PREFIX_CONFIG[1], num_stages=PREFIX_CONFIG[2],
+        PROGRAMS=programs, SOFTCAP=softcap, num_warps=PREFIX_CONFIG[1], num_stages=PREFIX_CONFIG[2],
     )
     if merge:
         own_level()
@@ -309,9 +322,11 @@ def cascade_decode_attention(
 @triton.jit
 def _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, lo, hi, qk_scale,
                   stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, K_ROWS: tl.constexpr):
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, K_ROWS: tl.constexpr,
+                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """Online softmax of one query tile over keys ``[lo, hi)``; ``MASKED`` adds the bounds
-    and causal masks (needed only on the diagonal and the ragged end)."""
+    and causal masks (needed only on the diagonal and the ragged end), and the window's.
+    Scores are in log2 units (``qk_scale`` has log2(e) in it), ``SOFTCAP`` too."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
@@ -329,8 +344,13 @@ def _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, lo, hi, qk_scal
                         mask=tl.trans(mask_nd), other=0.0)
             qk = tl.dot(q, k) * qk_scale
         v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=mask_nd, other=0.0)
+        if SOFTCAP > 0:
+            qk = SOFTCAP * _tanh(qk / SOFTCAP)
         if MASKED:
-            qk = tl.where(mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), qk, float("-inf"))
+            visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            if WINDOW > 0:
+                visible = visible & (offs_n[None, :] > q_pos[:, None] - WINDOW)
+            qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk - m_safe[:, None])
@@ -347,6 +367,7 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh, stride_tr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, K_ROWS: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -365,17 +386,23 @@ def _extend_kernel(
                     mask=mask_m[:, None] & mask_d[None, :], other=0.0)
         q_pos = prefix + offs_m
         end = tl.minimum(prefix + ext, prefix + (mb + 1) * BLOCK_M)
-        # every key before the tile's first query is visible to all its queries: no masks there
-        full = ((prefix + mb * BLOCK_M) // BLOCK_N) * BLOCK_N
         m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         lsum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, 0, full, qk_scale,
-                                     stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                                     BLOCK_N, False, K_ROWS)
-        m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, full, end, qk_scale,
-                                     stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                                     BLOCK_N, True, K_ROWS)
+        if WINDOW > 0:  # from the tile of the first query's oldest key in the window, all masked
+            lo = (tl.maximum(prefix + mb * BLOCK_M - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+            m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, lo, end, qk_scale,
+                                         stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
+                                         BLOCK_N, True, K_ROWS, WINDOW, SOFTCAP)
+        else:
+            # every key before the tile's first query is visible to all its queries: no masks there
+            full = ((prefix + mb * BLOCK_M) // BLOCK_N) * BLOCK_N
+            m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, 0, full, qk_scale,
+                                         stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
+                                         BLOCK_N, False, K_ROWS, 0, SOFTCAP)
+            m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, full, end, qk_scale,
+                                         stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
+                                         BLOCK_N, True, K_ROWS, 0, SOFTCAP)
         out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
         tl.store(Out + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -400,10 +427,12 @@ def extend_attention(
     q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, table: torch.Tensor,
     rows: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor, q_starts: torch.Tensor,
     max_extend: int, scale: float, out: torch.Tensor | None = None,
-    config: tuple[int, int, int, int, bool] | None = None,
+    config: tuple[int, int, int, int, bool] | None = None, window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """``q`` [T, H, D]: the new tokens of R requests laid back to back (request r's start in
-    ``q_starts``) -> [T, H, D]. ``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages, K_ROWS)."""
+    ``q_starts``) -> [T, H, D]. ``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages, K_ROWS).
+    ``window`` > 0: a query at position p sees keys ``(p - window, p]``; ``softcap`` > 0:
+    scores soft-capped (``softcap * tanh(score / softcap)``)."""
     T, H, D = q.shape
     Hkv = k_buf.shape[1]
     if out is None:
@@ -417,7 +446,7 @@ def extend_attention(
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), table.stride(0),
         GROUP=H // Hkv, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, BLOCK_D=block_d,
-        K_ROWS=k_rows, num_warps=warps, num_stages=stages,
+        K_ROWS=k_rows, WINDOW=window, SOFTCAP=softcap * _LOG2E, num_warps=warps, num_stages=stages,
     )
     return out
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from radixd.core.attention import AttentionBackend
+from radixd.core.models.rope import rope_tables
 from radixd.core.triton_ops import ALL_KERNELS, KernelChoice, add_rmsnorm, gate_up_silu, linear
 
 
@@ -25,38 +25,15 @@ class RMSNorm(nn.Module):
         return add_rmsnorm(x, self.weight, self.eps, residual)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies, with the rope scaling types radixd supports (default, linear, llama3)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "default":
-        return inv.float()
-    if kind == "linear":
-        return (inv / scaling["factor"]).float()
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_ctx = scaling["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(is_mid, mid, scaled).float()
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
-
-
 class Rotary(nn.Module):
-    """Neox-style rotary embedding (rotate halves), as Hugging Face Llama/Qwen checkpoints use."""
+    """Neox-style rotary embedding (rotate halves), as Hugging Face Llama/Qwen checkpoints use;
+    its tables (``rope.rope_tables``) carry the rope scaling."""
 
     def __init__(self, head_dim: int, max_pos: int, theta: float, scaling: dict | None):
         super().__init__()
-        inv = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_pos, dtype=torch.float32)
-        freqs = torch.outer(t, inv)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        cos, sin = rope_tables(head_dim, max_pos, theta, scaling)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions][:, None, :]
@@ -72,16 +49,23 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class GatedMLP(nn.Module):
-    """SiLU(gate) * up -> down, with gate and up fused into one matmul."""
+    """act(gate) * up -> down, with gate and up fused into one matmul: SiLU (SwiGLU, one
+    fused kernel on CUDA) or ``gelu_pytorch_tanh`` (Gemma's GeGLU)."""
 
-    def __init__(self, hidden: int, inter: int, *, kernels: KernelChoice = ALL_KERNELS):
+    def __init__(self, hidden: int, inter: int, *, kernels: KernelChoice = ALL_KERNELS, act: str = "silu"):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.kernels = kernels
+        self.gelu = act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(gate_up_silu(x, self.gate_up_proj, self.kernels), self.down_proj, self.kernels)
+        if self.gelu:
+            gate, up = linear(x, self.gate_up_proj, self.kernels).chunk(2, dim=-1)
+            h = F.gelu(gate, approximate="tanh") * up
+        else:
+            h = gate_up_silu(x, self.gate_up_proj, self.kernels)
+        return linear(h, self.down_proj, self.kernels)
 
 
 class Attention(nn.Module):

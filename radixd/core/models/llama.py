@@ -23,22 +23,19 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
     checkpoint_renames: tuple[tuple[str, str], ...] = ()  # (regex, replacement) on checkpoint names
+    tensor_parallel = True  # False: a family whose layers cannot be split by heads and columns
 
     def __init__(self, cfg: ModelConfig, *, kernels: KernelChoice = ALL_KERNELS):
         super().__init__()
         self.cfg = cfg
         self.kernels = kernels
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        bias = self.qkv_bias or cfg.attention_bias
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, qkv_bias=bias, qk_norm=self.qk_norm, kernels=kernels, mlp=self.make_mlp(cfg, i))
-            for i in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = self.make_rotary(cfg)
 
     def forward(
         self,
@@ -51,16 +48,35 @@ class LlamaForCausalLM(nn.Module):
         """Logits (float32) at ``logits_indices`` of the flat token axis; with
         ``hidden_indices`` (embeddings) also the final hidden states there, after the last norm:
         ``(logits or None when there are none, hidden)``."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary, attn)
         idx = logits_indices if hidden_indices is None else torch.cat((logits_indices, hidden_indices))
         x, _ = self.layers[-1].add_norm(x[idx], residual[idx], self.norm)
         if hidden_indices is None:
-            return linear(x, self.lm_head, self.kernels).float()
+            return self.logits(x)
         n = logits_indices.numel()
-        return (linear(x[:n], self.lm_head, self.kernels).float() if n else None), x[n:]
+        return (self.logits(x[:n]) if n else None), x[n:]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream's start (families that scale their embeddings override this)."""
+        return self.embed_tokens(input_ids)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final hidden states (families that scale or cap them override this)."""
+        return linear(x, self.lm_head, self.kernels).float()
+
+    def make_rotary(self, cfg: ModelConfig) -> nn.Module:
+        """The rotary embedding the layers are given (float32 tables, rebuilt after loading)."""
+        return Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+
+    def make_layer(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        """Decoder layer ``layer``: ``forward(x, residual, positions, rotary, attn) -> (x,
+        residual)`` with the stream carried as their sum, and ``add_norm`` (``DecoderLayer``'s
+        contract; families with other norm placements override this)."""
+        return DecoderLayer(cfg, layer, qkv_bias=self.qkv_bias or cfg.attention_bias, qk_norm=self.qk_norm,
+                            kernels=self.kernels, mlp=self.make_mlp(cfg, layer))
 
     def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module | None:
         """Layer ``layer``'s MLP; None: the dense ``GatedMLP`` (mixture-of-experts families
