@@ -58,12 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         print(path)
         return 0
     if args.command == "plugins":
-        from radixd.plugins import describe_plugins, make_plugin_manager
+        from radixd.plugins import describe_plugins
         from radixd.settings import load_settings
 
-        settings = load_settings(args.config)
-        pm = make_plugin_manager(load_entry_points=settings.plugins.entry_points,
-                                 allow=settings.plugins.allow or None, block=settings.plugins.block)
+        pm = _plugin_manager(load_settings(args.config))
         for name, where, provides in describe_plugins(pm):
             print(f"{name}\t{where}")
             for what, names in provides.items() if args.provides else ():
@@ -83,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 def _check_config(args) -> int:
     """Every error of the file and flags, one a line; else the merged settings as TOML."""
     from radixd.core.errors import ConfigError
+    from radixd.server.tool_calls import check_parser_setting, parser_table
     from radixd.settings import ConfigErrors, load_settings, render_settings
 
     where = args.file or "(built-in defaults)"
@@ -90,6 +89,7 @@ def _check_config(args) -> int:
         flags = launch_flags.overrides(args)
         settings = load_settings(args.file, flags)
         settings.api_keys()
+        check_parser_setting(settings.model.tool_parser, parser_table(_plugin_manager(settings)))
     except ConfigErrors as exc:
         for e in exc.errors:
             print(f"radixd: {where}: {e}", file=sys.stderr)
@@ -100,6 +100,14 @@ def _check_config(args) -> int:
     print(f"# {where}: ok" + (f"; flags: {' '.join(launch_flags.flag_of(k) or k for k in flags)}" if flags else ""))
     print(render_settings(settings, {k: launch_flags.flag_of(k) for k in flags}))
     return 0
+
+
+def _plugin_manager(settings):
+    """The plugins ``settings`` ask for, as the daemon loads them."""
+    from radixd.plugins import make_plugin_manager
+
+    return make_plugin_manager(load_entry_points=settings.plugins.entry_points,
+                               allow=settings.plugins.allow or None, block=settings.plugins.block)
 
 
 def _bench_argv(argv: list[str] | None) -> list[str]:

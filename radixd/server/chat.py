@@ -12,19 +12,23 @@ from radixd.server.state import ServerState
 
 
 def chat_prompt_ids(st: ServerState, messages: list[dict], *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
     """The chat template applied to ``messages``, with text in their contents that spells a
     special token (``<|im_start|>``, ``<eos>``, ...) handled per ``limits.chat_special_tokens``:
     such text would otherwise become the control token itself, letting a message open a new
     turn under another role. "refuse": 400; "as_text": tokenized as plain text; "allow": as is.
     ``continue_final_message`` leaves the last message open (the model continues it);
-    ``template_kwargs`` are handed to the template (vLLM's ``chat_template_kwargs``)."""
+    ``template_kwargs`` are handed to the template (vLLM's ``chat_template_kwargs``), and so
+    are ``tools`` (OpenAI's tool objects; ``tool_calls.prompt`` says when)."""
     how = st.settings.limits.chat_special_tokens
     tok = st.engine.tokenizer
     found = None if how == "allow" else _special_text(tok, messages)
     kw = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
     if continue_final_message:
         kw["continue_final_message"] = True
+    if tools:
+        kw["tools"] = tools
     try:
         if found is None:
             return st.engine.apply_chat_template(messages, **kw)

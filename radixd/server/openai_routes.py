@@ -2,7 +2,8 @@
 
 Bodies are parsed by ``protocol``; submission, collection and streaming by ``Generation``;
 this module shapes OpenAI's response objects, stream chunks and logprobs (with vLLM's
-extras: prompt logprobs, usage in every chunk, prompts cut to their last tokens).
+extras: prompt logprobs, usage in every chunk, prompts cut to their last tokens); tools,
+their grammar and the calls in outputs are ``tool_calls``'s.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from radixd import __version__
 from radixd.core.outputs import GenerateOutput
-from radixd.server import protocol
+from radixd.server import protocol, tool_calls
 from radixd.server.chat import chat_prompt_ids
 from radixd.server.generation import Generation, samples, sse
 from radixd.server.state import state_of
@@ -22,12 +23,17 @@ from radixd.server.state import state_of
 
 async def chat_completions(request: Request) -> Response:
     st = state_of(request)
-    req = protocol.parse_chat(await protocol.read_json(request), st.limits, st.model_name)
-    parsed, params, ex = req.parsed, req.parsed.params, req.parsed.extras
-    ids = truncated(st, chat_prompt_ids(st, req.messages, add_generation_prompt=ex.add_generation_prompt,
+    body = await protocol.read_json(request)
+    req = protocol.parse_chat(body, st.limits, st.model_name)
+    parsed, ex = req.parsed, req.parsed.extras
+    treq = tool_calls.read_request(body, st.tools)
+    messages, tools = tool_calls.prompt(st.tools, treq, req.messages)
+    params = tool_calls.constrain(st.tools, treq, parsed.params)
+    ids = truncated(st, chat_prompt_ids(st, messages, add_generation_prompt=ex.add_generation_prompt,
                                         continue_final_message=ex.continue_final_message,
-                                        template_kwargs=ex.template_kwargs), parsed)
+                                        template_kwargs=ex.template_kwargs, tools=tools), parsed)
     gen = await Generation.start(st, request, [ids], [params], priority=parsed.priority, shown=req.messages)
+    calls = tool_calls.ToolOutputs(st.tools, treq, params.n)
     cid = f"chatcmpl-{gen.rid}"
     created = int(time.time())
     tok = st.engine.tokenizer
@@ -37,9 +43,9 @@ async def chat_completions(request: Request) -> Response:
         extra = {"prompt_logprobs": prompt_logprobs(tok, ids, outs)} if ex.prompt_logprobs else {}
         choices = [{
             "index": i,
-            "message": {"role": "assistant", "content": "".join(o.text for o in mine)},
+            "message": calls.message(i, "".join(o.text for o in mine)),
             "logprobs": chat_logprobs(tok, mine) if params.logprobs else None,
-            "finish_reason": mine[-1].finish_reason,
+            "finish_reason": calls.finish_reason(i, mine[-1].finish_reason),
         } for i, mine in enumerate(samples(outs, params.n))]
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": st.model_name,
@@ -55,10 +61,12 @@ async def chat_completions(request: Request) -> Response:
                                             "logprobs": None, "finish_reason": None}]})
         async for _, out in gen.outputs():
             lp = chat_logprobs(tok, [out]) if params.logprobs and out.token_ids else None
-            if out.text or lp or out.finished:
+            deltas = calls.deltas(out.index, out.text, out.finished) or ([{}] if lp or out.finished else [])
+            for k, delta in enumerate(deltas):
+                end = out.finished and k == len(deltas) - 1
                 yield event({**base, "choices": [{
-                    "index": out.index, "delta": {"content": out.text} if out.text else {}, "logprobs": lp,
-                    "finish_reason": out.finish_reason if out.finished else None}]})
+                    "index": out.index, "delta": delta, "logprobs": lp if k == 0 else None,
+                    "finish_reason": calls.finish_reason(out.index, out.finish_reason) if end else None}]})
         if parsed.include_usage:
             yield event({**base, "choices": [], "usage": gen.usage()})
 

@@ -19,6 +19,7 @@ from radixd.core.engine import Engine
 from radixd.plugins.guard import HookGuard
 from radixd.server import protocol
 from radixd.server.metrics import Metrics
+from radixd.server.tool_calls import ToolSupport
 from radixd.settings import Settings
 
 
@@ -31,6 +32,7 @@ class ServerState:
     plugins: Any
     metrics: Metrics = field(init=False)
     hooks: HookGuard = field(init=False)
+    tools: ToolSupport = field(init=False)  # the model's tool calling (parser, template)
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     log: Any = field(default_factory=lambda: structlog.get_logger("radixd.server"))
@@ -44,6 +46,9 @@ class ServerState:
                                on_fault=lambda plugin, hook, kind: self.metrics.plugin_faults.labels(
                                    plugin=plugin, hook=hook, kind=kind).inc())
         self.idle.set()
+        m = self.settings.model
+        self.tools = ToolSupport.load(self.plugins, m.tool_parser, self.engine.tokenizer, grammar=m.tool_grammar,
+                                      max_ws=self.settings.grammar.max_whitespace)
 
     def stalled(self) -> str | None:
         """Why the batching loop counts as stalled (a step running longer than
