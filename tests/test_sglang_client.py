@@ -123,7 +123,7 @@ BODY_NOOPS = {"lora_path": None, "image_data": None, "video_data": None, "audio_
               "token_ids_logprob": None, "modalities": [], "session_params": None, "custom_logit_processor": None,
               "return_hidden_states": False, "log_metrics": True, "bootstrap_host": None, "bootstrap_port": None,
               "bootstrap_room": None, "data_parallel_rank": None}
-PARAM_ASKS = {"spaces_between_special_tokens": False, "no_stop_trim": True, "structural_tag": "{}",
+PARAM_ASKS = {"spaces_between_special_tokens": False, "no_stop_trim": True,
               "custom_params": {"a": 1}, "stream_interval": 4, "logit_bias": {"5": 1.0}}
 BODY_ASKS = {"lora_path": "adapter", "image_data": "x.png", "return_hidden_states": True, "log_metrics": False,
              "data_parallel_rank": 0, "session_params": {"id": "s"}}

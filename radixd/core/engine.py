@@ -43,14 +43,14 @@ log = logging.getLogger("radixd.engine")
 
 
 class GrammarCompiler(Protocol):
-    """Compiles a request's constraint (``SamplingParams.constraint``: kind, spec) for this
-    engine's tokenizer. ``get`` raises ``InvalidRequest`` naming the field for a constraint
+    """Compiles a request's constraint (``SamplingParams.constraint``: kind, spec, after) for
+    this engine's tokenizer. ``get`` raises ``InvalidRequest`` naming the field for a constraint
     that does not compile (HTTP 400); the compiled object's ``matcher()`` gives one matcher
     per sample (the contract in ``radixd.grammars``)."""
 
-    async def get(self, kind: str, spec: str): ...
+    async def get(self, kind: str, spec: str, after: str | None = None): ...
 
-    def cached(self, kind: str, spec: str):
+    def cached(self, kind: str, spec: str, after: str | None = None):
         """The compiled grammar if it is at hand, else None (no compile)."""
 
     def shutdown(self) -> None: ...

@@ -10,13 +10,22 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 from radixd.core.errors import InvalidRequest
 
 INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1
 LOGIT_BIAS_MAX = 100.0
+
+
+CONSTRAINTS = ("regex", "json_schema", "ebnf", "structural_tag")  # grammar kinds, by their field
+
+
+class Constraint(NamedTuple):
+    kind: str          # one of CONSTRAINTS: the field that gave it (named in its errors)
+    spec: str          # the grammar, as text
+    after: str | None  # ``grammar_after``: the text from whose first occurrence on it applies
 
 
 def bounded(default: Any, low: float, high: float | None = None, *, low_open: bool = False,
@@ -70,6 +79,13 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | dict | bool | None = None  # a JSON Schema (object, or its JSON text)
     ebnf: str | None = None                       # a Lark grammar (LALR), start rule ``start``
+    # SGLang's structural tag (object, or its JSON text): free text in which each trigger
+    # opens a structure (the rest of its begin, JSON for its schema, its end); EOS only in
+    # free text: {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}
+    structural_tag: str | dict | None = None
+    # The grammar above applies only from the first occurrence of this text in the output on
+    # (before it: unconstrained), e.g. "</think>"; without a grammar it changes nothing.
+    grammar_after: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -106,14 +122,19 @@ class SamplingParams:
             self._check_logit_bias()
         if self.prompt_logprobs_from is not None and self.max_new_tokens == 0:
             raise InvalidRequest("max_new_tokens", "must be >= 1 when prompt_logprobs_from is set")
-        given = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
+        given = [k for k in CONSTRAINTS if getattr(self, k) is not None]
         if len(given) > 1:
-            raise InvalidRequest(given[1], f"give at most one constraint (regex, json_schema, ebnf); got {', '.join(given)}")
+            raise InvalidRequest(given[1], f"give at most one constraint ({', '.join(CONSTRAINTS)}); "
+                                           f"got {', '.join(given)}")
         for k in ("regex", "ebnf"):
             if getattr(self, k) is not None and not isinstance(getattr(self, k), str):
                 raise InvalidRequest(k, "must be a string")
         if self.json_schema is not None and not isinstance(self.json_schema, str | dict | bool):
             raise InvalidRequest("json_schema", "must be a JSON Schema (an object) or its JSON text")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, str | dict):
+            raise InvalidRequest("structural_tag", "must be a structural tag (an object) or its JSON text")
+        if self.grammar_after is not None and not (isinstance(self.grammar_after, str) and self.grammar_after):
+            raise InvalidRequest("grammar_after", "must be a non-empty string")
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
@@ -132,16 +153,14 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
-    def constraint(self) -> tuple[str, str] | None:
-        """(kind, spec text) of the grammar constraint, if any; a schema object as JSON text
-        (keys in their given order: properties are generated in that order)."""
-        if self.regex is not None:
-            return ("regex", self.regex)
-        if self.ebnf is not None:
-            return ("ebnf", self.ebnf)
-        if self.json_schema is not None:
-            s = self.json_schema
-            return ("json_schema", s if isinstance(s, str) else json.dumps(s))
+    def constraint(self) -> Constraint | None:
+        """The grammar constraint, if any: its kind (the field's name), its spec as text (an
+        object as JSON, keys in their given order: properties are generated in that order)
+        and ``grammar_after``."""
+        for kind in CONSTRAINTS:
+            s = getattr(self, kind)
+            if s is not None:
+                return Constraint(kind, s if isinstance(s, str) else json.dumps(s), self.grammar_after)
         return None
 
     @property

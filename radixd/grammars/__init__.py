@@ -5,6 +5,7 @@ The contract every grammar backend (built-in or a plugin's, through the
 
     backend = Backend(engine_config, tokenizer=hf_tokenizer, vocab_size=V, eos_ids=(...))
     compiled = backend.compile(kind, spec)     # kind: "regex" | "json_schema" | "ebnf" (Lark)
+                                               # | "structural_tag" (SGLang's; JSON text)
                                                # raises GrammarError (-> HTTP 400); runs in a
                                                # compile worker thread, never on the event loop
     m = compiled.matcher()                     # one per sequence (n > 1: one per sample)
@@ -18,7 +19,10 @@ The contract every grammar backend (built-in or a plugin's, through the
                                                # close_within_max_tokens is on)
 
 ``GrammarService`` (``service.py``) compiles off the loop with a time limit and keeps an LRU of
-compiled grammars per (kind, spec) for the engine's tokenizer.
+compiled grammars per (kind, spec, after) for the engine's tokenizer; ``after``
+(``grammar_after``) wraps any backend's grammar so that it applies only from that text in the
+output on (``triggers.AfterText``). A backend need not know every kind: one it lacks raises
+``GrammarError``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
-KINDS = ("regex", "json_schema", "ebnf")
+KINDS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 
 class GrammarError(ValueError):

@@ -74,11 +74,12 @@ class TokenGrammar:
     the engine uses it from one thread."""
 
     def __init__(self, terminals: list[Terminal], parser: Parser, vocab: TokenizerInfo, ignore: frozenset[int] = frozenset(),
-                 mask_cache_size: int = 1024, shared: SharedLexers | None = None):
+                 mask_cache_size: int = 1024, shared: SharedLexers | None = None, tight: frozenset[int] = frozenset()):
         self.terminals = terminals
         self.parser = parser
         self.vocab = vocab
         self.ignore = ignore
+        self.tight = tight  # terminals that no ignored one may precede (a structural tag's literals)
         self.start: Config = (parser.start, True, FRESH)
         self._lexers: dict[frozenset[int], Lexer] = {}
         self._lexer_of: dict[tuple, Lexer] = {}
@@ -108,7 +109,10 @@ class TokenGrammar:
         key = (stack, ignore_ok)
         lx = self._lexer_of.get(key)
         if lx is None:
-            terms = self.acceptable(stack) | (self.ignore if ignore_ok else frozenset())
+            acceptable = self.acceptable(stack)
+            if self.tight and acceptable <= self.tight:
+                ignore_ok = False
+            terms = acceptable | (self.ignore if ignore_ok else frozenset())
             lx = self._lexers.get(terms)
             if lx is None:
                 lx = self._lexers[terms] = Lexer(self.shared, tuple(sorted(terms)), self.terminals)

@@ -12,6 +12,7 @@ from radixd.grammars.lark_grammar import GrammarSyntaxError, compile_lark
 from radixd.grammars.lexers import SharedLexers, Terminal
 from radixd.grammars.parsers import SingleTerminalParser
 from radixd.grammars.regex_dfa import RegexError, parse
+from radixd.grammars.structural_tag import StructuralTag, compile_structural_tag
 from radixd.grammars.vocab import TokenizerInfo
 from radixd.plugins import hookimpl
 
@@ -28,7 +29,7 @@ class RadixdCompiled:
 
 
 class RadixdBackend:
-    """Regex, JSON Schema and Lark (LALR) constraints: byte-level DFAs per lexer state,
+    """Regex, JSON Schema, Lark (LALR) and structural-tag constraints: byte-level DFAs per lexer state,
     masks computed vectorized over the vocabulary the first time a configuration is reached."""
 
     name = "radixd"
@@ -66,7 +67,7 @@ class RadixdBackend:
     def tokenizer_key(self) -> str:
         return self.vocab.key
 
-    def compile(self, kind: str, spec: str) -> RadixdCompiled:
+    def compile(self, kind: str, spec: str) -> RadixdCompiled | StructuralTag:
         vocab = self.vocab
         try:
             if kind == "regex":
@@ -77,6 +78,9 @@ class RadixdBackend:
             elif kind == "json_schema":
                 g = compile_lark(schema_to_lark(spec, self.max_ws), vocab, mask_cache_size=self.mask_cache_size,
                                  shared=self.shared, warm_budget_s=self.warm_budget_s)
+            elif kind == "structural_tag":
+                return compile_structural_tag(spec, vocab, max_ws=self.max_ws, mask_cache_size=self.mask_cache_size,
+                                              shared=self.shared, warm_budget_s=self.warm_budget_s)
             elif kind == "ebnf":
                 g = compile_lark(spec, vocab, mask_cache_size=self.mask_cache_size, shared=self.shared,
                                  warm_budget_s=self.warm_budget_s)

@@ -70,11 +70,22 @@ class SchemaGrammar:
         self.terminals: dict[str, str] = {}     # regex -> terminal name
         self.memo: dict[str, str] = {}          # canonical schema / ref -> rule name
         self._n = 0
+        self._roots = 0  # memo keys are per root: the same $ref means another schema elsewhere
         self.algebra = Algebra(self.resolve)
 
     def build(self) -> str:
-        top = self.value(self.root, "#")
-        lines = [f"start: {top}"]
+        return self.grammar(f"start: {self.top(self.root)}")
+
+    def top(self, schema) -> str:
+        """The symbol of the documents valid under the root ``schema``. One grammar may hold
+        several roots (a structural tag's structures), each resolving its own ``$ref``s."""
+        self.root = schema
+        self._roots += 1
+        return self.value(schema, "#")
+
+    def grammar(self, start: str) -> str:
+        """The grammar text: the ``start`` rule, then the rules and terminals made so far."""
+        lines = [start]
         lines += [f"{name}: {body}" for name, body in self.rules.items()]
         lines += [f"{name}: {_lark_regex(rx)}" for rx, name in self.terminals.items()]
         if self.max_ws > 0:
@@ -125,13 +136,14 @@ class SchemaGrammar:
                 rest = {k: v for k, v in schema.items() if k != "$ref"}
                 return self.value({"allOf": [{"$ref": schema["$ref"]}, rest]}, path)
             ref = schema["$ref"]
-            name = self.memo.get("ref:" + str(ref))
+            key = f"ref:{self._roots}:{ref}"
+            name = self.memo.get(key)
             if name is None:
-                name = self.memo["ref:" + str(ref)] = self._name("ref")
+                name = self.memo[key] = self._name("ref")
                 self.rules[name] = ""  # reserve: recursion refers to it before it is built
                 self.rules[name] = self.value(self.resolve(ref), str(ref))
             return name
-        key = json.dumps(schema, sort_keys=True)
+        key = f"{self._roots}:{json.dumps(schema, sort_keys=True)}"
         if key in self.memo:
             return self.memo[key]
         name = self._name("v")

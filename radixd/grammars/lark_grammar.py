@@ -38,7 +38,8 @@ def _terminal_regex(term) -> str:
 
 
 def compile_lark(text: str, vocab: TokenizerInfo, *, start: str = "start", mask_cache_size: int = 1024,
-                 shared=None, warm_budget_s: float = 0.1) -> TokenGrammar:
+                 shared=None, warm_budget_s: float = 0.1, tight: frozenset[str] = frozenset()) -> TokenGrammar:
+    """``tight``: names of terminals that the ignored ones (``%ignore``) may not precede."""
     from lark import Lark
     from lark.exceptions import LarkError
 
@@ -58,6 +59,7 @@ def compile_lark(text: str, vocab: TokenizerInfo, *, start: str = "start", mask_
     parse_table = lk.parser.parser.parser.parse_table
     parser = LalrParser(parse_table, ids, end_id=len(terminals), start=start)
     ignore = frozenset(ids[n] for n in lk.ignore_tokens if n in ids)
-    g = TokenGrammar(terminals, parser, vocab, ignore, mask_cache_size=mask_cache_size, shared=shared)
+    g = TokenGrammar(terminals, parser, vocab, ignore, mask_cache_size=mask_cache_size, shared=shared,
+                     tight=frozenset(ids[n] for n in tight))
     g.warm(warm_budget_s)
     return g

@@ -26,15 +26,19 @@ def _byte_decoder() -> dict[str, int]:
 class TokenizerInfo:
     """What a grammar needs of a tokenizer: each token id's bytes (None for special tokens,
     which no grammar emits), the model's vocabulary size (the logits' width, which may exceed
-    the tokenizer's) and the EOS ids (allowed only where the grammar accepts).
+    the tokenizer's) and the EOS ids (allowed only where the grammar accepts). ``special``:
+    the text of each special token (``<|python_tag|>``), which free text may contain and
+    triggers may be (``triggers``), though no grammar emits it.
 
     ``key`` identifies the vocabulary (compiled grammars are cached per key)."""
 
-    def __init__(self, token_bytes: list[bytes | None], vocab_size: int, eos_ids: tuple[int, ...]):
+    def __init__(self, token_bytes: list[bytes | None], vocab_size: int, eos_ids: tuple[int, ...],
+                 special: dict[int, bytes] | None = None):
         self.vocab_size = vocab_size
         self.token_bytes = list(token_bytes[:vocab_size]) + [None] * max(0, vocab_size - len(token_bytes))
         self.eos_ids = tuple(t for t in eos_ids if 0 <= t < vocab_size)
-        h = hashlib.sha1(repr((vocab_size, self.eos_ids)).encode())
+        self.special = {t: b for t, b in sorted((special or {}).items()) if 0 <= t < vocab_size}
+        h = hashlib.sha1(repr((vocab_size, self.eos_ids, self.special)).encode())
         for b in self.token_bytes:
             h.update(b"\xff\xfe" if b is None else b + b"\xff")
         self.key = h.hexdigest()
@@ -64,9 +68,12 @@ class TokenizerInfo:
         byte_level = all(p is None or all(ch in dec for ch in p) for p in pieces[: min(n, 5000)]
                          if p is not None and p not in ("",))
         out: list[bytes | None] = []
+        texts: dict[int, bytes] = {}
         for tid, p in enumerate(pieces):
             if p is None or tid in special:
                 out.append(None)
+                if p:
+                    texts[tid] = p.encode()
             elif byte_level and all(ch in dec for ch in p):
                 out.append(bytes(dec[ch] for ch in p))
             elif p.startswith("<0x") and p.endswith(">") and len(p) == 6:
@@ -74,7 +81,7 @@ class TokenizerInfo:
             else:
                 out.append(p.replace("▁", " ").encode())
         eos = tuple(eos_ids) or tuple(t for t in [getattr(tokenizer, "eos_token_id", None)] if t is not None)
-        return cls(out, vocab_size or n, eos)
+        return cls(out, vocab_size or n, eos, texts)
 
 
 class _Trie:

@@ -14,6 +14,7 @@ grammars: ``radixd.core`` imports neither.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -26,7 +27,9 @@ from radixd.core.config import EngineConfig
 from radixd.core.errors import ConfigError, InvalidRequest
 from radixd.core.tiers import CacheTier
 from radixd.grammars import GrammarError
+from radixd.grammars.backend import RadixdBackend
 from radixd.grammars.service import GrammarService, backend_in_worker
+from radixd.grammars.vocab import TokenizerInfo
 from radixd.plugins import make_plugin_manager
 
 log = logging.getLogger("radixd.engine")
@@ -107,9 +110,9 @@ class EngineGrammars(GrammarService):
     """A ``GrammarService`` as the core engine's ``GrammarCompiler``: a constraint that does
     not compile raises ``InvalidRequest`` naming its field (HTTP 400)."""
 
-    async def get(self, kind: str, spec: str):
+    async def get(self, kind: str, spec: str, after: str | None = None):
         try:
-            return await super().get(kind, spec)
+            return await super().get(kind, spec, after)
         except GrammarError as exc:
             raise InvalidRequest(exc.field, exc.message) from None
 
@@ -128,4 +131,11 @@ def make_grammar_service(config: EngineConfig, setup: ModelSetup, backend_cls: t
                              memory_bytes=c.grammar_compile_memory_mb * 2**20, initializer=backend_in_worker,
                              initargs=(backend_cls, c, *args))
     return EngineGrammars(backend, workers=c.grammar_compile_workers, timeout_s=c.grammar_compile_timeout,
-                          cache_size=c.grammar_cache_size, limits=limits)
+                          cache_size=c.grammar_cache_size, limits=limits, vocab=vocab_of(backend, *args))
+
+
+def vocab_of(backend, tokenizer, vocab_size: int, eos_ids: tuple[int, ...]) -> Callable[[], TokenizerInfo]:
+    """The vocabulary ``grammar_after`` scans: the radixd backend's own, else one made on first use."""
+    if isinstance(backend, RadixdBackend):
+        return lambda: backend.vocab
+    return functools.cache(lambda: TokenizerInfo.from_tokenizer(tokenizer, vocab_size, eos_ids))

@@ -83,10 +83,13 @@ SAMPLING_SCHEMAS: dict[str, dict] = {   # shared by /v1/chat/completions and /v1
     **openai_extras.EXTRA_SCHEMAS,
     "response_format": _opt({
         "type": "object", "required": ["type"], "additionalProperties": False,
-        "properties": {"type": {"enum": ["text", "json_object", "json_schema"]},
+        "properties": {"type": {"enum": ["text", "json_object", "json_schema", "structural_tag"]},
                        "json_schema": {"type": "object", "required": ["schema"], "additionalProperties": False,
                                        "properties": {"name": _STR, "schema": {"type": "object"}, "strict": _BOOL,
-                                                      "description": _STR}}}}),
+                                                      "description": _STR}},
+                       # SGLang's structural tag (radixd.grammars.structural_tag checks the rest)
+                       "structures": {"type": "array", "items": {"type": "object"}},
+                       "triggers": {"type": "array", "items": _STR}, "format": {"type": "object"}}}),
 }
 _TOP_LOGPROBS = {**json_schema("top_logprobs"), "x-radixd": "top_logprobs"}
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
@@ -122,13 +125,13 @@ NATIVE_PARAM_SCHEMAS = {  # SamplingParams's own field names (SGLang's too); nul
     "skip_special_tokens": _opt(_BOOL),
     "prompt_logprobs_from": _opt(json_schema("prompt_logprobs_from")),
     **CONSTRAINT_SCHEMAS,
+    "structural_tag": _opt({"type": ["object", "string"]}),  # SGLang's: the JSON text of one
 }
 # SGLang's sampling parameters and /generate fields that radixd accepts only at the value that
 # asks for nothing (null, this default, or an empty list/object); any other value is a 400
 # naming it. radixd's detokenizer puts spaces between special tokens, as SGLang's default does.
 NATIVE_PARAM_NOOPS: dict[str, Any] = {"spaces_between_special_tokens": True, "no_stop_trim": False,
-                                      "structural_tag": None, "custom_params": None, "stream_interval": None,
-                                      "logit_bias": None}
+                                      "custom_params": None, "stream_interval": None, "logit_bias": None}
 NATIVE_NOOPS: dict[str, Any] = {
     "lora_path": None, "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
     "token_ids_logprob": None, "modalities": None, "session_params": None, "custom_logit_processor": None,
@@ -290,6 +293,12 @@ def sampling_from_openai(body: dict, limits: Limits, *, chat: bool) -> ParsedReq
                          priority=priority, continuous_usage=bool(continuous) and include_usage, extras=ex)
 
 
+# response_format's fields by its type ("format", the newer structural tag form, is refused
+# by the grammar compiler with a message naming it)
+_RESPONSE_FORMAT_FIELDS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"},
+                           "structural_tag": {"type", "structures", "triggers", "format"}}
+
+
 def _constraint(body: dict) -> dict[str, Any]:
     """``response_format`` and the native ``regex``/``json_schema``/``ebnf`` fields (at most one)."""
     out: dict[str, Any] = {k: body[k] for k in CONSTRAINTS if body.get(k) is not None}
@@ -300,15 +309,16 @@ def _constraint(body: dict) -> dict[str, Any]:
     out.update(vllm)
     rf = body.get("response_format")
     if rf is not None:
-        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
-            raise ApiError(400, "'response_format.type' must be 'text', 'json_object' or 'json_schema'",
+        if not isinstance(rf, dict) or rf.get("type") not in _RESPONSE_FORMAT_FIELDS:
+            raise ApiError(400, "'response_format.type' must be 'text', 'json_object', 'json_schema' or "
+                                "'structural_tag'", param="response_format")
+        extra = set(rf) - _RESPONSE_FORMAT_FIELDS[rf["type"]]
+        if extra:
+            raise ApiError(400, f"unrecognized field 'response_format.{sorted(extra)[0]}' (for type {rf['type']!r})",
                            param="response_format")
-        extra = set(rf) - {"type", "json_schema"}
-        if extra or ("json_schema" in rf and rf["type"] != "json_schema"):
-            what = sorted(extra)[0] if extra else "json_schema"
-            raise ApiError(400, f"unrecognized field 'response_format.{what}' (for type {rf['type']!r})",
-                           param="response_format")
-        if rf["type"] == "json_object":
+        if rf["type"] == "structural_tag":
+            out["structural_tag"] = rf
+        elif rf["type"] == "json_object":
             out["json_schema"] = {"type": "object"}
         elif rf["type"] == "json_schema":
             js = rf.get("json_schema")
