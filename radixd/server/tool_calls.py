@@ -17,9 +17,11 @@ Contract
 * ``constrain(support, req, params)``: the ``SamplingParams`` with the tool grammar. With
   ``tool_choice`` ``required`` or a named function the whole output is calls in the parser's
   markup, each a listed name and arguments valid for its ``parameters`` (one call unless
-  ``parallel_tool_calls``; exactly the named function when named). A ``strict`` function whose
-  schema radixd cannot enforce is a 400 naming the keyword; a non-strict one's arguments are
-  only held to be a JSON object.
+  ``parallel_tool_calls``; exactly the named function when named); under ``auto`` free text
+  in which each call, from the moment the model opens one (the markup's trigger), is
+  generated under that grammar (a structural tag). A ``strict`` function whose schema radixd
+  cannot enforce is a 400 naming the keyword; a non-strict one's arguments are only held to
+  be a JSON object. ``model.tool_grammar = false``: no tool grammar.
 * ``ToolOutputs``: one route's choices read by the parser (``deltas`` while streaming,
   ``message`` when not), and their ``finish_reason`` (``tool_calls`` after calls).
 """
@@ -292,51 +294,51 @@ def tools_prompt(form: CallForm, functions: list[dict]) -> str:
 # ------------------------------------------------------------------------ the grammar
 
 
-def constrain(support: ToolSupport, req: ToolRequest | None, params: SamplingParams) -> SamplingParams:
-    """``params`` with the request's tool grammar (see the module's contract). A reasoning
-    parser's end marker goes here, as ``grammar_after``, when one is active."""
+def constrain(support: ToolSupport, req: ToolRequest | None, params: SamplingParams, *,
+              after: str | None = None) -> SamplingParams:
+    """``params`` with the request's tool grammar (see the module's contract): under
+    ``required`` / a named function the whole output (an ``ebnf`` grammar), under ``auto``
+    each call from its trigger on (a ``structural_tag``; not when the request has a grammar of
+    its own). ``after``: where the grammar starts (``grammar_after``): the end marker of a
+    reasoning parser's thinking, so that the thinking itself is free."""
     if req is None or not req.active:
         return params
     kw: dict[str, Any] = {}
     if support.parser.special_tokens:
         kw["skip_special_tokens"] = False
-    grammar = calls_grammar(support, req)  # checks strict schemas whether or not it is used
-    if req.choice in ("required", "named") and support.grammar:
+    functions = [(i, f) for i, f in enumerate(req.functions) if req.named in (None, f["name"])]
+    schemas = [(f["name"], args_schema(i, f, support.max_ws)) for i, f in functions]  # strict ones checked here
+    if support.grammar and req.choice in ("required", "named"):
         if params.constraint is not None:
             raise ApiError(400, f"'tool_choice': {req.choice!r} makes the output tool calls; it cannot take "
                                 "response_format or another constraint too", param="tool_choice")
-        kw["ebnf"] = grammar
+        kw["ebnf"] = calls_grammar(support.form, schemas, many=req.parallel and not req.named, max_ws=support.max_ws)
+    elif support.grammar and req.choice == "auto" and params.constraint is None:
+        form = support.form
+        kw["structural_tag"] = {"triggers": [form.trigger], "structures": [
+            {"begin": form.prefix + form.opening(name), "schema": schema, "end": form.end + form.suffix}
+            for name, schema in schemas]}
+    if after is not None and ("ebnf" in kw or "structural_tag" in kw):
+        kw["grammar_after"] = after
     return replace(params, **kw) if kw else params
 
 
-def calls_grammar(support: ToolSupport, req: ToolRequest) -> str:
-    """Lark: the parser's markup around each function's arguments grammar; one or more calls
-    (only the named function; one call unless ``parallel``)."""
-    form = support.form
-    g = SchemaGrammar(None, support.max_ws)
-    alts = []
-    for i, f in enumerate(req.functions):
-        if req.named and f["name"] != req.named:
-            continue
-        schema = args_schema(i, f, support.max_ws)
-        g.root, g.memo = schema, {}  # each function's own $refs
-        parts = [_literal(g, form.opening(f["name"])), g.value(schema, f"#/tools/{i}"), _literal(g, form.end)]
-        alts.append(" ".join(p for p in parts if p))
+def calls_grammar(form: CallForm, schemas: list[tuple[str, Any]], *, many: bool, max_ws: int) -> str:
+    """Lark: calls in ``form``'s markup, each a (name, arguments schema) of ``schemas``; one or
+    more (``many``) or exactly one."""
+    g = SchemaGrammar(None, max_ws)
+    alts = [" ".join(p for p in (_literal(g, form.opening(name)), g.top(schema), _literal(g, form.end)) if p)
+            for name, schema in schemas]
     call = g.rule(" | ".join(alts), "call")
-    sep = _literal(g, form.sep.strip())
-    body = f"{call} ({sep} {call})*" if sep else f"{call}+"
-    parts = [_literal(g, form.prefix), body if req.parallel and not req.named else call, _literal(g, form.suffix)]
-    lines = ["start: " + " ".join(p for p in parts if p)]
-    lines += [f"{name}: {rule}" for name, rule in g.rules.items()]
-    lines += [f"{name}: /{rx.replace('/', chr(92) + '/')}/" for rx, name in g.terminals.items()]
-    if support.max_ws > 0:
-        lines += [f"WS: /[ \\t\\n\\r]{{1,{support.max_ws}}}/", "%ignore WS"]
-    return "\n".join(lines) + "\n"
+    sep = _literal(g, form.sep.strip())  # (whitespace between calls is the grammar's own)
+    body = (f"{call} ({sep} {call})*" if sep else f"{call}+") if many else call
+    return g.grammar("start: " + " ".join(p for p in (_literal(g, form.prefix), body, _literal(g, form.suffix)) if p))
 
 
 def _literal(g: SchemaGrammar, text: str) -> str:
-    rx = re.escape(text).replace("\\\n", "\\n").replace("\\\t", "\\t").replace("\\\r", "\\r")
-    return g.term(rx) if text else ""  # (a newline is spelled \n: Lark takes no raw ones)
+    """A terminal for exactly ``text`` (control characters escaped: Lark takes no raw ones)."""
+    rx = "".join(re.escape(c) if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
+    return g.term(rx) if text else ""
 
 
 def args_schema(i: int, function: dict, max_ws: int) -> dict:
