@@ -1,6 +1,6 @@
 """Chat messages to prompt token ids: the model's template (with the request's template
-options), with special-token text in message contents handled per
-``limits.chat_special_tokens``."""
+options and tools; a history's tool calls and results shaped by ``tool_calls``), with
+special-token text in message contents handled per ``limits.chat_special_tokens``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ def chat_prompt_ids(st: ServerState, messages: list[dict], *, add_generation_pro
     are ``tools`` (OpenAI's tool objects; ``tool_calls.prompt`` says when)."""
     how = st.settings.limits.chat_special_tokens
     tok = st.engine.tokenizer
+    messages = st.tools.history(messages)  # a history's tool calls and results as the template takes them
     found = None if how == "allow" else _special_text(tok, messages)
     kw = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
     if continue_final_message:

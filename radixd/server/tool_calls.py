@@ -268,9 +268,9 @@ def _function(i: int, tool: Any) -> dict:
 
 
 def prompt(support: ToolSupport, req: ToolRequest | None, messages: list[dict]) -> tuple[list[dict], list | None]:
-    """(messages, the template's ``tools``): the history in the template's shapes and the
-    request's tools either handed to the template or written into the system message."""
-    messages = support.history(messages)
+    """(messages, the template's ``tools``): the request's tools either handed to the template
+    or written into the system message (the history's calls are ``chat_prompt_ids``'s, through
+    ``ToolSupport.history``)."""
     if req is None or not req.active:
         return messages, None
     tools = [{"type": "function", "function": f} for f in req.functions]
