@@ -9,7 +9,9 @@ user turn), the default model on CPU, through the chat route in-process (the app
   and validate against the function's schema, per request.
 * auto: one worked example (a weather call, its result and answer) before the request, so
   the model calls tools at all; ``model.tool_grammar`` on and off: how often it calls, and
-  how many of its calls parse and validate.
+  how many of its calls parse and validate (and how many of the invalid ones were cut off
+  by ``max_tokens``, which no grammar prevents under auto: free text may run to the limit,
+  and how many answers hold call markup the parser could not read, returned as text).
 * latency: per function, a required call vs a plain answer to the same prompt (no tools,
   ``ignore_eos``) of the same number of tokens, one request at a time, grammars warm;
   the median ratio and the per-token difference.
@@ -53,12 +55,15 @@ async def chat(c: httpx.AsyncClient, body: dict) -> tuple[dict, float]:
     return r.json(), time.perf_counter() - t0
 
 
-def score(name: str, doc: dict) -> tuple[int, int]:
-    """(calls, valid calls) of a response to the request for ``name``."""
-    calls = doc["choices"][0]["message"].get("tool_calls") or []
+def score(doc: dict) -> tuple[int, int, int, int]:
+    """(calls, valid calls, invalid calls cut off by max_tokens, attempts that came back as
+    text: call markup the parser could not read) of a response."""
+    choice = doc["choices"][0]
+    calls = choice["message"].get("tool_calls") or []
     schemas = {n: f[1] for n, f in tool_suite.FUNCTIONS.items()}
-    return len(calls), sum(c["function"]["name"] in schemas and valid(c, schemas[c["function"]["name"]])
-                           for c in calls)
+    ok = [c["function"]["name"] in schemas and valid(c, schemas[c["function"]["name"]]) for c in calls]
+    cut = choice["finish_reason"] == "length" and bool(ok) and not ok[-1]
+    return len(calls), sum(ok), int(cut), int("<tool_call>" in (choice["message"]["content"] or ""))
 
 
 async def validity(c: httpx.AsyncClient, *, choice: str, temperature: float, shot: bool, max_tokens: int) -> dict:
@@ -66,14 +71,15 @@ async def validity(c: httpx.AsyncClient, *, choice: str, temperature: float, sho
         messages = (SHOT if shot else []) + [{"role": "user", "content": tool_suite.request(name)}]
         doc, _ = await chat(c, {"messages": messages, "tools": [tool_suite.tool(name)], "tool_choice": choice,
                                 "temperature": temperature, "seed": 7, "max_tokens": max_tokens})
-        return score(name, doc)
+        return score(doc)
 
     t0 = time.perf_counter()
     got = await asyncio.gather(*(one(n) for n in tool_suite.FUNCTIONS))
-    calls, ok = sum(g[0] for g in got), sum(g[1] for g in got)
+    calls, ok, cut, as_text = (sum(g[k] for g in got) for k in range(4))
     return {"tool_choice": choice, "temperature": temperature, "requests": len(got),
             "requests_with_calls": sum(g[0] > 0 for g in got), "calls": calls, "valid_calls": ok,
-            "valid_rate": round(ok / calls, 4) if calls else None,
+            "valid_rate": round(ok / calls, 4) if calls else None, "invalid_cut_by_max_tokens": cut,
+            "malformed_as_text": as_text,
             "requests_all_valid": sum(g[0] > 0 and g[0] == g[1] for g in got), "seconds": round(time.perf_counter() - t0, 1)}
 
 
