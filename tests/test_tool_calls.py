@@ -167,6 +167,7 @@ def test_refusals_name_the_field(tiny_daemon):
                 "tool_choice", "nope")
         refused({"tools": TINY_TOOLS, "tool_choice": "always"}, "tool_choice")
         refused({"tool_choice": "required"}, "tool_choice")
+        refused({"messages": USER + [{"role": "tool", "content": "x", "tool_call_id": 5}]}, "messages", "tool_call_id")
         unique = {"type": "function", "function": {"name": "tag", "strict": True, "parameters": {
             "type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}}}
         refused({"tools": [unique]}, "tools", "uniqueItems")

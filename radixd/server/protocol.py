@@ -393,7 +393,9 @@ def chat_messages(body: dict) -> list[dict]:
                 raise ApiError(400, f"'messages[{i}].tool_calls' belongs on assistant messages", param="messages")
             msg["tool_calls"] = tool_calls.history_calls(i, m["tool_calls"])
         for key in ("tool_call_id", "name"):  # a tool result's call and function
-            if role == "tool" and isinstance(m.get(key), str):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise ApiError(400, f"'messages[{i}].{key}' must be a string", param="messages")
+            if role == "tool" and m.get(key) is not None:
                 msg[key] = m[key]
         out.append(msg)
     return out
