@@ -64,12 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         print(path)
         return 0
     if args.command == "plugins":
-        from radixd.plugins import describe_plugins, make_plugin_manager
+        from radixd.plugins import describe_plugins
         from radixd.settings import load_settings
 
-        settings = load_settings(args.config)
-        pm = make_plugin_manager(load_entry_points=settings.plugins.entry_points,
-                                 allow=settings.plugins.allow or None, block=settings.plugins.block)
+        pm = _plugin_manager(load_settings(args.config))
         for name, where, provides in describe_plugins(pm):
             print(f"{name}\t{where}")
             for what, names in provides.items() if args.provides else ():
@@ -114,16 +112,24 @@ def _check_plugin_names(settings, flags: dict) -> None:
     """Keys that name what plugins provide, checked against the plugins that load (an error
     names the launch flag that set the key, if one did)."""
     from radixd.core.errors import ConfigError
-    from radixd.plugins import make_plugin_manager
     from radixd.server import reasoning
+    from radixd.server.tool_calls import check_parser_setting, parser_table
 
-    pm = make_plugin_manager(load_entry_points=settings.plugins.entry_points,
-                             allow=settings.plugins.allow or None, block=settings.plugins.block)
+    pm = _plugin_manager(settings)
     try:
         reasoning.check_setting(settings.model.reasoning_parser, reasoning.available(pm))
+        check_parser_setting(settings.model.tool_parser, parser_table(pm))
     except ConfigError as exc:
         flag = launch_flags.flag_of(exc.key) if exc.key in flags else None
         raise ConfigError(f"{flag} ({exc.key})", exc.value, exc.allowed) if flag else exc from exc
+
+
+def _plugin_manager(settings):
+    """The plugins ``settings`` ask for, as the daemon loads them."""
+    from radixd.plugins import make_plugin_manager
+
+    return make_plugin_manager(load_entry_points=settings.plugins.entry_points,
+                               allow=settings.plugins.allow or None, block=settings.plugins.block)
 
 
 def _bench_argv(argv: list[str] | None) -> list[str]:

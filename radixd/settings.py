@@ -70,6 +70,10 @@ class _ModelKeys:  # [model] keys of the HTTP layer
     served_name: str = option("")
     # "auto", "none" or a parser's name; the names come from plugins, checked where they load
     reasoning_parser: str = option("auto")
+    # "auto": picked by the chat template's markup; "none": no tool calling; else a parser's
+    # name (the radixd_tool_parsers hook's table, checked when the plugins are loaded)
+    tool_parser: str = option("auto", nonempty=True, allowed="auto, none or the name of a loaded tool parser")
+    tool_grammar: bool = option(True)  # tool calls generated under their schemas' grammar
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ from radixd.core.tiers import CacheTier, Page
 from radixd.plugins import hookimpl, hookspecs, make_plugin_manager
 from radixd.plugins.policies import FCFS
 from radixd.server.app import ServerState, build_app
-from radixd.settings import Settings, load_settings
+from radixd.server.tool_parsing import CallForm, ToolParser
+from radixd.settings import Settings, load_settings, settings_from_dict
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "PLUGINS.md"
 STEP_KEYS = {"batch_size", "prefill_tokens", "decode_tokens", "running", "waiting", "kv_usage", "step_ms"}
@@ -638,3 +639,56 @@ async def test_hook_radixd_grammar_backends(tiny_models):
         await engine.stop()
     with pytest.raises(ConfigError, match="grammar_backend"):
         Engine(model=str(tiny_models["llama"]), kv_cache_tokens=512, plugin_manager=pm, grammar_backend="nope")
+
+
+class _AtParser(ToolParser):
+    """Calls spelled ``@@name {...}``."""
+
+    name = "hookprobe-at"
+    markers = ("@@",)
+    form = CallForm(begin="@@{name} ", end="", trigger="@@")
+
+    def run(self, s):
+        while True:
+            marker = yield from s.text_until(("@@",))
+            if marker is None:
+                return
+            region = s.pos - len(marker)
+            name = yield from s.word()
+            if not (s.known(name) and (yield from s.literal(" "))):
+                s.as_text(region)
+                continue
+            yield from s.json_value(s.start_call(name))
+
+
+class ToolParserProbe:
+    @hookimpl
+    def radixd_tool_parsers(self):
+        return {"hookprobe-at": _AtParser}
+
+
+async def test_hook_radixd_tool_parsers(tiny_models):
+    pm = make_plugin_manager(load_entry_points=False, extra=[ToolParserProbe()])
+    engine = Engine(model=str(tiny_models["llama"]), kv_cache_tokens=2048, plugin_manager=pm)
+    engine.tokenizer.chat_template = ("{% if tools %}[{{ tools | map(attribute='function.name') | join(',') }}]"
+                                      "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    settings = settings_from_dict({"model": {"tool_parser": "hookprobe-at"}})
+    state = ServerState(engine=engine, settings=settings, model_name="tiny", api_keys=[], plugins=pm)
+    assert state.tools.parser.name == "hookprobe-at" and state.tools.renders_tools
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"], "additionalProperties": False}}}
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(state)), base_url="http://t") as c:
+            r = await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hello"}], "tools": [tool], "max_tokens": 24,
+                "tool_choice": {"type": "function", "function": {"name": "pick"}}, "temperature": 0})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "pick" and json.loads(call["function"]["arguments"])["n"] in (1, 2, 3)
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    finally:
+        await engine.stop()
+    with pytest.raises(ConfigError, match="hookprobe-at"):
+        ServerState(engine=engine, settings=settings, model_name="tiny", api_keys=[],
+                    plugins=make_plugin_manager(load_entry_points=False))

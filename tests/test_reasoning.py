@@ -251,3 +251,20 @@ def test_check_config_and_the_launch_flag(tmp_path, capsys):
     assert "model.reasoning_parser" in capsys.readouterr().err
     assert main(["plugins", "--provides"]) == 0
     assert "reasoning parsers: deepseek-r1, qwen3, qwen3-thinking" in capsys.readouterr().out
+
+
+def test_history_reasoning_is_kept_for_the_template():
+    """An assistant turn's ``reasoning_content`` (vLLM: ``reasoning``) reaches the chat
+    template (Qwen3's renders it in tool loops); elsewhere, or not a string: a 400."""
+    from radixd.server.protocol import chat_messages
+
+    turn = {"role": "assistant", "content": "4", "reasoning_content": "2 + 2"}
+    got = chat_messages({"messages": [{"role": "user", "content": "2 + 2?"}, turn]})
+    assert got[1] == {"role": "assistant", "content": "4", "reasoning_content": "2 + 2"}
+    vllm = chat_messages({"messages": [{"role": "assistant", "content": "4", "reasoning": "sum"}]})
+    assert vllm[0]["reasoning_content"] == "sum"
+    for bad in ({"role": "user", "content": "x", "reasoning_content": "y"},
+                {"role": "assistant", "content": "x", "reasoning_content": 3}):
+        with pytest.raises(ApiError) as exc:
+            chat_messages({"messages": [bad]})
+        assert "reasoning_content" in exc.value.message

@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import Daemon
+from conftest import Daemon, make_tiny_checkpoint
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
@@ -258,10 +258,17 @@ def test_a_cut_stream_ends_incomplete():
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_models, tmp_path_factory):
+def daemon(tmp_path_factory):
+    from test_tool_calls import TEMPLATE  # the tiny template, plus tools and calls rendered
+    from transformers import AutoTokenizer
+
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("model") / "llama", "llama")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(path)
     d = Daemon(tmp_path_factory.mktemp("responses"), f"""
 [model]
-path = "{tiny_models["llama"]}"
+path = "{path}"
 [server]
 port = 0
 [memory]
@@ -413,15 +420,16 @@ def test_tool_loop_end_to_end(client, http):
                                                     "tools": [{"type": "function", "function": {"name": "f"}}]})
     if probe.status_code == 400 and probe.json()["error"]["param"] == "tools":
         pytest.skip("the chat route does not take tools yet")
-    r = client.responses.create(model="llama", input="weather in Paris?", tools=tools, tool_choice="required",
-                                max_output_tokens=60, temperature=0)
+    one = {"tool_choice": "required", "parallel_tool_calls": False}  # one call, then the grammar ends
+    r = client.responses.create(model="llama", input="weather in Paris?", tools=tools, **one,
+                                max_output_tokens=120, temperature=0)
     calls = [i for i in r.output if i.type == "function_call"]
     assert calls and r.status == "completed", r.output
     for c in calls:
         assert c.name == "weather" and c.call_id
         jsonschema.validate(json.loads(c.arguments), WEATHER)
-    with client.responses.create(model="llama", input="weather in Paris?", tools=tools, tool_choice="required",
-                                 max_output_tokens=60, temperature=0, stream=True) as stream:
+    with client.responses.create(model="llama", input="weather in Paris?", tools=tools, **one,
+                                 max_output_tokens=120, temperature=0, stream=True) as stream:
         events = list(stream)
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert args == "".join(c.arguments for c in calls) and events[-1].type == "response.completed"

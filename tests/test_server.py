@@ -258,7 +258,7 @@ def test_400s(http, case):
     base = {"model": MODEL, "messages": chat_msgs(), "max_tokens": 5}
     bodies = {
         "bad-temperature": {**base, "temperature": 5}, "bad-type": {**base, "max_tokens": "many"},
-        "unknown-field": {**base, "frobnicate": 1}, "unsupported": {**base, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        "unknown-field": {**base, "frobnicate": 1}, "unsupported": {**base, "tools": [{"type": "web_search"}]},
         "empty-messages": {**base, "messages": []}, "bad-n": {**base, "n": 0},
         "bad-stop": {**base, "stop": [1, 2]}, "top-logprobs-alone": {**base, "top_logprobs": 3},
     }

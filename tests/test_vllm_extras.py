@@ -107,7 +107,7 @@ CHAT_NO_OPS = {**BOTH_NO_OPS, "store": False, "metadata": {}, "tools": [], "func
 COMPLETION_NO_OPS = {**BOTH_NO_OPS, "suffix": ""}
 # a value of each that asks for something radixd does not do: 400 naming the field
 ASKING = {"best_of": 2, "use_beam_search": True, "length_penalty": 0.5, "store": True, "tools": [
-    {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "tool_choice": "auto",
+    {"type": "web_search"}], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}},
     "lora_path": "adapter", "suffix": " end", "allowed_token_ids": [1, 2], "bad_words": ["x"],
     "return_tokens_as_token_ids": True, "service_tier": "flex", "reasoning_effort": "high",
     "metadata": {"a": "b"}, "modalities": ["audio"], "chat_template": "{{ messages }}"}
@@ -165,9 +165,9 @@ def test_best_of_equal_to_n(client, http):
     refused(http, "completion", {"best_of": 2}, "best_of")
 
 
-def test_parallel_tool_calls_needs_no_tools(http):
-    tools = ASKING["tools"]
-    refused(http, "chat", {"parallel_tool_calls": False, "tools": tools}, "tools")
+def test_parallel_tool_calls_is_a_boolean(http):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    refused(http, "chat", {"parallel_tool_calls": "no", "tools": tools}, "parallel_tool_calls")
 
 
 def test_null_for_every_optional_field(http):
@@ -341,12 +341,16 @@ def test_template_options(client, http, tok):
     refused(http, "chat", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")
 
 
-def test_assistant_tool_calls_refused(client, http):
+def test_assistant_tool_calls_rendered(client, http):
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     history = msgs() + [{"role": "assistant", "content": None, "tool_calls": [call]},
                         {"role": "tool", "content": "42", "tool_call_id": "c1"}]
-    err = refused(http, "chat", {"messages": history}, "messages[1].tool_calls")
-    assert err["code"] == "unsupported_parameter"
+    without = msgs() + [{"role": "assistant", "content": None}, {"role": "tool", "content": "42"}]
+    # (this template shows only contents: the call is spelled in the assistant's content)
+    assert chat(client, messages=history).usage.prompt_tokens > chat(client, messages=without).usage.prompt_tokens
+    err = refused(http, "chat", {"messages": msgs() + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}}]}]}, "messages[1].tool_calls")
+    assert "arguments" in err["message"]
     empty = msgs() + [{"role": "assistant", "content": "hi", "tool_calls": []}] + msgs()
     assert chat(client, messages=empty).choices[0].message.content is not None
 

@@ -84,6 +84,20 @@ def radixd_reasoning_parsers() -> dict[str, type]:
     """
 
 
+@hookspec
+def radixd_tool_parsers() -> dict[str, type]:
+    """Return the tool-call parsers this plugin provides, by name.
+
+    A parser class subclasses :class:`radixd.server.tool_parsing.ToolParser`: ``markers`` (text
+    of a chat template that picks it under ``model.tool_parser = "auto"``), ``form`` (the
+    literal text around each call's arguments, from which tool grammars and the prompt for
+    templates without tools are built) and ``run`` (the reader of its markup, on
+    ``CallStream``'s primitives). The server makes one instance as ``cls(template)``
+    (``template``: the model's chat template text). ``model.tool_parser`` in radixd.toml picks
+    one by name. Names must be unique across plugins.
+    """
+
+
 # ---------------------------------------------------------------------------------------------
 # Daemon lifecycle (called once; may return an awaitable, which the daemon awaits)
 # ---------------------------------------------------------------------------------------------

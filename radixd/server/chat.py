@@ -1,6 +1,6 @@
 """Chat messages to prompt token ids: the model's template (with the request's template
-options), with special-token text in message contents handled per
-``limits.chat_special_tokens``."""
+options and tools; a history's tool calls and results shaped by ``tool_calls``), with
+special-token text in message contents handled per ``limits.chat_special_tokens``."""
 
 from __future__ import annotations
 
@@ -12,26 +12,31 @@ from radixd.server.state import ServerState
 
 
 def chat_prompt_ids(st: ServerState, messages: list[dict], *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
     """The chat template applied to ``messages``, with text in their contents that spells a
     special token (``<|im_start|>``, ``<eos>``, ...) handled per ``limits.chat_special_tokens``:
     such text would otherwise become the control token itself, letting a message open a new
     turn under another role. "refuse": 400; "as_text": tokenized as plain text; "allow": as is.
     ``continue_final_message`` leaves the last message open (the model continues it);
-    ``template_kwargs`` are handed to the template (vLLM's ``chat_template_kwargs``)."""
+    ``template_kwargs`` are handed to the template (vLLM's ``chat_template_kwargs``), and so
+    are ``tools`` (OpenAI's tool objects; ``tool_calls.prompt`` says when)."""
     how = st.settings.limits.chat_special_tokens
     tok = st.engine.tokenizer
+    messages = st.tools.history(messages)  # a history's tool calls and results as the template takes them
     found = None if how == "allow" else _special_text(tok, messages)
     kw = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
     if continue_final_message:
         kw["continue_final_message"] = True
+    if tools:
+        kw["tools"] = tools
     try:
         if found is None:
             return st.engine.apply_chat_template(messages, **kw)
-        if how == "refuse":
-            i, text = found
-            raise ApiError(400, f"'messages[{i}].content' contains the special token text {text!r}; this server "
-                                "refuses it (limits.chat_special_tokens = \"refuse\")", param="messages",
+        i, key, text = found
+        if how == "refuse" or key != "content":  # as text: only contents are tokenized apart
+            raise ApiError(400, f"'messages[{i}].{key}' contains the special token text {text!r}; this server "
+                                f"refuses it (limits.chat_special_tokens = \"{how}\")", param="messages",
                            code="special_token_in_content")
         return _template_contents_as_text(tok, messages, kw)
     except ApiError:
@@ -40,13 +45,16 @@ def chat_prompt_ids(st: ServerState, messages: list[dict], *, add_generation_pro
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
 
 
-def _special_text(tok, messages: list[dict]) -> tuple[int, str] | None:
+def _special_text(tok, messages: list[dict]) -> tuple[int, str, str] | None:
+    """(message index, its field, the special token's text) of the first message text that
+    spells a special token, if one does."""
     specials = [t for t in tok.all_special_tokens if t]
     specials += [a.content for a in tok.added_tokens_decoder.values() if a.special and a.content not in specials]
     for i, m in enumerate(messages):
-        for text in specials:
-            if text in m["content"]:
-                return i, text
+        for key in ("content", "reasoning_content"):
+            for text in specials:
+                if text in (m.get(key) or ""):
+                    return i, key, text
     return None
 
 

@@ -175,7 +175,8 @@ async def apply_chat_template(request: Request) -> Response:
     if st.engine.tokenizer is None:
         raise ApiError(400, "this server runs without a tokenizer", param="messages")
     try:
-        text = st.engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+        text = st.engine.tokenizer.apply_chat_template(st.tools.history(messages), tokenize=False,
+                                                       add_generation_prompt=gen)
     except Exception as exc:  # the template itself refused (a jinja raise_exception)
         raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
     return JSONResponse({"text": text})

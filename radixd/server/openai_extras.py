@@ -79,12 +79,9 @@ NO_OPS: dict[str, tuple[tuple[str, ...], NoOp]] = {
     "store": (_CHAT, NoOp({"const": False}, _is(False), "accepted `false`: nothing is stored")),
     "metadata": (_CHAT, NoOp({"type": "object", "maxProperties": 0}, _no_keys, "accepted `{}` (it tags stored "
                                                                              "completions)")),
-    "tools": (_CHAT, NoOp(_EMPTY, _empty, "accepted `[]`: no tools (tool calling is not implemented)")),
-    "functions": (_CHAT, NoOp(_EMPTY, _empty, "accepted `[]`, as `tools`")),
-    "tool_choice": (_CHAT, NoOp({"const": "none"}, _is("none"), "accepted `\"none\"`: no tool is called")),
-    "function_call": (_CHAT, NoOp({"const": "none"}, _is("none"), "accepted `\"none\"`, as `tool_choice`")),
-    "parallel_tool_calls": (_CHAT, NoOp(_BOOL, _boolean, "accepted either way: without tools (a non-empty "
-                                                        "`tools` is refused) it asks for nothing")),
+    "functions": (_CHAT, NoOp(_EMPTY, _empty, "accepted `[]` (the legacy form of `tools`; send `tools`)")),
+    "function_call": (_CHAT, NoOp({"const": "none"}, _is("none"), "accepted `\"none\"` (the legacy form of "
+                                                                 "`tool_choice`; send `tool_choice`)")),
     "service_tier": (_CHAT, NoOp({"enum": ["auto", "default"]}, lambda v, b: v in ("auto", "default"),
                                  "accepted `\"auto\"` / `\"default\"`: one tier")),
     "modalities": (_CHAT, NoOp({"type": "array", "items": {"const": "text"}},

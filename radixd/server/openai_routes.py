@@ -3,7 +3,8 @@
 Bodies are parsed by ``protocol``; submission, collection and streaming by ``Generation``;
 this module shapes OpenAI's response objects, stream chunks and logprobs (with vLLM's
 extras: prompt logprobs, usage in every chunk, prompts cut to their last tokens); chat
-output passes ``reasoning`` first (the thinking apart from the content).
+output passes ``reasoning`` first (the thinking apart from the content), then ``tool_calls``
+(the calls in the content; the tools and their grammar are its too).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from radixd import __version__
 from radixd.core.outputs import GenerateOutput
-from radixd.server import protocol, reasoning
+from radixd.server import protocol, reasoning, tool_calls
 from radixd.server.chat import chat_prompt_ids
 from radixd.server.generation import Generation, samples, sse
 from radixd.server.state import state_of
@@ -47,11 +48,16 @@ class ChatCall(NamedTuple):
 async def start_chat(st, request: Request, req: protocol.ChatRequest, body: dict) -> ChatCall:
     """The chat route's internals for a parsed ``body``: the prompt rendered and submitted."""
     think = reasoning.for_chat(st, body, req)
-    parsed, params, ex = req.parsed, think.constrain(req.parsed.params), req.parsed.extras
-    ids = truncated(st, chat_prompt_ids(st, req.messages, add_generation_prompt=ex.add_generation_prompt,
+    parsed, ex = req.parsed, req.parsed.extras
+    treq = tool_calls.read_request(body, st.tools)
+    messages, tools = tool_calls.prompt(st.tools, treq, req.messages)
+    # the tools' grammar, and any other, starts after the reasoning
+    params = think.constrain(tool_calls.constrain(st.tools, treq, parsed.params, after=think.reasoning_end()))
+    ids = truncated(st, chat_prompt_ids(st, messages, add_generation_prompt=ex.add_generation_prompt,
                                         continue_final_message=ex.continue_final_message,
-                                        template_kwargs=ex.template_kwargs), parsed)
+                                        template_kwargs=ex.template_kwargs, tools=tools), parsed)
     gen = await Generation.start(st, request, [ids], [params], priority=parsed.priority, shown=req.messages)
+    calls = tool_calls.ToolOutputs(st.tools, treq, params.n)
     cid = f"chatcmpl-{gen.rid}"
     created = int(time.time())
     tok = st.engine.tokenizer
@@ -61,9 +67,9 @@ async def start_chat(st, request: Request, req: protocol.ChatRequest, body: dict
         extra = {"prompt_logprobs": prompt_logprobs(tok, ids, outs, ex.prompt_logprobs)} if ex.prompt_logprobs is not None else {}
         choices = [{
             "index": i,
-            "message": {"role": "assistant", **with_echo(ex.echo, think.message("".join(o.text for o in mine)))},
+            "message": reply_message(think, calls, i, "".join(o.text for o in mine), ex.echo),
             "logprobs": chat_logprobs(tok, mine) if params.logprobs else None,
-            "finish_reason": mine[-1].finish_reason,
+            "finish_reason": calls.finish_reason(i, mine[-1].finish_reason),
         } for i, mine in enumerate(samples(outs, params.n))]
         return {
             "id": cid, "object": "chat.completion", "created": created, "model": st.model_name,
@@ -81,20 +87,34 @@ async def start_chat(st, request: Request, req: protocol.ChatRequest, body: dict
                                                 "finish_reason": None}]})
         async for _, out in gen.outputs():
             lp = chat_logprobs(tok, [out]) if params.logprobs and out.token_ids else None
-            delta = think.delta(out.index, out.text, out.finished)
-            if delta or lp or out.finished:
+            thought, text = think.feed(out.index, out.text, out.finished)
+            deltas = calls.deltas(out.index, text, out.finished)
+            if thought and (head := think.fields(thought)):
+                deltas = [head, *deltas]
+            deltas = deltas or ([{}] if lp or out.finished else [])
+            for k, delta in enumerate(deltas):
+                end = out.finished and k == len(deltas) - 1
                 yield event({**base, "choices": [{
-                    "index": out.index, "delta": delta, "logprobs": lp,
-                    "finish_reason": out.finish_reason if out.finished else None}]})
+                    "index": out.index, "delta": delta, "logprobs": lp if k == 0 else None,
+                    "finish_reason": calls.finish_reason(out.index, out.finish_reason) if end else None}]})
         if parsed.include_usage:
             yield event({**base, "choices": [], "usage": gen.usage()})
 
     return ChatCall(gen, result, events)
 
 
-def with_echo(echo: str, message: dict) -> dict:
-    """vLLM's chat ``echo``: the assistant prefill leads the reply's content."""
-    return {**message, "content": echo + (message["content"] or "")} if echo else message
+def reply_message(think: reasoning.ChatReasoning, calls: tool_calls.ToolOutputs, index: int, text: str,
+                  echo: str) -> dict:
+    """Choice ``index``'s assistant message from its whole text: the reasoning apart, the
+    calls read from the rest; ``echo`` (vLLM's chat echo: the assistant prefill) leads the
+    content, which is null when there is only reasoning or only calls."""
+    thought, rest = think.split(text)
+    message = calls.message(index, rest)
+    if echo:
+        message["content"] = echo + (message["content"] or "")
+    if thought and not message["content"]:
+        message["content"] = None
+    return {**message, **think.fields(thought)}
 
 
 async def completions(request: Request) -> Response:

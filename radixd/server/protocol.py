@@ -20,7 +20,7 @@ from typing import Any
 
 from radixd.core.errors import InvalidRequest
 from radixd.core.sampling_params import INT32_MAX, SamplingParams, json_schema
-from radixd.server import openai_extras, reasoning
+from radixd.server import openai_extras, reasoning, tool_calls
 from radixd.server.errors import ApiError
 
 EXTENSIONS = {
@@ -98,11 +98,12 @@ MESSAGE_SCHEMA = {  # (an assistant message's content may also be null)
     "type": "object", "required": ["role", "content"],
     "properties": {"role": {"enum": ["system", "user", "assistant", "developer", "tool"]},
                    "content": {"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}]},
-                   "tool_calls": _opt({"type": "array", "maxItems": 0})},  # no tool calling yet
+                   "tool_calls": _opt({"type": "array", "items": tool_calls.HISTORY_CALL}),
+                   "tool_call_id": _opt(_STR), "name": _opt(_STR)},
 }
 MESSAGES = {"type": "array", "minItems": 1, "items": MESSAGE_SCHEMA}
 CHAT_SCHEMAS = {**openai_extras.no_op_schemas("chat"), **SAMPLING_SCHEMAS, **openai_extras.CHAT_EXTRA_SCHEMAS,
-                **reasoning.SCHEMAS, "messages": MESSAGES,
+                **reasoning.SCHEMAS, **tool_calls.SCHEMAS, "messages": MESSAGES,
                 "max_completion_tokens": _opt(json_schema("max_new_tokens")),
                 "logprobs": _opt(_BOOL), "top_logprobs": _opt(_TOP_LOGPROBS)}
 PROMPT = {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _TEXT},
@@ -389,15 +390,28 @@ def chat_messages(body: dict) -> list[dict]:
             content = "".join(parts)
         elif content is None and role == "assistant":
             content = ""
-        if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
-            raise ApiError(400, f"'messages[{i}].tool_calls' must be a list", param="messages")
-        if m.get("tool_calls"):  # until tool calling lands: refused, never silently dropped
-            raise ApiError(400, f"'messages[{i}].tool_calls' is not supported by this server (no tool calling)",
-                           param=f"messages[{i}].tool_calls", code="unsupported_parameter")
         if not isinstance(content, str):
             raise ApiError(400, f"'messages[{i}].content' must be a string or a list of text parts",
                            param="messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
+            raise ApiError(400, f"'messages[{i}].tool_calls' must be a list", param="messages")
+        thought = m.get("reasoning_content", m.get("reasoning"))  # SGLang's name / vLLM's
+        if thought is not None and (role != "assistant" or not isinstance(thought, str)):
+            raise ApiError(400, f"'messages[{i}].reasoning_content' must be a string, on an assistant message",
+                           param="messages")
+        if thought:  # templates of reasoning models (Qwen3's) render it in tool loops
+            msg["reasoning_content"] = thought
+        if m.get("tool_calls"):
+            if role != "assistant":
+                raise ApiError(400, f"'messages[{i}].tool_calls' belongs on assistant messages", param="messages")
+            msg["tool_calls"] = tool_calls.history_calls(i, m["tool_calls"])
+        for key in ("tool_call_id", "name"):  # a tool result's call and function
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise ApiError(400, f"'messages[{i}].{key}' must be a string", param="messages")
+            if role == "tool" and m.get(key) is not None:
+                msg[key] = m[key]
+        out.append(msg)
     return out
 
 

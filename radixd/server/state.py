@@ -19,6 +19,7 @@ from radixd.core.engine import Engine
 from radixd.plugins.guard import HookGuard
 from radixd.server import protocol, reasoning
 from radixd.server.metrics import Metrics
+from radixd.server.tool_calls import ToolSupport
 from radixd.settings import Settings
 
 
@@ -32,6 +33,7 @@ class ServerState:
     metrics: Metrics = field(init=False)
     hooks: HookGuard = field(init=False)
     reasoning: Any = field(init=False)  # the reasoning parser chat replies are split by, or None
+    tools: ToolSupport = field(init=False)  # the model's tool calling (parser, template)
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     log: Any = field(default_factory=lambda: structlog.get_logger("radixd.server"))
@@ -47,6 +49,9 @@ class ServerState:
         self.idle.set()
         self.reasoning = reasoning.choose(self.settings.model.reasoning_parser, reasoning.available(self.plugins),
                                           self.engine.tokenizer)
+        m = self.settings.model
+        self.tools = ToolSupport.load(self.plugins, m.tool_parser, self.engine.tokenizer, grammar=m.tool_grammar,
+                                      max_ws=self.settings.grammar.max_whitespace)
 
     def stalled(self) -> str | None:
         """Why the batching loop counts as stalled (a step running longer than
