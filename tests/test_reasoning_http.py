@@ -21,6 +21,7 @@ from conftest import Daemon, _tokenizer, hf_greedy, make_tiny_checkpoint
 pytestmark = pytest.mark.slow
 KEY = "sk-reasoning"
 TEMPLATE = (
+    "{%- if tools %}<tools>{% for t in tools %}{{ t.function.name }} {% endfor %}</tools>\n{% endif %}"
     "{%- for m in messages %}{%- set c = m['content'] %}"
     "{%- if m['role'] == 'assistant' and '</think>' in c and not loop.last %}{%- set c = c.split('</think>')[-1] %}"
     "{%- endif %}<{{ m['role'] }}>{{ c }}{% if not (loop.last and continue_final_message) %}\n{% endif %}"
@@ -76,10 +77,15 @@ MESSAGES = [{"role": "user", "content": "hello world"}]
 def closing(model_dir, http):
     """(the ``logit_bias`` that makes greedy decoding close the think block, the number of
     reasoning tokens before it)."""
+
+    ids = http.post("/v1/tokenize", json={"model": "qwen3-think", "messages": MESSAGES}).json()["tokens"]
+    return closing_bias(model_dir, ids)
+
+
+def closing_bias(model_dir, ids: list[int]) -> tuple[dict, int]:
     from transformers import AutoTokenizer
 
     end = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("</think>")
-    ids = http.post("/v1/tokenize", json={"model": "qwen3-think", "messages": MESSAGES}).json()["tokens"]
     _, logits = hf_greedy(model_dir, ids, 16)
     margins = (logits.max(-1).values - logits[:, end]).tolist()
     for k in range(2, len(margins)):
@@ -190,6 +196,30 @@ def test_response_format_after_the_reasoning(client, closing):
     r = chat(client, bias, max_tokens=40, response_format=rf, extra_body=OFF)
     reasoning, content = fields(r.choices[0].message)
     assert reasoning is None and set(json.loads(content)) == {"ok", "n"}
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+           "additionalProperties": False}
+
+
+def test_tool_call_after_the_reasoning(client, model_dir):
+    """A required tool call from a thinking model: the reasoning stays free, the call's
+    grammar starts after it, and the call comes back as ``tool_calls``."""
+    from transformers import AutoTokenizer
+
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": WEATHER}}]
+    ids = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(MESSAGES, tools=tools, tokenize=True,
+                                                                       add_generation_prompt=True)
+    bias, k = closing_bias(model_dir, ids["input_ids"] if hasattr(ids, "keys") else ids)
+    free, _ = fields(chat(client, bias, max_tokens=k + 2, extra_body={"tools": tools}).choices[0].message)
+    assert free  # it thinks first
+    r = chat(client, bias, max_tokens=k + 120, tools=tools, tool_choice="required", parallel_tool_calls=False)
+    choice = r.choices[0]
+    reasoning, _ = fields(choice.message)
+    assert reasoning == free and choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "weather" and set(json.loads(call.function.arguments)) == {"city"}
+    assert not (choice.message.content or "").strip()  # no call markup left in the content
 
 
 def test_server_info_names_the_parser(http):
