@@ -275,6 +275,24 @@ def test_echo_with_logprobs(client, tok):
     assert text == c.text and toks == lp.tokens
 
 
+def test_stop_reason(client, http):
+    """vLLM's ``stop_reason``: the stop string or stop token id that ended a choice, null
+    when it ended otherwise; on the finishing stream chunk too."""
+    plain = complete(client, max_tokens=8, extra_body={"ignore_eos": True}).choices[0]
+    assert plain.finish_reason == "length" and plain.model_extra["stop_reason"] is None
+    text = plain.text
+    stop = text[len(text) // 2:][:2]
+    c = complete(client, max_tokens=8, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert c.finish_reason == "stop" and c.model_extra["stop_reason"] == stop and c.text == text[:text.index(stop)]
+    ids = http.post("/generate", json={"text": "hello world", "sampling_params": {
+        "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}).json()["output_ids"]  # the same greedy run
+    by_id = complete(client, max_tokens=8, extra_body={"ignore_eos": True, "stop_token_ids": [ids[2]]}).choices[0]
+    assert by_id.finish_reason == "stop" and by_id.model_extra["stop_reason"] == ids[2]
+    last = [ch for ch in complete(client, max_tokens=8, stop=[stop], stream=True, extra_body={"ignore_eos": True})
+            if ch.choices and ch.choices[0].finish_reason][-1]
+    assert last.choices[0].model_extra["stop_reason"] == stop
+
+
 def test_chat_echo(client):
     """vLLM's chat ``echo``: a reply to an assistant prefill leads with the prefill."""
     prefill = msgs() + [{"role": "assistant", "content": "The capital"}]

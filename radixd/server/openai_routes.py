@@ -70,6 +70,7 @@ async def start_chat(st, request: Request, req: protocol.ChatRequest, body: dict
             "message": reply_message(think, calls, i, "".join(o.text for o in mine), ex.echo),
             "logprobs": chat_logprobs(tok, mine) if params.logprobs else None,
             "finish_reason": calls.finish_reason(i, mine[-1].finish_reason),
+            "stop_reason": stop_reason(mine[-1], params),
         } for i, mine in enumerate(samples(outs, params.n))]
         return {
             "id": cid, "object": "chat.completion", "created": created, "model": st.model_name,
@@ -96,7 +97,8 @@ async def start_chat(st, request: Request, req: protocol.ChatRequest, body: dict
                 end = out.finished and k == len(deltas) - 1
                 yield event({**base, "choices": [{
                     "index": out.index, "delta": delta, "logprobs": lp if k == 0 else None,
-                    "finish_reason": calls.finish_reason(out.index, out.finish_reason) if end else None}]})
+                    "finish_reason": calls.finish_reason(out.index, out.finish_reason) if end else None,
+                    **({"stop_reason": stop_reason(out, params)} if end else {})}]})
         if parsed.include_usage:
             yield event({**base, "choices": [], "usage": gen.usage()})
 
@@ -143,6 +145,7 @@ async def completions(request: Request) -> Response:
             "logprobs": (completion_logprobs(tok, mine, len(echoes[pi]), echoed(pi, mine)[1])
                          if params.logprobs else None),
             "finish_reason": mine[-1].finish_reason,
+            "stop_reason": stop_reason(mine[-1], params),
             **({"prompt_logprobs": prompt_logprobs(tok, prompts[pi], mine, parsed.extras.prompt_logprobs)}
                if parsed.extras.prompt_logprobs is not None else {}),
         } for pi, outs in enumerate(results) for i, mine in enumerate(samples(outs, n))]
@@ -170,11 +173,19 @@ async def completions(request: Request) -> Response:
                 offsets[idx] = offsets.get(idx, 0) + len(out.text)
             if out.text or out.token_ids or out.finished:
                 yield event({**base, "choices": [{"index": idx, "text": out.text, "logprobs": lp,
-                                                "finish_reason": out.finish_reason if out.finished else None}]})
+                                                "finish_reason": out.finish_reason if out.finished else None,
+                                                **({"stop_reason": stop_reason(out, params)} if out.finished else {})}]})
         if parsed.include_usage:
             yield event({**base, "choices": [], "usage": gen.usage()})
 
     return gen.stream(events)
+
+
+def stop_reason(out: GenerateOutput, params) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop string or ``stop_token_ids`` entry that ended the
+    choice; None when it ended otherwise (EOS, a completed grammar, the length)."""
+    m = out.matched if out.finish_reason == "stop" else None
+    return m if isinstance(m, str) or m in params.stop_token_ids else None
 
 
 def chunks(gen: Generation, continuous_usage: bool):
