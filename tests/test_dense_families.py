@@ -6,15 +6,13 @@ the field."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 from conftest import DENSE_ARCHS
 from test_engine import (
-    arrive_mid_flight,
-    assert_greedy_matches,
-    assert_idle,
+    check_greedy_matches_transformers,
+    check_mid_flight_small_chunks,
     check_preemption_keeps_tokens,
     check_prefix_served_from_cache,
     collect,
@@ -27,31 +25,12 @@ from radixd.core.models.config import ModelConfig
 
 @pytest.mark.parametrize("arch", DENSE_ARCHS)
 async def test_greedy_matches_transformers(tiny_dense_models, arch):
-    path = tiny_dense_models[arch]
-    eng = make_engine(path)
-    try:
-        ps = prompts(3, 20, seed=1)
-        outs = await asyncio.gather(*(collect(eng, p, 16) for p in ps))
-        for p, got in zip(ps, outs, strict=True):
-            assert_greedy_matches(path, p, got, 16)
-        await assert_idle(eng)
-    finally:
-        await eng.stop()
+    await check_greedy_matches_transformers(tiny_dense_models[arch])
 
 
 @pytest.mark.parametrize("arch", DENSE_ARCHS)
 async def test_mid_flight_arrivals_and_small_chunks(tiny_dense_models, arch):
-    path = tiny_dense_models[arch]
-    eng = make_engine(path, chunked_prefill_size=5, max_prefill_tokens=8)
-    try:
-        ps = prompts(3, 23, seed=2)
-        outs = await arrive_mid_flight(eng, ps, [16, 8, 8])
-        for p, got, n in zip(ps, outs, [16, 8, 8], strict=True):
-            assert_greedy_matches(path, p, got, n)
-        assert eng.scheduler.stats.steps > 15
-        await assert_idle(eng)
-    finally:
-        await eng.stop()
+    await check_mid_flight_small_chunks(tiny_dense_models[arch], [16, 8, 8], min_steps=15)
 
 
 @pytest.mark.parametrize("arch", DENSE_ARCHS)

@@ -56,7 +56,11 @@ async def assert_idle(eng: Engine):
 
 @pytest.mark.parametrize("arch", ARCHS)
 async def test_greedy_matches_transformers(tiny_models, arch):
-    path = tiny_models[arch]
+    await check_greedy_matches_transformers(tiny_models[arch])
+
+
+async def check_greedy_matches_transformers(path):
+    """Three prompts in one batch: transformers' greedy tokens (shared by the families' tests)."""
     eng = make_engine(path)
     try:
         ps = prompts(3, 20, seed=1)
@@ -90,15 +94,18 @@ async def arrive_mid_flight(eng: Engine, ps: list[list[int]], max_new: list[int]
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 async def test_mid_flight_arrivals_and_small_chunks(tiny_models, arch):
+    await check_mid_flight_small_chunks(tiny_models[arch], [24, 12, 12, 12], min_steps=20)
+
+
+async def check_mid_flight_small_chunks(path, max_new: list[int], min_steps: int):
     """Requests join while others decode; prompts are prefilled 5 tokens at a time."""
-    path = tiny_models[arch]
     eng = make_engine(path, chunked_prefill_size=5, max_prefill_tokens=8)
     try:
-        ps = prompts(4, 23, seed=2)
-        outs = await arrive_mid_flight(eng, ps, [24, 12, 12, 12])
-        for p, got, n in zip(ps, outs, [24, 12, 12, 12], strict=True):
+        ps = prompts(len(max_new), 23, seed=2)
+        outs = await arrive_mid_flight(eng, ps, max_new)
+        for p, got, n in zip(ps, outs, max_new, strict=True):
             assert_greedy_matches(path, p, got, n)
-        assert eng.scheduler.stats.steps > 20
+        assert eng.scheduler.stats.steps > min_steps
         await assert_idle(eng)
     finally:
         await eng.stop()

@@ -13,9 +13,10 @@ import pytest
 import torch
 from conftest import MOE_ARCHS
 from test_engine import (
-    arrive_mid_flight,
     assert_greedy_matches,
     assert_idle,
+    check_greedy_matches_transformers,
+    check_mid_flight_small_chunks,
     check_preemption_keeps_tokens,
     check_prefix_served_from_cache,
     collect,
@@ -31,16 +32,7 @@ GPU = torch.cuda.is_available()
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 async def test_moe_greedy_matches_transformers(tiny_moe_models, arch):
-    path = tiny_moe_models[arch]
-    eng = make_engine(path)
-    try:
-        ps = prompts(3, 20, seed=1)
-        outs = await asyncio.gather(*(collect(eng, p, 16) for p in ps))
-        for p, got in zip(ps, outs, strict=True):
-            assert_greedy_matches(path, p, got, 16)
-        await assert_idle(eng)
-    finally:
-        await eng.stop()
+    await check_greedy_matches_transformers(tiny_moe_models[arch])
 
 
 async def test_moe_through_the_triton_kernels_matches_transformers(tiny_moe_models, monkeypatch):
@@ -68,17 +60,7 @@ async def test_moe_through_the_triton_kernels_matches_transformers(tiny_moe_mode
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 async def test_moe_mid_flight_arrivals_and_small_chunks(tiny_moe_models, arch):
-    path = tiny_moe_models[arch]
-    eng = make_engine(path, chunked_prefill_size=5, max_prefill_tokens=8)
-    try:
-        ps = prompts(3, 23, seed=2)
-        outs = await arrive_mid_flight(eng, ps, [16, 8, 8])
-        for p, got, n in zip(ps, outs, [16, 8, 8], strict=True):
-            assert_greedy_matches(path, p, got, n)
-        assert eng.scheduler.stats.steps > 15
-        await assert_idle(eng)
-    finally:
-        await eng.stop()
+    await check_mid_flight_small_chunks(tiny_moe_models[arch], [16, 8, 8], min_steps=15)
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
