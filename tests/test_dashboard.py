@@ -4,6 +4,7 @@ shared-prefix workload runs, the API keys (header or ``?key=``), the tree summar
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -133,3 +134,42 @@ def test_check_config_refuses_a_non_boolean(tmp_path):
     cfg.write_text('[server]\ndashboard = "yes"\n')
     r = subprocess.run([sys.executable, "-m", "radixd", "check-config", str(cfg)], capture_output=True, text=True)
     assert r.returncode == 2 and "server.dashboard" in r.stderr, r.stderr
+
+
+def test_the_page_in_headless_chromium(daemon, tmp_path):
+    """The page loads without console errors and its tree and pool move with the workload."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no chromium on PATH")
+    errors: list[str] = []
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(daemon.url + f"/dashboard?key={KEY}")
+            page.wait_for_function("window.radixdSnapshot !== undefined", timeout=15_000)
+            assert page.text_content("#status") == "live"
+
+            def picture() -> tuple[str, str, str]:
+                return (page.text_content("#rep0 .tree-note"), page.eval_on_selector("#rep0 .tree", "c => c.toDataURL()"),
+                        page.eval_on_selector("#rep0 .pool", "c => c.toDataURL()"))
+
+            before = picture()
+            for i in range(4):
+                r = httpx.post(daemon.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                               json={"model": "llama", "prompt": f"A new shared preamble for the browser. Item {i}",
+                                     "max_tokens": 4, "temperature": 0})
+                assert r.status_code == 200, r.text
+            page.wait_for_function(f"document.querySelector('#rep0 .tree-note').textContent !== {json.dumps(before[0])}",
+                                   timeout=15_000)
+            page.wait_for_timeout(600)  # a few more snapshots: the pool's history scrolls
+            after = picture()
+            assert after[0] != before[0] and after[1] != before[1] and after[2] != before[2]
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        finally:
+            browser.close()
+    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+    assert errors == []
