@@ -107,6 +107,7 @@ def test_feed_moves_while_a_shared_prefix_workload_runs(daemon):
     assert max(n[4] for n in t1["tree"]["nodes"]) >= 4
     assert last["steps"] and {"prefill_tokens", "decode_tokens", "step_ms"} <= set(last["steps"][-1])
     assert last["stats"]["steps"] > first["stats"]["steps"]
+    assert {"compiles", "hits", "cached"} <= set(last["grammar"]) and "cache_tiers" in last["stats"]
     running = [r for s in seen for r in s["replicas"][0]["running"]]  # the long request, seen mid-way
     assert any(0 < r["output_tokens"] < 300 and r["prompt_tokens"] > 20 for r in running)
 
@@ -126,7 +127,8 @@ def test_tree_summary_is_bounded_however_large_the_tree():
     assert all(n[1] in ids for n in s["nodes"][1:])  # every parent is in the summary
     assert s["nodes"][1][3] >= s["nodes"][-1][3]  # the largest subtrees first
     small = tree_summary(cache, limit=50, walk=100)
-    assert len(small["nodes"]) <= 50 and not small["complete"]
+    assert len(small["nodes"]) == 50 and not small["complete"]
+    assert all(n[2] == 3 for n in small["nodes"][1:41])  # a cut walk still covers the top level
 
 
 def test_check_config_refuses_a_non_boolean(tmp_path):

@@ -29,7 +29,7 @@ from radixd.server.errors import ApiError
 from radixd.server.state import state_of
 
 TREE_NODES = 200     # nodes in a snapshot's tree summary
-TREE_WALK = 50_000   # nodes visited to build it (a larger tree is summarised from its top)
+TREE_WALK = 20_000   # nodes visited to build it (a larger tree is summarised from its top)
 STEPS_KEPT = 256     # recent steps in a snapshot
 REQUESTS_SHOWN = 64  # waiting and running requests listed (each queue)
 INTERVAL_S = 0.25    # between snapshots
@@ -41,12 +41,18 @@ class Feed:
     def __init__(self) -> None:
         self.steps: collections.deque[tuple[float, StepStats]] = collections.deque(maxlen=STEPS_KEPT)
         self._seen: dict[str, float] = {}
+        self._last: tuple[float, dict] | None = None  # shared by the viewers of one interval
+
+    def snapshot(self, engine) -> dict:
+        now = time.monotonic()
+        if self._last is None or now - self._last[0] >= INTERVAL_S / 2:
+            self._last = (now, self._build(engine, now))
+        return self._last[1]
 
     def record(self, stats: StepStats) -> None:
         self.steps.append((time.time(), stats))
 
-    def snapshot(self, engine) -> dict:
-        now = time.monotonic()
+    def _build(self, engine, now: float) -> dict:
         seen: dict[str, float] = {}
         replicas = []
         for rep in engine.replicas:
@@ -68,8 +74,7 @@ class Feed:
             "stats": {k: v for k, v in stats.items() if k != "replicas"},
             "replicas": replicas,
             "steps": [{"t": t, **s._asdict()} for t, s in self.steps],
-            "grammar": None if g is None else {"compiles": getattr(g, "compiles", 0), "hits": getattr(g, "hits", 0),
-                                               "cached": len(getattr(g, "_cache", ()))},
+            "grammar": g.stats() if hasattr(g, "stats") else None,  # a plugin's compiler may keep none
         }
 
 
@@ -80,11 +85,11 @@ def tree_summary(cache: RadixCache, limit: int = TREE_NODES, walk: int = TREE_WA
     root = cache.shared_root
     sizes: dict[int, int] = {}
     order: list[TreeNode] = []
-    stack = [root]
-    while stack and len(order) < walk:
-        node = stack.pop()
+    frontier = collections.deque([root])  # breadth first: a walk cut short still covers the top
+    while frontier and len(order) < walk:
+        node = frontier.popleft()
         order.append(node)
-        stack.extend(node.children.values())
+        frontier.extend(node.children.values())
     for node in reversed(order):  # children after their parent in ``order``: sizes bottom-up
         sizes[id(node)] = len(node.key) + sum(sizes.get(id(c), 0) for c in node.children.values())
     ids = {id(root): 0}
@@ -103,7 +108,7 @@ def tree_summary(cache: RadixCache, limit: int = TREE_NODES, walk: int = TREE_WA
             tie += 1
             heapq.heappush(heap, (-sizes.get(id(c), 0), tie, c))
     shown = sum(n[2] for n in nodes)
-    return {"nodes": nodes, "hidden": sizes[id(root)] - shown, "complete": not stack}
+    return {"nodes": nodes, "hidden": sizes[id(root)] - shown, "complete": not frontier}
 
 
 def _enabled(request: Request):
