@@ -175,3 +175,42 @@ def test_the_page_in_headless_chromium(daemon, tmp_path):
             browser.close()
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
     assert errors == []
+
+
+def test_top_renders_the_feed_in_a_terminal(daemon):
+    """``radixd top --once`` under a pseudo-terminal shows the figures of the feed."""
+    import os
+    import pty
+    import re
+
+    for i in range(2):
+        r = httpx.post(daemon.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                       json={"model": "llama", "prompt": PREFIX + f"In the terminal {i}", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+    # the finished requests' pages reach the tree at a step boundary: wait for two equal snapshots
+    snaps = read_events(daemon.url + f"/dashboard/events?key={KEY}", 2)
+    while snaps[-1]["replicas"] != snaps[-2]["replicas"] or len(snaps[-1]["replicas"][0]["tree"]["nodes"]) < 2:
+        assert len(snaps) < 40, "the daemon did not settle"
+        snaps += read_events(daemon.url + f"/dashboard/events?key={KEY}", 1)
+    snap = snaps[-1]
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "radixd", "top", "--url", daemon.url, "--once"], stdout=slave,
+                            stderr=subprocess.PIPE, env={**os.environ, "RADIXD_API_KEY": KEY, "COLUMNS": "160"})
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the child closed its end
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait(30) == 0, proc.stderr.read()
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.decode())
+    kv, tree = snap["replicas"][0]["kv"], snap["replicas"][0]["tree"]["nodes"]
+    assert f"free {kv['free']} · evictable {kv['evictable']}" in text, text
+    assert f"radix cache: {tree[0][3]} tokens" in text and f"steps {snap['stats']['steps']}" in text
+    biggest = max(tree[1:], key=lambda n: n[3])
+    assert re.search(rf"\b{biggest[2]}\s+│?\s*{biggest[3]}\s+│?\s*{biggest[4]}\b", text), text
