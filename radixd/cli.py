@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from radixd import __version__, launch_flags
@@ -33,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     from radixd.bench import add_arguments as add_bench_arguments
 
+    top = sub.add_parser("top", help="a running daemon's dashboard feed in the terminal ([server] dashboard = true)")
+    top.add_argument("--url", default="http://127.0.0.1:8000", help="the daemon (default: %(default)s)")
+    top.add_argument("--api-key", default=os.environ.get("RADIXD_API_KEY"), help="an API key (default: $RADIXD_API_KEY)")
+    top.add_argument("--once", action="store_true", help="print one snapshot and exit")
     bench = sub.add_parser("bench", help="the serving benchmark: a server over HTTP, the engine or the hf peer")
     add_bench_arguments(bench)
     return p
@@ -77,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         import asyncio
 
         return asyncio.run(_generate(args))
+    if args.command == "top":
+        from radixd.top import main as top_main
+
+        return top_main(args.url, args.api_key, args.once)
     if args.command == "bench":
         from radixd.bench import main as bench_main
 

@@ -49,6 +49,7 @@ class ServerSection:
     stream_buffer: int = option(256, min=1, live=True)
     sse_ping_s: float = option(0.0, min=0.0, live=True)
     cors_origins: list[str] = option([])
+    dashboard: bool = option(False)  # GET /dashboard and its SSE feed /dashboard/events
 
 
 @dataclass(frozen=True)

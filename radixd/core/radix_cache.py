@@ -87,6 +87,11 @@ class RadixCache:
     def default_namespace(self) -> int:
         return 0 if self.enabled else self.new_namespace()
 
+    @property
+    def shared_root(self) -> TreeNode:
+        """Namespace 0's root (read-only use: inspection such as the dashboard's summary)."""
+        return self._root(0)
+
     def _root(self, namespace: int) -> TreeNode:
         root = self._roots.get(namespace)
         if root is None:

@@ -42,6 +42,11 @@ class GrammarService:
         self.hits = 0
         self.trials_killed = 0
 
+    def stats(self) -> dict[str, int]:
+        """The compile cache's counters (compiles started, hits, grammars kept, trials killed)."""
+        return {"compiles": self.compiles, "hits": self.hits, "cached": len(self._cache),
+                "trials_killed": self.trials_killed}
+
     def cached(self, kind: str, spec: str, after: str | None = None):
         return lru_get(self._cache, (kind, spec, after))
 

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from radixd.server import dashboard
 from radixd.server.admin_routes import (
     flush_cache,
     health,
@@ -81,6 +82,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/server_info", server_info, methods=["GET"]),
         Route("/v1/tokenize", tokenize, methods=["POST"]),
         Route("/v1/detokenize", detokenize, methods=["POST"]),
+        Route("/dashboard", dashboard.page, methods=["GET"]), Route("/dashboard/events", dashboard.events, methods=["GET"]),
     ]
     for extra in state.plugins.hook.radixd_routes(state=state):
         routes.extend(extra or [])

@@ -28,6 +28,7 @@ from radixd.plugins import make_plugin_manager
 from radixd.plugins.wiring import Engine
 from radixd.server import reasoning
 from radixd.server.app import ServerState, build_app
+from radixd.server.dashboard import Feed
 from radixd.server.notify import notify, watchdog_interval
 from radixd.settings import SECTIONS, Settings, load_settings, section_of
 
@@ -79,6 +80,8 @@ class Daemon:
         engine = await asyncio.to_thread(Engine, s.engine_config(), plugin_manager=pm)
         name = s.model.served_name or _default_name(engine)
         self.state = st = ServerState(engine=engine, settings=s, model_name=name, api_keys=api_keys, plugins=pm)
+        if s.server.dashboard:
+            st.dashboard = Feed()
         engine.stats_hook = self._on_step
         app = build_app(st)
         await engine.start()
@@ -115,6 +118,8 @@ class Daemon:
         return 0
 
     def _on_step(self, stats: StepStats) -> None:
+        if self.state.dashboard is not None:
+            self.state.dashboard.record(stats)
         self.state.hooks.call("radixd_step_stats", fail=False, stats=stats._asdict())
 
     # ------------------------------------------------------------------ signals

@@ -15,6 +15,7 @@ import hmac
 import json
 import time
 import uuid
+from urllib.parse import parse_qs
 
 from radixd.server.errors import ApiError
 from radixd.server.state import ServerState
@@ -23,6 +24,7 @@ from radixd.server.state import ServerState
 # nginx's "client closed request" (HTTP has no code for it; proxies and log tools know 499).
 CLIENT_CLOSED = 499
 ERROR_BODY_CAP = 4096  # an error response's body read for its code (errors are small JSON)
+DASHBOARD_PREFIX = "/dashboard"  # where the key may come as ?key= (EventSource cannot set headers)
 OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}  # reachable without an API key (probes, scrapers)
 
 
@@ -105,6 +107,8 @@ class Gate:
         if st.api_keys and scope["path"] not in OPEN_PATHS:
             auth = headers.get("authorization", "")
             token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+            if not token and scope["path"].startswith(DASHBOARD_PREFIX):  # a browser sends no header
+                token = _query_key(scope)
             ok = False
             for key in st.api_keys:  # compare against every key: time does not tell which matched
                 ok |= hmac.compare_digest(token.encode(), key.encode())
@@ -158,6 +162,11 @@ def _error_of(body: bytes) -> dict:
     if not isinstance(err, dict):
         return {}
     return {"error_code": err.get("code"), "error_type": err.get("type")}
+
+
+def _query_key(scope) -> str:
+    keys = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key")
+    return keys[0] if keys else ""
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -230,6 +230,13 @@ def openapi_document(state) -> dict:
                                         **_errors(400, 401, 413)}}},
         "/server_info": {"get": {"summary": "Version, settings (no keys) and engine statistics", "responses": {
             "200": {"description": "Server information", "content": _json(SERVER_INFO)}, **_errors(401)}}},
+        "/dashboard": {"get": {"summary": "The live dashboard page ([server] dashboard = true; a key may come as ?key=)",
+                               "responses": {"200": {"description": "The page", "content": {"text/html": {"schema": _STR}}},
+                                             **_errors(401, 404)}}},
+        "/dashboard/events": {"get": {"summary": "The dashboard's feed: a JSON snapshot of the engine a few times a second",
+                                      "responses": {"200": {"description": "data: lines, one JSON snapshot each",
+                                                            "content": {"text/event-stream": {"schema": _STR}}},
+                                                    **_errors(401, 404)}}},
         "/v1/tokenize": {"post": {"summary": "Tokenize a prompt or chat messages",
                                   "requestBody": _body(p.TOKENIZE_SCHEMAS, one_of=p.TOKENIZE_ONE_OF), "responses": {
                                       "200": {"description": "Token ids", "content": _json(TOKENS)},

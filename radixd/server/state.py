@@ -39,6 +39,7 @@ class ServerState:
     log: Any = field(default_factory=lambda: structlog.get_logger("radixd.server"))
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    dashboard: Any = None  # radixd.server.dashboard.Feed when [server] dashboard is on
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.engine)

@@ -1,0 +1,135 @@
+"""The live dashboard: ``GET /dashboard`` (one self-contained page, ``dashboard.html``) and
+``GET /dashboard/events`` (an SSE feed of JSON snapshots of the engine's state).
+
+Contract: a snapshot is built on the event loop, between steps, from what the engine already
+keeps (``Engine.stats()``, the schedulers' queues, the KV accounting, the grammar compiler's
+counters) plus the recent ``StepStats`` the daemon hands to ``Feed.record`` (a bounded deque:
+the only per-step work the dashboard adds, and only when ``[server] dashboard`` is on). The
+radix tree's summary has at most ``TREE_NODES`` nodes however large the tree (the largest
+subtrees first), and its walk stops after ``TREE_WALK`` nodes. Both routes answer 404 when the
+dashboard is off; with API keys set they sit behind the gate, which also takes the key as
+``?key=`` on ``/dashboard`` paths (a browser's ``EventSource`` cannot send headers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import heapq
+import json
+import time
+from importlib import resources
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response, StreamingResponse
+
+from radixd.core.radix_cache import RadixCache, TreeNode
+from radixd.core.replica import StepStats
+from radixd.server.errors import ApiError
+from radixd.server.state import state_of
+
+TREE_NODES = 200     # nodes in a snapshot's tree summary
+TREE_WALK = 20_000   # nodes visited to build it (a larger tree is summarised from its top)
+STEPS_KEPT = 256     # recent steps in a snapshot
+REQUESTS_SHOWN = 64  # waiting and running requests listed (each queue)
+INTERVAL_S = 0.25    # between snapshots
+
+
+class Feed:
+    """The dashboard's own state: recent steps and when each request was first seen."""
+
+    def __init__(self) -> None:
+        self.steps: collections.deque[tuple[float, StepStats]] = collections.deque(maxlen=STEPS_KEPT)
+        self._seen: dict[str, float] = {}
+        self._last: tuple[float, dict] | None = None  # shared by the viewers of one interval
+
+    def snapshot(self, engine) -> dict:
+        now = time.monotonic()
+        if self._last is None or now - self._last[0] >= INTERVAL_S / 2:
+            self._last = (now, self._build(engine, now))
+        return self._last[1]
+
+    def record(self, stats: StepStats) -> None:
+        self.steps.append((time.time(), stats))
+
+    def _build(self, engine, now: float) -> dict:
+        seen: dict[str, float] = {}
+        replicas = []
+        for rep in engine.replicas:
+            sched = rep.scheduler
+            queues = {}
+            for name, reqs in (("waiting", sched.waiting), ("running", sched.running)):
+                rows = []
+                for r in reqs[:REQUESTS_SHOWN]:
+                    seen[r.rid] = first = self._seen.get(r.rid, now)
+                    rows.append({"rid": r.rid, "age_s": round(now - first, 2), "prompt_tokens": len(r.prompt_ids),
+                                 "output_tokens": len(r.output_ids), "cached_tokens": r.cached_tokens or 0})
+                queues[name] = rows
+            replicas.append({"kv": sched.accounting(), "tree": tree_summary(rep.cache), **queues})
+        self._seen = seen
+        stats = engine.stats()
+        g = engine.grammars
+        return {
+            "time": time.time(),
+            "stats": {k: v for k, v in stats.items() if k != "replicas"},
+            "replicas": replicas,
+            "steps": [{"t": t, **s._asdict()} for t, s in self.steps],
+            "grammar": g.stats() if hasattr(g, "stats") else None,  # a plugin's compiler may keep none
+        }
+
+
+def tree_summary(cache: RadixCache, limit: int = TREE_NODES, walk: int = TREE_WALK) -> dict:
+    """The shared tree's largest subtrees: at most ``limit`` nodes, each ``[id, parent id,
+    own tokens, subtree tokens, hits, locked, backed]`` (parents before children); ``hidden``:
+    tokens in nodes left out."""
+    root = cache.shared_root
+    sizes: dict[int, int] = {}
+    order: list[TreeNode] = []
+    frontier = collections.deque([root])  # breadth first: a walk cut short still covers the top
+    while frontier and len(order) < walk:
+        node = frontier.popleft()
+        order.append(node)
+        frontier.extend(node.children.values())
+    for node in reversed(order):  # children after their parent in ``order``: sizes bottom-up
+        sizes[id(node)] = len(node.key) + sum(sizes.get(id(c), 0) for c in node.children.values())
+    ids = {id(root): 0}
+    nodes = [[0, -1, 0, sizes[id(root)], root.hits, False, False]]
+    heap = [(-sizes.get(id(c), 0), n, c) for n, c in enumerate(root.children.values())]
+    heapq.heapify(heap)
+    tie = len(heap)
+    while heap and len(nodes) < limit:
+        neg, _, node = heapq.heappop(heap)
+        if id(node) not in sizes:
+            continue
+        ids[id(node)] = len(nodes)
+        nodes.append([len(nodes), ids[id(node.parent)], len(node.key), -neg, node.hits, node.lock_ref > 0,
+                      node.backed])
+        for c in node.children.values():
+            tie += 1
+            heapq.heappush(heap, (-sizes.get(id(c), 0), tie, c))
+    shown = sum(n[2] for n in nodes)
+    return {"nodes": nodes, "hidden": sizes[id(root)] - shown, "complete": not frontier}
+
+
+def _enabled(request: Request):
+    st = state_of(request)
+    if not st.settings.server.dashboard or st.dashboard is None:
+        raise ApiError(404, f"no route {request.method} {request.url.path} (set [server] dashboard = true)",
+                       code="not_found")
+    return st
+
+
+async def page(request: Request) -> Response:
+    _enabled(request)
+    return HTMLResponse(resources.files("radixd.server").joinpath("dashboard.html").read_text("utf-8"))
+
+
+async def events(request: Request) -> Response:
+    st = _enabled(request)
+
+    async def stream():
+        while not st.draining and not await request.is_disconnected():  # a drain ends the feed
+            yield f"data: {json.dumps(st.dashboard.snapshot(st.engine), separators=(',', ':'))}\n\n"
+            await asyncio.sleep(INTERVAL_S)
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
