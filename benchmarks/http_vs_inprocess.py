@@ -77,10 +77,11 @@ async def run_http(url, prompts, new, streams) -> dict:
         return {"seconds": time.perf_counter() - t, "events": tokens}
 
 
-def start_daemon(streams: int) -> tuple[subprocess.Popen, str, Path]:
+def start_daemon(streams: int, server_keys: str = "") -> tuple[subprocess.Popen, str, Path]:
+    """A daemon on the default model; ``server_keys``: more lines of its ``[server]`` table."""
     tmp = Path(tempfile.mkdtemp())
     cfg = tmp / "radixd.toml"
-    cfg.write_text(f"[server]\nport = 0\n[memory]\nkv_cache_tokens = {KV_TOKENS}\n"
+    cfg.write_text(f"[server]\nport = 0\n{server_keys}[memory]\nkv_cache_tokens = {KV_TOKENS}\n"
                    f"[scheduler]\nmax_running_requests = {streams}\n[logging]\naccess_log = false\n")
     log = open(tmp / "log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "radixd", "--config", str(cfg)], stdout=log, stderr=subprocess.STDOUT,
