@@ -94,6 +94,22 @@ def cuda_median_s(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> 
     return statistics.median(times)
 
 
+def time_graph(fn: Callable[[], object], reps: int = 30) -> float:
+    """Median device seconds of ``fn`` captured in a CUDA graph (launch gaps as in serving)."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return cuda_median_s(g.replay, reps=reps)
+
+
 def timed_section(fn: Callable[[], dict]) -> dict:
     """``fn()``'s result with its wall time as ``section_s``; a section that raises reports
     ``{"error": ...}`` (traceback on stderr) so the sections after it still run."""

@@ -39,25 +39,18 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import gpu_bench
-from benchmarks.common import SHAPES, cuda_median_s, environment, timed_section, write_json
+from benchmarks.common import (
+    SHAPES,
+    cuda_median_s,
+    environment,
+    time_graph,
+    timed_section,
+    write_json,
+)
 from radixd.core import triton_ops
 from radixd.core.cuda_graph import LEN, ROW
 from radixd.core.sampling_params import SamplingParams
 from radixd.core.triton_ops import gemv
-
-
-def time_graph(fn, reps: int = 30) -> float:
-    """Median device seconds of ``fn`` captured in a CUDA graph (launch gaps as in serving)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return cuda_median_s(g.replay, reps=reps)
 
 
 def triton_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bn: int, bk: int, warps: int) -> torch.Tensor:

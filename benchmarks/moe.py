@@ -47,6 +47,7 @@ from benchmarks.common import (
     cuda_median_s,
     environment,
     free,
+    time_graph,
     timed_section,
     write_json,
 )
@@ -126,18 +127,7 @@ def _time(run: Run, fn, graph: bool = False) -> float:
         t = time.perf_counter()
         fn()
         return time.perf_counter() - t
-    if not graph:
-        return cuda_median_s(fn, reps=20)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return cuda_median_s(g.replay, reps=50)
+    return time_graph(fn, reps=50) if graph else cuda_median_s(fn, reps=20)
 
 
 def kernel(run: Run) -> dict:
