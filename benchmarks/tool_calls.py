@@ -16,7 +16,7 @@ user turn), the default model on CPU, through the chat route in-process (the app
   ``ignore_eos``) of the same number of tokens, one request at a time, grammars warm;
   the median ratio and the per-token difference.
 
-    python -m benchmarks.tool_calls --out benchmarks/results/tool_calls.json
+    python -m benchmarks.tool_calls --out benchmarks/results/tool_calls/tool_calls.json
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ async def run(args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(RESULTS / "tool_calls.json"))
+    ap.add_argument("--out", default=str(RESULTS / "tool_calls" / "tool_calls.json"))
     ap.add_argument("--model", default="default")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--latency-functions", type=int, default=8)
