@@ -136,7 +136,8 @@ def test_queue_full_is_refused_at_once(tmp_path):
     d = Daemon(tmp_path, toml("default", scheduler={"max_running_requests": 1}, limits={"max_queued_requests": 1}))
     try:
         out: dict = {}
-        threads = [threading.Thread(target=stream_completion, args=(d.url, 400, out, f"s{i}")) for i in range(2)]
+        # the running stream is long; the queued one only needs to be served once it may run
+        threads = [threading.Thread(target=stream_completion, args=(d.url, n, out, f"s{i}")) for i, n in enumerate((400, 16))]
         for t in threads:
             t.start()
             time.sleep(0.3)

@@ -224,17 +224,17 @@ def test_default_model_two_step_tool_loop(smol):
 
 
 def test_default_model_suite_is_valid_in_required_mode(smol):
-    # greedy and sampled at once, each function on its own; few tokens: the grammar closes
-    # each call within max_tokens
+    # every function on its own, every other one sampled, all at once; few tokens: the grammar
+    # closes each call within max_tokens
     def one(job: tuple[str, float]):
         name, temperature = job
         return job, ask(smol, [{"role": "user", "content": tool_suite.request(name)}], tools=[tool_suite.tool(name)],
                         tool_choice="required", temperature=temperature, seed=7, max_tokens=128)
 
-    jobs = [(name, t) for t in (0.0, 1.0) for name in tool_suite.FUNCTIONS]
+    jobs = [(name, (0.0, 1.0)[i % 2]) for i, name in enumerate(tool_suite.FUNCTIONS)]
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(one, jobs))
-    assert len(results) == 2 * len(tool_suite.FUNCTIONS) >= 60
+    assert len(results) == len(tool_suite.FUNCTIONS) >= 30
     for (name, _), (_, calls, finish) in results:
         # (the grammar closes a call within max_tokens: one that ends on the last token is "length")
         assert calls and finish in ("tool_calls", "length") and [c["name"] for c in calls] == [name] * len(calls)
