@@ -30,6 +30,7 @@ from radixd.core.config import KV_CACHE_DTYPES
 from radixd.core.errors import ConfigError
 
 FP8_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+MANTISSA_BITS: dict[torch.dtype, int] = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 
 # A checkpoint tensor holding a KV scale: (layer, which of "k", "v", "kv").
 SCALE_NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.self_attn\.(?:attn\.)?"

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixd.core.kv_quant import MANTISSA_BITS
+
 
 @dataclass(frozen=True)
 class KernelChoice:
@@ -86,17 +88,27 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out.reshape(shape), (residual if residual is not None else x)
 
 
-def fp8_max(buf: torch.Tensor) -> float:
-    """The finite range of an fp8 KV buffer (what ``_kv_value`` saturates to); 0.0 for others."""
-    return torch.finfo(buf.dtype).max if buf.dtype.itemsize == 1 else 0.0
+def fp8_format(buf: torch.Tensor) -> dict[str, float | int]:
+    """``_kv_value``'s constants for a KV buffer: an fp8 one's finite range and mantissa
+    bits; FP8_MAX 0.0 for others."""
+    if buf.dtype.itemsize != 1:
+        return {"FP8_MAX": 0.0, "FP8_MANT": 0}
+    return {"FP8_MAX": torch.finfo(buf.dtype).max, "FP8_MANT": MANTISSA_BITS[buf.dtype]}
 
 
 @triton.jit
-def _kv_value(x, scale, FP8_MAX: tl.constexpr):
-    """A float32 K or V value as the pool stores it: ``x / scale`` saturated to +-FP8_MAX
-    for an fp8 pool (``FP8_MAX`` > 0; see core.kv_quant), else ``x`` itself."""
+def _kv_value(x, scale, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr):
+    """A float32 K or V value as the pool stores it: for an fp8 pool (``FP8_MAX`` > 0; see
+    core.kv_quant) ``x / scale`` rounded to FP8_MANT mantissa bits (to nearest, ties to even,
+    as torch does) and saturated to +-FP8_MAX, which the store's cast then keeps exactly; else
+    ``x`` itself. (The rounding is done here, in the integer bits, because the interpreter's
+    cast drops the carry of a mantissa rounded up into the exponent: 7.9 became 4.)"""
     if FP8_MAX > 0:
-        x = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        drop: tl.constexpr = 23 - FP8_MANT
+        bits = (x / scale).to(tl.uint32, bitcast=True)
+        bits = bits + (((bits >> drop) & 1) + ((1 << (drop - 1)) - 1))
+        x = ((bits >> drop) << drop).to(tl.float32, bitcast=True)
+        x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
     return x
 
 
@@ -105,7 +117,8 @@ def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, KBuf, VBuf, Loc, k_scale, v_scale
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_cos, stride_bn, stride_bh, stride_vbn, stride_vbh,
                        H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, FP8_MAX: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, FP8_MAX: tl.constexpr,
+                       FP8_MANT: tl.constexpr):
     t = tl.program_id(0)
     pos = tl.load(Pos + t)
     loc = tl.load(Loc + t)
@@ -126,14 +139,14 @@ def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, KBuf, VBuf, Loc, k_scale, v_scale
     k1 = tl.load(k1p, mask=mk, other=0.0).to(tl.float32)
     k2 = tl.load(k1p + HALF, mask=mk, other=0.0).to(tl.float32)
     kb = KBuf + loc * stride_bn + hk[:, None] * stride_bh + offs[None, :]
-    tl.store(kb, _kv_value(k1 * cos - k2 * sin, k_scale, FP8_MAX).to(KBuf.dtype.element_ty), mask=mk)
-    tl.store(kb + HALF, _kv_value(k2 * cos + k1 * sin, k_scale, FP8_MAX).to(KBuf.dtype.element_ty), mask=mk)
+    tl.store(kb, _kv_value(k1 * cos - k2 * sin, k_scale, FP8_MAX, FP8_MANT).to(KBuf.dtype.element_ty), mask=mk)
+    tl.store(kb + HALF, _kv_value(k2 * cos + k1 * sin, k_scale, FP8_MAX, FP8_MANT).to(KBuf.dtype.element_ty), mask=mk)
     vp = V + t * stride_vt + hk[:, None] * stride_vh + offs[None, :]
     vb = VBuf + loc * stride_vbn + hk[:, None] * stride_vbh + offs[None, :]
     v1 = tl.load(vp, mask=mk, other=0.0).to(tl.float32)
     v2 = tl.load(vp + HALF, mask=mk, other=0.0).to(tl.float32)
-    tl.store(vb, _kv_value(v1, v_scale, FP8_MAX).to(VBuf.dtype.element_ty), mask=mk)
-    tl.store(vb + HALF, _kv_value(v2, v_scale, FP8_MAX).to(VBuf.dtype.element_ty), mask=mk)
+    tl.store(vb, _kv_value(v1, v_scale, FP8_MAX, FP8_MANT).to(VBuf.dtype.element_ty), mask=mk)
+    tl.store(vb + HALF, _kv_value(v2, v_scale, FP8_MAX, FP8_MANT).to(VBuf.dtype.element_ty), mask=mk)
 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -150,7 +163,7 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         H=H, HKV=hkv, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_H=triton.next_power_of_2(H), BLOCK_HKV=triton.next_power_of_2(hkv), FP8_MAX=fp8_max(k_buf),
+        BLOCK_H=triton.next_power_of_2(H), BLOCK_HKV=triton.next_power_of_2(hkv), **fp8_format(k_buf),
     )
 
 
@@ -299,7 +312,7 @@ def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelChoice 
 def _gemv_rope_store_kernel(X, W, B, Q, KBuf, VBuf, Pos, Loc, Cos, Sin, K, stride_w, stride_cos,
                             stride_bn, stride_bh, stride_vbn, stride_vbh, H, HKV, k_scale, v_scale,
                             HALF: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                            BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr):
+                            BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr):
     pid = tl.program_id(0)
     head = pid // HALF
     j = pid % HALF
@@ -316,12 +329,12 @@ def _gemv_rope_store_kernel(X, W, B, Q, KBuf, VBuf, Pos, Loc, Cos, Sin, K, strid
             tl.store(Q + head * 2 * HALF + j + HALF, y1.to(Q.dtype.element_ty))
         else:
             kp = KBuf + loc * stride_bn + (head - H) * stride_bh + j
-            tl.store(kp, _kv_value(y0, k_scale, FP8_MAX).to(KBuf.dtype.element_ty))
-            tl.store(kp + HALF, _kv_value(y1, k_scale, FP8_MAX).to(KBuf.dtype.element_ty))
+            tl.store(kp, _kv_value(y0, k_scale, FP8_MAX, FP8_MANT).to(KBuf.dtype.element_ty))
+            tl.store(kp + HALF, _kv_value(y1, k_scale, FP8_MAX, FP8_MANT).to(KBuf.dtype.element_ty))
     else:
         vp = VBuf + loc * stride_vbn + (head - H - HKV) * stride_vbh + j
-        tl.store(vp, _kv_value(a, v_scale, FP8_MAX).to(VBuf.dtype.element_ty))
-        tl.store(vp + HALF, _kv_value(b, v_scale, FP8_MAX).to(VBuf.dtype.element_ty))
+        tl.store(vp, _kv_value(a, v_scale, FP8_MAX, FP8_MANT).to(VBuf.dtype.element_ty))
+        tl.store(vp + HALF, _kv_value(b, v_scale, FP8_MAX, FP8_MANT).to(VBuf.dtype.element_ty))
 
 
 def gemv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, position: torch.Tensor,
@@ -341,7 +354,7 @@ def gemv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         x, weight, bias if bias is not None else weight, q, k_buf, v_buf, position, loc, cos, sin, k,
         weight.stride(0), cos.stride(0), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         num_heads, hkv, k_scale, v_scale, HALF=d // 2, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_K=bk,
-        FP8_MAX=fp8_max(k_buf), num_warps=warps)
+        **fp8_format(k_buf), num_warps=warps)
     return q
 
 
