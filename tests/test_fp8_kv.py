@@ -17,12 +17,14 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from test_contrib_redis import redis_plugin, redis_server  # noqa: F401 (fixtures)
 from test_engine import prompts
 from test_triton_kernels import DEV, GPU, check_cascade, check_decode, check_extend, rel_err
 
 from radixd import Engine, SamplingParams
 from radixd.core.errors import ConfigError
 from radixd.core.kv_quant import FP8_DTYPES, MANTISSA_BITS, dequantize, quantize, read_scales
+from radixd.core.tiers import Page
 
 LOGPROB_TOL = {"fp8_e4m3": (0.4, 0.1), "fp8_e5m2": (0.6, 0.2)}  # (most, mean) nats from fp32's
 
@@ -352,3 +354,81 @@ def test_fp8_cascade_kernel_at_8b_shape(splits):
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_extend_kernel_at_8b_shape(config, kv):
     check_extend(32, 8, 128, REAL_LENS, config, kv)
+
+
+# ------------------------------------------------------------------ cache tiers
+
+FP8_CTX_SHAPE = (2, 2, 8, 2, 32)  # [K/V, layers, page tokens, KV heads, head dim]
+
+
+def fp8_page(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return quantize(torch.randn(FP8_CTX_SHAPE, generator=g) * 50, 1.0, torch.float8_e4m3fn)
+
+
+def assert_round_trips(tier) -> None:
+    """fp8 pages stored and loaded back bit for bit, still fp8 (never upcast)."""
+    pages = {bytes([i]) * 16: fp8_page(i) for i in range(3)}
+    for key, data in pages.items():
+        assert tier.store(key, Page(data))
+    for key, data in pages.items():
+        page = tier.load(key)
+        assert page is not None and page.data.dtype == torch.float8_e4m3fn
+        assert torch.equal(page.host().view(torch.uint8), data.view(torch.uint8))
+    n = 3 * data.numel()  # one byte per value (and, where a tier keeps blobs, their headers)
+    assert n <= tier.stats.bytes_stored < 1.25 * n
+
+
+def fp8_tier_context(identity: str = "fp8-model"):
+    from radixd.core.tiers import TierContext
+
+    return TierContext(identity, FP8_CTX_SHAPE, torch.float8_e4m3fn, torch.device("cpu"))
+
+
+def test_fp8_pages_round_trip_through_host_and_disk(tmp_path):
+    from radixd.core.tiers.disk import DiskTier
+    from radixd.core.tiers.host import HostTier
+
+    ctx = fp8_tier_context()
+    assert_round_trips(HostTier({"max_bytes": 1 << 20}, ctx))
+    assert_round_trips(DiskTier({"path": str(tmp_path)}, ctx))
+    reopened = DiskTier({"path": str(tmp_path)}, ctx)  # read back from the files
+    assert torch.equal(reopened.load(bytes([1]) * 16).data.view(torch.uint8), fp8_page(1).view(torch.uint8))
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_fp8_pages_round_trip_through_redis(redis_plugin, redis_server):  # noqa: F811 (the fixtures)
+    tier = redis_plugin.RedisTier({"url": redis_server.url}, fp8_tier_context())
+    try:
+        assert_round_trips(tier)
+    finally:
+        tier.close()
+
+
+async def test_bf16_and_fp8_engines_sharing_a_disk_tier_never_cross_serve(tiny_models, tmp_path):
+    """Engines of one model on one disk directory, bf16 KV and fp8 KV: each is served only
+    its own pages (keyed apart: not even looked up as the other's), fp8 pages come back to a
+    new fp8 engine as they were stored."""
+    path = tiny_models["llama"]
+    prompt = prompts(1, 40, seed=9)[0]
+    kw = dict(dtype="bfloat16", cache_tiers=("disk",), cache_write_policy="write_through", cache_page_tokens=8,
+              cache_tier_options={"disk": {"path": str(tmp_path)}})
+    runs = []
+    for kv in ("auto", "fp8_e4m3", "fp8_e4m3", "auto"):
+        eng = make_engine(path, kv_cache_dtype=kv, **kw)
+        try:
+            cached: list[int] = []
+            toks = [t for t, _, _ in await steps(eng, prompt, 4, cached)]
+            eng.tiers.flush()
+            runs.append((kv, toks, cached[0], eng.stats()["cache_tiers"]["disk"]))
+        finally:
+            await eng.stop()
+    (_, bf_toks, bf_cached, bf_st), (_, f_toks, f_cached, f_st), (_, f2_toks, f2_cached, f2_st), \
+        (_, bf2_toks, bf2_cached, bf2_st) = runs
+    assert bf_cached == 0 and bf_st["stores"] == 5
+    assert f_cached == 0 and f_st["tokens_loaded"] == 0 and f_st["corrupt"] == 0 and f_st["stores"] == 5
+    # (the whole pages of the 39 tokens looked up: the last prompt token is always computed)
+    assert f2_cached == 32 and f2_st["tokens_loaded"] == 32 and f2_toks == f_toks
+    assert bf2_cached == 32 and bf2_st["tokens_loaded"] == 32 and bf2_toks == bf_toks
+    assert f2_st["corrupt"] == bf2_st["corrupt"] == 0
+    assert len(list(tmp_path.glob("*/*.kv"))) == 10  # both sets side by side
