@@ -432,3 +432,23 @@ async def test_bf16_and_fp8_engines_sharing_a_disk_tier_never_cross_serve(tiny_m
     assert bf2_cached == 32 and bf2_st["tokens_loaded"] == 32 and bf2_toks == bf_toks
     assert f2_st["corrupt"] == bf2_st["corrupt"] == 0
     assert len(list(tmp_path.glob("*/*.kv"))) == 10  # both sets side by side
+
+
+# ------------------------------------------------------------------ the benchmark
+
+
+def test_fp8_kv_benchmark_quick(tmp_path):
+    """``python -m benchmarks.fp8_kv --quick``: the benchmark's logic on a tiny CPU model."""
+    import json
+
+    from benchmarks import fp8_kv
+
+    out = tmp_path / "fp8_kv.json"
+    assert fp8_kv.main(["--quick", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    bf, fp8 = doc["runs"]["auto"], doc["runs"]["fp8_e4m3"]
+    assert fp8["kv_dtype"] == "float8_e4m3fn" and fp8["pool_tokens"] >= doc["batch"] * doc["context"]
+    assert fp8["kv_bytes_per_token"] * 4 == bf["kv_bytes_per_token"]  # (float32 on the CPU)
+    assert bf["slots_shared"] and not fp8["slots_shared"]
+    assert doc["fp8_over_bf16"]["pool_tokens"] > 3.9 and doc["fp8_over_bf16"]["tok_s"] > 0
+    assert "environment" in doc
