@@ -103,11 +103,10 @@ def _kv_value(x, scale, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr):
     as torch does) and saturated to +-FP8_MAX, which the store's cast then keeps exactly; else
     ``x`` itself. (The rounding is done here, in the integer bits, because the interpreter's
     cast drops the carry of a mantissa rounded up into the exponent: 7.9 became 4.)"""
-    if FP8_MAX > 0:
-        drop: tl.constexpr = 23 - FP8_MANT
+    if FP8_MAX > 0:  # (float32 has 23 mantissa bits: 23 - FP8_MANT of them go)
         bits = (x / scale).to(tl.uint32, bitcast=True)
-        bits = bits + (((bits >> drop) & 1) + ((1 << (drop - 1)) - 1))
-        x = ((bits >> drop) << drop).to(tl.float32, bitcast=True)
+        bits = bits + (((bits >> (23 - FP8_MANT)) & 1) + ((1 << (22 - FP8_MANT)) - 1))
+        x = ((bits >> (23 - FP8_MANT)) << (23 - FP8_MANT)).to(tl.float32, bitcast=True)
         x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
     return x
 
