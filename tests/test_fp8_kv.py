@@ -182,6 +182,27 @@ def test_checkpoint_scales_are_applied(tiny_models, tmp_path):
             assert rel_err(dequantize(raw, s, torch.float32), full.double()) < 0.1
 
 
+async def test_tensor_parallel_shards_store_their_heads_in_fp8(tiny_models, tmp_path):
+    """tp_size 2: each shard's pool holds its KV heads in fp8 with the checkpoint's scales;
+    the logprobs are tp_size 1's (up to a value the sums' order moves across a rounding
+    boundary, as in the Triton test below)."""
+    tensors = {f"model.layers.{i}.self_attn.{w}_scale": torch.tensor(0.5 + i) for i in range(2) for w in "kv"}
+    path = with_scales(tiny_models["llama"], tmp_path / "scaled", tensors)
+    ids = prompts(1, 21, seed=8)[0]
+    got = []
+    for tp in (1, 2):
+        eng = make_engine(path, kv_cache_dtype="fp8_e4m3", tp_size=tp)
+        try:
+            pools = [s.pool for s in eng.worker.shards] if tp > 1 else [eng.worker.pool]
+            for pool in pools:
+                assert pool.k_buffers[0].dtype == torch.float8_e4m3fn and pool.k_buffers[0].shape[1] == 2 // tp
+                assert pool.k_scales == pool.v_scales == (0.5, 1.5)
+            got.append(await prompt_logprobs(eng, ids))
+        finally:
+            await eng.stop()
+    torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(got[0]), atol=1e-2, rtol=0)
+
+
 @pytest.mark.parametrize("names", [
     ("layers.{i}.self_attn.k_scale", "layers.{i}.self_attn.v_scale"),            # compressed-tensors, vLLM
     ("model.layers.{i}.self_attn.k_proj.k_scale", "model.layers.{i}.self_attn.v_proj.v_scale"),  # ModelOpt
