@@ -23,8 +23,16 @@ from test_triton_kernels import DEV, GPU, check_cascade, check_decode, check_ext
 
 from radixd import Engine, SamplingParams
 from radixd.core.errors import ConfigError
-from radixd.core.kv_quant import FP8_DTYPES, MANTISSA_BITS, dequantize, quantize, read_scales
+from radixd.core.kv_quant import FP8_DTYPES, MANTISSA_BITS, dequantize, is_scale_name, quantize
+from radixd.core.kv_quant import read_scales as read_tensors
+from radixd.core.model_loader import iter_safetensors
 from radixd.core.tiers import Page
+
+
+def read_scales(path, num_layers: int):
+    """The KV scales of the checkpoint at ``path``, as the engine reads them."""
+    return read_tensors(iter_safetensors(path, only=is_scale_name), num_layers)
+
 
 LOGPROB_TOL = {"fp8_e4m3": (0.4, 0.1), "fp8_e5m2": (0.6, 0.2)}  # (most, mean) nats from fp32's
 

@@ -20,8 +20,8 @@ import torch
 from radixd.core.config import EngineConfig
 from radixd.core.errors import ConfigError
 from radixd.core.kv_pool import kv_bytes_per_token
-from radixd.core.kv_quant import KVFormat, kv_format
-from radixd.core.model_loader import read_config, resolve_model
+from radixd.core.kv_quant import KVFormat, is_scale_name, kv_format
+from radixd.core.model_loader import iter_safetensors, read_config, resolve_model
 from radixd.core.models.config import ModelConfig
 from radixd.core.pooling import Pooling, engine_pooling
 from radixd.core.tiers import TierContext
@@ -58,12 +58,13 @@ class ModelSetup:
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "torch"
         dtype = pick_dtype(config.dtype, device)
-        scales_from = path if config.load_format != "dummy" and path.is_dir() else None
+        quantized = config.kv_cache_dtype != "auto" and config.load_format != "dummy"
+        scales = iter_safetensors(path, only=is_scale_name) if quantized else ()
         return cls(device=device, dtype=dtype, path=path, cfg=cfg, tokenizer=tokenizer,
                    context_len=min(cfg.context_len, config.max_context_len or 1 << 62),
                    eos_token_ids=eos_ids(cfg, tokenizer), attention_backend=backend,
                    pooling=engine_pooling(config.task, path),
-                   kv_format=kv_format(config.kv_cache_dtype, dtype, scales_from, cfg.num_layers))
+                   kv_format=kv_format(config.kv_cache_dtype, dtype, cfg.num_layers, scales))
 
 
 def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.device]) -> Worker:

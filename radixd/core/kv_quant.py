@@ -9,7 +9,8 @@ checkpoints name them: ``layers.N.self_attn.k_scale``/``v_scale``, ModelOpt's
 ``k_proj.k_scale``/``v_proj.v_scale``, compressed-tensors' older ``k_proj.output_scale``/
 ``v_proj.output_scale``, and the deprecated single ``kv_scale`` for both), else 1.0.
 
-Contract: a ``KVFormat`` is made once at start-up (``kv_format``) and never changes (CUDA
+Contract: a ``KVFormat`` is made once at start-up (``kv_format``, from the checkpoint's
+tensors that ``is_scale_name`` picks; model loading skips them) and never changes (CUDA
 graphs bake the scales in). The pool quantizes and dequantizes with ``quantize``/
 ``dequantize`` (the torch path); the Triton kernels do the same arithmetic in their loads and
 stores (``radixd.core.attention.triton_kernels``, ``triton_ops.rope_store``). Stored pages
@@ -19,10 +20,9 @@ apart from pages of another format or other scales.
 
 from __future__ import annotations
 
-import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -55,14 +55,16 @@ class KVFormat:
         return f"{self.dtype}|{','.join(map(repr, self.k_scales))}|{','.join(map(repr, self.v_scales))}"
 
 
-def kv_format(name: str, model_dtype: torch.dtype, checkpoint: Path | None, num_layers: int) -> KVFormat:
+def kv_format(name: str, model_dtype: torch.dtype, num_layers: int,
+              tensors: Iterable[tuple[str, torch.Tensor]] = ()) -> KVFormat:
     """The format ``kv_cache_dtype = name`` gives a model of ``num_layers`` layers in
-    ``model_dtype``; fp8 scales read from ``checkpoint`` (None, or no KV scales there: 1.0)."""
+    ``model_dtype``; fp8 scales from the checkpoint's KV-scale ``tensors`` (``is_scale_name``;
+    none: 1.0)."""
     if name == "auto":
         return KVFormat(model_dtype)
     if name not in FP8_DTYPES:
         raise ConfigError("kv_cache_dtype", name, "one of " + ", ".join(map(repr, KV_CACHE_DTYPES)))
-    ks, vs = read_scales(checkpoint, num_layers) if checkpoint is not None else (None, None)
+    ks, vs = read_scales(tensors, num_layers)
     return KVFormat(FP8_DTYPES[name], ks or (1.0,) * num_layers, vs or (1.0,) * num_layers)
 
 
@@ -71,18 +73,18 @@ def is_scale_name(name: str) -> bool:
     return SCALE_NAME.match(name) is not None
 
 
-def read_scales(path: Path, num_layers: int) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
-    """(K scales, V scales) per layer from the checkpoint's safetensors files; (None, None)
-    where it has no KV scales. A scale that is not one positive finite number, a layer index
-    past the model's, or scales for some layers only are refused naming the tensor."""
+def read_scales(tensors: Iterable[tuple[str, torch.Tensor]],
+                num_layers: int) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
+    """(K scales, V scales) per layer from the checkpoint's KV-scale ``tensors``; (None, None)
+    where there are none. A scale that is not one positive finite number, a layer index past
+    the model's, or scales for some layers only are refused naming the tensor."""
     found: dict[str, dict[int, tuple[float, str]]] = {"k": {}, "v": {}}
-    for name, read in _scale_tensors(path):
+    for name, t in tensors:
         m = SCALE_NAME.match(name)
         layer = int(m.group(1))
         which = m.group(2) or m.group(3)
         if layer >= num_layers:
             raise ValueError(f"checkpoint tensor {name!r}: layer {layer} of a model with {num_layers} layers")
-        t = read()
         if t.numel() != 1:
             raise ValueError(f"checkpoint tensor {name!r}: one per-tensor KV scale expected, got shape "
                              f"{tuple(t.shape)} (per-head or per-channel KV scales are not supported)")
@@ -102,23 +104,6 @@ def read_scales(path: Path, num_layers: int) -> tuple[tuple[float, ...] | None, 
                              f"layer(s) {missing[:8]}: each attention layer needs its k_scale and v_scale")
         out.append(tuple(found[kind][i][0] for i in range(num_layers)))
     return out[0], out[1]
-
-
-def _scale_tensors(path: Path):
-    """(name, reader) of every KV-scale tensor in the checkpoint (names only are scanned)."""
-    from safetensors import safe_open
-
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    for file in files:
-        with safe_open(str(path / file), framework="pt") as f:
-            for key in f.keys():
-                if SCALE_NAME.match(key):
-                    yield key, lambda f=f, key=key: f.get_tensor(key)
 
 
 def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
