@@ -62,22 +62,24 @@ CTX = 576  # tokens of context per request in the step and kernels sections (512
 
 
 @contextlib.contextmanager
-def bucket_state(eng, bs: int):
-    """Bucket ``bs``'s graph inputs as ``bs`` requests of CTX tokens each in their own table
-    rows and slots (so the KV a step reads is ``bs`` x CTX distinct tokens, from HBM)."""
+def bucket_state(eng, bs: int, ctx: int = CTX):
+    """Bucket ``bs``'s graph inputs as ``bs`` requests of ``ctx`` tokens each in their own
+    table rows and slots (so the KV a step reads is ``bs`` x ``ctx`` distinct tokens, from
+    HBM); a pool of fewer slots is gone round again (requests then share slots, each still
+    reading its own ``ctx`` of them)."""
     g = eng.worker.graphs
     block = g.inputs[bs]
     table = eng.worker.pool.req_to_token
     rows = torch.arange(bs, device=block.device)
-    table[:bs, :CTX] = (rows[:, None] * CTX + torch.arange(CTX, device=block.device) + 1)
+    table[:bs, :ctx] = (rows[:, None] * ctx + torch.arange(ctx, device=block.device)) % (eng.worker.pool.num_slots - 1) + 1
     block[ROW].copy_(rows)
-    block[LEN].fill_(CTX)
+    block[LEN].fill_(ctx)
     try:
         yield g
     finally:
         block[ROW].zero_()
         block[LEN].fill_(1)
-        table[:bs, :CTX] = 0
+        table[:bs, :ctx] = 0
 
 
 def section_step(eng, ctx) -> dict:

@@ -79,6 +79,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--context-length", "model.max_context_len", int, "context length (at most the model's)"),
     Flag("--reasoning-parser", "model.reasoning_parser", str, "qwen3, qwen3-thinking, deepseek-r1 or a plugin's "
          "(radixd also takes auto and none)"),
+    Flag("--kv-cache-dtype", "memory.kv_cache_dtype", str, "what the KV pool stores: auto, fp8_e4m3 or fp8_e5m2"),
 )
 
 

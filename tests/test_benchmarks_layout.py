@@ -55,7 +55,7 @@ def test_cited_earlier_runs_are_in_git():
 def test_named_scripts_are_modules():
     names = set()
     for doc in [*DOCS, ROOT / "README.md", ROOT / "benchmarks" / "gpu_all.sh"]:
-        names |= set(re.findall(r"(?<![\w/])benchmarks\.([a-z_]+)", doc.read_text()))
+        names |= set(re.findall(r"(?<![\w/])benchmarks\.([a-z0-9_]+)", doc.read_text()))
     assert {"gpu_bench", "multi_gpu_bench", "loop_overhead"} <= names
     assert not [n for n in sorted(names) if not (ROOT / "benchmarks" / f"{n}.py").is_file()]
 

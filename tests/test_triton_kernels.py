@@ -51,6 +51,24 @@ def rel_err(a, b):
     return float((a.double() - b).norm() / b.norm())
 
 
+KV_SCALES = (0.5, 2.0)  # an fp8 pool's K and V scales in these tests (not 1.0, so both must be applied)
+
+
+def as_kv(kb, vb, kv: str | None):
+    """The pool the kernels read (``kv``: None, or an fp8 ``kv_cache_dtype``: ``kb``/``vb``
+    quantized with ``KV_SCALES``), the reference's float32 view of it, and the kernels'
+    scale arguments."""
+    if kv is None:
+        return (kb, vb), (kb, vb), {}
+    from radixd.core.kv_quant import FP8_DTYPES, dequantize, quantize
+
+    dt = FP8_DTYPES[kv]
+    ks, vs = KV_SCALES
+    q8 = (quantize(kb, ks, dt), quantize(vb, vs, dt))
+    return q8, (dequantize(q8[0], ks, torch.float32), dequantize(q8[1], vs, torch.float32)), \
+        {"k_scale": ks, "v_scale": vs}
+
+
 SMALL = [(4, 2, 32, [1, 7, 64, 65, 130]), (8, 8, 64, [3, 33, 100])]
 REAL = [(32, 8, 128, [1, 17, 512, 2048, 4097, 300, 64, 1000]), (9, 3, 64, [1, 511, 8192, 100])]
 TOL = 1e-5 if not GPU else 2e-2  # fp32 interpreter vs bf16 on the GPU
@@ -59,16 +77,27 @@ TOL = 1e-5 if not GPU else 2e-2  # fp32 interpreter vs bf16 on the GPU
 @pytest.mark.parametrize("heads,kv_heads,dim,seq_lens", REAL if GPU else SMALL)
 @pytest.mark.parametrize("splits", [1, 4, 32])
 def test_decode_matches_reference(heads, kv_heads, dim, seq_lens, splits):
+    check_decode(heads, kv_heads, dim, seq_lens, splits)
+
+
+@pytest.mark.parametrize("splits,kv", [(1, "fp8_e5m2"), (4, "fp8_e4m3")])
+def test_decode_reads_an_fp8_pool(splits, kv):
+    """fp8 K/V (scales 0.5 and 2.0) read in place: the reference over the dequantized pool."""
+    check_decode(*(REAL if GPU else SMALL)[0], splits, kv)
+
+
+def check_decode(heads, kv_heads, dim, seq_lens, splits, kv=None):
     dtype = torch.bfloat16 if GPU else torch.float32
     kb, vb, table, rows = make_pool(sum(seq_lens) + 11, kv_heads, dim, dtype, seq_lens, seed=heads + splits)
+    (kb, vb), (rk, rv), scales = as_kv(kb, vb, kv)
     q = torch.randn(len(seq_lens), heads, dim, device=DEV).to(dtype)
     lens = torch.tensor(seq_lens, device=DEV)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    decode_attention(q, kb, vb, table, rows, lens, dim**-0.5, num_splits=splits, out=out)
+    decode_attention(q, kb, vb, table, rows, lens, dim**-0.5, num_splits=splits, out=out, **scales)
     assert not out.isnan().any()
     for b, n in enumerate(seq_lens):
         idx = table[rows[b], :n]
-        ref = ref_attention(q[b][None], kb, vb, idx, torch.tensor([n - 1], device=DEV), dim**-0.5)[0]
+        ref = ref_attention(q[b][None], rk, rv, idx, torch.tensor([n - 1], device=DEV), dim**-0.5)[0]
         assert rel_err(out[b], ref) < TOL
 
 
@@ -103,15 +132,20 @@ CASCADE_GROUPS = {
 
 
 @pytest.mark.parametrize("case", ["real"] if GPU else ["small"])
-@pytest.mark.parametrize("splits", [1, 2])
-def test_cascade_decode_matches_plain_decode(case, splits):
+@pytest.mark.parametrize("splits,kv", [(1, None), (2, None), (1, "fp8_e4m3")])
+def test_cascade_decode_matches_plain_decode(case, splits, kv):
     """Each item's members read the shared prefix once; every request's output equals plain
     split-KV decoding of its whole sequence (and the float64 reference)."""
+    check_cascade(case, splits, kv)
+
+
+def check_cascade(case, splits, kv=None):
     from radixd.core.attention.triton_kernels import cascade_decode_attention, prefix_members
 
     kv_heads, heads, dim, groups = CASCADE_GROUPS[case]
     dtype = torch.bfloat16 if GPU else torch.float32
     kb, vb, table, rows, seq_lens = make_shared_pool(kv_heads, dim, dtype, groups, seed=splits)
+    (kb, vb), (rk, rv), scales = as_kv(kb, vb, kv)
     B = len(rows)
     per_item = prefix_members(heads // kv_heads)
     shares = [0] * B
@@ -142,12 +176,12 @@ def test_cascade_decode_matches_plain_decode(case, splits):
             parts[m] = 1 + i % 4
     cascade_decode_attention(q, kb, vb, table, rows_t, lens_t, scale, torch.tensor(shares, device=DEV),
                              torch.tensor(parts, device=DEV), item_rows, item_lens, members.to(DEV),
-                             num_splits=splits, prefix_splits=4, out=out)
+                             num_splits=splits, prefix_splits=4, out=out, **scales)
     assert not out.isnan().any()
-    plain = decode_attention(q, kb, vb, table, rows_t, lens_t, scale, num_splits=splits)
+    plain = decode_attention(q, kb, vb, table, rows_t, lens_t, scale, num_splits=splits, **scales)
     for b in range(B):
         idx = table[rows[b], : seq_lens[b]]
-        ref = ref_attention(q[b][None], kb, vb, idx, torch.tensor([seq_lens[b] - 1], device=DEV), scale)[0]
+        ref = ref_attention(q[b][None], rk, rv, idx, torch.tensor([seq_lens[b] - 1], device=DEV), scale)[0]
         assert rel_err(out[b], ref) < TOL, b
         assert rel_err(out[b], plain[b].double()) < TOL, b
 
@@ -158,8 +192,18 @@ EXTEND_TILES = [None, (16, 16, 4, 2, False), (16, 16, 4, 2, True)] + (list(trito
 @pytest.mark.parametrize("config", EXTEND_TILES, ids=str)
 @pytest.mark.parametrize("heads,kv_heads,dim,seq_lens", REAL if GPU else SMALL)
 def test_extend_matches_reference(heads, kv_heads, dim, seq_lens, config):
+    check_extend(heads, kv_heads, dim, seq_lens, config)
+
+
+@pytest.mark.parametrize("config,kv", [(None, "fp8_e5m2"), ((16, 16, 4, 2, True), "fp8_e4m3")], ids=str)
+def test_extend_reads_an_fp8_pool(config, kv):
+    check_extend(*(REAL if GPU else SMALL)[0], config, kv)
+
+
+def check_extend(heads, kv_heads, dim, seq_lens, config, kv=None):
     dtype = torch.bfloat16 if GPU else torch.float32
     kb, vb, table, rows = make_pool(sum(seq_lens) + 11, kv_heads, dim, dtype, seq_lens, seed=dim)
+    (kb, vb), (rk, rv), scales = as_kv(kb, vb, kv)
     rng = random.Random(dim)
     ext = [rng.randint(1, n) for n in seq_lens]  # the last `ext` tokens are new, the rest cached
     prefix = [n - e for n, e in zip(seq_lens, ext, strict=True)]
@@ -167,11 +211,12 @@ def test_extend_matches_reference(heads, kv_heads, dim, seq_lens, config):
     q = torch.randn(sum(ext), heads, dim, device=DEV).to(dtype)
     out = torch.full_like(q, float("nan"))
     t = lambda xs: torch.tensor(xs, device=DEV)  # noqa: E731
-    extend_attention(q, kb, vb, table, rows, t(prefix), t(ext), t(starts), max(ext), dim**-0.5, out=out, config=config)
+    extend_attention(q, kb, vb, table, rows, t(prefix), t(ext), t(starts), max(ext), dim**-0.5, out=out, config=config,
+                     **scales)
     assert not out.isnan().any()
     for i, (p, e) in enumerate(zip(prefix, ext, strict=True)):
         idx = table[rows[i], : p + e]
-        ref = ref_attention(q[starts[i] : starts[i] + e], kb, vb, idx, torch.arange(p, p + e, device=DEV), dim**-0.5)
+        ref = ref_attention(q[starts[i] : starts[i] + e], rk, rv, idx, torch.arange(p, p + e, device=DEV), dim**-0.5)
         assert rel_err(out[starts[i] : starts[i] + e], ref) < TOL
 
 

@@ -20,7 +20,8 @@ import torch
 from radixd.core.config import EngineConfig
 from radixd.core.errors import ConfigError
 from radixd.core.kv_pool import kv_bytes_per_token
-from radixd.core.model_loader import read_config, resolve_model
+from radixd.core.kv_quant import KVFormat, is_scale_name, kv_format
+from radixd.core.model_loader import iter_safetensors, read_config, resolve_model
 from radixd.core.models.config import ModelConfig
 from radixd.core.pooling import Pooling, engine_pooling
 from radixd.core.tiers import TierContext
@@ -43,6 +44,7 @@ class ModelSetup:
     eos_token_ids: tuple[int, ...]
     attention_backend: str        # "auto" resolved
     pooling: Pooling | None       # how it embeds ([model] task); None: it generates
+    kv_format: KVFormat           # what the KV pool stores (kv_cache_dtype; fp8 scales read)
 
     @classmethod
     def load(cls, config: EngineConfig) -> ModelSetup:
@@ -55,10 +57,14 @@ class ModelSetup:
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "torch"
-        return cls(device=device, dtype=pick_dtype(config.dtype, device), path=path, cfg=cfg, tokenizer=tokenizer,
+        dtype = pick_dtype(config.dtype, device)
+        quantized = config.kv_cache_dtype != "auto" and config.load_format != "dummy"
+        scales = iter_safetensors(path, only=is_scale_name) if quantized else ()
+        return cls(device=device, dtype=dtype, path=path, cfg=cfg, tokenizer=tokenizer,
                    context_len=min(cfg.context_len, config.max_context_len or 1 << 62),
                    eos_token_ids=eos_ids(cfg, tokenizer), attention_backend=backend,
-                   pooling=engine_pooling(config.task, path))
+                   pooling=engine_pooling(config.task, path),
+                   kv_format=kv_format(config.kv_cache_dtype, dtype, cfg.num_layers, scales))
 
 
 def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.device]) -> Worker:
@@ -69,7 +75,7 @@ def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.dev
               cuda_graphs=config.cuda_graphs and setup.pooling is None,  # (embedding engines never decode)
               cascade_attention=config.cascade_attention,
               kernels=KernelChoice(fuse_one_row=config.fuse_one_row, rows_kernel=config.rows_kernel),
-              head=setup.pooling is None)
+              head=setup.pooling is None, kv_format=setup.kv_format)
     if len(devices) > 1:
         from radixd.core.tensor_parallel import TPWorker
 
@@ -86,7 +92,7 @@ def kv_slots(config: EngineConfig, setup: ModelSetup, free_bytes: int | None) ->
         return c.kv_cache_tokens + 1
     # each device of a replica holds its share of the KV heads
     kv_heads = setup.cfg.num_kv_heads // c.tp_size
-    per_token = kv_bytes_per_token(setup.cfg.num_layers, kv_heads, setup.cfg.head_dim, setup.dtype)
+    per_token = kv_bytes_per_token(setup.cfg.num_layers, kv_heads, setup.cfg.head_dim, setup.kv_format.dtype)
     budget = c.kv_cache_bytes
     if budget is None:
         budget = int(free_bytes * c.mem_fraction) if free_bytes is not None else DEFAULT_KV_BYTES_CPU
@@ -155,12 +161,13 @@ def tier_context(config: EngineConfig, setup: ModelSetup) -> TierContext:
     m = setup.cfg
     return TierContext(identity=kv_identity(config, setup),
                        page_shape=(2, m.num_layers, config.cache_page_tokens, m.num_kv_heads, m.head_dim),
-                       dtype=setup.dtype, device=setup.device)
+                       dtype=setup.kv_format.dtype, device=setup.device)
 
 
 def kv_identity(config: EngineConfig, setup: ModelSetup) -> str:
     """What makes stored KV valid for this engine: the model's config and weights files,
-    dtype, device kind, attention backend and page size (pages of another identity are misses)."""
+    dtype, device kind, attention backend, page size and, for an fp8 pool, its format and
+    scales (pages of another identity are misses)."""
     h = hashlib.sha256(b"radixd-kv-pages-1")
     path = setup.path
     files = sorted(path.iterdir()) if path.is_dir() else [path]
@@ -172,4 +179,6 @@ def kv_identity(config: EngineConfig, setup: ModelSetup) -> str:
             h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     c = config
     h.update(f"{c.load_format}|{setup.dtype}|{setup.device.type}|{c.attention_backend}|{c.cache_page_tokens}".encode())
+    if setup.kv_format.quantized:  # (unquantized pools keep the identity their stored pages have)
+        h.update(f"|kv {setup.kv_format.identity}".encode())
     return h.hexdigest()

@@ -33,6 +33,7 @@ LOAD_FORMATS = ("auto", "dummy")
 WRITE_POLICIES = ("write_back", "write_through", "write_through_hits")
 ROUTING_POLICIES = ("cache_aware", "round_robin")
 TASKS = ("auto", "generate", "embed")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # see core.kv_quant
 
 
 def option(default: Any, *, key: str | None = None, min: float | None = None, max: float | None = None,
@@ -177,6 +178,9 @@ class EngineConfig:
     kv_cache_tokens: int | None = option(None, key="memory.kv_cache_tokens", min=2)
     # On CUDA without an explicit size: share of the free memory after the weights.
     mem_fraction: float = option(0.85, key="memory.mem_fraction", min=0.05, max=0.98)
+    # What the pool stores K and V in: "auto" (the model's dtype), "fp8_e4m3" or "fp8_e5m2"
+    # (half the bytes of bf16 per token; per-layer scales from the checkpoint, else 1.0).
+    kv_cache_dtype: str = option("auto", key="memory.kv_cache_dtype", choices=KV_CACHE_DTYPES)
 
     # Radix cache.
     radix_cache: bool = option(True, key="cache.radix")

@@ -6,6 +6,10 @@ Memory layout (one pool per worker, on its device)::
     v_buffers[layer]  [num_slots, num_kv_heads, head_dim]
     req_to_token      [max_rows, max_context_len] int64      row r, position p -> slot
 
+The buffers hold the model's dtype, or fp8 (``KVFormat``: ``k_scales[layer]`` and
+``v_scales[layer]`` divide on the way in and multiply on the way out; ``store`` and ``read``
+here, the Triton kernels in their own loads and stores).
+
 The scheduler owns *which* slots a request uses (``SlotAllocator`` and the radix cache live
 on the event-loop thread, on the CPU); the worker owns the buffers and the table, and applies
 the table writes each batch carries before its forward pass.
@@ -14,6 +18,8 @@ the table writes each batch carries before its forward pass.
 from __future__ import annotations
 
 import torch
+
+from radixd.core.kv_quant import KVFormat, dequantize, quantize
 
 
 class SlotAllocator:
@@ -95,10 +101,18 @@ class KVPool:
         max_context_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        kv_format: KVFormat | None = None,
     ):
+        """``dtype``: the model's; ``kv_format``: what K/V are stored in (None: ``dtype``)."""
         self.num_slots = num_slots
-        self.dtype = dtype
+        fmt = kv_format or KVFormat(dtype)
+        self.dtype = fmt.dtype          # what the buffers hold
+        self.model_dtype = dtype
+        self.quantized = fmt.quantized
+        self.k_scales = fmt.k_scales or (1.0,) * num_layers
+        self.v_scales = fmt.v_scales or (1.0,) * num_layers
         self.device = device
+        dtype = fmt.dtype
         shape = (num_slots, num_kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -106,8 +120,17 @@ class KVPool:
         self._load_stream = None  # CUDA: the side stream of write_pages
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.quantized:
+            k, v = quantize(k, self.k_scales[layer], self.dtype), quantize(v, self.v_scales[layer], self.dtype)
         self.k_buffers[layer][loc] = k.to(self.dtype)
         self.v_buffers[layer][loc] = v.to(self.dtype)
+
+    def read(self, layer: int, idx: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the slots ``idx`` (any shape) in ``dtype``: ``[*idx.shape, kv_heads, head_dim]``."""
+        k, v = self.k_buffers[layer][idx], self.v_buffers[layer][idx]
+        if self.quantized:
+            return dequantize(k, self.k_scales[layer], dtype), dequantize(v, self.v_scales[layer], dtype)
+        return k.to(dtype), v.to(dtype)
 
     # ------------------------------------------------------------------ pages (lower cache tiers)
     # Called on the scheduler's thread. On CUDA both directions are queued without waiting:

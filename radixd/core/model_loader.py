@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -133,7 +133,9 @@ def read_config(path: Path) -> ModelConfig:
         return ModelConfig.from_hf(json.load(f))
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: Path, only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of the checkpoint; ``only``: of the names it accepts
+    (the others are not read)."""
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
@@ -147,7 +149,8 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for name in files:
         with safe_open(str(path / name), framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                if only is None or only(key):
+                    yield key, f.get_tensor(key)
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixd.core.kv_quant import MANTISSA_BITS
+
 
 @dataclass(frozen=True)
 class KernelChoice:
@@ -86,12 +88,36 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out.reshape(shape), (residual if residual is not None else x)
 
 
+def fp8_format(buf: torch.Tensor) -> dict[str, float | int]:
+    """``_kv_value``'s constants for a KV buffer: an fp8 one's finite range and mantissa
+    bits; FP8_MAX 0.0 for others."""
+    if buf.dtype.itemsize != 1:
+        return {"FP8_MAX": 0.0, "FP8_MANT": 0}
+    return {"FP8_MAX": torch.finfo(buf.dtype).max, "FP8_MANT": MANTISSA_BITS[buf.dtype]}
+
+
 @triton.jit
-def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, KBuf, VBuf, Loc,
+def _kv_value(x, scale, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr):
+    """A float32 K or V value as the pool stores it: for an fp8 pool (``FP8_MAX`` > 0; see
+    core.kv_quant) ``x / scale`` rounded to FP8_MANT mantissa bits (to nearest, ties to even,
+    as torch does) and saturated to +-FP8_MAX, which the store's cast then keeps exactly; else
+    ``x`` itself. (The rounding is done here, in the integer bits, because the interpreter's
+    cast drops the carry of a mantissa rounded up into the exponent: 7.9 became 4.)"""
+    if FP8_MAX > 0:  # (float32 has 23 mantissa bits: 23 - FP8_MANT of them go)
+        bits = (x / scale).to(tl.uint32, bitcast=True)
+        bits = bits + (((bits >> (23 - FP8_MANT)) & 1) + ((1 << (22 - FP8_MANT)) - 1))
+        x = ((bits >> (23 - FP8_MANT)) << (23 - FP8_MANT)).to(tl.float32, bitcast=True)
+        x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    return x
+
+
+@triton.jit
+def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, KBuf, VBuf, Loc, k_scale, v_scale,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_cos, stride_bn, stride_bh, stride_vbn, stride_vbh,
                        H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, FP8_MAX: tl.constexpr,
+                       FP8_MANT: tl.constexpr):
     t = tl.program_id(0)
     pos = tl.load(Pos + t)
     loc = tl.load(Loc + t)
@@ -112,28 +138,31 @@ def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, KBuf, VBuf, Loc,
     k1 = tl.load(k1p, mask=mk, other=0.0).to(tl.float32)
     k2 = tl.load(k1p + HALF, mask=mk, other=0.0).to(tl.float32)
     kb = KBuf + loc * stride_bn + hk[:, None] * stride_bh + offs[None, :]
-    tl.store(kb, (k1 * cos - k2 * sin).to(KBuf.dtype.element_ty), mask=mk)
-    tl.store(kb + HALF, (k2 * cos + k1 * sin).to(KBuf.dtype.element_ty), mask=mk)
+    tl.store(kb, _kv_value(k1 * cos - k2 * sin, k_scale, FP8_MAX, FP8_MANT).to(KBuf.dtype.element_ty), mask=mk)
+    tl.store(kb + HALF, _kv_value(k2 * cos + k1 * sin, k_scale, FP8_MAX, FP8_MANT).to(KBuf.dtype.element_ty), mask=mk)
     vp = V + t * stride_vt + hk[:, None] * stride_vh + offs[None, :]
     vb = VBuf + loc * stride_vbn + hk[:, None] * stride_vbh + offs[None, :]
-    tl.store(vb, tl.load(vp, mask=mk, other=0.0).to(VBuf.dtype.element_ty), mask=mk)
-    tl.store(vb + HALF, tl.load(vp + HALF, mask=mk, other=0.0).to(VBuf.dtype.element_ty), mask=mk)
+    v1 = tl.load(vp, mask=mk, other=0.0).to(tl.float32)
+    v2 = tl.load(vp + HALF, mask=mk, other=0.0).to(tl.float32)
+    tl.store(vb, _kv_value(v1, v_scale, FP8_MAX, FP8_MANT).to(VBuf.dtype.element_ty), mask=mk)
+    tl.store(vb + HALF, _kv_value(v2, v_scale, FP8_MAX, FP8_MANT).to(VBuf.dtype.element_ty), mask=mk)
 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-               loc: torch.Tensor) -> None:
+               loc: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Neox-style rotary on ``q`` [T, H, D] (in place) and ``k`` [T, Hkv, D]; rotated k and
-    v go to ``k_buf[loc]``/``v_buf[loc]``. ``cos``/``sin``: [max_pos, D/2] float32."""
+    v go to ``k_buf[loc]``/``v_buf[loc]`` (fp8 buffers: divided by ``k_scale``/``v_scale``,
+    saturated). ``cos``/``sin``: [max_pos, D/2] float32."""
     T, H, D = q.shape
     hkv = k.shape[1]
     half = D // 2
     _rope_store_kernel[(T,)](
-        q, k, v, positions, cos, sin, k_buf, v_buf, loc,
+        q, k, v, positions, cos, sin, k_buf, v_buf, loc, k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         H=H, HKV=hkv, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_H=triton.next_power_of_2(H), BLOCK_HKV=triton.next_power_of_2(hkv),
+        BLOCK_H=triton.next_power_of_2(H), BLOCK_HKV=triton.next_power_of_2(hkv), **fp8_format(k_buf),
     )
 
 
@@ -280,9 +309,9 @@ def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelChoice 
 
 @triton.jit
 def _gemv_rope_store_kernel(X, W, B, Q, KBuf, VBuf, Pos, Loc, Cos, Sin, K, stride_w, stride_cos,
-                            stride_bn, stride_bh, stride_vbn, stride_vbh, H, HKV,
+                            stride_bn, stride_bh, stride_vbn, stride_vbh, H, HKV, k_scale, v_scale,
                             HALF: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+                            BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr):
     pid = tl.program_id(0)
     head = pid // HALF
     j = pid % HALF
@@ -299,20 +328,21 @@ def _gemv_rope_store_kernel(X, W, B, Q, KBuf, VBuf, Pos, Loc, Cos, Sin, K, strid
             tl.store(Q + head * 2 * HALF + j + HALF, y1.to(Q.dtype.element_ty))
         else:
             kp = KBuf + loc * stride_bn + (head - H) * stride_bh + j
-            tl.store(kp, y0.to(KBuf.dtype.element_ty))
-            tl.store(kp + HALF, y1.to(KBuf.dtype.element_ty))
+            tl.store(kp, _kv_value(y0, k_scale, FP8_MAX, FP8_MANT).to(KBuf.dtype.element_ty))
+            tl.store(kp + HALF, _kv_value(y1, k_scale, FP8_MAX, FP8_MANT).to(KBuf.dtype.element_ty))
     else:
         vp = VBuf + loc * stride_vbn + (head - H - HKV) * stride_vbh + j
-        tl.store(vp, a.to(VBuf.dtype.element_ty))
-        tl.store(vp + HALF, b.to(VBuf.dtype.element_ty))
+        tl.store(vp, _kv_value(a, v_scale, FP8_MAX, FP8_MANT).to(VBuf.dtype.element_ty))
+        tl.store(vp + HALF, _kv_value(b, v_scale, FP8_MAX, FP8_MANT).to(VBuf.dtype.element_ty))
 
 
 def gemv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, position: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                    loc: torch.Tensor, *, num_heads: int, tiles: tuple[int, int] | None = None) -> torch.Tensor:
+                    loc: torch.Tensor, *, num_heads: int, tiles: tuple[int, int] | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """The fused q/k/v projection of one token ``x`` [1, K] (``weight`` rows: q heads | k
     heads | v heads), ``rope_store``'s work in the epilogue: returns rotated q [1, H, D];
-    rotated k and v go to ``k_buf[loc]``/``v_buf[loc]``. ``position``/``loc``: [1] on the
+    rotated k and v go to ``k_buf[loc]``/``v_buf[loc]`` (fp8: as ``rope_store`` stores them). ``position``/``loc``: [1] on the
     device. ``tiles``: (K per iteration, warps)."""
     n, k = weight.shape
     hkv, d = k_buf.shape[1], k_buf.shape[2]
@@ -322,7 +352,8 @@ def gemv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     _gemv_rope_store_kernel[(n // 2,)](
         x, weight, bias if bias is not None else weight, q, k_buf, v_buf, position, loc, cos, sin, k,
         weight.stride(0), cos.stride(0), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        num_heads, hkv, HALF=d // 2, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_K=bk, num_warps=warps)
+        num_heads, hkv, k_scale, v_scale, HALF=d // 2, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_K=bk,
+        **fp8_format(k_buf), num_warps=warps)
     return q
 
 

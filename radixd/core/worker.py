@@ -17,6 +17,7 @@ import torch
 from radixd.core.attention import AttentionBackend, make_backend
 from radixd.core.forward_batch import ForwardBatch, StepOutput
 from radixd.core.kv_pool import KVPool
+from radixd.core.kv_quant import KVFormat
 from radixd.core.model_loader import load_model
 from radixd.core.models.config import ModelConfig
 from radixd.core.sampler import SampledTokens, sample_on_device
@@ -75,11 +76,13 @@ class ModelWorker:
         kernels: KernelChoice = ALL_KERNELS,
         model: torch.nn.Module | None = None,
         head: bool = True,
+        kv_format: KVFormat | None = None,
     ):
         """``model``: already built on ``device`` (a tensor-parallel shard; ``model_cfg`` is
         then the shard's shape); otherwise loaded from ``model_path``. ``kernels``: the
         optional kernels the model and attention take; ``head`` False (an embedding engine,
-        which never samples): the checkpoint may lack the LM head."""
+        which never samples): the checkpoint may lack the LM head. ``kv_format``: what the
+        pool stores K/V in (None: ``dtype``)."""
         self.device = device
         self.model_cfg = model_cfg
         prebuilt = model is not None
@@ -101,6 +104,7 @@ class ModelWorker:
             max_context_len=max_context_len,
             dtype=dtype,
             device=device,
+            kv_format=kv_format,
         )
         self.attn = make_backend(
             attention_backend,

@@ -3,7 +3,8 @@
 Decode requests (one new token) are padded into one batched SDPA call; extend requests run
 one SDPA each with a causal mask offset by their cached prefix. A layer's sliding window
 narrows the mask; a score soft-cap (which SDPA cannot apply) takes the explicit
-softmax(cap * tanh(q.k * scale / cap)) path.
+softmax(cap * tanh(q.k * scale / cap)) path. K and V are read through the pool (``KVPool.read``:
+dequantized from an fp8 pool).
 """
 
 from __future__ import annotations
@@ -67,19 +68,17 @@ class TorchAttention:
                 positions: torch.Tensor, rotary) -> torch.Tensor:
         q, k = rotary(positions, q, k)
         self.pool.store(layer, self.out_cache_loc, k, v)
-        k_buf = self.pool.k_buffers[layer]
-        v_buf = self.pool.v_buffers[layer]
         window = self.windows[layer]
         out = torch.empty_like(q)
         for start, e, kv_idx, masks in self.extends:
             qi = q[start : start + e].transpose(0, 1)[None]          # [1, H, e, D]
-            ki = k_buf[kv_idx].transpose(0, 1)[None].to(q.dtype)     # [1, Hkv, S, D]
-            vi = v_buf[kv_idx].transpose(0, 1)[None].to(q.dtype)
+            ki, vi = self.pool.read(layer, kv_idx, q.dtype)          # [S, Hkv, D]
+            ki, vi = ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]  # [1, Hkv, S, D]
             out[start : start + e] = self._attend(qi, ki, vi, masks[window])[0].transpose(0, 1)
         if self.decode_tok is not None:
             qd = q[self.decode_tok][:, :, None, :]                    # [Bd, H, 1, D]
-            kd = k_buf[self.decode_kv_idx].transpose(1, 2).to(q.dtype)  # [Bd, Hkv, L, D]
-            vd = v_buf[self.decode_kv_idx].transpose(1, 2).to(q.dtype)
+            kd, vd = self.pool.read(layer, self.decode_kv_idx, q.dtype)  # [Bd, L, Hkv, D]
+            kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)           # [Bd, Hkv, L, D]
             out[self.decode_tok] = self._attend(qd, kd, vd, self.decode_masks[window])[:, :, 0, :]
         return out
 

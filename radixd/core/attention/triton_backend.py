@@ -124,12 +124,18 @@ class TritonAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 positions: torch.Tensor, rotary) -> torch.Tensor:
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
-        rope_store(q, k, v, positions, rotary.cos, rotary.sin, k_buf, v_buf, self.out_cache_loc)
+        scales = self._scales(layer)
+        rope_store(q, k, v, positions, rotary.cos, rotary.sin, k_buf, v_buf, self.out_cache_loc, *scales)
         if self.decode:
             return self._decode(q, layer)
         return extend_attention(q, k_buf, v_buf, self.pool.req_to_token, self.rows, self.prefix_lens,
                                 self.extend_lens, self.q_starts, self.max_extend, self.scale,
-                                window=self.windows[layer], softcap=self.softcap)
+                                window=self.windows[layer], softcap=self.softcap, k_scale=scales[0],
+                                v_scale=scales[1])
+
+    def _scales(self, layer: int) -> tuple[float, float]:
+        """The layer's K and V scales (an fp8 pool's; 1.0 otherwise)."""
+        return self.pool.k_scales[layer], self.pool.v_scales[layer]
 
     def project_forward(self, x: torch.Tensor, proj: torch.nn.Linear, layer: int, positions: torch.Tensor,
                         rotary) -> torch.Tensor | None:
@@ -140,17 +146,21 @@ class TritonAttention:
                 and one_row(x, proj.weight)):
             return None
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
+        k_scale, v_scale = self._scales(layer)
         q = gemv_rope_store(x, proj.weight, proj.bias, positions, rotary.cos, rotary.sin, k_buf, v_buf,
-                            self.out_cache_loc, num_heads=self.num_heads)
+                            self.out_cache_loc, num_heads=self.num_heads, k_scale=k_scale, v_scale=v_scale)
         return self._decode(q, layer)
 
     def _decode(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        k_scale, v_scale = self._scales(layer)
         if self.shared is not None:
             shares, parts, item_rows, item_lens, members = self.shared
             return cascade_decode_attention(
                 q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token, self.rows,
                 self.seq_lens, self.scale, shares, parts, item_rows, item_lens, members, num_splits=self.splits,
-                prefix_splits=PREFIX_SPLITS, mid_o=self.mid_o, mid_lse=self.mid_lse, softcap=self.softcap)
+                prefix_splits=PREFIX_SPLITS, mid_o=self.mid_o, mid_lse=self.mid_lse, softcap=self.softcap,
+                k_scale=k_scale, v_scale=v_scale)
         return decode_attention(q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token,
                                 self.rows, self.seq_lens, self.scale, num_splits=self.splits, mid_o=self.mid_o,
-                                mid_lse=self.mid_lse, window=self.windows[layer], softcap=self.softcap)
+                                mid_lse=self.mid_lse, window=self.windows[layer], softcap=self.softcap,
+                                k_scale=k_scale, v_scale=v_scale)

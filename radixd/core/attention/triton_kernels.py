@@ -11,6 +11,10 @@ the request-to-token table (no copy of a request's KV).
   to the new tokens themselves, causally (the new K/V are stored in the pool before).
 * ``build_kv_indices``: flattens the table rows of a batch into one slot array (CSR layout).
 
+The pool may hold fp8 (``radixd.core.kv_quant``): K and V tiles are converted to the query's
+dtype as they are loaded; a layer's K scale is folded into the score scale by the caller
+(``k_scale`` arguments) and its V scale multiplies each output (``v_scale``).
+
 They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
 """
 
@@ -31,13 +35,14 @@ def _tanh(x):
 
 
 @triton.jit
-def _attend_span(q, rows_ok, K, V, Table, row, kvh, start, end, scale,
+def _attend_span(q, rows_ok, K, V, Table, row, kvh, start, end, scale, v_scale,
                  stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr):
     """A tile of query rows (``rows_ok``: the real ones) of one KV head over the keys at
     positions ``[start, end)`` of table row ``row``, online softmax: (normalised output,
     log-sum-exp; -inf for a span with no key). ``SOFTCAP`` > 0: scores capped to
-    ``SOFTCAP * tanh(score / SOFTCAP)``."""
+    ``SOFTCAP * tanh(score / SOFTCAP)``. ``scale`` includes the K scale; ``v_scale``
+    multiplies the output (1.0 unless the pool is fp8)."""
     m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     lsum = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
@@ -46,7 +51,7 @@ def _attend_span(q, rows_ok, K, V, Table, row, kvh, start, end, scale,
         mask_n = offs_n < end
         slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0)
         k = tl.load(K + slots[None, :] * stride_kn + kvh * stride_kh + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(q.dtype)
         qk = tl.dot(q, k) * scale
         if SOFTCAP > 0:
             qk = SOFTCAP * _tanh(qk / SOFTCAP)
@@ -57,18 +62,18 @@ def _attend_span(q, rows_ok, K, V, Table, row, kvh, start, end, scale,
         alpha = tl.exp(m - m_safe)
         lsum = lsum * alpha + tl.sum(p, 1)
         v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m = m_new
     has = lsum > 0
-    out = acc / tl.where(has, lsum, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(has, lsum, 1.0))[:, None]
     lse = tl.where(has, m + tl.log(tl.where(has, lsum, 1.0)), float("-inf"))
     return out, lse
 
 
 @triton.jit
 def _decode_stage1(
-    Q, K, V, Table, Rows, SeqLens, Starts, MidO, MidLse, Out, PrefixParts, scale,
+    Q, K, V, Table, Rows, SeqLens, Starts, MidO, MidLse, Out, PrefixParts, scale, v_scale,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_tr,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -102,7 +107,7 @@ def _decode_stage1(
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)
 
-    out, lse = _attend_span(q, mask_g, K, V, Table, row, kvh, start, end, scale,
+    out, lse = _attend_span(q, mask_g, K, V, Table, row, kvh, start, end, scale, v_scale,
                             stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
                             BLOCK_H, BLOCK_N, BLOCK_D, SOFTCAP)
     mask_gd = mask_g[:, None] & mask_d[None, :]
@@ -159,13 +164,15 @@ def decode_attention(
     rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, num_splits: int = 8,
     out: torch.Tensor | None = None, mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None, window: int = 0, softcap: float = 0.0,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """``q`` [B, H, D] (one token per request) -> [B, H, D]. ``rows``/``seq_lens`` [B] on the
     device; the launch shape depends only on B, so it can be captured in a CUDA graph.
     ``config``: stage 1's (tokens per tile, warps, pipeline stages) instead of the default
     (benchmarks sweep them). With one split, stage 1 writes ``out`` itself and stage 2 does
     not run. ``window`` > 0: each request attends to its newest ``window`` keys;
-    ``softcap`` > 0: scores soft-capped (``softcap * tanh(score / softcap)``)."""
+    ``softcap`` > 0: scores soft-capped (``softcap * tanh(score / softcap)``); ``k_scale``/
+    ``v_scale``: the layer's scales of an fp8 pool."""
     B, H, D = q.shape
     Hkv = k_buf.shape[1]
     group = H // Hkv
@@ -179,7 +186,7 @@ def decode_attention(
     block_d = triton.next_power_of_2(D)
     block_n, warps, stages = config if config is not None else DECODE_CONFIG
     _decode_stage1[(B, Hkv, num_splits)](
-        q, k_buf, v_buf, table, rows, seq_lens, seq_lens, mid_o, mid_lse, out, seq_lens, scale,
+        q, k_buf, v_buf, table, rows, seq_lens, seq_lens, mid_o, mid_lse, out, seq_lens, scale * k_scale, v_scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),  # (Starts, Out, PrefixParts: unread without a start or a merge)
@@ -207,7 +214,7 @@ def prefix_members(group: int) -> int:
 
 @triton.jit
 def _prefix_stage(
-    Q, K, V, Table, ItemRows, ItemLens, Members, PrefixParts, MidO, MidLse, scale, n_items,
+    Q, K, V, Table, ItemRows, ItemLens, Members, PrefixParts, MidO, MidLse, scale, v_scale, n_items,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, stride_m,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -240,7 +247,7 @@ def _prefix_stage(
             split_len = tl.cdiv(tl.cdiv(length, nsplits), BLOCK_N) * BLOCK_N
             start = sp * split_len
             end = tl.minimum(start + split_len, length)
-            out, lse = _attend_span(q, valid, K, V, Table, row, kvh, start, end, scale,
+            out, lse = _attend_span(q, valid, K, V, Table, row, kvh, start, end, scale, v_scale,
                                     stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
                                     BLOCK_R, BLOCK_N, BLOCK_D, SOFTCAP)
             slot = SLOT0 + sp
@@ -255,7 +262,7 @@ def cascade_decode_attention(
     item_rows: torch.Tensor, item_lens: torch.Tensor, members: torch.Tensor, *,
     num_splits: int, prefix_splits: int, out: torch.Tensor | None = None,
     mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None,
-    config: tuple[int, int, int] | None = None, softcap: float = 0.0,
+    config: tuple[int, int, int] | None = None, softcap: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Decode attention in two levels (cascade): the prefix shared by the requests of an
     item is read once for all of them, each request's own rest (from ``shares[b]``, 0 for a
@@ -290,8 +297,8 @@ def cascade_decode_attention(
 
     def own_level():
         _decode_stage1[(B, Hkv, num_splits)](
-            q, k_buf, v_buf, table, rows, seq_lens, shares, mid_o, mid_lse, out, prefix_parts, scale,
-            q.stride(0), q.stride(1), *common, *mids, out.stride(0), out.stride(1),
+            q, k_buf, v_buf, table, rows, seq_lens, shares, mid_o, mid_lse, out, prefix_parts, scale * k_scale,
+            v_scale, q.stride(0), q.stride(1), *common, *mids, out.stride(0), out.stride(1),
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
             HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, HAS_START=True, WRITE_LSE=True,
             MERGE_PREFIX=merge, WINDOW=0, SOFTCAP=softcap, num_warps=warps, num_stages=stages,
@@ -302,7 +309,8 @@ def cascade_decode_attention(
     members_n = prefix_members(group)
     programs = min(n_items, PREFIX_PROGRAMS)
     _prefix_stage[(programs, Hkv, prefix_splits)](
-        q, k_buf, v_buf, table, item_rows, item_lens, members, prefix_parts, mid_o, mid_lse, scale, n_items,
+        q, k_buf, v_buf, table, item_rows, item_lens, members, prefix_parts, mid_o, mid_lse, scale * k_scale,
+        v_scale, n_items,
         q.stride(0), q.stride(1), *common, members.stride(0), *mids,
         GROUP=group, MEMBERS=members_n, BLOCK_R=max(16, triton.next_power_of_2(members_n * group)),
         BLOCK_N=PREFIX_CONFIG[0], HEAD_DIM=D, BLOCK_D=block_d, SPLITS=prefix_splits, SLOT0=num_splits,
@@ -337,13 +345,15 @@ def _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, lo, hi, qk_scal
             slots = tl.load(Table + row * stride_tr + offs_n)
             mask_nd = mask_d[None, :]
         if K_ROWS:  # K tile read as rows (each slot's head contiguous), transposed for the dot
-            k = tl.load(K + slots[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=mask_nd, other=0.0)
+            k = tl.load(K + slots[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=mask_nd,
+                        other=0.0).to(q.dtype)
             qk = tl.dot(q, tl.trans(k)) * qk_scale
         else:  # K tile gathered straight into [D, N]
             k = tl.load(K + slots[None, :] * stride_kn + kvh * stride_kh + offs_d[:, None],
-                        mask=tl.trans(mask_nd), other=0.0)
+                        mask=tl.trans(mask_nd), other=0.0).to(q.dtype)
             qk = tl.dot(q, k) * qk_scale
-        v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=mask_nd, other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=mask_nd,
+                    other=0.0).to(q.dtype)
         if SOFTCAP > 0:
             qk = SOFTCAP * _tanh(qk / SOFTCAP)
         if MASKED:
@@ -356,14 +366,14 @@ def _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, lo, hi, qk_scal
         p = tl.math.exp2(qk - m_safe[:, None])
         alpha = tl.math.exp2(m - m_safe)
         lsum = lsum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m = m_new
     return m, lsum, acc
 
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, Out, Table, Rows, PrefixLens, ExtendLens, QStarts, qk_scale,
+    Q, K, V, Out, Table, Rows, PrefixLens, ExtendLens, QStarts, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh, stride_tr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, K_ROWS: tl.constexpr,
@@ -403,7 +413,7 @@ def _extend_kernel(
             m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, full, end, qk_scale,
                                          stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
                                          BLOCK_N, True, K_ROWS, 0, SOFTCAP)
-        out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
+        out = acc * (v_scale / tl.where(lsum > 0, lsum, 1.0))[:, None]
         tl.store(Out + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
@@ -428,11 +438,13 @@ def extend_attention(
     rows: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor, q_starts: torch.Tensor,
     max_extend: int, scale: float, out: torch.Tensor | None = None,
     config: tuple[int, int, int, int, bool] | None = None, window: int = 0, softcap: float = 0.0,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """``q`` [T, H, D]: the new tokens of R requests laid back to back (request r's start in
     ``q_starts``) -> [T, H, D]. ``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages, K_ROWS).
     ``window`` > 0: a query at position p sees keys ``(p - window, p]``; ``softcap`` > 0:
-    scores soft-capped (``softcap * tanh(score / softcap)``)."""
+    scores soft-capped (``softcap * tanh(score / softcap)``); ``k_scale``/``v_scale``: the
+    layer's scales of an fp8 pool."""
     T, H, D = q.shape
     Hkv = k_buf.shape[1]
     if out is None:
@@ -442,7 +454,7 @@ def extend_attention(
     block_d = triton.next_power_of_2(D)
     grid = (R, H, triton.cdiv(max_extend, block_m))
     _extend_kernel[grid](
-        q, k_buf, v_buf, out, table, rows, prefix_lens, extend_lens, q_starts, scale * _LOG2E,
+        q, k_buf, v_buf, out, table, rows, prefix_lens, extend_lens, q_starts, scale * k_scale * _LOG2E, v_scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), table.stride(0),
         GROUP=H // Hkv, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, BLOCK_D=block_d,

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from radixd.core.kv_quant import is_scale_name
+
 # checkpoint suffix -> (fused parameter suffix, shard index)
 FUSED = {
     "q_proj": ("qkv_proj", 0),
@@ -40,6 +42,8 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     loaded: set[tuple[str, Part]] = set()
     for name, tensor in weights:
         name = name.removeprefix("model.")
+        if is_scale_name(name):
+            continue  # a KV cache scale (read by core.kv_quant for an fp8 pool), not a weight
         for pattern, repl in renames:
             name = re.sub(pattern, repl, name)
         if "rotary_emb" in name or (name == "lm_head.weight" and tied):
