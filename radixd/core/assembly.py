@@ -69,7 +69,7 @@ def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.dev
               cuda_graphs=config.cuda_graphs and setup.pooling is None,  # (embedding engines never decode)
               cascade_attention=config.cascade_attention,
               kernels=KernelChoice(fuse_one_row=config.fuse_one_row, rows_kernel=config.rows_kernel),
-              head=setup.pooling is None)
+              head=setup.pooling is None, window_ratio=window_ratio(config, setup))
     if len(devices) > 1:
         from radixd.core.tensor_parallel import TPWorker
 
@@ -86,11 +86,22 @@ def kv_slots(config: EngineConfig, setup: ModelSetup, free_bytes: int | None) ->
         return c.kv_cache_tokens + 1
     # each device of a replica holds its share of the KV heads
     kv_heads = setup.cfg.num_kv_heads // c.tp_size
-    per_token = kv_bytes_per_token(setup.cfg.num_layers, kv_heads, setup.cfg.head_dim, setup.dtype)
+    windowed = sum(1 for w in setup.cfg.layer_windows if w) if window_ratio(config, setup) else 0
+    # (with a window region, a slot's own layers and its share of a window slot)
+    per_token = (kv_bytes_per_token(setup.cfg.num_layers - windowed, kv_heads, setup.cfg.head_dim, setup.dtype)
+                 + c.swa_full_tokens_ratio * kv_bytes_per_token(windowed, kv_heads, setup.cfg.head_dim, setup.dtype))
     budget = c.kv_cache_bytes
     if budget is None:
         budget = int(free_bytes * c.mem_fraction) if free_bytes is not None else DEFAULT_KV_BYTES_CPU
-    return max(2, budget // per_token + 1)
+    return max(2, int(budget // per_token) + 1)
+
+
+def window_ratio(config: EngineConfig, setup: ModelSetup) -> float:
+    """The window region's share of the pool's slots (``swa_pool``); 0: no region (no sliding
+    window, or lower cache tiers)."""
+    if not any(setup.cfg.layer_windows) or config.cache_tiers:
+        return 0.0
+    return config.swa_full_tokens_ratio
 
 
 def check_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:

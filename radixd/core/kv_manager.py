@@ -18,6 +18,10 @@ Contract
   (write-through, or once its prefix was hit N times), per the tiers' write policy.
 * Accounting: free + evictable + locked + private == total between steps, and every slot has
   exactly one owner (``check_accounting``).
+* Sliding windows (a ``HybridSlotAllocator`` and ``WindowRadixCache``, see ``swa_pool``):
+  room is also made in the window region, and before each step a running request's window
+  KV behind its window is freed (``free_behind_windows``; only what it holds privately:
+  the tree's goes when the window region is short); both regions are accounted.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ from radixd.core.kv_pool import RowAllocator, SlotAllocator
 from radixd.core.radix_cache import RadixCache
 from radixd.core.request import Group, Request
 from radixd.core.scheduler_interface import ScheduledStep, SchedulerStats
+from radixd.core.swa_cache import WindowRadixCache
 from radixd.core.tiers.hierarchy import KVHierarchy
+
+FREE_EVERY = 64  # tokens behind a request's window freed at once (fewer tensor operations per step)
 
 
 class KVManager:
@@ -46,6 +53,8 @@ class KVManager:
         self.reserve_ratio = config.schedule_conservativeness
         self.chunk = config.chunked_prefill_size
         self._load_events: list = []  # CUDA events of tier loads the next step must wait for
+        # sliding windows: the window region's cache (None: no window region)
+        self.window = cache if isinstance(cache, WindowRadixCache) else None
         if tiers is not None and tiers.write_policy == "write_back":
             cache.on_evict = self._store_path
 
@@ -57,13 +66,19 @@ class KVManager:
         want = n + keep
         if self.allocator.available < want:
             self.cache.evict(want - self.allocator.available)
+        # (the window region needs only this step's tokens: requests free their own as they go)
+        if self.window is not None and not self.window.make_window_room(n):
+            return False
         return self.allocator.available >= want
 
     def room_for(self, want: int, planned: int) -> int:
         """How many of ``want`` slots can be had on top of ``planned`` (evicting if needed)."""
         if self.make_room(planned + want):
             return want
-        return max(0, min(want, self.allocator.available - planned))
+        free = self.allocator.available
+        if self.window is not None:
+            free = min(free, self.allocator.window_available)
+        return max(0, min(want, free - planned))
 
     def _reserve(self, running: list[Request]) -> int:
         """KV to keep free for the running requests' remaining tokens (an estimate)."""
@@ -98,7 +113,7 @@ class KVManager:
             limit = min(limit, missing - 1)
         if r.pool is not None and r.pool.missing is not None:  # hidden states are not cached
             limit = min(limit, r.pool.missing)
-        match = self.cache.match_prefix(seq[:limit], r.namespace)
+        match = self.cache.match_served(seq[:limit], r.namespace)
         self.cache.lock(match.node)
         if self.tiers is not None and r.namespace == 0:
             match = self._load_from_tiers(seq, match, planned, limit)
@@ -121,6 +136,26 @@ class KVManager:
         if r.is_follower and r.group is not None:
             self.follower_gone(r.group)
         return n
+
+    def free_behind_windows(self, running: list[Request]) -> None:
+        """Sliding windows: free the window KV each running request holds privately that lies
+        behind its window (a query at position p reads keys from p - window + 1; the next
+        query of a request is at ``kv.length``), a few tokens at a time."""
+        if self.window is None:
+            return
+        keep = self.window.keep
+        every = min(FREE_EVERY, keep + 1)
+        for r in running:
+            kv = r.kv
+            start = max(kv.window_freed, kv.cached_len)
+            end = kv.length - keep
+            if end - start >= every and kv.row is not None:
+                self.allocator.free_window(kv.slots[start:end])
+                kv.window_freed = end
+
+    def take_window_map(self):
+        """The window slots assigned since the last step, for the next batch (or None)."""
+        return self.allocator.take_map_writes() if self.window is not None else None
 
     def follower_gone(self, g: Group) -> None:
         """A follower of ``g`` waits no more (admitted or aborted): the last one frees the
@@ -287,17 +322,27 @@ class KVManager:
     # ------------------------------------------------------------------ accounting
 
     def accounting(self, running: list[Request]) -> dict[str, int]:
-        """free + evictable + locked + private == total, recounted from the parts."""
-        return {
+        """free + evictable + locked + private == total, recounted from the parts (and the
+        same of the window region, ``window_*``, with sliding windows)."""
+        a = {
             "total": self.allocator.total,
             "free": self.allocator.available,
             "evictable": self.cache.evictable_size,
             "locked": self.cache.protected_size,
             "private": sum(r.kv.private_len for r in running),
         }
+        if self.window is not None:
+            a |= self.window.window_accounting(self._private(running))
+        return a
+
+    @staticmethod
+    def _private(running: list[Request]) -> list[torch.Tensor]:
+        return [r.kv.slots[r.kv.cached_len : r.kv.length] for r in running]
 
     def check_accounting(self, running: list[Request]) -> None:
         a = self.accounting(running)
+        if self.window is not None:
+            self.window.check_window(self._private(running))
         if a["free"] + a["evictable"] + a["locked"] + a["private"] != a["total"]:
             raise AssertionError(f"KV accounting broken: {a}")
         self.cache.check()

@@ -104,6 +104,7 @@ class Scheduler(SchedulerInterface):
         self._drop_aborted(inflight)
 
         # 1. Decode for every running request past its prompt; preempt if KV runs out.
+        self.kv_manager.free_behind_windows(self.running)
         decoding, mid_prefill, host_picks = self._decoding()
         if inflight and host_picks:
             return NEED_SYNC  # penalties need the pending token on the host (grammar masks
@@ -145,6 +146,7 @@ class Scheduler(SchedulerInterface):
             r.output_ids.append(PLACEHOLDER)
             r.unresolved += 1
         step.batch.wait_events = self.kv_manager.take_load_events()
+        step.batch.window_map = self.kv_manager.take_window_map()
         self.stats.steps += 1
         if step.placeholder_reqs:
             src = {r: i for i, r in enumerate(launched.sampled)}

@@ -21,6 +21,7 @@ from radixd.core.model_loader import load_model
 from radixd.core.models.config import ModelConfig
 from radixd.core.sampler import SampledTokens, sample_on_device
 from radixd.core.staging import Stager
+from radixd.core.swa_pool import window_slots
 from radixd.core.triton_ops import ALL_KERNELS, KernelChoice
 
 
@@ -75,11 +76,14 @@ class ModelWorker:
         kernels: KernelChoice = ALL_KERNELS,
         model: torch.nn.Module | None = None,
         head: bool = True,
+        window_ratio: float = 0.0,
     ):
         """``model``: already built on ``device`` (a tensor-parallel shard; ``model_cfg`` is
         then the shard's shape); otherwise loaded from ``model_path``. ``kernels``: the
         optional kernels the model and attention take; ``head`` False (an embedding engine,
-        which never samples): the checkpoint may lack the LM head."""
+        which never samples): the checkpoint may lack the LM head. ``window_ratio`` > 0 (a
+        model with sliding windows): the window layers' KV in a region of its own, that
+        share of the pool's slots (``swa_pool``)."""
         self.device = device
         self.model_cfg = model_cfg
         prebuilt = model is not None
@@ -92,6 +96,7 @@ class ModelWorker:
             torch.cuda.synchronize(device)
             free, _ = torch.cuda.mem_get_info(device)
         num_slots = kv_slots(free)
+        windows = model_cfg.layer_windows
         self.pool = KVPool(
             num_layers=model_cfg.num_layers,
             num_slots=num_slots,
@@ -101,6 +106,8 @@ class ModelWorker:
             max_context_len=max_context_len,
             dtype=dtype,
             device=device,
+            windows=windows,
+            window_slots=window_slots(num_slots, window_ratio) if window_ratio and any(windows) else 0,
         )
         self.attn = make_backend(
             attention_backend,
@@ -110,7 +117,7 @@ class ModelWorker:
             scale=model_cfg.attention_scale,
             cascade=cascade_attention,
             fuse_one_row=kernels.fuse_one_row,
-            windows=model_cfg.layer_windows,
+            windows=windows,
             softcap=model_cfg.attn_softcap,
         )
         self.cascade_members = self.attn.cascade_members
@@ -176,6 +183,9 @@ class ModelWorker:
         if rows:
             cat = torch.cat if len(rows) > 1 else (lambda parts: parts[0])
             self.pool.req_to_token[stage(cat(rows)), stage(cat(cols))] = stage(cat(vals))
+        if batch.window_map is not None:
+            slots, window = batch.window_map
+            self.pool.to_window[stage(slots)] = stage(window)
 
     @torch.inference_mode()
     def launch(self, batch: ForwardBatch, prev: SampledTokens | None = None, *,
