@@ -139,6 +139,7 @@ class Scheduler(SchedulerInterface):
         # (tokens planned: one per decode, and what prefills took of the budget)
         planned = len(decoding) + self.config.max_prefill_tokens - budget
         step = self.builder.build(plan, len(decoding), self.kv_manager.alloc(planned), self.cascade_members)
+        step.batch.window_map = self.kv_manager.take_window_map()  # (before commit: see swa_pool)
         self.kv_manager.commit(plan)
         picks = step.pick_index
         for r in step.sampled:
@@ -146,7 +147,6 @@ class Scheduler(SchedulerInterface):
             r.output_ids.append(PLACEHOLDER)
             r.unresolved += 1
         step.batch.wait_events = self.kv_manager.take_load_events()
-        step.batch.window_map = self.kv_manager.take_window_map()
         self.stats.steps += 1
         if step.placeholder_reqs:
             src = {r: i for i, r in enumerate(launched.sampled)}

@@ -23,7 +23,10 @@ Contract
   the cache's window region); ``move_window`` hands a window slot from one slot to another.
 * The host map ``to_window`` is the truth. Each assignment queues a device write
   (``take_map_writes``) that the next batch carries (``ForwardBatch.window_map``) and the
-  worker applies before its forward, as it applies table writes. Frees queue none: a slot
+  worker applies before its forward, as it applies table writes; they are taken as the batch
+  is built, before its commit moves any (``move_window``: the batch still stores its new
+  tokens' window KV through their own slots; the next one reads it through the tree's).
+  Frees queue none: a slot
   without window KV is never read unmasked by a window layer, since requests free only what
   lies behind their windows and the radix cache serves no prefix whose window KV is gone.
 """

@@ -1,0 +1,213 @@
+"""Sliding-window KV through the engine (``swa_pool``, ``swa_cache``): a request's window KV
+behind its window goes back to the window region as it decodes, the radix cache serves a
+prefix only as far as its window KV is there, and the tokens still equal transformers' (fp32,
+CPU) for an all-windowed Mistral and an interleaved Gemma-3-style model, with chunked
+prefill, cache hits and preemption; both regions' accounting holds after every step; the
+Triton kernels read window layers through the slot map (interpreter, tiny shapes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from test_engine import assert_greedy_matches, assert_idle, collect, make_engine, prompts
+from test_triton_kernels import DEV, TOL, make_pool, rel_err
+from test_window_attention import ref_attention
+
+from radixd import SamplingParams
+from radixd.core.attention.triton_kernels import decode_attention, extend_attention
+
+ARCHS = ["mistral-swa", "gemma3"]  # windows of 8 on every layer; on two of three layers
+
+
+def window_free(eng) -> int:
+    return eng.allocator.window_available
+
+
+async def assert_window_idle(eng):
+    await assert_idle(eng)
+    acc = eng.scheduler.accounting()
+    assert acc["window_private"] == 0 and acc["window_locked"] == 0
+    assert acc["window_free"] + acc["window_evictable"] == acc["window_total"]
+
+
+async def final(eng, prompt, max_new: int) -> tuple[list[int], int]:
+    """(tokens, cached prompt tokens) of one greedy request."""
+    toks, cached = [], 0
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    async for out in eng.generate(input_ids=prompt, params=params):
+        toks += out.token_ids
+        cached = out.cached_tokens
+    return toks, cached
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_window_kv_freed_as_it_decodes(tiny_dense_models, arch):
+    """One request decodes 40 tokens past a 20-token prompt (window 8): the window region's
+    free count grows while it runs, its private window KV stays within a window and a batch
+    of freeing, and its tokens are transformers'."""
+    path = tiny_dense_models[arch]
+    eng = make_engine(path, kv_cache_tokens=512, chunked_prefill_size=8)
+    seen: list[tuple[int, int]] = []  # (window slots free, window KV held privately) per step
+
+    def hook(step):
+        eng.check_accounting()
+        acc = eng.scheduler.accounting()
+        seen.append((acc["window_free"], acc["window_private"]))
+
+    eng.step_hook = hook
+    try:
+        p = prompts(1, 20, seed=31)[0]
+        got = await collect(eng, p, 40)
+        assert_greedy_matches(path, p, got, 40)
+        frees = [f for f, _ in seen]
+        assert any(b > a for a, b in zip(frees, frees[1:], strict=False)), frees  # freed while decoding
+        assert max(priv for _, priv in seen) <= 7 + 8 + 1  # window - 1, a batch of freeing, the new token
+        await assert_window_idle(eng)
+    finally:
+        await eng.stop()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_hit_on_a_prefix_whose_window_kv_was_freed(tiny_dense_models, arch):
+    """The cache keeps a prefix's slots after its window KV is evicted; a later request is
+    served only up to where the window KV before the match end is there, recomputes the rest
+    (reviving the tombstones), and a third one then gets the whole prefix."""
+    path = tiny_dense_models[arch]
+    eng = make_engine(path, kv_cache_tokens=512, chunked_prefill_size=8)
+    try:
+        base = prompts(1, 40, seed=32)[0]
+        a = base[:24] + prompts(1, 16, seed=33)[0]       # shares 24 tokens with base
+        await final(eng, base, 4)
+        await final(eng, a, 4)                              # now the least recently used leaf is base's
+        cache = eng.cache
+        tail = 40 + 4 - 1 - 24                              # base's own tokens in the tree
+        assert cache.evict_window(tail) >= tail - 7         # its leaf (the pinned window is gone with the lock)
+        eng.check_accounting()
+        c = base + prompts(1, 5, seed=34)[0]
+        got, cached = await final(eng, c, 6)
+        assert cached == 24                                 # base's window KV from 24 on is gone
+        assert_greedy_matches(path, c, got, 6)
+        d = base + prompts(1, 5, seed=35)[0]
+        got, cached = await final(eng, d, 6)
+        assert cached == 40                                 # revived by c's recomputation
+        assert_greedy_matches(path, d, got, 6)
+        await assert_window_idle(eng)
+    finally:
+        await eng.stop()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_small_window_region_preempts_and_stays_exact(tiny_dense_models, arch):
+    """A window region of 48 tokens for four 30-token prompts decoding 30 each, in chunks of
+    8: the window region is what runs out (preemption, eviction of the tree's window KV),
+    and the tokens are still transformers'."""
+    path = tiny_dense_models[arch]
+    eng = make_engine(path, kv_cache_tokens=400, swa_full_tokens_ratio=0.12, chunked_prefill_size=8,
+                      schedule_conservativeness=0.0)
+    try:
+        assert eng.allocator.window_total == 48
+        ps = prompts(4, 30, seed=36)
+        outs = await asyncio.gather(*(collect(eng, p, 30) for p in ps))
+        assert eng.scheduler.stats.preemptions > 0
+        for p, got in zip(ps, outs, strict=True):
+            assert_greedy_matches(path, p, got, 30)
+        await assert_window_idle(eng)
+    finally:
+        await eng.stop()
+
+
+async def test_aborts_leak_no_window_kv(tiny_dense_models):
+    """Requests aborted mid-decode (cache off) give back every slot of both regions."""
+    eng = make_engine(tiny_dense_models["gemma3"], kv_cache_tokens=256, radix_cache=False)
+    try:
+        ps = prompts(3, 20, seed=37)
+        gens = [eng.generate(input_ids=p, params=SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True))
+                for p in ps]
+
+        async def take(agen, n):
+            seen = 0
+            async for out in agen:
+                seen += len(out.token_ids)
+                if seen >= n:
+                    break
+            await agen.aclose()
+
+        await asyncio.gather(*(take(g, 12 + 5 * i) for i, g in enumerate(gens)))
+        for _ in range(200):
+            if not eng.scheduler.running:
+                break
+            await asyncio.sleep(0.01)
+        acc = eng.scheduler.accounting()
+        assert acc["free"] == acc["total"] and acc["window_free"] == acc["window_total"]
+        await assert_window_idle(eng)
+    finally:
+        await eng.stop()
+
+
+async def test_triton_backend_serves_window_kv_through_the_map(tiny_dense_models):
+    """The triton backend (the interpreter on CPU; on a GPU, CUDA graphs too) with the window
+    region, decoding past the window and hitting the cache where window KV was freed:
+    transformers' tokens."""
+    path = tiny_dense_models["gemma3"]
+    eng = make_engine(path, kv_cache_tokens=256, attention_backend="triton", dtype="float32",
+                      chunked_prefill_size=8, device=DEV)
+    try:
+        p = prompts(1, 10, seed=38)[0]
+        got = await collect(eng, p, 16)
+        assert_greedy_matches(path, p, got, 16)
+        # the prompt's window KV is cached; position 10 on was decoded and freed behind the window
+        q = p + got[:2]
+        got, cached = await final(eng, q, 3)
+        assert cached == 10
+        assert_greedy_matches(path, q, got, 3)
+        await assert_window_idle(eng)
+    finally:
+        await eng.stop()
+
+
+def mapped_pool(seq_lens, dead, seed):
+    """``make_pool``'s with its K/V moved to a window region read through a slot map; the
+    slots of each request's first ``dead[i]`` positions (keys behind its window) map to the
+    sink, as freed ones do."""
+    kb, vb, table, rows = make_pool(sum(seq_lens) + 11, 2, 32, torch.float32, seq_lens, seed=seed)
+    n = kb.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    to_window = torch.zeros(n, dtype=torch.int64, device=DEV)
+    to_window[1:] = (torch.randperm(n - 1, generator=g) + 1).to(DEV)
+    kw, vw = torch.zeros_like(kb), torch.zeros_like(vb)
+    kw[to_window], vw[to_window] = kb, vb
+    for r, d in zip(rows.tolist(), dead, strict=True):
+        to_window[table[r, :d]] = 0
+    return kb, vb, kw, vw, table, rows, to_window
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_kernel_reads_window_layers_through_the_map(splits):
+    seq_lens, window = [1, 7, 64, 130], 5
+    dead = [max(0, n - window) for n in seq_lens]  # a query at n - 1 reads keys from n - window
+    kb, vb, kw, vw, table, rows, to_window = mapped_pool(seq_lens, dead, seed=splits)
+    q = torch.randn(len(seq_lens), 4, 32, device=DEV)
+    out = decode_attention(q, kw, vw, table, rows, torch.tensor(seq_lens, device=DEV), 32**-0.5, num_splits=splits,
+                           window=window, slot_map=to_window)
+    for b, n in enumerate(seq_lens):
+        ref = ref_attention(q[b][None], kb, vb, table[rows[b], :n], torch.tensor([n - 1], device=DEV), 32**-0.5,
+                            window, 0.0)
+        assert rel_err(out[b], ref[0]) < TOL
+
+
+def test_extend_kernel_reads_window_layers_through_the_map():
+    seq_lens, ext, window = [9, 64, 130], [3, 20, 33], 16
+    prefix = [n - e for n, e in zip(seq_lens, ext, strict=True)]
+    dead = [max(0, p - window + 1) for p in prefix]  # the chunk's first query reads from p - window + 1
+    kb, vb, kw, vw, table, rows, to_window = mapped_pool(seq_lens, dead, seed=3)
+    starts = [0, 3, 23]
+    q = torch.randn(sum(ext), 4, 32, device=DEV)
+    t = lambda xs: torch.tensor(xs, device=DEV)  # noqa: E731
+    out = extend_attention(q, kw, vw, table, rows, t(prefix), t(ext), t(starts), max(ext), 32**-0.5,
+                           window=window, slot_map=to_window)
+    for i, (p, e) in enumerate(zip(prefix, ext, strict=True)):
+        ref = ref_attention(q[starts[i] : starts[i] + e], kb, vb, table[rows[i], : p + e],
+                            torch.arange(p, p + e, device=DEV), 32**-0.5, window, 0.0)
+        assert rel_err(out[starts[i] : starts[i] + e], ref) < TOL
