@@ -146,13 +146,14 @@ async def test_aborts_leak_no_window_kv(tiny_dense_models):
         await eng.stop()
 
 
-async def test_triton_backend_serves_window_kv_through_the_map(tiny_dense_models):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+async def test_triton_backend_serves_window_kv_through_the_map(tiny_dense_models, device):
     """The triton backend (the interpreter on CPU; on a GPU, CUDA graphs too) with the window
     region, decoding past the window and hitting the cache where window KV was freed:
     transformers' tokens."""
     path = tiny_dense_models["gemma3"]
     eng = make_engine(path, kv_cache_tokens=256, attention_backend="triton", dtype="float32",
-                      chunked_prefill_size=8, device=DEV)
+                      chunked_prefill_size=8, device=device)
     try:
         p = prompts(1, 10, seed=38)[0]
         got = await collect(eng, p, 16)
@@ -167,11 +168,17 @@ async def test_triton_backend_serves_window_kv_through_the_map(tiny_dense_models
         await eng.stop()
 
 
-def mapped_pool(seq_lens, dead, seed):
+# (query heads, KV heads, head dim, lengths): tiny through the interpreter, real on a GPU
+SHAPES = [pytest.param((4, 2, 32, [1, 7, 64, 130]), id="small"),
+          pytest.param((32, 8, 128, [1, 17, 512, 2048, 4097]), id="real", marks=pytest.mark.gpu)]
+
+
+def mapped_pool(seq_lens, dead, seed, kv_heads=2, dim=32):
     """``make_pool``'s with its K/V moved to a window region read through a slot map; the
     slots of each request's first ``dead[i]`` positions (keys behind its window) map to the
     sink, as freed ones do."""
-    kb, vb, table, rows = make_pool(sum(seq_lens) + 11, 2, 32, torch.float32, seq_lens, seed=seed)
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    kb, vb, table, rows = make_pool(sum(seq_lens) + 11, kv_heads, dim, dtype, seq_lens, seed=seed)
     n = kb.shape[0]
     g = torch.Generator().manual_seed(seed)
     to_window = torch.zeros(n, dtype=torch.int64, device=DEV)
@@ -183,33 +190,38 @@ def mapped_pool(seq_lens, dead, seed):
     return kb, vb, kw, vw, table, rows, to_window
 
 
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("splits", [1, 4])
-def test_decode_kernel_reads_window_layers_through_the_map(splits):
-    seq_lens, window = [1, 7, 64, 130], 5
+def test_decode_kernel_reads_window_layers_through_the_map(splits, shape):
+    heads, kv_heads, dim, seq_lens = shape
+    window = 5 if seq_lens[-1] < 1000 else 1024
     dead = [max(0, n - window) for n in seq_lens]  # a query at n - 1 reads keys from n - window
-    kb, vb, kw, vw, table, rows, to_window = mapped_pool(seq_lens, dead, seed=splits)
-    q = torch.randn(len(seq_lens), 4, 32, device=DEV)
-    out = decode_attention(q, kw, vw, table, rows, torch.tensor(seq_lens, device=DEV), 32**-0.5, num_splits=splits,
+    kb, vb, kw, vw, table, rows, to_window = mapped_pool(seq_lens, dead, splits, kv_heads, dim)
+    q = torch.randn(len(seq_lens), heads, dim, device=DEV).to(kb.dtype)
+    out = decode_attention(q, kw, vw, table, rows, torch.tensor(seq_lens, device=DEV), dim**-0.5, num_splits=splits,
                            window=window, slot_map=to_window)
     for b, n in enumerate(seq_lens):
-        ref = ref_attention(q[b][None], kb, vb, table[rows[b], :n], torch.tensor([n - 1], device=DEV), 32**-0.5,
+        ref = ref_attention(q[b][None], kb, vb, table[rows[b], :n], torch.tensor([n - 1], device=DEV), dim**-0.5,
                             window, 0.0)
         assert rel_err(out[b], ref[0]) < TOL
 
 
-def test_extend_kernel_reads_window_layers_through_the_map():
-    seq_lens, ext, window = [9, 64, 130], [3, 20, 33], 16
+@pytest.mark.parametrize("shape", SHAPES)
+def test_extend_kernel_reads_window_layers_through_the_map(shape):
+    heads, kv_heads, dim, seq_lens = shape
+    window = 16 if seq_lens[-1] < 1000 else 1024
+    ext = [min(n, (3, 20, 33, 300, 1000)[i]) for i, n in enumerate(seq_lens)]
     prefix = [n - e for n, e in zip(seq_lens, ext, strict=True)]
     dead = [max(0, p - window + 1) for p in prefix]  # the chunk's first query reads from p - window + 1
-    kb, vb, kw, vw, table, rows, to_window = mapped_pool(seq_lens, dead, seed=3)
-    starts = [0, 3, 23]
-    q = torch.randn(sum(ext), 4, 32, device=DEV)
+    kb, vb, kw, vw, table, rows, to_window = mapped_pool(seq_lens, dead, 3, kv_heads, dim)
+    starts = [sum(ext[:i]) for i in range(len(ext))]
+    q = torch.randn(sum(ext), heads, dim, device=DEV).to(kb.dtype)
     t = lambda xs: torch.tensor(xs, device=DEV)  # noqa: E731
-    out = extend_attention(q, kw, vw, table, rows, t(prefix), t(ext), t(starts), max(ext), 32**-0.5,
+    out = extend_attention(q, kw, vw, table, rows, t(prefix), t(ext), t(starts), max(ext), dim**-0.5,
                            window=window, slot_map=to_window)
     for i, (p, e) in enumerate(zip(prefix, ext, strict=True)):
         ref = ref_attention(q[starts[i] : starts[i] + e], kb, vb, table[rows[i], : p + e],
-                            torch.arange(p, p + e, device=DEV), 32**-0.5, window, 0.0)
+                            torch.arange(p, p + e, device=DEV), dim**-0.5, window, 0.0)
         assert rel_err(out[starts[i] : starts[i] + e], ref) < TOL
 
 
