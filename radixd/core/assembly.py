@@ -12,6 +12,7 @@ Everything here runs once, at start-up, on the caller's thread.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,10 +20,12 @@ import torch
 
 from radixd.core.config import EngineConfig
 from radixd.core.errors import ConfigError
+from radixd.core.kv_manager import FREE_EVERY
 from radixd.core.kv_pool import kv_bytes_per_token
 from radixd.core.model_loader import read_config, resolve_model
 from radixd.core.models.config import ModelConfig
 from radixd.core.pooling import Pooling, engine_pooling
+from radixd.core.swa_pool import window_slots
 from radixd.core.tiers import TierContext
 from radixd.core.triton_ops import KernelChoice
 from radixd.core.worker import ModelWorker, Worker, on_device
@@ -69,7 +72,7 @@ def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.dev
               cuda_graphs=config.cuda_graphs and setup.pooling is None,  # (embedding engines never decode)
               cascade_attention=config.cascade_attention,
               kernels=KernelChoice(fuse_one_row=config.fuse_one_row, rows_kernel=config.rows_kernel),
-              head=setup.pooling is None, window_ratio=window_ratio(config, setup))
+              head=setup.pooling is None, window_slots=window_region(config, setup))
     if len(devices) > 1:
         from radixd.core.tensor_parallel import TPWorker
 
@@ -102,6 +105,17 @@ def window_ratio(config: EngineConfig, setup: ModelSetup) -> float:
     if not any(setup.cfg.layer_windows) or config.cache_tiers:
         return 0.0
     return config.swa_full_tokens_ratio
+
+
+def window_region(config: EngineConfig, setup: ModelSetup) -> Callable[[int], int] | None:
+    """The window region's size for a pool of n slots (None: no region): its share, and at
+    least a prefill chunk and a window (so that one request always gets its next chunk)."""
+    ratio = window_ratio(config, setup)
+    if not ratio:
+        return None
+    window = max(setup.cfg.layer_windows)
+    least = config.chunked_prefill_size + window + min(FREE_EVERY, window) + 1
+    return lambda n: max(window_slots(n, ratio), least + 1)
 
 
 def check_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:

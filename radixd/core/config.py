@@ -178,8 +178,9 @@ class EngineConfig:
     # On CUDA without an explicit size: share of the free memory after the weights.
     mem_fraction: float = option(0.85, key="memory.mem_fraction", min=0.05, max=0.98)
     # Models with sliding-window layers: their KV in a region of its own, this many window
-    # tokens per pool slot, freed behind the windows (swa_pool); 0: kept whole like the
-    # global layers' KV (so too with cache_tiers, which store every layer's KV by slot).
+    # tokens per pool slot (at least a prefill chunk and a window), freed behind the windows
+    # (swa_pool); 0: kept whole like the global layers' KV (so too with cache_tiers, which
+    # store every layer's KV by slot).
     swa_full_tokens_ratio: float = option(0.8, min=0.0, max=1.0)
 
     # Radix cache.

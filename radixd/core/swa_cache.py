@@ -44,7 +44,7 @@ def slots_and_cache(pool: KVPool, *, enabled: bool) -> tuple[SlotAllocator, Radi
 class WindowRadixCache(RadixCache):
     def __init__(self, allocator: HybridSlotAllocator, *, enabled: bool = True):
         super().__init__(allocator, enabled=enabled)
-        self.slots = allocator
+        self.hybrid = allocator
         self.keep = allocator.window - 1  # keys before a query's position that a window layer reads
         self._pins = torch.zeros(allocator.total + 1, dtype=torch.int32)
 
@@ -81,7 +81,7 @@ class WindowRadixCache(RadixCache):
         """The longest prefix of ``slots`` whose last ``keep`` tokens (or all, when fewer) have
         their window KV."""
         m = slots.numel()
-        dead = ~self.slots.has_window(slots)
+        dead = ~self.hybrid.has_window(slots)
         if not dead[max(0, m - self.keep) :].any():
             return m
         idx = torch.arange(m)
@@ -98,9 +98,9 @@ class WindowRadixCache(RadixCache):
         if existing:
             tree = self.match_prefix(key[:existing], namespace).slots
             ours = slots[:existing]
-            revive = ~self.slots.has_window(tree) & self.slots.has_window(ours)
+            revive = ~self.hybrid.has_window(tree) & self.hybrid.has_window(ours)
             if revive.any():
-                self.slots.move_window(ours[revive], tree[revive])
+                self.hybrid.move_window(ours[revive], tree[revive])
         return existing
 
     # ------------------------------------------------------------------ the window region
@@ -108,13 +108,13 @@ class WindowRadixCache(RadixCache):
     def make_window_room(self, n: int) -> bool:
         """True if ``n`` window slots are free, evicting the tree's unpinned window KV (then,
         if still short, whole unlocked leaves) if needed."""
-        short = n - self.slots.window_available
+        short = n - self.hybrid.window_available
         if short > 0:
             self.evict_window(short)
             # then whole leaves (some may be tombstones already: until enough or none left)
-            while (short := n - self.slots.window_available) > 0 and self.evict(short):
+            while (short := n - self.hybrid.window_available) > 0 and self.evict(short):
                 pass
-        return self.slots.window_available >= n
+        return self.hybrid.window_available >= n
 
     def evict_window(self, n: int) -> int:
         """Free at least ``n`` window slots of the tree's unpinned tokens if there are as many,
@@ -127,8 +127,8 @@ class WindowRadixCache(RadixCache):
         while freed < n and heap:
             node = heapq.heappop(heap)
             v = node.value
-            loose = v[self.slots.has_window(v) & (self._pins[v] == 0)]
-            freed += self.slots.free_window(loose)
+            loose = v[self.hybrid.has_window(v) & (self._pins[v] == 0)]
+            freed += self.hybrid.free_window(loose)
             parent = node.parent
             if parent is not None and not parent.is_root and parent not in seen:
                 seen.add(parent)
@@ -141,15 +141,15 @@ class WindowRadixCache(RadixCache):
         """The window region's free + evictable + locked + private == total, recounted;
         ``private``: the running requests' slots outside the tree."""
         tree = self.all_slots()
-        alive = tree[self.slots.has_window(tree)]
+        alive = tree[self.hybrid.has_window(tree)]
         locked = int((self._pins[alive] > 0).sum())
         mine = torch.cat(private) if private else torch.empty(0, dtype=torch.int64)
         return {
-            "window_total": self.slots.window_total,
-            "window_free": self.slots.window_available,
+            "window_total": self.hybrid.window_total,
+            "window_free": self.hybrid.window_available,
             "window_evictable": int(alive.numel()) - locked,
             "window_locked": locked,
-            "window_private": int(self.slots.has_window(mine).sum()),
+            "window_private": int(self.hybrid.has_window(mine).sum()),
         }
 
     def check_window(self, private: list[torch.Tensor]) -> None:
@@ -158,12 +158,12 @@ class WindowRadixCache(RadixCache):
         a = self.window_accounting(private)
         if a["window_free"] + a["window_evictable"] + a["window_locked"] + a["window_private"] != a["window_total"]:
             raise AssertionError(f"window KV accounting broken: {a}")
-        m = self.slots.to_window
+        m = self.hybrid.to_window
         held = m[m != 0]
-        every = torch.cat((self.slots.windows.free_slots(), held))
+        every = torch.cat((self.hybrid.windows.free_slots(), held))
         if every.numel() != a["window_total"] or torch.unique(every).numel() != a["window_total"]:
             raise AssertionError("window KV slots are lost or owned twice")
-        if (m[self.slots.free_slots()] != 0).any():
+        if (m[self.hybrid.free_slots()] != 0).any():
             raise AssertionError("a free slot holds window KV")
         if ((self._pins > 0) & (m == 0)).any() or (self._pins < 0).any():
             raise AssertionError("pinned window KV is gone (or a pin count is negative)")

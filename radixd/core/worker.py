@@ -21,7 +21,6 @@ from radixd.core.model_loader import load_model
 from radixd.core.models.config import ModelConfig
 from radixd.core.sampler import SampledTokens, sample_on_device
 from radixd.core.staging import Stager
-from radixd.core.swa_pool import window_slots
 from radixd.core.triton_ops import ALL_KERNELS, KernelChoice
 
 
@@ -76,14 +75,14 @@ class ModelWorker:
         kernels: KernelChoice = ALL_KERNELS,
         model: torch.nn.Module | None = None,
         head: bool = True,
-        window_ratio: float = 0.0,
+        window_slots: Callable[[int], int] | None = None,
     ):
         """``model``: already built on ``device`` (a tensor-parallel shard; ``model_cfg`` is
         then the shard's shape); otherwise loaded from ``model_path``. ``kernels``: the
         optional kernels the model and attention take; ``head`` False (an embedding engine,
-        which never samples): the checkpoint may lack the LM head. ``window_ratio`` > 0 (a
-        model with sliding windows): the window layers' KV in a region of its own, that
-        share of the pool's slots (``swa_pool``)."""
+        which never samples): the checkpoint may lack the LM head. ``window_slots`` (a model
+        with sliding windows): the window layers' KV in a region of its own, of
+        ``window_slots(pool slots)`` slots (``swa_pool``); None: no region."""
         self.device = device
         self.model_cfg = model_cfg
         prebuilt = model is not None
@@ -107,7 +106,7 @@ class ModelWorker:
             dtype=dtype,
             device=device,
             windows=windows,
-            window_slots=window_slots(num_slots, window_ratio) if window_ratio and any(windows) else 0,
+            window_slots=window_slots(num_slots) if window_slots is not None and any(windows) else 0,
         )
         self.attn = make_backend(
             attention_backend,
