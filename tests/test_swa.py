@@ -11,12 +11,18 @@ import asyncio
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant, rule
 from test_engine import assert_greedy_matches, assert_idle, collect, make_engine, prompts
+from test_radix_cache import POOL_SLOTS, Handle, RadixCacheMachine, keys
 from test_triton_kernels import DEV, TOL, make_pool, rel_err
 from test_window_attention import ref_attention
 
 from radixd import SamplingParams
 from radixd.core.attention.triton_kernels import decode_attention, extend_attention
+from radixd.core.swa_cache import WindowRadixCache
+from radixd.core.swa_pool import HybridSlotAllocator
 
 ARCHS = ["mistral-swa", "gemma3"]  # windows of 8 on every layer; on two of three layers
 
@@ -239,3 +245,92 @@ def test_swa_benchmark_runs_quick(tmp_path):
     assert hybrid["window_slots_freed"] > 0 and whole["window_slots_freed"] == 0
     assert hybrid["held_by_running_max_bytes"] < whole["held_by_running_max_bytes"]
     assert hybrid["held_by_running_max_vs_whole"] < 1 and hybrid["decode_tok_s"] > 0
+
+
+# ---------------------------------------------------------------------------- the window cache's contract
+
+WINDOW = 4  # a window layer reads the 3 keys before a query's position and its own
+
+
+class WindowRadixCacheMachine(RadixCacheMachine):
+    """``test_radix_cache``'s state machine over the window radix cache, with a window region
+    smaller than the pool, window KV evicted on its own, and admission's served prefix; after
+    every step the window region's accounting holds and every lock's window KV is there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocator = HybridSlotAllocator(POOL_SLOTS, 13, WINDOW)
+
+    @initialize(enabled=st.booleans())
+    def setup(self, enabled: bool) -> None:
+        super().setup(enabled)
+        self.cache = WindowRadixCache(self.allocator, enabled=enabled)
+        if enabled:
+            self.namespaces = [0, self.cache.new_namespace()]
+        else:
+            self.namespaces = [self.cache.default_namespace(), self.cache.default_namespace()]
+
+    def _take(self, n: int) -> torch.Tensor | None:
+        """As the KV manager's room: the window region's unpinned KV first, then leaves."""
+        short = n - self.allocator.window_available
+        if short > 0:
+            self.cache.evict_window(short)
+        while (short := max(n - self.allocator.window_available, n - self.allocator.available)) > 0:
+            if not self._evict(short):
+                return None
+        return self.allocator.alloc(n)
+
+    def _served(self, ns: int, key: tuple[int, ...], longest: int):
+        """``match_served``, its matches marked in the reference (the whole match, then the
+        served part again when it is shorter)."""
+        res = self.cache.match_served(list(key), ns)
+        self.ref.touch(ns, key, longest, self.ref.tick())
+        if res.slots.numel() < longest:
+            self.ref.touch(ns, key, res.slots.numel(), self.ref.tick())
+        return res
+
+    @rule(n=st.integers(0, 14))
+    def evict_window(self, n: int) -> None:
+        before = self.allocator.window_available
+        freed = self.cache.evict_window(n)
+        assert self.allocator.window_available == before + freed
+        if freed < n:  # all the tree's unpinned window KV is gone
+            tree = self.cache.all_slots()
+            assert not (self.allocator.has_window(tree) & (self.cache._pins[tree] == 0)).any()
+
+    @rule(ns_i=st.integers(0, 1), key=keys)
+    def match_served(self, ns_i: int, key: tuple[int, ...]) -> None:
+        ns = self.namespaces[ns_i]
+        longest = self.ref.longest(ns, key)
+        res = self._served(ns, key, longest)
+        n = res.slots.numel()
+        assert n <= longest and res.slots.tolist() == self.ref.slots_of(ns, key, n)
+        alive = self.allocator.has_window(torch.tensor(self.ref.slots_of(ns, key, longest), dtype=torch.int64))
+
+        def servable(m: int) -> bool:
+            return bool(alive[max(0, m - WINDOW + 1) : m].all())
+
+        assert servable(n) and not any(servable(m) for m in range(n + 1, longest + 1))
+
+    @rule(ns_i=st.integers(0, 1), key=keys)
+    def match_and_lock(self, ns_i: int, key: tuple[int, ...]) -> None:
+        """What admission locks: the served prefix (never a tail whose window KV is gone)."""
+        ns = self.namespaces[ns_i]
+        longest = self.ref.longest(ns, key)
+        res = self._served(ns, key, longest)
+        self.cache.lock(res.node)
+        self.ref.handles.append(Handle(res.node, ns, key[: res.slots.numel()]))
+
+    @invariant()
+    def window_region(self) -> None:
+        if not hasattr(self, "cache"):
+            return
+        self.cache.check_window([])
+        for h in self.ref.handles:  # a lock's window: the keys before its end
+            tail = self.ref.slots_of(h.ns, h.key, len(h.key))[-(WINDOW - 1) :] if h.key else []
+            assert self.allocator.has_window(torch.tensor(tail, dtype=torch.int64)).all()
+
+
+WindowRadixCacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                                     suppress_health_check=[HealthCheck.too_slow])
+TestWindowRadixCacheMachine = WindowRadixCacheMachine.TestCase

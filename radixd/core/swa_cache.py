@@ -8,7 +8,8 @@ Contract (on top of ``radix_cache``'s)
   KV is still cached, its window layers' is not.
 * A lock on a node also pins the window KV of the last ``window - 1`` tokens of its path, the
   keys a window layer reads from there (the locking request's window, a group prompt's
-  followers'). Pinned window KV is never freed; all other window KV of the tree is evictable
+  followers'); so a node is locked only where that KV is there (a match ``match_served``
+  gave, a request's own computed tokens). Pinned window KV is never freed; all other window KV of the tree is evictable
   from the window region alone (``evict_window``, least recently used nodes first, leaves
   before their parents), which keeps the tokens' slots and their global layers' KV.
 * ``match_served``: admission is served a matched prefix only up to where the window KV of the
@@ -96,12 +97,21 @@ class WindowRadixCache(RadixCache):
         copies as before)."""
         existing = super().insert(key, slots, namespace)
         if existing:
-            tree = self.match_prefix(key[:existing], namespace).slots
+            tree = self._cached_slots(key, existing, namespace)
             ours = slots[:existing]
             revive = ~self.hybrid.has_window(tree) & self.hybrid.has_window(ours)
             if revive.any():
                 self.hybrid.move_window(ours[revive], tree[revive])
         return existing
+
+    def _cached_slots(self, key: Sequence[int], n: int, namespace: int) -> torch.Tensor:
+        """The tree's slots of ``key[:n]`` (cached), read without splitting or touching."""
+        node, parts, got = self._root(namespace), [], 0
+        while got < n:
+            node = node.children[key[got]]
+            parts.append(node.value[: n - got])
+            got += parts[-1].numel()
+        return torch.cat(parts)
 
     # ------------------------------------------------------------------ the window region
 
