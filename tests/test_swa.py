@@ -272,13 +272,9 @@ class WindowRadixCacheMachine(RadixCacheMachine):
 
     def _take(self, n: int) -> torch.Tensor | None:
         """As the KV manager's room: the window region's unpinned KV first, then leaves."""
-        short = n - self.allocator.window_available
-        if short > 0:
-            self.cache.evict_window(short)
-        while (short := max(n - self.allocator.window_available, n - self.allocator.available)) > 0:
-            if not self._evict(short):
-                return None
-        return self.allocator.alloc(n)
+        if not self.cache.make_window_room(n):
+            return None
+        return super()._take(n)
 
     def _served(self, ns: int, key: tuple[int, ...], longest: int):
         """``match_served``, its matches marked in the reference (the whole match, then the

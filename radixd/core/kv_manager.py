@@ -153,7 +153,7 @@ class KVManager:
                 self.allocator.free_window(kv.slots[start:end])
                 kv.window_freed = end
 
-    def take_window_map(self):
+    def take_window_map(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The window slots assigned since the last step, for the next batch (or None)."""
         return self.allocator.take_map_writes() if self.window is not None else None
 

@@ -116,14 +116,12 @@ class WindowRadixCache(RadixCache):
     # ------------------------------------------------------------------ the window region
 
     def make_window_room(self, n: int) -> bool:
-        """True if ``n`` window slots are free, evicting the tree's unpinned window KV (then,
-        if still short, whole unlocked leaves) if needed."""
+        """True if ``n`` window slots are free, evicting the tree's unpinned window KV if
+        needed. (Evicting whole leaves would give no more: pins lie on locked paths only, so
+        an unlocked node's window KV is all evictable here.)"""
         short = n - self.hybrid.window_available
         if short > 0:
             self.evict_window(short)
-            # then whole leaves (some may be tombstones already: until enough or none left)
-            while (short := n - self.hybrid.window_available) > 0 and self.evict(short):
-                pass
         return self.hybrid.window_available >= n
 
     def evict_window(self, n: int) -> int:
