@@ -55,21 +55,25 @@ async def test_window_kv_freed_as_it_decodes(tiny_dense_models, arch):
     of freeing, and its tokens are transformers'."""
     path = tiny_dense_models[arch]
     eng = make_engine(path, kv_cache_tokens=512, chunked_prefill_size=8)
-    seen: list[tuple[int, int]] = []  # (window slots free, window KV held privately) per step
+    seen: list[tuple[int, int, int]] = []  # (window slots free, held privately, pinned) per step
 
     def hook(step):
         eng.check_accounting()
         acc = eng.scheduler.accounting()
-        seen.append((acc["window_free"], acc["window_private"]))
+        seen.append((acc["window_free"], acc["window_private"], acc["window_locked"]))
 
     eng.step_hook = hook
     try:
         p = prompts(1, 20, seed=31)[0]
         got = await collect(eng, p, 40)
         assert_greedy_matches(path, p, got, 40)
-        frees = [f for f, _ in seen]
+        frees = [f for f, _, _ in seen]
         assert any(b > a for a, b in zip(frees, frees[1:], strict=False)), frees  # freed while decoding
-        assert max(priv for _, priv in seen) <= 7 + 8 + 1  # window - 1, a batch of freeing, the new token
+        assert max(priv for _, priv, _ in seen) <= 7 + 8 + 1  # window - 1, a batch of freeing, the new token
+        # the prompt's last 7 tokens are pinned while the window reaches them, then not (while
+        # the request still runs)
+        assert max(pinned for _, _, pinned in seen) == 7
+        assert any(pinned == 0 and priv > 0 for _, priv, pinned in seen)
         await assert_window_idle(eng)
     finally:
         await eng.stop()

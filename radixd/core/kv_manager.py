@@ -20,8 +20,9 @@ Contract
   exactly one owner (``check_accounting``).
 * Sliding windows (a ``HybridSlotAllocator`` and ``WindowRadixCache``, see ``swa_pool``):
   room is also made in the window region, and before each step a running request's window
-  KV behind its window is freed (``free_behind_windows``; only what it holds privately:
-  the tree's goes when the window region is short); both regions are accounted.
+  KV behind its window is freed (``free_behind_windows``: what it holds privately; the
+  tree's, once no lock pins it, goes when the window region is short, and a request whose
+  window has moved past its cached part unpins it); both regions are accounted.
 """
 
 from __future__ import annotations
@@ -152,6 +153,9 @@ class KVManager:
             if end - start >= every and kv.row is not None:
                 self.allocator.free_window(kv.slots[start:end])
                 kv.window_freed = end
+            if end >= kv.cached_len and not kv.window_unpinned and kv.last_node is not None:
+                self.window.unpin(kv.last_node)
+                kv.window_unpinned = True
 
     def take_window_map(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The window slots assigned since the last step, for the next batch (or None)."""
@@ -197,12 +201,21 @@ class KVManager:
         match = self.cache.match_prefix(key, r.namespace)
         self.cache.lock(match.node)
         if kv.last_node is not None:
-            self.cache.unlock(kv.last_node)
+            self._unlock_last(kv)
         if existing > kv.cached_len:
             kv.table_writes.append((kv.cached_len, match.slots[kv.cached_len : existing]))
         kv.slots = match.slots
         kv.cached_len = kv.length
         kv.last_node = match.node
+
+    def _unlock_last(self, kv: KVHandle) -> None:
+        """Unlock ``kv.last_node`` (its window pin dropped already, if ``free_behind_windows``
+        dropped it)."""
+        if kv.window_unpinned:
+            self.window.unlock(kv.last_node, pinned=False)
+            kv.window_unpinned = False
+        else:
+            self.cache.unlock(kv.last_node)
 
     def release(self, r: Request) -> None:
         """``r`` leaves the running set: its KV goes into the cache (and the tiers, per the
@@ -243,7 +256,7 @@ class KVManager:
                     g.leader_gone = True  # the followers compute the prompt themselves
                 match = self.cache.match_prefix(r.seq[: kv.length], r.namespace)
                 self.cache.lock(match.node)
-                self.cache.unlock(kv.last_node)
+                self._unlock_last(kv)
                 kv.slots, kv.last_node = match.slots, match.node
                 kv.table_writes = [(0, match.slots)]  # the table row is rewritten on resume
         for r, invalid in uncached:

@@ -9,7 +9,9 @@ Contract (on top of ``radix_cache``'s)
 * A lock on a node also pins the window KV of the last ``window - 1`` tokens of its path, the
   keys a window layer reads from there (the locking request's window, a group prompt's
   followers'); so a node is locked only where that KV is there (a match ``match_served``
-  gave, a request's own computed tokens). Pinned window KV is never freed; all other window KV of the tree is evictable
+  gave, a request's own computed tokens). A request whose window has moved past its node
+  unpins early (``unpin``, then ``unlock(node, pinned=False)``). Pinned window KV is never
+  freed; all other window KV of the tree is evictable
   from the window region alone (``evict_window``, least recently used nodes first, leaves
   before their parents), which keeps the tokens' slots and their global layers' KV.
 * ``match_served``: admission is served a matched prefix only up to where the window KV of the
@@ -67,9 +69,16 @@ class WindowRadixCache(RadixCache):
         super().lock(node)
         self._pins[self._tail(node)] += 1
 
-    def unlock(self, node: TreeNode) -> None:
-        self._pins[self._tail(node)] -= 1  # (before the base may drop the path: cache disabled)
+    def unlock(self, node: TreeNode, *, pinned: bool = True) -> None:
+        """``pinned`` False: a lock whose window was unpinned already (``unpin``)."""
+        if pinned:
+            self._pins[self._tail(node)] -= 1  # (before the base may drop the path: cache disabled)
         super().unlock(node)
+
+    def unpin(self, node: TreeNode) -> None:
+        """A lock's holder reads no more of the window KV its lock pinned (its window lies past
+        the node); it unlocks with ``pinned=False``."""
+        self._pins[self._tail(node)] -= 1
 
     # ------------------------------------------------------------------ serving and inserting
 
