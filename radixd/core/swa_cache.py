@@ -11,9 +11,9 @@ Contract (on top of ``radix_cache``'s)
   followers'); so a node is locked only where that KV is there (a match ``match_served``
   gave, a request's own computed tokens). A request whose window has moved past its node
   unpins early (``unpin``, then ``unlock(node, pinned=False)``). Pinned window KV is never
-  freed; all other window KV of the tree is evictable
-  from the window region alone (``evict_window``, least recently used nodes first, leaves
-  before their parents), which keeps the tokens' slots and their global layers' KV.
+  freed; all other window KV of the tree is evictable from the window region alone
+  (``evict_window``, least recently used nodes first, leaves before their parents), which
+  keeps the tokens' slots and their global layers' KV.
 * ``match_served``: admission is served a matched prefix only up to where the window KV of the
   ``window - 1`` tokens before its end is all there; the rest is recomputed (and, on insertion,
   the recomputed window KV replaces the tombstones: ``insert``).
@@ -45,6 +45,8 @@ def slots_and_cache(pool: KVPool, *, enabled: bool) -> tuple[SlotAllocator, Radi
 
 
 class WindowRadixCache(RadixCache):
+    """A ``RadixCache`` over a ``HybridSlotAllocator`` (the module docstring is the contract)."""
+
     def __init__(self, allocator: HybridSlotAllocator, *, enabled: bool = True):
         super().__init__(allocator, enabled=enabled)
         self.hybrid = allocator
@@ -60,10 +62,10 @@ class WindowRadixCache(RadixCache):
             parts.append(node.value)
             n += node.value.numel()
             node = node.parent  # type: ignore[assignment]
-        if not parts:
+        if not parts:  # (the root, or a window of one key)
             return torch.empty(0, dtype=torch.int64)
         parts.reverse()
-        return torch.cat(parts)[-self.keep :] if self.keep else parts[0][:0]
+        return torch.cat(parts)[-self.keep :]
 
     def lock(self, node: TreeNode) -> None:
         super().lock(node)
