@@ -331,6 +331,6 @@ class WindowRadixCacheMachine(RadixCacheMachine):
             assert self.allocator.has_window(torch.tensor(tail, dtype=torch.int64)).all()
 
 
-WindowRadixCacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+WindowRadixCacheMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
                                                      suppress_health_check=[HealthCheck.too_slow])
 TestWindowRadixCacheMachine = WindowRadixCacheMachine.TestCase
