@@ -12,6 +12,7 @@ Everything here runs once, at start-up, on the caller's thread.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,11 +20,13 @@ import torch
 
 from radixd.core.config import EngineConfig
 from radixd.core.errors import ConfigError
+from radixd.core.kv_manager import FREE_EVERY
 from radixd.core.kv_pool import kv_bytes_per_token
 from radixd.core.kv_quant import KVFormat, is_scale_name, kv_format
 from radixd.core.model_loader import iter_safetensors, read_config, resolve_model
 from radixd.core.models.config import ModelConfig
 from radixd.core.pooling import Pooling, engine_pooling
+from radixd.core.swa_pool import window_slots
 from radixd.core.tiers import TierContext
 from radixd.core.triton_ops import KernelChoice
 from radixd.core.worker import ModelWorker, Worker, on_device
@@ -75,7 +78,8 @@ def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.dev
               cuda_graphs=config.cuda_graphs and setup.pooling is None,  # (embedding engines never decode)
               cascade_attention=config.cascade_attention,
               kernels=KernelChoice(fuse_one_row=config.fuse_one_row, rows_kernel=config.rows_kernel),
-              head=setup.pooling is None, kv_format=setup.kv_format)
+              head=setup.pooling is None, kv_format=setup.kv_format,
+              window_slots=window_region(config, setup))
     if len(devices) > 1:
         from radixd.core.tensor_parallel import TPWorker
 
@@ -92,11 +96,34 @@ def kv_slots(config: EngineConfig, setup: ModelSetup, free_bytes: int | None) ->
         return c.kv_cache_tokens + 1
     # each device of a replica holds its share of the KV heads
     kv_heads = setup.cfg.num_kv_heads // c.tp_size
-    per_token = kv_bytes_per_token(setup.cfg.num_layers, kv_heads, setup.cfg.head_dim, setup.kv_format.dtype)
+    windowed = sum(1 for w in setup.cfg.layer_windows if w) if window_ratio(config, setup) else 0
+    # (with a window region, a slot's own layers and its share of a window slot)
+    kv_dtype = setup.kv_format.dtype
+    per_token = (kv_bytes_per_token(setup.cfg.num_layers - windowed, kv_heads, setup.cfg.head_dim, kv_dtype)
+                 + c.swa_full_tokens_ratio * kv_bytes_per_token(windowed, kv_heads, setup.cfg.head_dim, kv_dtype))
     budget = c.kv_cache_bytes
     if budget is None:
         budget = int(free_bytes * c.mem_fraction) if free_bytes is not None else DEFAULT_KV_BYTES_CPU
-    return max(2, budget // per_token + 1)
+    return max(2, int(budget // per_token) + 1)
+
+
+def window_ratio(config: EngineConfig, setup: ModelSetup) -> float:
+    """The window region's share of the pool's slots (``swa_pool``); 0: no region (no sliding
+    window, or lower cache tiers)."""
+    if not any(setup.cfg.layer_windows) or config.cache_tiers:
+        return 0.0
+    return config.swa_full_tokens_ratio
+
+
+def window_region(config: EngineConfig, setup: ModelSetup) -> Callable[[int], int] | None:
+    """The window region's size for a pool of n slots (None: no region): its share, and at
+    least a prefill chunk and a window (so that one request always gets its next chunk)."""
+    ratio = window_ratio(config, setup)
+    if not ratio:
+        return None
+    window = max(setup.cfg.layer_windows)
+    least = config.chunked_prefill_size + window + min(FREE_EVERY, window) + 1
+    return lambda n: max(window_slots(n, ratio), least + 1)
 
 
 def check_parallel(config: EngineConfig, cfg: ModelConfig, device: torch.device) -> None:

@@ -181,6 +181,11 @@ class EngineConfig:
     # What the pool stores K and V in: "auto" (the model's dtype), "fp8_e4m3" or "fp8_e5m2"
     # (half the bytes of bf16 per token; per-layer scales from the checkpoint, else 1.0).
     kv_cache_dtype: str = option("auto", key="memory.kv_cache_dtype", choices=KV_CACHE_DTYPES)
+    # Models with sliding-window layers: their KV in a region of its own, this many window
+    # tokens per pool slot (at least a prefill chunk and a window), freed behind the windows
+    # (swa_pool); 0: kept whole like the global layers' KV (so too with cache_tiers, which
+    # store every layer's KV by slot).
+    swa_full_tokens_ratio: float = option(0.8, min=0.0, max=1.0)
 
     # Radix cache.
     radix_cache: bool = option(True, key="cache.radix")

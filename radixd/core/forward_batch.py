@@ -81,6 +81,9 @@ class ForwardBatch:
     # KV loaded from lower cache tiers into this batch's slots on a side stream: per load,
     # one CUDA event per layer (layer l's attention waits for that layer's events only).
     wait_events: list = field(default_factory=list)
+    # Sliding windows (radixd.core.swa_pool): (slots, window slots) to write into the pool's
+    # ``to_window`` map before running; None: nothing changed.
+    window_map: tuple[torch.Tensor, torch.Tensor] | None = None
     # A decode batch's requests that share a cached prefix (radixd.core.cascade.SharedPrefixes):
     # a backend decoding in cascade reads that KV once per item; None: every request alone.
     shared: object | None = None

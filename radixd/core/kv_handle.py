@@ -29,7 +29,7 @@ from radixd.core.radix_cache import TreeNode
 
 class KVHandle:
     __slots__ = ("row", "_slots", "_slot_tail", "length", "cached_len", "last_node", "share_chain",
-                 "table_writes")
+                 "table_writes", "window_freed", "window_unpinned")
 
     def __init__(self) -> None:
         self.row: int | None = None           # the request-to-token table row
@@ -41,6 +41,9 @@ class KVHandle:
         self.share_chain: list[int] | None = None
         # (start position, slots) to write into the table row before the next step runs
         self.table_writes: list[tuple[int, torch.Tensor]] = []
+        # sliding windows: positions below this have had their private window KV freed
+        self.window_freed = 0
+        self.window_unpinned = False  # its lock's window pin was dropped (its window is past it)
 
     @property
     def slots(self) -> torch.Tensor:

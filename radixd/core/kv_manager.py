@@ -18,6 +18,11 @@ Contract
   (write-through, or once its prefix was hit N times), per the tiers' write policy.
 * Accounting: free + evictable + locked + private == total between steps, and every slot has
   exactly one owner (``check_accounting``).
+* Sliding windows (a ``HybridSlotAllocator`` and ``WindowRadixCache``, see ``swa_pool``):
+  room is also made in the window region, and before each step a running request's window
+  KV behind its window is freed (``free_behind_windows``: what it holds privately; the
+  tree's, once no lock pins it, goes when the window region is short, and a request whose
+  window has moved past its cached part unpins it); both regions are accounted.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ from radixd.core.kv_pool import RowAllocator, SlotAllocator
 from radixd.core.radix_cache import RadixCache
 from radixd.core.request import Group, Request
 from radixd.core.scheduler_interface import ScheduledStep, SchedulerStats
+from radixd.core.swa_cache import WindowRadixCache
 from radixd.core.tiers.hierarchy import KVHierarchy
+
+FREE_EVERY = 64  # tokens behind a request's window freed at once (fewer tensor operations per step)
 
 
 class KVManager:
@@ -46,6 +54,8 @@ class KVManager:
         self.reserve_ratio = config.schedule_conservativeness
         self.chunk = config.chunked_prefill_size
         self._load_events: list = []  # CUDA events of tier loads the next step must wait for
+        # sliding windows: the window region's cache (None: no window region)
+        self.window = cache if isinstance(cache, WindowRadixCache) else None
         if tiers is not None and tiers.write_policy == "write_back":
             cache.on_evict = self._store_path
 
@@ -57,13 +67,19 @@ class KVManager:
         want = n + keep
         if self.allocator.available < want:
             self.cache.evict(want - self.allocator.available)
+        # (the window region needs only this step's tokens: requests free their own as they go)
+        if self.window is not None and not self.window.make_window_room(n):
+            return False
         return self.allocator.available >= want
 
     def room_for(self, want: int, planned: int) -> int:
         """How many of ``want`` slots can be had on top of ``planned`` (evicting if needed)."""
         if self.make_room(planned + want):
             return want
-        return max(0, min(want, self.allocator.available - planned))
+        free = self.allocator.available
+        if self.window is not None:
+            free = min(free, self.allocator.window_available)
+        return max(0, min(want, free - planned))
 
     def _reserve(self, running: list[Request]) -> int:
         """KV to keep free for the running requests' remaining tokens (an estimate)."""
@@ -98,7 +114,7 @@ class KVManager:
             limit = min(limit, missing - 1)
         if r.pool is not None and r.pool.missing is not None:  # hidden states are not cached
             limit = min(limit, r.pool.missing)
-        match = self.cache.match_prefix(seq[:limit], r.namespace)
+        match = self.cache.match_served(seq[:limit], r.namespace)
         self.cache.lock(match.node)
         if self.tiers is not None and r.namespace == 0:
             match = self._load_from_tiers(seq, match, planned, limit)
@@ -121,6 +137,29 @@ class KVManager:
         if r.is_follower and r.group is not None:
             self.follower_gone(r.group)
         return n
+
+    def free_behind_windows(self, running: list[Request]) -> None:
+        """Sliding windows: free the window KV each running request holds privately that lies
+        behind its window (a query at position p reads keys from p - window + 1; the next
+        query of a request is at ``kv.length``), a few tokens at a time."""
+        if self.window is None:
+            return
+        keep = self.window.keep
+        every = min(FREE_EVERY, keep + 1)
+        for r in running:
+            kv = r.kv
+            start = max(kv.window_freed, kv.cached_len)
+            end = kv.length - keep
+            if end - start >= every and kv.row is not None:
+                self.allocator.free_window(kv.slots[start:end])
+                kv.window_freed = end
+            if end >= kv.cached_len and not kv.window_unpinned and kv.last_node is not None:
+                self.window.unpin(kv.last_node)
+                kv.window_unpinned = True
+
+    def take_window_map(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The window slots assigned since the last step, for the next batch (or None)."""
+        return self.allocator.take_map_writes() if self.window is not None else None
 
     def follower_gone(self, g: Group) -> None:
         """A follower of ``g`` waits no more (admitted or aborted): the last one frees the
@@ -162,12 +201,21 @@ class KVManager:
         match = self.cache.match_prefix(key, r.namespace)
         self.cache.lock(match.node)
         if kv.last_node is not None:
-            self.cache.unlock(kv.last_node)
+            self._unlock_last(kv)
         if existing > kv.cached_len:
             kv.table_writes.append((kv.cached_len, match.slots[kv.cached_len : existing]))
         kv.slots = match.slots
         kv.cached_len = kv.length
         kv.last_node = match.node
+
+    def _unlock_last(self, kv: KVHandle) -> None:
+        """Unlock ``kv.last_node`` (its window pin dropped already, if ``free_behind_windows``
+        dropped it)."""
+        if kv.window_unpinned:
+            self.window.unlock(kv.last_node, pinned=False)
+            kv.window_unpinned = False
+        else:
+            self.cache.unlock(kv.last_node)
 
     def release(self, r: Request) -> None:
         """``r`` leaves the running set: its KV goes into the cache (and the tiers, per the
@@ -208,7 +256,7 @@ class KVManager:
                     g.leader_gone = True  # the followers compute the prompt themselves
                 match = self.cache.match_prefix(r.seq[: kv.length], r.namespace)
                 self.cache.lock(match.node)
-                self.cache.unlock(kv.last_node)
+                self._unlock_last(kv)
                 kv.slots, kv.last_node = match.slots, match.node
                 kv.table_writes = [(0, match.slots)]  # the table row is rewritten on resume
         for r, invalid in uncached:
@@ -287,17 +335,27 @@ class KVManager:
     # ------------------------------------------------------------------ accounting
 
     def accounting(self, running: list[Request]) -> dict[str, int]:
-        """free + evictable + locked + private == total, recounted from the parts."""
-        return {
+        """free + evictable + locked + private == total, recounted from the parts (and the
+        same of the window region, ``window_*``, with sliding windows)."""
+        a = {
             "total": self.allocator.total,
             "free": self.allocator.available,
             "evictable": self.cache.evictable_size,
             "locked": self.cache.protected_size,
             "private": sum(r.kv.private_len for r in running),
         }
+        if self.window is not None:
+            a |= self.window.window_accounting(self._private(running))
+        return a
+
+    @staticmethod
+    def _private(running: list[Request]) -> list[torch.Tensor]:
+        return [r.kv.slots[r.kv.cached_len : r.kv.length] for r in running]
 
     def check_accounting(self, running: list[Request]) -> None:
         a = self.accounting(running)
+        if self.window is not None:
+            self.window.check_window(self._private(running))
         if a["free"] + a["evictable"] + a["locked"] + a["private"] != a["total"]:
             raise AssertionError(f"KV accounting broken: {a}")
         self.cache.check()

@@ -10,6 +10,9 @@ The buffers hold the model's dtype, or fp8 (``KVFormat``: ``k_scales[layer]`` an
 ``v_scales[layer]`` divide on the way in and multiply on the way out; ``store`` and ``read``
 here, the Triton kernels in their own loads and stores).
 
+With a window region (sliding-window layers, ``swa_pool``), the window layers' buffers have
+``window_slots`` rows instead, read through ``to_window``.
+
 The scheduler owns *which* slots a request uses (``SlotAllocator`` and the radix cache live
 on the event-loop thread, on the CPU); the worker owns the buffers and the table, and applies
 the table writes each batch carries before its forward pass.
@@ -102,8 +105,12 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         kv_format: KVFormat | None = None,
+        windows: tuple[int, ...] = (),
+        window_slots: int = 0,
     ):
-        """``dtype``: the model's; ``kv_format``: what K/V are stored in (None: ``dtype``)."""
+        """``dtype``: the model's; ``kv_format``: what K/V are stored in (None: ``dtype``).
+        ``windows``/``window_slots``: each layer's sliding window (0: none) and the size of
+        the window layers' own region (0: no region; every layer has ``num_slots`` rows)."""
         self.num_slots = num_slots
         fmt = kv_format or KVFormat(dtype)
         self.dtype = fmt.dtype          # what the buffers hold
@@ -113,9 +120,13 @@ class KVPool:
         self.v_scales = fmt.v_scales or (1.0,) * num_layers
         self.device = device
         dtype = fmt.dtype
-        shape = (num_slots, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.window_slots = window_slots
+        self.window = max(windows, default=0) if window_slots else 0
+        rows = [window_slots if window_slots and windows[i] else num_slots for i in range(num_layers)]
+        self.k_buffers = [torch.zeros((n, num_kv_heads, head_dim), dtype=dtype, device=device) for n in rows]
+        self.v_buffers = [torch.zeros((n, num_kv_heads, head_dim), dtype=dtype, device=device) for n in rows]
+        # slot -> window slot (swa_pool); None without a window region
+        self.to_window = torch.zeros(num_slots, dtype=torch.int64, device=device) if window_slots else None
         self.req_to_token = torch.zeros((max_rows, max_context_len), dtype=torch.int64, device=device)
         self._load_stream = None  # CUDA: the side stream of write_pages
 

@@ -138,6 +138,11 @@ class RadixCache:
         slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         return MatchResult(slots, node)
 
+    def match_served(self, key: Sequence[int], namespace: int = 0) -> MatchResult:
+        """The cached prefix of ``key`` that admission may use: ``match_prefix``'s here (a
+        cache whose KV can be partly gone, ``swa_cache``, serves less)."""
+        return self.match_prefix(key, namespace)
+
     def record_query(self, queried: int, hit: int) -> None:
         self.queried_tokens += queried
         self.hit_tokens += hit

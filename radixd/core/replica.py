@@ -30,12 +30,12 @@ from typing import NamedTuple
 import torch
 
 from radixd.core.config import EngineConfig
-from radixd.core.kv_pool import RowAllocator, SlotAllocator
+from radixd.core.kv_pool import RowAllocator
 from radixd.core.outputs import Outputs
 from radixd.core.policy import SchedulePolicy
-from radixd.core.radix_cache import RadixCache
 from radixd.core.sampler import SampledTokens
 from radixd.core.scheduler import NEED_SYNC, ScheduledStep, Scheduler
+from radixd.core.swa_cache import slots_and_cache
 from radixd.core.tiers.hierarchy import KVHierarchy
 from radixd.core.worker import Worker, bind_device
 
@@ -78,9 +78,8 @@ class Replica:
                  vocab_size: int | None = None):
         self.index = index
         self.worker = worker
-        self.allocator = SlotAllocator(worker.pool.num_slots)
+        self.allocator, self.cache = slots_and_cache(worker.pool, enabled=config.radix_cache)
         self.rows = RowAllocator(config.max_running_requests)
-        self.cache = RadixCache(self.allocator, enabled=config.radix_cache)
         self.policy = policy
         self.tiers = tiers  # KVHierarchy over this replica's pool, or None
         self.scheduler = Scheduler(config, allocator=self.allocator, rows=self.rows, cache=self.cache,

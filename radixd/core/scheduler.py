@@ -104,6 +104,7 @@ class Scheduler(SchedulerInterface):
         self._drop_aborted(inflight)
 
         # 1. Decode for every running request past its prompt; preempt if KV runs out.
+        self.kv_manager.free_behind_windows(self.running)
         decoding, mid_prefill, host_picks = self._decoding()
         if inflight and host_picks:
             return NEED_SYNC  # penalties need the pending token on the host (grammar masks
@@ -138,6 +139,7 @@ class Scheduler(SchedulerInterface):
         # (tokens planned: one per decode, and what prefills took of the budget)
         planned = len(decoding) + self.config.max_prefill_tokens - budget
         step = self.builder.build(plan, len(decoding), self.kv_manager.alloc(planned), self.cascade_members)
+        step.batch.window_map = self.kv_manager.take_window_map()  # (before commit: see swa_pool)
         self.kv_manager.commit(plan)
         picks = step.pick_index
         for r in step.sampled:

@@ -77,12 +77,15 @@ class ModelWorker:
         model: torch.nn.Module | None = None,
         head: bool = True,
         kv_format: KVFormat | None = None,
+        window_slots: Callable[[int], int] | None = None,
     ):
         """``model``: already built on ``device`` (a tensor-parallel shard; ``model_cfg`` is
         then the shard's shape); otherwise loaded from ``model_path``. ``kernels``: the
         optional kernels the model and attention take; ``head`` False (an embedding engine,
         which never samples): the checkpoint may lack the LM head. ``kv_format``: what the
-        pool stores K/V in (None: ``dtype``)."""
+        pool stores K/V in (None: ``dtype``). ``window_slots`` (a model with sliding windows):
+        the window layers' KV in a region of its own, of ``window_slots(pool slots)`` slots
+        (``swa_pool``); None: no region."""
         self.device = device
         self.model_cfg = model_cfg
         prebuilt = model is not None
@@ -95,6 +98,7 @@ class ModelWorker:
             torch.cuda.synchronize(device)
             free, _ = torch.cuda.mem_get_info(device)
         num_slots = kv_slots(free)
+        windows = model_cfg.layer_windows
         self.pool = KVPool(
             num_layers=model_cfg.num_layers,
             num_slots=num_slots,
@@ -105,6 +109,8 @@ class ModelWorker:
             dtype=dtype,
             device=device,
             kv_format=kv_format,
+            windows=windows,
+            window_slots=window_slots(num_slots) if window_slots is not None and any(windows) else 0,
         )
         self.attn = make_backend(
             attention_backend,
@@ -114,7 +120,7 @@ class ModelWorker:
             scale=model_cfg.attention_scale,
             cascade=cascade_attention,
             fuse_one_row=kernels.fuse_one_row,
-            windows=model_cfg.layer_windows,
+            windows=windows,
             softcap=model_cfg.attn_softcap,
         )
         self.cascade_members = self.attn.cascade_members
@@ -180,6 +186,9 @@ class ModelWorker:
         if rows:
             cat = torch.cat if len(rows) > 1 else (lambda parts: parts[0])
             self.pool.req_to_token[stage(cat(rows)), stage(cat(cols))] = stage(cat(vals))
+        if batch.window_map is not None:
+            slots, window = batch.window_map
+            self.pool.to_window[stage(slots)] = stage(window)
 
     @torch.inference_mode()
     def launch(self, batch: ForwardBatch, prev: SampledTokens | None = None, *,

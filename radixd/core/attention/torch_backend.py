@@ -4,7 +4,8 @@ Decode requests (one new token) are padded into one batched SDPA call; extend re
 one SDPA each with a causal mask offset by their cached prefix. A layer's sliding window
 narrows the mask; a score soft-cap (which SDPA cannot apply) takes the explicit
 softmax(cap * tanh(q.k * scale / cap)) path. K and V are read through the pool (``KVPool.read``:
-dequantized from an fp8 pool).
+dequantized from an fp8 pool). With a window region in the pool (``swa_pool``) a window
+layer's KV is read and stored at the window slots of the table's slots.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class TorchAttention:
         self.scale = scale
         self.windows = windows or (0,) * len(pool.k_buffers)
         self.softcap = softcap
+        # layers whose KV lies in the pool's window region
+        self.mapped = tuple(bool(w) and pool.to_window is not None for w in self.windows)
 
     def begin(self, batch: ForwardBatch, stage=None) -> None:
         device = self.pool.device
@@ -37,6 +40,9 @@ class TorchAttention:
         table = self.pool.req_to_token
         decode = [i for i, e in enumerate(batch.extend_lens) if e == 1]
         windows = set(self.windows)
+        to_window = self.pool.to_window
+        mapped = to_window.__getitem__ if to_window is not None else lambda idx: idx
+        self.window_loc = mapped(self.out_cache_loc)
         self.extends = []
         for i, e in enumerate(batch.extend_lens):
             if e == 1:
@@ -46,7 +52,7 @@ class TorchAttention:
             q_pos = torch.arange(p, p + e, device=device)[:, None]
             kv_pos = torch.arange(p + e, device=device)[None, :]
             masks = {w: (kv_pos <= q_pos) & (kv_pos > q_pos - w if w else True) for w in windows}
-            self.extends.append((starts[i], e, kv_idx, masks))
+            self.extends.append((starts[i], e, kv_idx, mapped(kv_idx), masks))
         self.decode_tok = None
         if decode:
             lens = torch.tensor([batch.prefix_lens[i] + 1 for i in decode], device=device)
@@ -58,6 +64,7 @@ class TorchAttention:
             kv_idx = torch.where(valid, kv_idx, torch.zeros_like(kv_idx))
             self.decode_tok = torch.tensor([starts[i] for i in decode], device=device)
             self.decode_kv_idx = kv_idx
+            self.decode_window_idx = mapped(kv_idx)
             self.decode_masks = {w: (valid & (kv_pos >= lens[:, None] - w if w else True))[:, None, None, :]
                                  for w in windows}  # [Bd, 1, 1, L]
 
@@ -67,17 +74,21 @@ class TorchAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 positions: torch.Tensor, rotary) -> torch.Tensor:
         q, k = rotary(positions, q, k)
-        self.pool.store(layer, self.out_cache_loc, k, v)
+        mapped = self.mapped[layer]
+        self.pool.store(layer, self.window_loc if mapped else self.out_cache_loc, k, v)
         window = self.windows[layer]
         out = torch.empty_like(q)
-        for start, e, kv_idx, masks in self.extends:
+        for start, e, kv_idx, window_idx, masks in self.extends:
+            if mapped:
+                kv_idx = window_idx
             qi = q[start : start + e].transpose(0, 1)[None]          # [1, H, e, D]
             ki, vi = self.pool.read(layer, kv_idx, q.dtype)          # [S, Hkv, D]
             ki, vi = ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]  # [1, Hkv, S, D]
             out[start : start + e] = self._attend(qi, ki, vi, masks[window])[0].transpose(0, 1)
         if self.decode_tok is not None:
             qd = q[self.decode_tok][:, :, None, :]                    # [Bd, H, 1, D]
-            kd, vd = self.pool.read(layer, self.decode_kv_idx, q.dtype)  # [Bd, L, Hkv, D]
+            idx = self.decode_window_idx if mapped else self.decode_kv_idx
+            kd, vd = self.pool.read(layer, idx, q.dtype)             # [Bd, L, Hkv, D]
             kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)           # [Bd, Hkv, L, D]
             out[self.decode_tok] = self._attend(qd, kd, vd, self.decode_masks[window])[:, :, 0, :]
         return out

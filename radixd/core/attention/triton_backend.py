@@ -5,7 +5,11 @@ extend kernel for every request (a decode request is an extend of one token). ``
 points the backend at caller-owned device tensors, which is how CUDA graphs replay it.
 
 A decode step of one request on CUDA also takes ``project_forward``: the layer's q/k/v
-projection with rotary and the KV store in its epilogue (``triton_ops.gemv_rope_store``)."""
+projection with rotary and the KV store in its epilogue (``triton_ops.gemv_rope_store``).
+
+With a window region in the pool (``swa_pool``) a window layer stores at and reads through
+``pool.to_window``: its new tokens' window slots are gathered once per step, by the first
+window layer (inside a CUDA graph's capture, so that replays gather them again)."""
 
 from __future__ import annotations
 
@@ -44,6 +48,8 @@ class TritonAttention:
         self.pool = pool
         self.windows = windows or (0,) * len(pool.k_buffers)
         self.softcap = softcap
+        self.mapped = tuple(bool(w) and pool.to_window is not None for w in self.windows)
+        self._window_loc: torch.Tensor | None = None  # this step's new tokens' window slots
         self.fuse_one_row = fuse_one_row
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -85,6 +91,7 @@ class TritonAttention:
         (``cascade_decode_attention``)."""
         self.decode = True
         self.rows, self.seq_lens, self.out_cache_loc = rows, seq_lens, out_cache_loc
+        self._window_loc = None
         self.shared = shared
         self.splits = decode_splits(rows.numel(), self.pool.k_buffers[0].shape[1], self.processors)
         parts = self.splits + (PREFIX_SPLITS if shared is not None else 0)
@@ -101,6 +108,7 @@ class TritonAttention:
             return
         self.decode = False
         self.rows, self.out_cache_loc = rows, loc
+        self._window_loc = None
         self.prefix_lens = stage(batch.prefix_lens)
         self.extend_lens = stage(batch.extend_lens)
         starts = [0]
@@ -125,17 +133,28 @@ class TritonAttention:
                 positions: torch.Tensor, rotary) -> torch.Tensor:
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
         scales = self._scales(layer)
-        rope_store(q, k, v, positions, rotary.cos, rotary.sin, k_buf, v_buf, self.out_cache_loc, *scales)
+        rope_store(q, k, v, positions, rotary.cos, rotary.sin, k_buf, v_buf, self._loc(layer), *scales)
         if self.decode:
             return self._decode(q, layer)
         return extend_attention(q, k_buf, v_buf, self.pool.req_to_token, self.rows, self.prefix_lens,
                                 self.extend_lens, self.q_starts, self.max_extend, self.scale,
                                 window=self.windows[layer], softcap=self.softcap, k_scale=scales[0],
-                                v_scale=scales[1])
+                                v_scale=scales[1], slot_map=self._map(layer))
 
     def _scales(self, layer: int) -> tuple[float, float]:
         """The layer's K and V scales (an fp8 pool's; 1.0 otherwise)."""
         return self.pool.k_scales[layer], self.pool.v_scales[layer]
+
+    def _loc(self, layer: int) -> torch.Tensor:
+        """Where ``layer`` stores the step's new K/V."""
+        if not self.mapped[layer]:
+            return self.out_cache_loc
+        if self._window_loc is None:
+            self._window_loc = self.pool.to_window[self.out_cache_loc]
+        return self._window_loc
+
+    def _map(self, layer: int) -> torch.Tensor | None:
+        return self.pool.to_window if self.mapped[layer] else None
 
     def project_forward(self, x: torch.Tensor, proj: torch.nn.Linear, layer: int, positions: torch.Tensor,
                         rotary) -> torch.Tensor | None:
@@ -148,7 +167,7 @@ class TritonAttention:
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
         k_scale, v_scale = self._scales(layer)
         q = gemv_rope_store(x, proj.weight, proj.bias, positions, rotary.cos, rotary.sin, k_buf, v_buf,
-                            self.out_cache_loc, num_heads=self.num_heads, k_scale=k_scale, v_scale=v_scale)
+                            self._loc(layer), num_heads=self.num_heads, k_scale=k_scale, v_scale=v_scale)
         return self._decode(q, layer)
 
     def _decode(self, q: torch.Tensor, layer: int) -> torch.Tensor:
@@ -163,4 +182,4 @@ class TritonAttention:
         return decode_attention(q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token,
                                 self.rows, self.seq_lens, self.scale, num_splits=self.splits, mid_o=self.mid_o,
                                 mid_lse=self.mid_lse, window=self.windows[layer], softcap=self.softcap,
-                                k_scale=k_scale, v_scale=v_scale)
+                                k_scale=k_scale, v_scale=v_scale, slot_map=self._map(layer))

@@ -35,14 +35,16 @@ def _tanh(x):
 
 
 @triton.jit
-def _attend_span(q, rows_ok, K, V, Table, row, kvh, start, end, scale, v_scale,
+def _attend_span(q, rows_ok, K, V, Table, SlotMap, row, kvh, start, end, scale, v_scale,
                  stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr):
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
+                 MAPPED: tl.constexpr):
     """A tile of query rows (``rows_ok``: the real ones) of one KV head over the keys at
     positions ``[start, end)`` of table row ``row``, online softmax: (normalised output,
     log-sum-exp; -inf for a span with no key). ``SOFTCAP`` > 0: scores capped to
     ``SOFTCAP * tanh(score / SOFTCAP)``. ``scale`` includes the K scale; ``v_scale``
-    multiplies the output (1.0 unless the pool is fp8)."""
+    multiplies the output (1.0 unless the pool is fp8). ``MAPPED``: K/V rows are
+    ``SlotMap[slot]`` (a window layer's region, ``swa_pool``)."""
     m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     lsum = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
@@ -50,6 +52,8 @@ def _attend_span(q, rows_ok, K, V, Table, row, kvh, start, end, scale, v_scale,
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0)
+        if MAPPED:
+            slots = tl.load(SlotMap + slots, mask=mask_n, other=0)
         k = tl.load(K + slots[None, :] * stride_kn + kvh * stride_kh + offs_d[:, None],
                     mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(q.dtype)
         qk = tl.dot(q, k) * scale
@@ -73,13 +77,13 @@ def _attend_span(q, rows_ok, K, V, Table, row, kvh, start, end, scale, v_scale,
 
 @triton.jit
 def _decode_stage1(
-    Q, K, V, Table, Rows, SeqLens, Starts, MidO, MidLse, Out, PrefixParts, scale, v_scale,
+    Q, K, V, Table, SlotMap, Rows, SeqLens, Starts, MidO, MidLse, Out, PrefixParts, scale, v_scale,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_tr,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
     HAS_START: tl.constexpr, WRITE_LSE: tl.constexpr, MERGE_PREFIX: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MAPPED: tl.constexpr,
 ):
     """``MERGE_PREFIX`` (cascade with one split): the shared level's ``PrefixParts[b]``
     partials, in split slots ``SPLITS ...`` of ``MidO``/``MidLse``, are already there; they
@@ -107,9 +111,9 @@ def _decode_stage1(
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)
 
-    out, lse = _attend_span(q, mask_g, K, V, Table, row, kvh, start, end, scale, v_scale,
+    out, lse = _attend_span(q, mask_g, K, V, Table, SlotMap, row, kvh, start, end, scale, v_scale,
                             stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                            BLOCK_H, BLOCK_N, BLOCK_D, SOFTCAP)
+                            BLOCK_H, BLOCK_N, BLOCK_D, SOFTCAP, MAPPED)
     mask_gd = mask_g[:, None] & mask_d[None, :]
     if MERGE_PREFIX:
         for s in range(tl.load(PrefixParts + b)):
@@ -164,7 +168,7 @@ def decode_attention(
     rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, num_splits: int = 8,
     out: torch.Tensor | None = None, mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None, window: int = 0, softcap: float = 0.0,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, slot_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q`` [B, H, D] (one token per request) -> [B, H, D]. ``rows``/``seq_lens`` [B] on the
     device; the launch shape depends only on B, so it can be captured in a CUDA graph.
@@ -172,7 +176,8 @@ def decode_attention(
     (benchmarks sweep them). With one split, stage 1 writes ``out`` itself and stage 2 does
     not run. ``window`` > 0: each request attends to its newest ``window`` keys;
     ``softcap`` > 0: scores soft-capped (``softcap * tanh(score / softcap)``); ``k_scale``/
-    ``v_scale``: the layer's scales of an fp8 pool."""
+    ``v_scale``: the layer's scales of an fp8 pool; ``slot_map``: K/V of the table's slot s
+    at row ``slot_map[s]`` of the buffers (``swa_pool``)."""
     B, H, D = q.shape
     Hkv = k_buf.shape[1]
     group = H // Hkv
@@ -186,13 +191,15 @@ def decode_attention(
     block_d = triton.next_power_of_2(D)
     block_n, warps, stages = config if config is not None else DECODE_CONFIG
     _decode_stage1[(B, Hkv, num_splits)](
-        q, k_buf, v_buf, table, rows, seq_lens, seq_lens, mid_o, mid_lse, out, seq_lens, scale * k_scale, v_scale,
+        q, k_buf, v_buf, table, table if slot_map is None else slot_map, rows, seq_lens, seq_lens, mid_o, mid_lse,
+        out, seq_lens, scale * k_scale, v_scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),  # (Starts, Out, PrefixParts: unread without a start or a merge)
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, HAS_START=False, WRITE_LSE=num_splits > 1,
-        MERGE_PREFIX=False, WINDOW=window, SOFTCAP=softcap, num_warps=warps, num_stages=stages,
+        MERGE_PREFIX=False, WINDOW=window, SOFTCAP=softcap, MAPPED=slot_map is not None, num_warps=warps,
+        num_stages=stages,
     )
     if num_splits == 1:
         return out
@@ -247,9 +254,9 @@ def _prefix_stage(
             split_len = tl.cdiv(tl.cdiv(length, nsplits), BLOCK_N) * BLOCK_N
             start = sp * split_len
             end = tl.minimum(start + split_len, length)
-            out, lse = _attend_span(q, valid, K, V, Table, row, kvh, start, end, scale, v_scale,
+            out, lse = _attend_span(q, valid, K, V, Table, Table, row, kvh, start, end, scale, v_scale,
                                     stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                                    BLOCK_R, BLOCK_N, BLOCK_D, SOFTCAP)
+                                    BLOCK_R, BLOCK_N, BLOCK_D, SOFTCAP, False)
             slot = SLOT0 + sp
             tl.store(MidO + b[:, None] * stride_ob + heads[:, None] * stride_oh + slot * stride_os + offs_d[None, :],
                      out, mask=valid[:, None] & mask_d[None, :])
@@ -297,11 +304,11 @@ def cascade_decode_attention(
 
     def own_level():
         _decode_stage1[(B, Hkv, num_splits)](
-            q, k_buf, v_buf, table, rows, seq_lens, shares, mid_o, mid_lse, out, prefix_parts, scale * k_scale,
+            q, k_buf, v_buf, table, table, rows, seq_lens, shares, mid_o, mid_lse, out, prefix_parts, scale * k_scale,
             v_scale, q.stride(0), q.stride(1), *common, *mids, out.stride(0), out.stride(1),
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
             HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, HAS_START=True, WRITE_LSE=True,
-            MERGE_PREFIX=merge, WINDOW=0, SOFTCAP=softcap, num_warps=warps, num_stages=stages,
+            MERGE_PREFIX=merge, WINDOW=0, SOFTCAP=softcap, MAPPED=False, num_warps=warps, num_stages=stages,
         )
 
     if not merge:
@@ -328,10 +335,10 @@ def cascade_decode_attention(
 
 
 @triton.jit
-def _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, lo, hi, qk_scale,
+def _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, lo, hi, qk_scale,
                   stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, K_ROWS: tl.constexpr,
-                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MAPPED: tl.constexpr):
     """Online softmax of one query tile over keys ``[lo, hi)``; ``MASKED`` adds the bounds
     and causal masks (needed only on the diagonal and the ragged end), and the window's.
     Scores are in log2 units (``qk_scale`` has log2(e) in it), ``SOFTCAP`` too."""
@@ -344,6 +351,8 @@ def _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, lo, hi, qk_scal
         else:
             slots = tl.load(Table + row * stride_tr + offs_n)
             mask_nd = mask_d[None, :]
+        if MAPPED:  # (a window layer's region: swa_pool)
+            slots = tl.load(SlotMap + slots, mask=mask_n, other=0)
         if K_ROWS:  # K tile read as rows (each slot's head contiguous), transposed for the dot
             k = tl.load(K + slots[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=mask_nd,
                         other=0.0).to(q.dtype)
@@ -373,11 +382,11 @@ def _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, lo, hi, qk_scal
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, Out, Table, Rows, PrefixLens, ExtendLens, QStarts, qk_scale, v_scale,
+    Q, K, V, Out, Table, SlotMap, Rows, PrefixLens, ExtendLens, QStarts, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh, stride_tr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, K_ROWS: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MAPPED: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -401,18 +410,18 @@ def _extend_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         if WINDOW > 0:  # from the tile of the first query's oldest key in the window, all masked
             lo = (tl.maximum(prefix + mb * BLOCK_M - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
-            m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, lo, end, qk_scale,
+            m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, lo, end, qk_scale,
                                          stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                                         BLOCK_N, True, K_ROWS, WINDOW, SOFTCAP)
+                                         BLOCK_N, True, K_ROWS, WINDOW, SOFTCAP, MAPPED)
         else:
             # every key before the tile's first query is visible to all its queries: no masks there
             full = ((prefix + mb * BLOCK_M) // BLOCK_N) * BLOCK_N
-            m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, 0, full, qk_scale,
+            m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, 0, full, qk_scale,
                                          stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                                         BLOCK_N, False, K_ROWS, 0, SOFTCAP)
-            m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, row, kvh, q_pos, full, end, qk_scale,
+                                         BLOCK_N, False, K_ROWS, 0, SOFTCAP, MAPPED)
+            m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, full, end, qk_scale,
                                          stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                                         BLOCK_N, True, K_ROWS, 0, SOFTCAP)
+                                         BLOCK_N, True, K_ROWS, 0, SOFTCAP, MAPPED)
         out = acc * (v_scale / tl.where(lsum > 0, lsum, 1.0))[:, None]
         tl.store(Out + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -438,13 +447,13 @@ def extend_attention(
     rows: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor, q_starts: torch.Tensor,
     max_extend: int, scale: float, out: torch.Tensor | None = None,
     config: tuple[int, int, int, int, bool] | None = None, window: int = 0, softcap: float = 0.0,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, slot_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q`` [T, H, D]: the new tokens of R requests laid back to back (request r's start in
     ``q_starts``) -> [T, H, D]. ``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages, K_ROWS).
     ``window`` > 0: a query at position p sees keys ``(p - window, p]``; ``softcap`` > 0:
     scores soft-capped (``softcap * tanh(score / softcap)``); ``k_scale``/``v_scale``: the
-    layer's scales of an fp8 pool."""
+    layer's scales of an fp8 pool; ``slot_map``: as ``decode_attention``'s."""
     T, H, D = q.shape
     Hkv = k_buf.shape[1]
     if out is None:
@@ -454,11 +463,13 @@ def extend_attention(
     block_d = triton.next_power_of_2(D)
     grid = (R, H, triton.cdiv(max_extend, block_m))
     _extend_kernel[grid](
-        q, k_buf, v_buf, out, table, rows, prefix_lens, extend_lens, q_starts, scale * k_scale * _LOG2E, v_scale,
+        q, k_buf, v_buf, out, table, table if slot_map is None else slot_map, rows, prefix_lens, extend_lens,
+        q_starts, scale * k_scale * _LOG2E, v_scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), table.stride(0),
         GROUP=H // Hkv, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, BLOCK_D=block_d,
-        K_ROWS=k_rows, WINDOW=window, SOFTCAP=softcap * _LOG2E, num_warps=warps, num_stages=stages,
+        K_ROWS=k_rows, WINDOW=window, SOFTCAP=softcap * _LOG2E, MAPPED=slot_map is not None, num_warps=warps,
+        num_stages=stages,
     )
     return out
 
