@@ -1,19 +1,23 @@
 """The quantized linear ops (radixd.core.quant.ops): the layouts' helpers, the torch references
-against a plain dequantize-then-matmul in float64, and the errors that name a bad tensor."""
+against a plain dequantize-then-matmul in float64, the errors that name a bad tensor, and the
+Triton kernels against the references: on CPU through the Triton interpreter at small shapes
+(CI), on a GPU at Llama-3-8B's projection shapes (``-m gpu``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from radixd.core.quant import ops
+from radixd.core.quant import fp8_gemm, gemv, ops
 from radixd.core.quant.ops import (
     FP8,
     FP8_MAX,
     dequantize_fp8,
     dequantize_int,
     fp8_linear,
+    fp8_linear_reference,
     int_weight_linear,
+    int_weight_linear_reference,
     pack_int4,
     quantize_act_fp8,
     quantize_fp8,
@@ -137,3 +141,150 @@ def test_bad_layouts_name_the_tensor():
         int_weight_linear(x, qw, sc, z, bits=4, group_size=48)
     with pytest.raises(ValueError, match="perm"):
         int_weight_linear(x, qw, sc, z, bits=4, group_size=64, perm=torch.arange(256, dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------- kernels
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+interpreter = pytest.mark.skipif(GPU, reason="the interpreter runs the kernels on CPU tensors; -m gpu covers CUDA")
+
+
+def weight_only(x, w_deq, bias=None):
+    """x @ W.T in float64: what a GEMV that keeps x unquantized computes."""
+    y = x.double() @ w_deq.double().T
+    return y + bias.double() if bias is not None else y
+
+
+FP8_CASES = [("tensor", 256, False), ("channel", 200, True), ("block", 300, True)]
+
+
+@interpreter
+def test_act_quant_kernel_matches_the_reference_exactly():
+    x = rand(5, 300, seed=20)
+    x[2] = 0.0
+    for group in (None, 128):
+        q, s = fp8_gemm.quantize_act(x, group)
+        rq, rs = quantize_act_fp8(x, group)
+        assert torch.equal(s, rs) and torch.equal(q.float(), rq.float())
+
+
+@interpreter
+@pytest.mark.parametrize("granularity,k,with_bias", FP8_CASES)
+@pytest.mark.parametrize("m", [1, 3])
+def test_fp8_gemv_kernel(granularity, k, with_bias, m):
+    n = 40
+    block = (32, 128) if granularity == "block" else None
+    wq, s = quantize_fp8(rand(n, k, seed=21), granularity, block=block or (128, 128))
+    x = rand(m, k, seed=22)
+    b = rand(n, seed=23) if with_bias else None
+    y = fp8_linear(x, wq, s, block=block, bias=b, use_triton=True)
+    assert rel_err(y, weight_only(x, dequantize_fp8(wq, s, block), b)) < 1e-5
+    assert rel_err(y, fp8_linear_reference(x, wq, s, block=block, bias=b)) < 0.05  # x unquantized in the GEMV
+
+
+@interpreter
+@pytest.mark.parametrize("granularity,k,with_bias", FP8_CASES)
+def test_fp8_gemm_kernel(granularity, k, with_bias):
+    m, n = 20, 72
+    block = (32, 128) if granularity == "block" else None
+    wq, s = quantize_fp8(rand(n, k, seed=24), granularity, block=block or (128, 128))
+    x = rand(m, k, seed=25)
+    b = rand(n, seed=26) if with_bias else None
+    y = fp8_linear(x, wq, s, block=block, bias=b, use_triton=True)
+    assert rel_err(y, fp8_linear_reference(x, wq, s, block=block, bias=b)) < 1e-5
+
+
+INT_CASES = [(4, 32, True, False), (4, 64, False, True), (4, 256, False, False), (8, 64, False, False),
+             (8, 128, True, True)]
+
+
+def int_case(bits, group, symmetric, act_order, n=40, k=256, seed=30):
+    qw, s, z = quantize_int(rand(n, k, seed=seed), bits, group, symmetric)
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed)) if act_order else None
+    return qw, s, z, perm
+
+
+@interpreter
+@pytest.mark.parametrize("bits,group,symmetric,act_order", INT_CASES)
+@pytest.mark.parametrize("m", [1, 3])
+def test_int_gemv_kernel(bits, group, symmetric, act_order, m):
+    qw, s, z, perm = int_case(bits, group, symmetric, act_order)
+    x, b = rand(m, 256, seed=31), rand(40, seed=32)
+    y = int_weight_linear(x, qw, s, z, bits=bits, group_size=group, perm=perm, bias=b, use_triton=True)
+    ref = int_weight_linear_reference(x, qw, s, z, bits=bits, group_size=group, perm=perm, bias=b)
+    assert rel_err(y, ref) < 1e-5
+
+
+@interpreter
+@pytest.mark.parametrize("bits,group,symmetric,act_order", INT_CASES)
+def test_int_gemm_kernel(bits, group, symmetric, act_order):
+    qw, s, z, perm = int_case(bits, group, symmetric, act_order, n=72)
+    x, b = rand(20, 256, seed=33), rand(72, seed=34)
+    y = int_weight_linear(x, qw, s, z, bits=bits, group_size=group, perm=perm, bias=b, use_triton=True)
+    ref = int_weight_linear_reference(x, qw, s, z, bits=bits, group_size=group, perm=perm, bias=b)
+    assert rel_err(y, ref) < 1e-5
+
+
+@interpreter
+def test_dispatch_by_device_and_rows(monkeypatch):
+    """CPU tensors take the reference unless asked; 1..GEMV_MAX_M rows the GEMV, more the GEMM."""
+    calls = []
+    for mod, name in ((ops, "fp8_gemv"), (ops, "fp8_gemm"), (ops, "int_gemv"), (ops, "int_gemm")):
+        monkeypatch.setattr(mod, name, lambda *a, name=name, **kw: calls.append(name))
+    wq, s = quantize_fp8(rand(16, 64), "channel")
+    qw, sc, z = quantize_int(rand(16, 64), 4, 32, False)
+    for m in (1, gemv.GEMV_MAX_M, gemv.GEMV_MAX_M + 1):
+        x = rand(m, 64)
+        assert fp8_linear(x, wq, s).shape == (m, 16)  # the reference
+        fp8_linear(x, wq, s, use_triton=True)
+        int_weight_linear(x, qw, sc, z, bits=4, group_size=32, use_triton=True)
+    assert calls == ["fp8_gemv", "int_gemv"] * 2 + ["fp8_gemm", "int_gemm"]
+
+
+# ----------------------------------------------------------------------------- GPU, real shapes
+
+SHAPES_8B = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)]  # o, qkv, gate_up, down (N, K)
+GPU_ROWS = [1, 4, 64, 512]
+
+
+def _gpu_input(m, k, seed):
+    return (torch.randn(m, k, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda")
+            .to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", SHAPES_8B)
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+def test_fp8_kernels_at_8b_shapes_on_gpu(n, k, granularity):
+    block = (128, 128) if granularity == "block" else None
+    w = torch.randn(n, k, device="cuda") * k**-0.5
+    wq, s = quantize_fp8(w, granularity)
+    w_deq = dequantize_fp8(wq, s, block)
+    for m in GPU_ROWS:
+        x = _gpu_input(m, k, m)
+        y = fp8_linear(x, wq, s, block=block)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        ref = fp8_linear_reference(x, wq, s, block=block)
+        if m <= gemv.GEMV_MAX_M:  # x unquantized: against the weight-only product, and loosely the reference
+            assert rel_err(y, weight_only(x, w_deq)) < 1e-2, m
+            assert rel_err(y, ref) < 0.05, m
+        else:  # bf16 output rounding and fp32 accumulation order
+            assert rel_err(y, ref) < 1e-2, m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", SHAPES_8B)
+@pytest.mark.parametrize("bits,group,symmetric,act_order", [(4, 128, True, False), (4, 128, False, True),
+                                                            (8, 128, True, False), (4, 4096, False, False)])
+def test_int_kernels_at_8b_shapes_on_gpu(n, k, bits, group, symmetric, act_order):
+    if k % group:
+        pytest.skip("group wider than K")
+    w = (torch.randn(n, k, device="cuda") * k**-0.5).to(torch.bfloat16)
+    qw, s, z = quantize_int(w, bits, group, symmetric)
+    perm = torch.randperm(k, device="cuda") if act_order else None
+    for m in GPU_ROWS:
+        x = _gpu_input(m, k, m)
+        y = int_weight_linear(x, qw, s, z, bits=bits, group_size=group, perm=perm)
+        ref = int_weight_linear_reference(x, qw, s, z, bits=bits, group_size=group, perm=perm)
+        assert rel_err(y, ref) < 1e-2, m

@@ -32,6 +32,11 @@ Layouts (N output features, K input features; a row of ``weight`` is one output 
   already permuted, so each group is contiguous in ``qweight``.
 * Output [M, N] in ``x.dtype``; ``bias`` [N] added in ``x.dtype``.
 
+Dispatch (``use_triton``, as ``radixd.core.triton_ops``): CUDA tensors take the Triton
+kernels, others the references; up to ``GEMV_MAX_M`` rows a weight-streaming GEMV
+(``gemv``; its fp8 path multiplies the unquantized x, the one place the activation is not
+rounded to fp8), more rows a tensor-core GEMM (``fp8_gemm``, ``int_gemm``).
+
 The references here (``*_reference``) dequantize the weight and the fake-quantized
 activation to ``x.dtype`` and multiply in ``x.dtype``: they are the CPU path and what the
 kernels are tested against. ``quantize_fp8`` and ``quantize_int`` quantize a float weight by
@@ -45,9 +50,11 @@ import math
 import torch
 from torch import Tensor
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0   # largest finite e4m3fn value
-AMAX_EPS = 1e-10  # an all-zero row (or group) still gets a finite, non-zero scale
+from radixd.core.quant import AMAX_EPS, FP8, FP8_MAX
+from radixd.core.quant.fp8_gemm import fp8_gemm
+from radixd.core.quant.gemv import GEMV_MAX_M, fp8_gemv, int_gemv
+from radixd.core.quant.int_gemm import int_gemm
+
 INT_DTYPES = {4: torch.int32, 8: torch.uint8}
 
 
@@ -239,16 +246,35 @@ def int_weight_linear_reference(x: Tensor, qweight: Tensor, scales: Tensor, zero
 # ----------------------------------------------------------------------------- the ops
 
 
+def _kernels(x: Tensor, use_triton: bool | None) -> bool:
+    return bool(x.shape[0]) and (x.is_cuda if use_triton is None else use_triton)
+
+
 def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, *, block: tuple[int, int] | None = None,
-               bias: Tensor | None = None) -> Tensor:
-    """``x @ W.T + bias`` for an fp8 weight (the module docstring's layout)."""
+               bias: Tensor | None = None, use_triton: bool | None = None) -> Tensor:
+    """``x @ W.T + bias`` for an fp8 weight (the module docstring's layout). ``use_triton``:
+    None takes the kernels on CUDA and the reference elsewhere; up to ``GEMV_MAX_M`` rows
+    go through ``gemv.fp8_gemv`` (x unquantized), more through ``fp8_gemm.fp8_gemm``."""
     check_fp8(x, weight, weight_scale, block)
-    return fp8_linear_reference(x, weight, weight_scale, block=block, bias=bias)
+    if not _kernels(x, use_triton):
+        return fp8_linear_reference(x, weight, weight_scale, block=block, bias=bias)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if x.shape[0] <= GEMV_MAX_M:
+        return fp8_gemv(x, weight, weight_scale, block, bias)
+    return fp8_gemm(x, weight, weight_scale, block, bias)
 
 
 def int_weight_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, *, bits: int,
-                      group_size: int, perm: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
-    """``x[:, perm] @ W.T + bias`` for an int4/int8 weight (the module docstring's layout)."""
+                      group_size: int, perm: Tensor | None = None, bias: Tensor | None = None,
+                      use_triton: bool | None = None) -> Tensor:
+    """``x[:, perm] @ W.T + bias`` for an int4/int8 weight (the module docstring's layout).
+    ``use_triton``: None takes the kernels on CUDA and the reference elsewhere; up to
+    ``GEMV_MAX_M`` rows go through ``gemv.int_gemv``, more through ``int_gemm.int_gemm``."""
     check_int(x, qweight, scales, zeros, bits, group_size, perm)
-    return int_weight_linear_reference(x, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm,
-                                       bias=bias)
+    if not _kernels(x, use_triton):
+        return int_weight_linear_reference(x, qweight, scales, zeros, bits=bits, group_size=group_size, perm=perm,
+                                           bias=bias)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if x.shape[0] <= GEMV_MAX_M:
+        return int_gemv(x, qweight, scales, zeros, bits, group_size, perm, bias)
+    return int_gemm(x, qweight, scales, zeros, bits, group_size, perm, bias)
