@@ -242,6 +242,26 @@ def test_dispatch_by_device_and_rows(monkeypatch):
     assert calls == ["fp8_gemv", "int_gemv"] * 2 + ["fp8_gemm", "int_gemm"]
 
 
+def test_benchmark_quick_runs_every_case(tmp_path):
+    """``python -m benchmarks.quant_kernels --quick``: every shape, row count and format on
+    tiny CPU shapes (kernels through the interpreter), and a sweep, without an error."""
+    import json
+
+    from benchmarks import quant_kernels
+
+    assert quant_kernels.main(["--quick", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "quant_kernels.json").read_text())
+    cases = [r for shape in quant_kernels.QUICK_SHAPES for m, row in doc[shape].items() if m.startswith("M=")
+             for r in row.values()]
+    assert len(cases) == len(quant_kernels.QUICK_SHAPES) * len(quant_kernels.QUICK_ROWS) * (1 + len(quant_kernels.FORMATS))
+    assert not [r for r in cases if "error" in r]
+    assert all(r["rel_err_vs_reference"] < 0.05 for r in cases if "rel_err_vs_reference" in r)
+    assert quant_kernels.main(["--quick", "--out", str(tmp_path), "--sweep", "--rows", "1,20",
+                               "--formats", "int4_g128_asym,fp8_block"]) == 0
+    doc = json.loads((tmp_path / "quant_kernels.json").read_text())["tiny"]
+    assert doc["M=1"]["int4_g128_asym"]["sweep"]["best"] and doc["M=20"]["fp8_block"]["sweep"]["best"]
+
+
 # ----------------------------------------------------------------------------- GPU, real shapes
 
 SHAPES_8B = [(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)]  # o, qkv, gate_up, down (N, K)

@@ -124,6 +124,8 @@ def gemv_tiles(kind: str, m: int, k: int, group: int | None) -> tuple[int, int, 
     tile, fewer columns per step for more rows of x (registers)."""
     limit = min(1024 // triton.next_power_of_2(m), triton.next_power_of_2(k))
     bk = limit if group is None else k_step(limit, group)
+    while group is not None and k % bk:  # (a step wider than a group: K may hold fewer such steps)
+        bk //= 2
     rows = {"fp8": 4, "int4": 8, "int8": 4}[kind]
     return max(1, rows * limit // bk) if bk < limit else rows, bk, 4
 
@@ -131,6 +133,8 @@ def gemv_tiles(kind: str, m: int, k: int, group: int | None) -> tuple[int, int, 
 def _launch(x, w, s, z, bias, perm, n, k, *, fp8, bits, scale, scale_rows, group, tiles):
     m = x.shape[0]
     bn, bk, warps = tiles
+    if (scale == SCALE_BLOCK and bk % group and group % bk) or (not fp8 and k % bk):
+        raise ValueError(f"GEMV: K step {bk} and scale groups of {group} columns (K={k}) do not nest")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, perm if perm is not None else x, w, s, z if z is not None else s, bias if bias is not None else s, y,
