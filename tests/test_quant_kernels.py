@@ -160,10 +160,11 @@ FP8_CASES = [("tensor", 256, False), ("channel", 200, True), ("block", 300, True
 
 
 @interpreter
-def test_act_quant_kernel_matches_the_reference_exactly():
+def test_act_quant_kernel_matches_the_reference_exactly(monkeypatch):
     x = rand(5, 300, seed=20)
     x[2] = 0.0
-    for group in (None, 128):
+    for group, row_in_registers in ((None, 512), (None, 128), (128, 512)):  # (a row in one pass, in two)
+        monkeypatch.setattr(fp8_gemm, "ROW_IN_REGISTERS", row_in_registers)
         q, s = fp8_gemm.quantize_act(x, group)
         rq, rs = quantize_act_fp8(x, group)
         assert torch.equal(s, rs) and torch.equal(q.float(), rq.float())
@@ -196,10 +197,11 @@ def test_fp8_gemm_kernel(granularity, k, with_bias):
 
 
 INT_CASES = [(4, 32, True, False), (4, 64, False, True), (4, 256, False, False), (8, 64, False, False),
-             (8, 128, True, True)]
+             (8, 128, True, True), (4, 320, False, True)]  # (the last: per channel, K not a multiple of 128)
 
 
-def int_case(bits, group, symmetric, act_order, n=40, k=256, seed=30):
+def int_case(bits, group, symmetric, act_order, n=40, seed=30):
+    k = max(group, 256)
     qw, s, z = quantize_int(rand(n, k, seed=seed), bits, group, symmetric)
     perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed)) if act_order else None
     return qw, s, z, perm
@@ -210,7 +212,7 @@ def int_case(bits, group, symmetric, act_order, n=40, k=256, seed=30):
 @pytest.mark.parametrize("m", [1, 3])
 def test_int_gemv_kernel(bits, group, symmetric, act_order, m):
     qw, s, z, perm = int_case(bits, group, symmetric, act_order)
-    x, b = rand(m, 256, seed=31), rand(40, seed=32)
+    x, b = rand(m, max(group, 256), seed=31), rand(40, seed=32)
     y = int_weight_linear(x, qw, s, z, bits=bits, group_size=group, perm=perm, bias=b, use_triton=True)
     ref = int_weight_linear_reference(x, qw, s, z, bits=bits, group_size=group, perm=perm, bias=b)
     assert rel_err(y, ref) < 1e-5
@@ -220,7 +222,7 @@ def test_int_gemv_kernel(bits, group, symmetric, act_order, m):
 @pytest.mark.parametrize("bits,group,symmetric,act_order", INT_CASES)
 def test_int_gemm_kernel(bits, group, symmetric, act_order):
     qw, s, z, perm = int_case(bits, group, symmetric, act_order, n=72)
-    x, b = rand(20, 256, seed=33), rand(72, seed=34)
+    x, b = rand(20, max(group, 256), seed=33), rand(72, seed=34)
     y = int_weight_linear(x, qw, s, z, bits=bits, group_size=group, perm=perm, bias=b, use_triton=True)
     ref = int_weight_linear_reference(x, qw, s, z, bits=bits, group_size=group, perm=perm, bias=b)
     assert rel_err(y, ref) < 1e-5

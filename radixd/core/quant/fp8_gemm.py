@@ -39,19 +39,28 @@ def _round_e4m3(v):
 @triton.jit
 def _act_quant_kernel(X, Q, S, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr, PER_ROW: tl.constexpr,
                       BLOCK: tl.constexpr):
+    """Per row (PER_ROW): the row in one BLOCK >= K held in registers where it fits, else two
+    passes over it; else one group of GROUP columns (program (row, group))."""
     row = tl.program_id(0)
     if PER_ROW:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            offs = k0 + tl.arange(0, BLOCK)
+        if BLOCK >= K:
+            offs = tl.arange(0, BLOCK)
             x = tl.load(X + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, 0), _EPS) / _QMAX
-        for k0 in range(0, K, BLOCK):
-            offs = k0 + tl.arange(0, BLOCK)
-            x = tl.load(X + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(x), 0), _EPS) / _QMAX
             q = _round_e4m3(tl.clamp(tl.div_rn(x, scale), -_QMAX, _QMAX))
             tl.store(Q + row * stride_q + offs, q.to(Q.dtype.element_ty), mask=offs < K)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK):
+                offs = k0 + tl.arange(0, BLOCK)
+                x = tl.load(X + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = tl.maximum(tl.max(amax, 0), _EPS) / _QMAX
+            for k0 in range(0, K, BLOCK):
+                offs = k0 + tl.arange(0, BLOCK)
+                x = tl.load(X + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+                q = _round_e4m3(tl.clamp(tl.div_rn(x, scale), -_QMAX, _QMAX))
+                tl.store(Q + row * stride_q + offs, q.to(Q.dtype.element_ty), mask=offs < K)
         tl.store(S + row * stride_s, scale)
     else:
         g = tl.program_id(1)
@@ -64,14 +73,18 @@ def _act_quant_kernel(X, Q, S, K, stride_x, stride_q, stride_s, GROUP: tl.conste
         tl.store(S + row * stride_s + g, scale)
 
 
+ROW_IN_REGISTERS = 16384  # widest row quantized in one pass (32 fp32 registers a thread at 16 warps)
+
+
 def quantize_act(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``ops.quantize_act_fp8`` on the device: (fp8 [M, K], fp32 [M, 1] or [M, ceil(K / group)])."""
     m, k = x.shape
     q = torch.empty((m, k), dtype=FP8, device=x.device)
     if group is None:
         s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+        block = min(ROW_IN_REGISTERS, triton.next_power_of_2(k))
         _act_quant_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), GROUP=1, PER_ROW=True,
-                                BLOCK=min(2048, triton.next_power_of_2(k)), num_warps=4)
+                                BLOCK=block, num_warps=max(4, min(16, block // 1024)))
     else:
         groups = triton.cdiv(k, group)
         s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
@@ -145,6 +158,8 @@ def gemm_tiles(m: int, n: int, k: int, block: tuple[int, int] | None) -> tuple[i
         tiles = (64, 64, 128, 4, 4)
     elif m <= 256:
         tiles = (64, 128, 128, 4, 4)
+    elif block is not None:  # (each step's product is scaled before it is added: two tiles of registers)
+        tiles = (128, 128, 128, 8, 3)
     else:
         tiles = (128, 256, 128, 8, 3)
     bm, bn, bk, warps, stages = tiles
