@@ -11,9 +11,9 @@ the per-element work is one convert and one FMA.
 
 * fp8 (``fp8_gemv``): x stays in its own dtype (a GEMV needs no fp8 operand, and this is
   closer to the unquantized product than ``ops.fp8_linear_reference``'s fake-quantized x).
-* int4 / int8 (``int_gemv``): each int32 word loaded once and its nibbles taken by shifts
-  in the thread that loaded it (``_gemv_kernel``'s planes), zero point and scale per group,
-  ``perm`` read as x's column order.
+* int4 / int8 (``int_gemv``): each int32 word loaded once, its nibbles spread to their
+  columns by ``unpack_int4_tile`` (interleaves, which keep a word's copies in the thread
+  that loaded it), zero point and scale per group, ``perm`` read as x's column order.
 
 Callers are ``ops``' dispatch: shapes and dtypes are checked there.
 """
@@ -29,56 +29,72 @@ SCALE_TENSOR, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 
 
 @triton.jit
+def unpack_int4_tile(words, BLOCK_K: tl.constexpr):
+    """int32 words [R, BLOCK_K // 8] -> their nibbles [R, BLOCK_K] in column order (nibble
+    k % 8 of word k // 8): each word repeated 8 times by three interleaves, then shifted."""
+    words = tl.interleave(words, words)
+    words = tl.interleave(words, words)
+    words = tl.interleave(words, words)
+    return (words >> ((tl.arange(0, BLOCK_K) % 8) * 4)[None, :]) & 0xF
+
+
+@triton.jit
+def _row_part(w, X, Perm, m, k0, K, stride_xm, cols, S_sub, Z_sub, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr,
+              EVEN_K: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              NSUB: tl.constexpr, SUB: tl.constexpr):
+    """One x row's contribution of a [BLOCK_N, BLOCK_K] weight tile ``w`` (fp32, unscaled):
+    [BLOCK_N]; with SCALED, sum over sub-blocks of ``S_sub`` * (w . x - ``Z_sub`` * sum x)."""
+    if HAS_PERM:
+        xk = tl.load(Perm + cols) if EVEN_K else tl.load(Perm + cols, mask=cols < K, other=0)
+    else:
+        xk = cols
+    if EVEN_K:
+        x = tl.load(X + m * stride_xm + xk).to(tl.float32)
+    else:
+        x = tl.load(X + m * stride_xm + xk, mask=cols < K, other=0.0).to(tl.float32)
+    prod = w * x[None, :]
+    if SCALED:
+        part = tl.sum(tl.reshape(prod, (BLOCK_N, NSUB, SUB)), 2)
+        if HAS_ZERO:
+            xs = tl.sum(tl.reshape(x, (NSUB, SUB)), 1)
+            part = part - Z_sub * xs[None, :]
+        return tl.sum(part * S_sub, 1)
+    return tl.sum(prod, 1)
+
+
+@triton.jit
 def _gemv_kernel(X, Perm, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, stride_s, stride_ym,
                  FP8: tl.constexpr, BITS: tl.constexpr, SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr,
                  GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                  EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Y[:M, tile] for one tile of BLOCK_N weight rows. FP8: W fp8 [N, K], S per SCALE
     (tensor []; channel [N]; block [ceil(N / SCALE_ROWS), ceil(K / GROUP)]). Else int: W int32
-    [N, K // 8] (BITS 4) or uint8 [N, K] (BITS 8), S and Z [N, K // GROUP].
-
-    A step's weights are taken as PLANES planes of BLOCK_K // PLANES columns: int4's plane p
-    is nibble p of each word (columns k0 + 8j + p), read from the words in registers, and x
-    is read at the same columns, so no nibble ever moves between threads (one plane, the
-    plain columns, for fp8 and int8). The planes' products add up elementwise; the sums over
-    each scale group's columns come after the last plane."""
+    [N, K // 8] (BITS 4) or uint8 [N, K] (BITS 8), S and Z [N, K // GROUP]."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_n = tl.where(mask_n, offs_n, 0)  # (masked rows read row 0: no masks on the weight loads)
     offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    PLANES: tl.constexpr = 8 if BITS == 4 else 1
-    WIDTH: tl.constexpr = BLOCK_K // PLANES
     SUB: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP
     NSUB: tl.constexpr = BLOCK_K // SUB
     SCALED: tl.constexpr = (not FP8) or SCALE == 2
-    j = tl.arange(0, WIDTH)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if BITS == 4:
-            words = tl.load(W + offs_n[:, None] * stride_w + k0 // 8 + j[None, :])
-        tot = tl.zeros([BLOCK_M, BLOCK_N, WIDTH], dtype=tl.float32)
-        xsum = tl.zeros([BLOCK_M, NSUB], dtype=tl.float32)
-        for p in tl.static_range(PLANES):
-            cols = k0 + j * PLANES + p
-            if BITS == 4:
-                w = ((words >> (4 * p)) & 0xF).to(tl.float32)
-            elif EVEN_K:
-                w = tl.load(W + offs_n[:, None] * stride_w + cols[None, :]).to(tl.float32)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        if FP8:
+            ptrs = W + offs_n[:, None] * stride_w + cols[None, :]
+            if EVEN_K:
+                w = tl.load(ptrs).to(tl.float32)
             else:
-                w = tl.load(W + offs_n[:, None] * stride_w + cols[None, :], mask=cols[None, :] < K,
-                            other=0.0).to(tl.float32)
-            xk = cols
-            if HAS_PERM:
-                xk = tl.load(Perm + cols)
-            mask_x = mask_m[:, None] if EVEN_K else mask_m[:, None] & (cols < K)[None, :]
-            x = tl.load(X + offs_m[:, None] * stride_xm + xk[None, :], mask=mask_x, other=0.0).to(tl.float32)
-            tot += w[None, :, :] * x[:, None, :]
-            if not FP8:
-                xsum += tl.sum(tl.reshape(x, (BLOCK_M, NSUB, SUB // PLANES)), 2)
+                w = tl.load(ptrs, mask=cols[None, :] < K, other=0.0).to(tl.float32)
+        elif BITS == 4:
+            words = tl.load(W + offs_n[:, None] * stride_w + k0 // 8 + tl.arange(0, BLOCK_K // 8)[None, :])
+            w = unpack_int4_tile(words, BLOCK_K).to(tl.float32)
+        else:
+            w = tl.load(W + offs_n[:, None] * stride_w + cols[None, :]).to(tl.float32)
+        s_sub = tl.zeros([BLOCK_N, NSUB], dtype=tl.float32)
+        z_sub = tl.zeros([BLOCK_N, NSUB], dtype=tl.float32)
         if SCALED:
-            part = tl.sum(tl.reshape(tot, (BLOCK_M, BLOCK_N, NSUB, SUB // PLANES)), 3)
             g = (k0 + tl.arange(0, NSUB) * SUB) // GROUP
             if FP8:
                 s_ptrs = S + (offs_n // SCALE_ROWS)[:, None] * stride_s + g[None, :]
@@ -88,19 +104,20 @@ def _gemv_kernel(X, Perm, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, stride
                 if HAS_ZERO:
                     z_sub = tl.load(Z + offs_n[:, None] * stride_s + g[None, :]).to(tl.float32)
                 else:
-                    z_sub = tl.zeros([BLOCK_N, NSUB], dtype=tl.float32) + 2 ** (BITS - 1)
-                part -= z_sub[None, :, :] * xsum[:, None, :]
-            acc += tl.sum(part * s_sub[None, :, :], 2)
-        else:
-            acc += tl.sum(tot, 2)
+                    z_sub += 2 ** (BITS - 1)
+        for m in tl.static_range(BLOCK_M):
+            if m < M:
+                part = _row_part(w, X, Perm, m, k0, K, stride_xm, cols, s_sub, z_sub,
+                                 HAS_ZERO or not FP8, HAS_PERM, EVEN_K, SCALED, BLOCK_N, BLOCK_K, NSUB, SUB)
+                acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
     if FP8 and SCALE == 0:
         acc *= tl.load(S)
     if FP8 and SCALE == 1:
-        acc *= tl.load(S + offs_n)[None, :]
+        acc *= tl.load(S + offs_n)[:, None]
     if HAS_BIAS:
-        acc += tl.load(Bias + offs_n).to(tl.float32)[None, :]
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+        acc += tl.load(Bias + offs_n).to(tl.float32)[:, None]
+    tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty),
+             mask=mask_n[:, None] & (offs_m < M)[None, :])
 
 
 def k_step(limit: int, group: int) -> int:

@@ -1,9 +1,8 @@
 """Weight-only int4/int8 GEMM (W4A16 / W8A16) for batches of a few to a few hundred rows:
 each K step loads a tile of packed weights, dequantizes it in registers (``(q - z) * s`` per
 group, rounded to x's dtype) and feeds it to a 16-bit ``tl.dot`` with fp32 accumulation.
-int4 steps go in 8 planes, as in ``gemv``: plane p is nibble p of every word (columns
-k0 + 8j + p), multiplied with x's same columns, so the words are loaded once and no nibble
-moves between threads. A step within one group takes one scale and zero point per weight
+int4 words are loaded once and spread to their columns by ``gemv.unpack_int4_tile``. A
+step within one group takes one scale and zero point per weight
 row; a step wider than a group (groups of 32 or 64 columns) reads each column's. With
 ``perm`` (GPTQ act-order) x's columns are gathered through it: the weight stays in its
 stored order.
@@ -16,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from radixd.core.quant.gemv import unpack_int4_tile
 
 
 @triton.jit
@@ -39,45 +40,39 @@ def _int_gemm_kernel(X, Perm, QW, S, Z, Bias, Y, M, N, K, stride_xm, stride_qw, 
     rows_x = tl.where(mask_m, offs_m, 0)  # (out-of-range rows read row 0; not stored)
     rows_w = tl.where(mask_n, offs_n, 0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    PLANES: tl.constexpr = 8 if BITS == 4 else 1
-    WIDTH: tl.constexpr = BLOCK_K // PLANES
-    j = tl.arange(0, WIDTH)
     for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask_k = cols < K
+        xk = cols
+        if HAS_PERM:
+            xk = tl.load(Perm + cols) if EVEN_K else tl.load(Perm + cols, mask=mask_k, other=0)
+        if EVEN_K:
+            x = tl.load(X + rows_x[:, None] * stride_xm + xk[None, :])
+        else:  # (x's columns past K are 0: the weights there may be anything)
+            x = tl.load(X + rows_x[:, None] * stride_xm + xk[None, :], mask=mask_k[None, :], other=0.0)
         if BITS == 4:
+            words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            w_ptrs = QW + rows_w[:, None] * stride_qw + words_k[None, :]
             if EVEN_K:
-                words = tl.load(QW + rows_w[:, None] * stride_qw + k0 // 8 + j[None, :])
+                words = tl.load(w_ptrs)
             else:
-                words = tl.load(QW + rows_w[:, None] * stride_qw + k0 // 8 + j[None, :],
-                                mask=(k0 + 8 * j < K)[None, :], other=0)
+                words = tl.load(w_ptrs, mask=(words_k * 8 < K)[None, :], other=0)
+            q = unpack_int4_tile(words, BLOCK_K)
+        elif EVEN_K:
+            q = tl.load(QW + rows_w[:, None] * stride_qw + cols[None, :])
+        else:
+            q = tl.load(QW + rows_w[:, None] * stride_qw + cols[None, :], mask=mask_k[None, :], other=0)
         if BLOCK_K <= GROUP:  # one scale (and zero point) per weight row this step
-            g = k0 // GROUP
-            s = tl.load(S + rows_w * stride_s + g).to(tl.float32)[:, None]
-            if HAS_ZERO:
-                z = tl.load(Z + rows_w * stride_s + g).to(tl.float32)[:, None]
-        for p in tl.static_range(PLANES):
-            cols = k0 + j * PLANES + p
-            if BLOCK_K > GROUP:  # the step spans several groups: each column's own
-                g_cols = rows_w[:, None] * stride_s + (tl.minimum(cols, K - 1) // GROUP)[None, :]
-                s = tl.load(S + g_cols).to(tl.float32)
-                if HAS_ZERO:
-                    z = tl.load(Z + g_cols).to(tl.float32)
-            if not HAS_ZERO:
-                z = 2 ** (BITS - 1)
-            xk = cols
-            if HAS_PERM:
-                xk = tl.load(Perm + cols) if EVEN_K else tl.load(Perm + cols, mask=cols < K, other=0)
-            if EVEN_K:
-                x = tl.load(X + rows_x[:, None] * stride_xm + xk[None, :])
-            else:  # (x's columns past K are 0: the weights there may be anything)
-                x = tl.load(X + rows_x[:, None] * stride_xm + xk[None, :], mask=(cols < K)[None, :], other=0.0)
-            if BITS == 4:
-                q = (words >> (4 * p)) & 0xF
-            elif EVEN_K:
-                q = tl.load(QW + rows_w[:, None] * stride_qw + cols[None, :])
-            else:
-                q = tl.load(QW + rows_w[:, None] * stride_qw + cols[None, :], mask=(cols < K)[None, :], other=0)
-            w = ((q.to(tl.float32) - z) * s).to(X.dtype.element_ty)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            g_ptrs = rows_w[:, None] * stride_s + k0 // GROUP
+        else:  # the step spans several groups: each column's own
+            g_ptrs = rows_w[:, None] * stride_s + (tl.minimum(cols, K - 1) // GROUP)[None, :]
+        s = tl.load(S + g_ptrs).to(tl.float32)
+        if HAS_ZERO:
+            z = tl.load(Z + g_ptrs).to(tl.float32)
+        else:
+            z = 2 ** (BITS - 1)
+        w = ((q.to(tl.float32) - z) * s).to(X.dtype.element_ty)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(Bias + rows_w).to(tl.float32)[None, :]
     tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
@@ -87,11 +82,11 @@ def _int_gemm_kernel(X, Perm, QW, S, Z, Bias, Y, M, N, K, stride_xm, stride_qw, 
 def gemm_tiles(m: int, n: int, group_size: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by row count: narrow tiles while the weight
     read dominates (enough programs over N for every SM), wider ones as rows grow; the K step
-    128 columns (int4: 16 per plane, ``tl.dot``'s least); K need not be a multiple of it."""
+    128 columns; K need not be a multiple of it."""
     if m <= 16:
-        bm, bn, warps, stages = 16, 32, 4, 4
-    elif m <= 64:
-        bm, bn, warps, stages = 64, 64, 4, 4
+        bm, bn, warps, stages = 16, 64, 4, 4
+    elif m <= 64:  # (measured on an H200, int8: wide tiles for the 28672-row projection)
+        bm, bn, warps, stages = (64, 128, 4, 3) if n >= 16384 else (64, 32, 4, 4)
     elif m <= 256:
         bm, bn, warps, stages = 64, 128, 4, 3
     else:
@@ -106,9 +101,8 @@ def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     m, k = x.shape
     n = qweight.shape[0]
     bm, bn, bk, warps, stages = tiles or gemm_tiles(m, n, group_size)
-    if bk // (8 if bits == 4 else 1) < 16 or (group_size < k and group_size % bk and bk % group_size):
-        raise ValueError(f"int GEMM: K step {bk} must give tl.dot >= 16 columns and nest with group_size "
-                         f"{group_size}")
+    if bk < 16 or (group_size < k and group_size % bk and bk % group_size):
+        raise ValueError(f"int GEMM: K step {bk} must be >= 16 (tl.dot) and nest with group_size {group_size}")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _int_gemm_kernel[grid](
