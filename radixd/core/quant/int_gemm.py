@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixd.core.quant.gemv import unpack_int4_tile
+from radixd.core.quant.gemv import small_uint_to_f32, unpack_int4_tile
 
 
 @triton.jit
@@ -71,7 +71,7 @@ def _int_gemm_kernel(X, Perm, QW, S, Z, Bias, Y, M, N, K, stride_xm, stride_qw, 
             z = tl.load(Z + g_ptrs).to(tl.float32)
         else:
             z = 2 ** (BITS - 1)
-        w = ((q.to(tl.float32) - z) * s).to(X.dtype.element_ty)
+        w = ((small_uint_to_f32(q.to(tl.int32)) - z) * s).to(X.dtype.element_ty)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(Bias + rows_w).to(tl.float32)[None, :]
@@ -103,6 +103,8 @@ def int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     bm, bn, bk, warps, stages = tiles or gemm_tiles(m, n, group_size)
     if bk < 16 or (group_size < k and group_size % bk and bk % group_size):
         raise ValueError(f"int GEMM: K step {bk} must be >= 16 (tl.dot) and nest with group_size {group_size}")
+    if perm is not None:  # (one gather of x's columns up front: per tile, they would be scattered reads)
+        x, perm = x.index_select(1, perm), None
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _int_gemm_kernel[grid](
