@@ -179,7 +179,7 @@ def test_fp8_gemv_kernel(granularity, k, with_bias, m):
     wq, s = quantize_fp8(rand(n, k, seed=21), granularity, block=block or (128, 128))
     x = rand(m, k, seed=22)
     b = rand(n, seed=23) if with_bias else None
-    y = fp8_linear(x, wq, s, block=block, bias=b, use_triton=True)
+    y = gemv.fp8_gemv(x, wq, s, block, b)  # (ops takes it for one row; the kernel takes up to 4)
     assert rel_err(y, weight_only(x, dequantize_fp8(wq, s, block), b)) < 1e-5
     assert rel_err(y, fp8_linear_reference(x, wq, s, block=block, bias=b)) < 0.05  # x unquantized in the GEMV
 
@@ -213,7 +213,7 @@ def int_case(bits, group, symmetric, act_order, n=40, seed=30):
 def test_int_gemv_kernel(bits, group, symmetric, act_order, m):
     qw, s, z, perm = int_case(bits, group, symmetric, act_order)
     x, b = rand(m, max(group, 256), seed=31), rand(40, seed=32)
-    y = int_weight_linear(x, qw, s, z, bits=bits, group_size=group, perm=perm, bias=b, use_triton=True)
+    y = gemv.int_gemv(x, qw, s, z, bits, group, perm, b)  # (ops takes it for one row; the kernel takes up to 4)
     ref = int_weight_linear_reference(x, qw, s, z, bits=bits, group_size=group, perm=perm, bias=b)
     assert rel_err(y, ref) < 1e-5
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-GEMV_MAX_M = 4             # rows of x a GEMV takes; more go to the GEMM kernels
+GEMV_MAX_M = 1  # rows of x ``ops`` sends here; 2..4 rows ran slower than the GEMMs on an H200
 SCALE_TENSOR, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
 
 
@@ -126,14 +126,16 @@ def _gemv_kernel(X, Perm, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, stride
 
 
 @triton.jit
-def _int4_gemv_kernel(X, Perm, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, stride_s, stride_ym,
-                      GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _int4_gemv_kernel(X, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, stride_s, stride_ym,
+                      GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``_gemv_kernel`` for int4 (K a multiple of BLOCK_K): a step's words [BLOCK_N,
     BLOCK_K // 8] are taken as 8 planes, plane p being nibble p of every word (columns
     k0 + 8j + p), each multiplied with x's same columns, so every nibble stays in the thread
-    that loaded its word and costs a shift, an OR, an add and an FMA. Scales and zero
-    points apply per group after the planes: s * (sum q x - z sum x)."""
+    that loaded its word and costs a shift, an OR, an add and an FMA. X comes in plane order
+    (``plane_order``: each step's x columns k0 + 8j + p at k0 + p * BLOCK_K // 8 + j), so a
+    plane's x is one contiguous load. Scales and zero points apply per group after the
+    planes: s * (sum q x - z sum x)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -157,9 +159,7 @@ def _int4_gemv_kernel(X, Perm, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, s
                 tot = tl.zeros([BLOCK_N, WIDTH], dtype=tl.float32)
                 xs = tl.zeros([WIDTH], dtype=tl.float32)
                 for p in tl.static_range(8):
-                    cols = k0 + j * 8 + p
-                    xk = tl.load(Perm + cols) if HAS_PERM else cols
-                    x = tl.load(X + m * stride_xm + xk).to(tl.float32)
+                    x = tl.load(X + m * stride_xm + k0 + p * WIDTH + j).to(tl.float32)
                     tot += small_uint_to_f32((words >> (4 * p)) & 0xF) * x[None, :]
                     xs += x
                 part = tl.sum(tl.reshape(tot, (BLOCK_N, NSUB, SUB // 8)), 2)
@@ -207,6 +207,15 @@ def _launch(x, w, s, z, bias, perm, n, k, *, fp8, bits, scale, scale_rows, group
     return y
 
 
+def plane_order(x: torch.Tensor, step: int, perm: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K]'s columns (``x[:, perm]``'s, with ``perm``) in ``_int4_gemv_kernel``'s plane
+    order for K steps of ``step``: one gather (a copy) of the small activation."""
+    m, k = x.shape
+    if perm is None:
+        return x.view(m, k // step, step // 8, 8).transpose(2, 3).reshape(m, k)
+    return x.index_select(1, perm.view(k // step, step // 8, 8).transpose(1, 2).reshape(k))
+
+
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
              bias: torch.Tensor | None, *, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for an fp8 weight (``ops``' layout), x [M <= GEMV_MAX_M, K] unquantized."""
@@ -233,10 +242,11 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
             raise ValueError(f"int4 GEMV: K step {bk} must be a multiple of 64 dividing K={k} and nest with "
                              f"group_size {group_size}")
         y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+        xp = plane_order(x, bk, perm)
         _int4_gemv_kernel[(triton.cdiv(n, bn),)](
-            x, perm if perm is not None else x, qweight, scales, zeros if zeros is not None else scales,
-            bias if bias is not None else scales, y, x.shape[0], n, k, x.stride(0), qweight.stride(0),
-            scales.stride(0), y.stride(0), GROUP=group_size, HAS_ZERO=zeros is not None, HAS_PERM=perm is not None,
+            xp, qweight, scales, zeros if zeros is not None else scales,
+            bias if bias is not None else scales, y, x.shape[0], n, k, xp.stride(0), qweight.stride(0),
+            scales.stride(0), y.stride(0), GROUP=group_size, HAS_ZERO=zeros is not None,
             HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(x.shape[0]), BLOCK_N=bn, BLOCK_K=bk,
             num_warps=warps)
         return y
