@@ -11,7 +11,9 @@ act-order; int8 group 128): the op's device time (``ops.fp8_linear`` / ``ops.int
 CUDA-graph timer, the fp8 GEMMs' activation quantization included), its relative error
 against the torch reference, at M = 1 the bytes of quantized weight + scales read over the
 copy bandwidth measured at the start of the run (the roofline fraction), and TFLOP/s with
-the speed-up over bf16 ``torch.matmul``. fp8 per-channel rows also time ``torch._scaled_mm``
+the speed-up over bf16 ``torch.matmul``. Where the weight read dominates (M <= 64), each
+timed CUDA graph holds the op on several distinct weights (``weights_per_graph``, 512 MiB
+of bf16 weights in all) so that neither the graph launch nor L2 flatters a small kernel. fp8 per-channel rows also time ``torch._scaled_mm``
 (row-wise scales) on the same pre-quantized operands, and ``act_quant`` alone.
 ``--sweep`` also times each kernel over a few tile configurations and reports the fastest
 (to fill the kernels' tile tables; ``--quick`` tries two). Results: ``<out>/quant_kernels.json`` and a table on
@@ -21,6 +23,7 @@ stdout; a case that fails is reported with its error and the run goes on.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -36,6 +39,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 QUICK_SHAPES = {"tiny": (40, 512)}
 ROWS = (1, 64, 16384)
 QUICK_ROWS = (1, 20)
+COPIES_BYTES = 512 << 20
 # format -> (kind, quantize arguments)
 FORMATS = {
     "fp8_channel": ("fp8", dict(granularity="channel")),
@@ -69,12 +73,21 @@ class Run:
         self.sweep = args.sweep
         self.copy_Bps = 1e10  # (placeholder on the CPU)
 
-    def time(self, fn: Callable[[], object]) -> float:
+    def time(self, fns: list[Callable[[], object]]) -> float:
+        """Seconds per call of the ``fns`` (the same op on distinct weights) captured in one
+        CUDA graph: a lone small kernel's time would be mostly the graph launch."""
         if self.quick:  # (one call: the interpreter is slow, and the figure means nothing)
             t = time.perf_counter()
-            fn()
+            fns[0]()
             return time.perf_counter() - t
-        return time_graph(fn, reps=30)
+        return time_graph(lambda: [fn() for fn in fns], reps=30) / len(fns)
+
+    def copies(self, n: int, k: int, m: int) -> int:
+        """Distinct weights per timed graph: enough that their bf16 bytes pass COPIES_BYTES
+        (no weight is read from L2) where the weight read dominates (M <= 64), else one."""
+        if self.quick or m > 64:
+            return 1
+        return math.ceil(COPIES_BYTES / (2 * n * k))
 
 
 def ceilings(run: Run) -> dict:
@@ -110,7 +123,7 @@ def quantized(run: Run, fmt: str, w: torch.Tensor) -> dict:
                 tiled=lambda x, kern, tiles: kern(x, qw, s, z, q["bits"], q["group_size"], perm, None, tiles=tiles))
 
 
-def sweep(run: Run, fmt: str, qz: dict, x: torch.Tensor) -> dict:
+def sweep(run: Run, fmt: str, qzs: list[dict], x: torch.Tensor) -> dict:
     """Each candidate tile of the kernel this row count takes: {tiles: us}, fastest first."""
     m = x.shape[0]
     kind = FORMATS[fmt][0]
@@ -126,13 +139,12 @@ def sweep(run: Run, fmt: str, qz: dict, x: torch.Tensor) -> dict:
     out = {}
     for tiles in cands:
         if kind == "fp8":
-            def fn(tiles=tiles):
-                return kern(x, qz["weight"], qz["scale"], qz["block"], None, tiles=tiles)
+            fns = [lambda qz=qz, tiles=tiles: kern(x, qz["weight"], qz["scale"], qz["block"], None, tiles=tiles)
+                   for qz in qzs]
         else:
-            def fn(tiles=tiles):
-                return qz["tiled"](x, kern, tiles)
+            fns = [lambda qz=qz, tiles=tiles: qz["tiled"](x, kern, tiles) for qz in qzs]
         try:
-            out[str(tiles)] = round(run.time(fn) * 1e6, 2)
+            out[str(tiles)] = round(run.time(fns) * 1e6, 2)
         except Exception as exc:  # noqa: BLE001 (a tile that does not compile or fit is reported)
             out[str(tiles)] = repr(exc)[:120]
     timed = sorted((v, k) for k, v in out.items() if isinstance(v, float))
@@ -141,43 +153,49 @@ def sweep(run: Run, fmt: str, qz: dict, x: torch.Tensor) -> dict:
 
 def shape_case(run: Run, name: str, n: int, k: int) -> dict:
     g = torch.Generator(device=run.device).manual_seed(0)
-    w = (torch.randn(n, k, device=run.device, generator=g) * k**-0.5).to(run.dtype)
     res: dict = {"N_K": [n, k]}
     for m in run.rows:
+        ws = [(torch.randn(n, k, device=run.device, generator=g) * k**-0.5).to(run.dtype)
+              for _ in range(run.copies(n, k, m))]
         x = torch.randn(m, k, device=run.device, generator=g).to(run.dtype)
         flops = 2 * m * n * k
-        t_bf16 = run.time(lambda x=x: torch.matmul(x, w.T))
-        row: dict = {"bf16": {"us": round(t_bf16 * 1e6, 2), "TFLOPs": round(flops / t_bf16 / 1e12, 2)}}
+        t_bf16 = run.time([lambda w=w, x=x: torch.matmul(x, w.T) for w in ws])
+        row: dict = {"weights_per_graph": len(ws),
+                     "bf16": {"us": round(t_bf16 * 1e6, 2), "TFLOPs": round(flops / t_bf16 / 1e12, 2)}}
         if m == 1:
-            row["bf16"]["frac_copy"] = round(w.numel() * w.element_size() / t_bf16 / run.copy_Bps, 3)
+            row["bf16"]["frac_copy"] = round(2 * n * k / t_bf16 / run.copy_Bps, 3)
         for fmt in run.formats:
-            row[fmt] = timed_section(lambda fmt=fmt, x=x, m=m, f=flops, t=t_bf16: _format_case(run, fmt, w, x, m, f, t))
+            row[fmt] = timed_section(lambda fmt=fmt, x=x, m=m, f=flops, t=t_bf16, ws=ws:
+                                     _format_case(run, fmt, ws, x, m, f, t))
+        del ws
         res[f"M={m}"] = row
     return res
 
 
-def _format_case(run: Run, fmt: str, w: torch.Tensor, x: torch.Tensor, m: int, flops: int, t_bf16: float) -> dict:
-    qz = quantized(run, fmt, w)
-    t = run.time(lambda: qz["op"](x))
+def _format_case(run: Run, fmt: str, ws: list[torch.Tensor], x: torch.Tensor, m: int, flops: int,
+                 t_bf16: float) -> dict:
+    qzs = [quantized(run, fmt, w) for w in ws]
+    qz = qzs[0]
+    t = run.time([lambda qz=qz: qz["op"](x) for qz in qzs])
     r = {"us": round(t * 1e6, 2), "TFLOPs": round(flops / t / 1e12, 2), "over_bf16": round(t_bf16 / t, 3),
          "rel_err_vs_reference": round(rel_err(qz["op"](x), qz["ref"](x)), 5)}
     if m == 1:
         r["bytes"] = qz["bytes"]
         r["frac_copy"] = round(qz["bytes"] / t / run.copy_Bps, 3)
     if fmt == "fp8_channel" and m > gemv.GEMV_MAX_M:
-        r["act_quant_us"] = round(run.time(lambda: fp8_gemm.quantize_act(x)) * 1e6, 2) if run.kernels else None
+        r["act_quant_us"] = (round(run.time([lambda: fp8_gemm.quantize_act(x)] * len(qzs)) * 1e6, 2)
+                             if run.kernels else None)
         if not run.quick and hasattr(torch, "_scaled_mm"):
             xq, xs = ops.quantize_act_fp8(x)
-            sw = qz["scale"][None, :]
             try:
-                ts = run.time(lambda: torch._scaled_mm(xq, qz["weight"].T, scale_a=xs, scale_b=sw,
-                                                       out_dtype=torch.bfloat16))
+                ts = run.time([lambda qz=qz: torch._scaled_mm(xq, qz["weight"].T, scale_a=xs, scale_b=qz["scale"][None, :],
+                                                              out_dtype=torch.bfloat16) for qz in qzs])
                 r["scaled_mm_us"] = round(ts * 1e6, 2)
                 r["scaled_mm_TFLOPs"] = round(flops / ts / 1e12, 2)
             except Exception as exc:  # noqa: BLE001 (not every torch/GPU has row-wise scaling)
                 r["scaled_mm_us"] = repr(exc)[:120]
     if run.sweep and run.kernels:
-        r["sweep"] = sweep(run, fmt, qz, x)
+        r["sweep"] = sweep(run, fmt, qzs, x)
     return r
 
 

@@ -12,9 +12,10 @@ the per-element work is one convert and one FMA.
 * fp8 (``fp8_gemv``): x stays in its own dtype (a GEMV needs no fp8 operand, and this is
   closer to the unquantized product than ``ops.fp8_linear_reference``'s fake-quantized x).
 * int4 / int8 (``int_gemv``): zero point and scale per group, ``perm`` read as x's column
-  order; int4 in ``_int4_gemv_kernel``'s nibble planes (each word loaded once, no nibble
-  moving between threads). Weights are little integers converted by ``small_uint_to_f32``
-  (batch-1 int4 is bound by the instructions per weight as much as by the bytes).
+  order; each int4 word loaded once and spread to its 8 columns by ``unpack_int4_tile``
+  (interleaves keep a word's copies in the thread that loaded it; on an H200 this beat
+  multiplying nibble planes with x's strided columns). Weights are small integers,
+  converted by ``small_uint_to_f32``.
 
 Callers are ``ops``' dispatch: shapes and dtypes are checked there.
 """
@@ -76,8 +77,8 @@ def _gemv_kernel(X, Perm, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, stride
                  GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                  EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Y[:M, tile] for one tile of BLOCK_N weight rows. FP8: W fp8 [N, K], S per SCALE
-    (tensor []; channel [N]; block [ceil(N / SCALE_ROWS), ceil(K / GROUP)]). Else int8: W
-    uint8 [N, K], S and Z [N, K // GROUP] (int4 has ``_int4_gemv_kernel``)."""
+    (tensor []; channel [N]; block [ceil(N / SCALE_ROWS), ceil(K / GROUP)]). Else int: W int32
+    [N, K // 8] (BITS 4) or uint8 [N, K] (BITS 8), S and Z [N, K // GROUP]."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -95,6 +96,9 @@ def _gemv_kernel(X, Perm, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, stride
                 w = tl.load(ptrs).to(tl.float32)
             else:
                 w = tl.load(ptrs, mask=cols[None, :] < K, other=0.0).to(tl.float32)
+        elif BITS == 4:
+            words = tl.load(W + offs_n[:, None] * stride_w + k0 // 8 + tl.arange(0, BLOCK_K // 8)[None, :])
+            w = small_uint_to_f32(unpack_int4_tile(words, BLOCK_K))
         else:
             w = small_uint_to_f32(tl.load(W + offs_n[:, None] * stride_w + cols[None, :]).to(tl.int32))
         s_sub = tl.zeros([BLOCK_N, NSUB], dtype=tl.float32)
@@ -119,53 +123,6 @@ def _gemv_kernel(X, Perm, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, stride
         acc *= tl.load(S)
     if FP8 and SCALE == 1:
         acc *= tl.load(S + offs_n)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(Bias + offs_n).to(tl.float32)[:, None]
-    tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty),
-             mask=mask_n[:, None] & (offs_m < M)[None, :])
-
-
-@triton.jit
-def _int4_gemv_kernel(X, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, stride_s, stride_ym,
-                      GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``_gemv_kernel`` for int4 (K a multiple of BLOCK_K): a step's words [BLOCK_N,
-    BLOCK_K // 8] are taken as 8 planes, plane p being nibble p of every word (columns
-    k0 + 8j + p), each multiplied with x's same columns, so every nibble stays in the thread
-    that loaded its word and costs a shift, an OR, an add and an FMA. X comes in plane order
-    (``plane_order``: each step's x columns k0 + 8j + p at k0 + p * BLOCK_K // 8 + j), so a
-    plane's x is one contiguous load. Scales and zero points apply per group after the
-    planes: s * (sum q x - z sum x)."""
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_n = tl.where(mask_n, offs_n, 0)  # (masked rows read row 0: no masks on the weight loads)
-    offs_m = tl.arange(0, BLOCK_M)
-    WIDTH: tl.constexpr = BLOCK_K // 8
-    SUB: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP
-    NSUB: tl.constexpr = BLOCK_K // SUB
-    j = tl.arange(0, WIDTH)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        words = tl.load(W + offs_n[:, None] * stride_w + k0 // 8 + j[None, :])
-        g = (k0 + tl.arange(0, NSUB) * SUB) // GROUP
-        s = tl.load(S + offs_n[:, None] * stride_s + g[None, :]).to(tl.float32)
-        if HAS_ZERO:
-            z = tl.load(Z + offs_n[:, None] * stride_s + g[None, :]).to(tl.float32)
-        else:
-            z = tl.zeros([BLOCK_N, NSUB], dtype=tl.float32) + 8.0
-        for m in tl.static_range(BLOCK_M):
-            if m < M:
-                tot = tl.zeros([BLOCK_N, WIDTH], dtype=tl.float32)
-                xs = tl.zeros([WIDTH], dtype=tl.float32)
-                for p in tl.static_range(8):
-                    x = tl.load(X + m * stride_xm + k0 + p * WIDTH + j).to(tl.float32)
-                    tot += small_uint_to_f32((words >> (4 * p)) & 0xF) * x[None, :]
-                    xs += x
-                part = tl.sum(tl.reshape(tot, (BLOCK_N, NSUB, SUB // 8)), 2)
-                xsub = tl.sum(tl.reshape(xs, (NSUB, SUB // 8)), 1)
-                r = tl.sum((part - z * xsub[None, :]) * s, 1)
-                acc += tl.where(offs_m[None, :] == m, r[:, None], 0.0)
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n).to(tl.float32)[:, None]
     tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty),
@@ -207,15 +164,6 @@ def _launch(x, w, s, z, bias, perm, n, k, *, fp8, bits, scale, scale_rows, group
     return y
 
 
-def plane_order(x: torch.Tensor, step: int, perm: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K]'s columns (``x[:, perm]``'s, with ``perm``) in ``_int4_gemv_kernel``'s plane
-    order for K steps of ``step``: one gather (a copy) of the small activation."""
-    m, k = x.shape
-    if perm is None:
-        return x.view(m, k // step, step // 8, 8).transpose(2, 3).reshape(m, k)
-    return x.index_select(1, perm.view(k // step, step // 8, 8).transpose(1, 2).reshape(k))
-
-
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
              bias: torch.Tensor | None, *, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for an fp8 weight (``ops``' layout), x [M <= GEMV_MAX_M, K] unquantized."""
@@ -236,19 +184,7 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     """``x[:, perm] @ W.T + bias`` for an int4/int8 weight (``ops``' layout), x [M <= GEMV_MAX_M, K]."""
     n, k = qweight.shape[0], x.shape[1]
     tiles = tiles or gemv_tiles(f"int{bits}", x.shape[0], k, group_size)
-    if bits == 4:
-        bn, bk, warps = tiles
-        if bk % 64 or k % bk or (bk % group_size and group_size % bk):
-            raise ValueError(f"int4 GEMV: K step {bk} must be a multiple of 64 dividing K={k} and nest with "
-                             f"group_size {group_size}")
-        y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-        xp = plane_order(x, bk, perm)
-        _int4_gemv_kernel[(triton.cdiv(n, bn),)](
-            xp, qweight, scales, zeros if zeros is not None else scales,
-            bias if bias is not None else scales, y, x.shape[0], n, k, xp.stride(0), qweight.stride(0),
-            scales.stride(0), y.stride(0), GROUP=group_size, HAS_ZERO=zeros is not None,
-            HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(x.shape[0]), BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=warps)
-        return y
+    if bits == 4 and tiles[1] % 8:
+        raise ValueError(f"int4 GEMV: K step {tiles[1]} is not a multiple of 8 (group_size {group_size})")
     return _launch(x, qweight, scales, zeros, bias, perm, n, k, fp8=False, bits=bits, scale=SCALE_BLOCK, scale_rows=1,
                    group=group_size, tiles=tiles)
