@@ -1,5 +1,6 @@
-"""Matrix-vector kernels for quantized weights: ``y = x @ W.T`` for 1..GEMV_MAX_M rows of x
-(decode at batch 1 and a few), the dequantization fused into the weight read.
+"""Matrix-vector kernels for quantized weights: ``y = x @ W.T`` for a few rows of x (up to
+4; ``ops`` sends GEMV_MAX_M = 1, decode at batch 1), the dequantization fused into the
+weight read.
 
 Batch-1 decode is bound by the bytes of weight read per step, so each program streams a few
 weight rows in long contiguous runs (``BLOCK_K`` columns per step, a few KB per load),
@@ -7,12 +8,12 @@ dequantizes them in registers and reuses the tile for every row of x; no tensor 
 shared memory, thousands of programs over N so that every SM has loads in flight. Scales
 apply per sub-block of ``SUB`` columns (a quantization group, or the whole step where the
 group is wider): ``sum_k (q_k - z) s x_k = s (sum_k q_k x_k - z sum_k x_k)`` over a group, so
-the per-element work is one convert and one FMA.
+the per-element work is a conversion and an FMA.
 
 * fp8 (``fp8_gemv``): x stays in its own dtype (a GEMV needs no fp8 operand, and this is
   closer to the unquantized product than ``ops.fp8_linear_reference``'s fake-quantized x).
-* int4 / int8 (``int_gemv``): zero point and scale per group, ``perm`` read as x's column
-  order; each int4 word loaded once and spread to its 8 columns by ``unpack_int4_tile``
+* int4 / int8 (``int_gemv``): zero point and scale per group, x gathered through ``perm``
+  once before the kernel; each int4 word loaded once and spread to its 8 columns by ``unpack_int4_tile``
   (interleaves keep a word's copies in the thread that loaded it; on an H200 this beat
   multiplying nibble planes with x's strided columns). Weights are small integers,
   converted by ``small_uint_to_f32``.
@@ -48,19 +49,14 @@ def unpack_int4_tile(words, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _row_part(w, X, Perm, m, k0, K, stride_xm, cols, S_sub, Z_sub, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr,
-              EVEN_K: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              NSUB: tl.constexpr, SUB: tl.constexpr):
+def _row_part(w, X, m, K, stride_xm, cols, S_sub, Z_sub, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
+              SCALED: tl.constexpr, BLOCK_N: tl.constexpr, NSUB: tl.constexpr, SUB: tl.constexpr):
     """One x row's contribution of a [BLOCK_N, BLOCK_K] weight tile ``w`` (fp32, unscaled):
     [BLOCK_N]; with SCALED, sum over sub-blocks of ``S_sub`` * (w . x - ``Z_sub`` * sum x)."""
-    if HAS_PERM:
-        xk = tl.load(Perm + cols) if EVEN_K else tl.load(Perm + cols, mask=cols < K, other=0)
-    else:
-        xk = cols
     if EVEN_K:
-        x = tl.load(X + m * stride_xm + xk).to(tl.float32)
+        x = tl.load(X + m * stride_xm + cols).to(tl.float32)
     else:
-        x = tl.load(X + m * stride_xm + xk, mask=cols < K, other=0.0).to(tl.float32)
+        x = tl.load(X + m * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
     prod = w * x[None, :]
     if SCALED:
         part = tl.sum(tl.reshape(prod, (BLOCK_N, NSUB, SUB)), 2)
@@ -72,9 +68,9 @@ def _row_part(w, X, Perm, m, k0, K, stride_xm, cols, S_sub, Z_sub, HAS_ZERO: tl.
 
 
 @triton.jit
-def _gemv_kernel(X, Perm, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, stride_s, stride_ym,
+def _gemv_kernel(X, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, stride_s, stride_ym,
                  FP8: tl.constexpr, BITS: tl.constexpr, SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr,
-                 GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
                  EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Y[:M, tile] for one tile of BLOCK_N weight rows. FP8: W fp8 [N, K], S per SCALE
     (tensor []; channel [N]; block [ceil(N / SCALE_ROWS), ceil(K / GROUP)]). Else int: W int32
@@ -116,8 +112,8 @@ def _gemv_kernel(X, Perm, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, stride
                     z_sub += 2 ** (BITS - 1)
         for m in tl.static_range(BLOCK_M):
             if m < M:
-                part = _row_part(w, X, Perm, m, k0, K, stride_xm, cols, s_sub, z_sub,
-                                 HAS_ZERO or not FP8, HAS_PERM, EVEN_K, SCALED, BLOCK_N, BLOCK_K, NSUB, SUB)
+                part = _row_part(w, X, m, K, stride_xm, cols, s_sub, z_sub, HAS_ZERO or not FP8, EVEN_K, SCALED,
+                                 BLOCK_N, NSUB, SUB)
                 acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
     if FP8 and SCALE == 0:
         acc *= tl.load(S)
@@ -149,24 +145,26 @@ def gemv_tiles(kind: str, m: int, k: int, group: int | None) -> tuple[int, int, 
     return max(1, rows * limit // bk) if bk < limit else rows, bk, 4
 
 
-def _launch(x, w, s, z, bias, perm, n, k, *, fp8, bits, scale, scale_rows, group, tiles):
+def _launch(x, w, s, z, bias, n, k, *, fp8, bits, scale, scale_rows, group, tiles):
     m = x.shape[0]
+    if m > 4:
+        raise ValueError(f"GEMV: {m} rows of x, at most 4 (more go to the GEMM kernels)")
     bn, bk, warps = tiles
     if (scale == SCALE_BLOCK and bk % group and group % bk) or (not fp8 and k % bk):
         raise ValueError(f"GEMV: K step {bk} and scale groups of {group} columns (K={k}) do not nest")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, bn),)](
-        x, perm if perm is not None else x, w, s, z if z is not None else s, bias if bias is not None else s, y,
+        x, w, s, z if z is not None else s, bias if bias is not None else s, y,
         m, n, k, x.stride(0), w.stride(0), s.stride(0) if s.dim() == 2 else 0, y.stride(0),
         FP8=fp8, BITS=bits, SCALE=scale, SCALE_ROWS=scale_rows, GROUP=group, HAS_ZERO=z is not None,
-        HAS_PERM=perm is not None, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return y
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
              bias: torch.Tensor | None, *, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """``x @ W.T + bias`` for an fp8 weight (``ops``' layout), x [M <= GEMV_MAX_M, K] unquantized."""
+    """``x @ W.T + bias`` for an fp8 weight (``ops``' layout), x [M <= 4, K] unquantized."""
     n, k = weight.shape
     if block is not None:
         scale, rows, group = SCALE_BLOCK, block[0], block[1]
@@ -174,17 +172,19 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         scale, rows, group = (SCALE_CHANNEL if weight_scale.dim() == 1 else SCALE_TENSOR), 1, k
     if tiles is None:
         tiles = gemv_tiles("fp8", x.shape[0], k, group if block is not None else None)
-    return _launch(x, weight, weight_scale, None, bias, None, n, k, fp8=True, bits=8, scale=scale, scale_rows=rows,
+    return _launch(x, weight, weight_scale, None, bias, n, k, fp8=True, bits=8, scale=scale, scale_rows=rows,
                    group=group, tiles=tiles)
 
 
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
              group_size: int, perm: torch.Tensor | None, bias: torch.Tensor | None, *,
              tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """``x[:, perm] @ W.T + bias`` for an int4/int8 weight (``ops``' layout), x [M <= GEMV_MAX_M, K]."""
+    """``x[:, perm] @ W.T + bias`` for an int4/int8 weight (``ops``' layout), x [M <= 4, K]."""
     n, k = qweight.shape[0], x.shape[1]
     tiles = tiles or gemv_tiles(f"int{bits}", x.shape[0], k, group_size)
     if bits == 4 and tiles[1] % 8:
         raise ValueError(f"int4 GEMV: K step {tiles[1]} is not a multiple of 8 (group_size {group_size})")
-    return _launch(x, qweight, scales, zeros, bias, perm, n, k, fp8=False, bits=bits, scale=SCALE_BLOCK, scale_rows=1,
+    if perm is not None:  # (one gather of x's columns up front: per program, they would be scattered reads)
+        x = x.index_select(1, perm)
+    return _launch(x, qweight, scales, zeros, bias, n, k, fp8=False, bits=bits, scale=SCALE_BLOCK, scale_rows=1,
                    group=group_size, tiles=tiles)
