@@ -110,6 +110,20 @@ def test_int_reference_is_dequantize_then_matmul(bits, group, symmetric):
     assert rel_err(y, x.double() @ dequantize_int(qw, s, z, bits, group).double().T) < 1e-2
 
 
+@pytest.mark.parametrize("bits,symmetric", [(4, False), (8, True)])
+def test_int_partial_last_group(bits, symmetric):
+    """K = 320 in groups of 128: two whole groups and one of 64 columns (SmolLM2's K = 576 is
+    4.5 groups of 128)."""
+    w = rand(16, 320, seed=13)
+    qw, s, z = quantize_int(w, bits, 128, symmetric)
+    assert s.shape == (16, 3)
+    err = (dequantize_int(qw, s, z, bits, 128) - w).abs()
+    assert (err <= s.repeat_interleave(128, 1)[:, :320] * 0.5 + 1e-6).all()
+    x = rand(2, 320, seed=14)
+    y = int_weight_linear(x, qw, s, z, bits=bits, group_size=128)
+    assert rel_err(y, x.double() @ dequantize_int(qw, s, z, bits, 128).double().T) < 1e-6
+
+
 def test_int_reference_act_order_reads_x_through_perm():
     k = 128
     w = rand(32, k, seed=10)
@@ -137,8 +151,10 @@ def test_bad_layouts_name_the_tensor():
         int_weight_linear(x, qw, sc, z, bits=4, group_size=128)
     with pytest.raises(ValueError, match=r"qweight: torch.int32 \(64, 32\), expected torch.uint8 \[64, 256\]"):
         int_weight_linear(x, qw, sc, z, bits=8, group_size=64)
-    with pytest.raises(ValueError, match="group_size 48 does not divide K=256"):
+    with pytest.raises(ValueError, match=r"scales: shape \(64, 4\), expected \[64, 6\] \(group_size 48\)"):
         int_weight_linear(x, qw, sc, z, bits=4, group_size=48)
+    with pytest.raises(ValueError, match="group_size must be positive"):
+        int_weight_linear(x, qw, sc, z, bits=4, group_size=0)
     with pytest.raises(ValueError, match="perm"):
         int_weight_linear(x, qw, sc, z, bits=4, group_size=64, perm=torch.arange(256, dtype=torch.int32))
 
@@ -196,33 +212,34 @@ def test_fp8_gemm_kernel(granularity, k, with_bias):
     assert rel_err(y, fp8_linear_reference(x, wq, s, block=block, bias=b)) < 1e-5
 
 
-INT_CASES = [(4, 32, True, False), (4, 64, False, True), (4, 256, False, False), (8, 64, False, False),
-             (8, 128, True, True), (4, 320, False, True)]  # (the last: per channel, K not a multiple of 128)
+INT_CASES = [(4, 32, True, False, 256), (4, 64, False, True, 256), (4, 256, False, False, 256),
+             (8, 64, False, False, 256), (8, 128, True, True, 256),
+             (4, 320, False, True, 320),   # per channel, K not a multiple of 128
+             (4, 128, False, False, 320), (8, 128, True, False, 320)]  # a last group of 64 columns
 
 
-def int_case(bits, group, symmetric, act_order, n=40, seed=30):
-    k = max(group, 256)
+def int_case(bits, group, symmetric, act_order, k, n=40, seed=30):
     qw, s, z = quantize_int(rand(n, k, seed=seed), bits, group, symmetric)
     perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed)) if act_order else None
     return qw, s, z, perm
 
 
 @interpreter
-@pytest.mark.parametrize("bits,group,symmetric,act_order", INT_CASES)
+@pytest.mark.parametrize("bits,group,symmetric,act_order,k", INT_CASES)
 @pytest.mark.parametrize("m", [1, 3])
-def test_int_gemv_kernel(bits, group, symmetric, act_order, m):
-    qw, s, z, perm = int_case(bits, group, symmetric, act_order)
-    x, b = rand(m, max(group, 256), seed=31), rand(40, seed=32)
+def test_int_gemv_kernel(bits, group, symmetric, act_order, k, m):
+    qw, s, z, perm = int_case(bits, group, symmetric, act_order, k)
+    x, b = rand(m, k, seed=31), rand(40, seed=32)
     y = gemv.int_gemv(x, qw, s, z, bits, group, perm, b)  # (ops takes it for one row; the kernel takes up to 4)
     ref = int_weight_linear_reference(x, qw, s, z, bits=bits, group_size=group, perm=perm, bias=b)
     assert rel_err(y, ref) < 1e-5
 
 
 @interpreter
-@pytest.mark.parametrize("bits,group,symmetric,act_order", INT_CASES)
-def test_int_gemm_kernel(bits, group, symmetric, act_order):
-    qw, s, z, perm = int_case(bits, group, symmetric, act_order, n=72)
-    x, b = rand(20, max(group, 256), seed=33), rand(72, seed=34)
+@pytest.mark.parametrize("bits,group,symmetric,act_order,k", INT_CASES)
+def test_int_gemm_kernel(bits, group, symmetric, act_order, k):
+    qw, s, z, perm = int_case(bits, group, symmetric, act_order, k, n=72)
+    x, b = rand(20, k, seed=33), rand(72, seed=34)
     y = int_weight_linear(x, qw, s, z, bits=bits, group_size=group, perm=perm, bias=b, use_triton=True)
     ref = int_weight_linear_reference(x, qw, s, z, bits=bits, group_size=group, perm=perm, bias=b)
     assert rel_err(y, ref) < 1e-5
@@ -299,9 +316,8 @@ def test_fp8_kernels_at_8b_shapes_on_gpu(n, k, granularity):
 @pytest.mark.parametrize("n,k", SHAPES_8B)
 @pytest.mark.parametrize("bits,group,symmetric,act_order", [(4, 128, True, False), (4, 128, False, True),
                                                             (8, 128, True, False), (4, 4096, False, False)])
+# (groups of 4096: per channel where K = 4096, a last group of 2048 columns where K = 14336)
 def test_int_kernels_at_8b_shapes_on_gpu(n, k, bits, group, symmetric, act_order):
-    if k % group:
-        pytest.skip("group wider than K")
     w = (torch.randn(n, k, device="cuda") * k**-0.5).to(torch.bfloat16)
     qw, s, z = quantize_int(w, bits, group, symmetric)
     perm = torch.randperm(k, device="cuda") if act_order else None

@@ -3,7 +3,8 @@ each K step loads a tile of packed weights, dequantizes it in registers (``(q - 
 group, rounded to x's dtype) and feeds it to a 16-bit ``tl.dot`` with fp32 accumulation.
 int4 words are loaded once and spread to their columns by ``gemv.unpack_int4_tile``. A
 step within one group takes one scale and zero point per weight
-row; a step wider than a group (groups of 32 or 64 columns) reads each column's. With
+row; a step wider than a group (groups of 32 or 64 columns) reads each column's. A last
+group shorter than the others (K not a multiple of ``group_size``) needs nothing special. With
 ``perm`` (GPTQ act-order) x's columns are gathered through it: the weight stays in its
 stored order.
 

@@ -21,13 +21,14 @@ Layouts (N output features, K input features; a row of ``weight`` is one output 
 ``int_weight_linear(x, qweight, scales, zeros, *, bits, group_size, perm=None, bias=None)``
 
 * Weight-only int4/int8 (W4A16 / W8A16), groups of ``group_size`` consecutive columns along K
-  (``group_size == K``: per channel); ``K % group_size == 0``.
+  (``group_size >= K``: per channel); where ``group_size`` does not divide K the last group is
+  the shorter remainder (``G = ceil(K / group_size)`` groups).
 * ``bits=4``: ``qweight`` int32 [N, K // 8]; column k of row n is nibble ``k % 8`` of word
   ``k // 8``, the low nibble first (``pack_int4``). ``bits=8``: ``qweight`` uint8 [N, K].
   Values are unsigned, 0 .. 2**bits - 1.
-* ``scales`` [N, K // group_size] in ``x.dtype`` (or fp16/fp32); ``zeros`` None (symmetric:
-  ``W = (q - 2**(bits - 1)) * s``) or [N, K // group_size] in ``scales.dtype`` holding the zero
-  point as a number (``W = (q - z) * s``).
+* ``scales`` [N, G] in ``x.dtype`` (or fp16/fp32); ``zeros`` None (symmetric:
+  ``W = (q - 2**(bits - 1)) * s``) or [N, G] in ``scales.dtype`` holding the zero point as a
+  number (``W = (q - z) * s``).
 * ``perm`` None or int64 [K] (GPTQ act-order): ``y = x[:, perm] @ W.T``; the weights are stored
   already permuted, so each group is contiguous in ``qweight``.
 * Output [M, N] in ``x.dtype``; ``bias`` [N] added in ``x.dtype``.
@@ -118,9 +119,12 @@ def quantize_int(w: Tensor, bits: int, group_size: int, symmetric: bool) -> tupl
     round-to-nearest per group: symmetric ``s = amax / (2**(bits-1) - 1)``, zeros None;
     else ``s = (max - min) / (2**bits - 1)``, ``z = round(-min / s)``. Scales and zeros in
     ``w.dtype``."""
-    _check_bits_group(bits, group_size, w.shape[1])
+    _check_bits_group(bits, group_size)
     n, k = w.shape
-    g = w.float().view(n, k // group_size, group_size)
+    groups = math.ceil(k / group_size)
+    g = torch.zeros(n, groups * group_size, device=w.device)  # (zero columns change no group's range)
+    g[:, :k] = w.float()
+    g = g.view(n, groups, group_size)
     qmax = 2**bits - 1
     if symmetric:
         half = 2 ** (bits - 1)
@@ -135,7 +139,7 @@ def quantize_int(w: Tensor, bits: int, group_size: int, symmetric: bool) -> tupl
         z = (-lo / s.float()).round().clamp(0, qmax)
         q = ((g / s.float()[..., None]).round() + z[..., None]).clamp(0, qmax)
         z = z.to(w.dtype)
-    q = q.view(n, k).to(torch.uint8)
+    q = q.view(n, groups * group_size)[:, :k].to(torch.uint8)
     return (pack_int4(q) if bits == 4 else q), s, z
 
 
@@ -144,8 +148,7 @@ def dequantize_int(qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: 
     q = (unpack_int4(qweight) if bits == 4 else qweight).float()
     n, k = q.shape
     z = zeros.float() if zeros is not None else torch.full_like(scales, 2 ** (bits - 1), dtype=torch.float32)
-    g = q.view(n, k // group_size, group_size)
-    return ((g - z[..., None]) * scales.float()[..., None]).view(n, k)
+    return (q - z.repeat_interleave(group_size, 1)[:, :k]) * scales.float().repeat_interleave(group_size, 1)[:, :k]
 
 
 def dequantize_fp8(weight: Tensor, weight_scale: Tensor, block: tuple[int, int] | None = None) -> Tensor:
@@ -174,11 +177,11 @@ def quantize_act_fp8(x: Tensor, group: int | None = None) -> tuple[Tensor, Tenso
 # ----------------------------------------------------------------------------- checks
 
 
-def _check_bits_group(bits: int, group_size: int, k: int) -> None:
+def _check_bits_group(bits: int, group_size: int) -> None:
     if bits not in INT_DTYPES:
         raise ValueError(f"bits must be 4 or 8, not {bits}")
-    if group_size <= 0 or k % group_size:
-        raise ValueError(f"group_size {group_size} does not divide K={k}")
+    if group_size <= 0:
+        raise ValueError(f"group_size must be positive, not {group_size}")
 
 
 def check_fp8(x: Tensor, weight: Tensor, weight_scale: Tensor, block: tuple[int, int] | None) -> None:
@@ -205,13 +208,13 @@ def check_int(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, 
     if x.dim() != 2:
         raise ValueError(f"int_weight_linear: x must be [M, K], got {tuple(x.shape)}")
     k = x.shape[1]
-    _check_bits_group(bits, group_size, k)
+    _check_bits_group(bits, group_size)
     n = qweight.shape[0]
     want = (n, k // 8) if bits == 4 else (n, k)
     if qweight.dtype != INT_DTYPES[bits] or tuple(qweight.shape) != want:
         raise ValueError(f"qweight: {qweight.dtype} {tuple(qweight.shape)}, expected {INT_DTYPES[bits]} "
                          f"{list(want)} for int{bits} with K={k}")
-    groups = (n, k // group_size)
+    groups = (n, math.ceil(k / group_size))
     if tuple(scales.shape) != groups:
         raise ValueError(f"scales: shape {tuple(scales.shape)}, expected {list(groups)} (group_size {group_size})")
     if zeros is not None and (tuple(zeros.shape) != groups or zeros.dtype != scales.dtype):
