@@ -16,12 +16,15 @@ Contract
 * Lower tiers: a prefix match that continues past the pool loads those pages back into fresh
   slots at admission; pages are stored on eviction (write-back) or when a request leaves
   (write-through, or once its prefix was hit N times), per the tiers' write policy.
-* Accounting: free + evictable + locked + private == total between steps, and every slot has
-  exactly one owner (``check_accounting``).
+* Accounting: free + evictable + locked + private + reserved == total between steps, and every
+  slot has exactly one owner (``check_accounting``). ``reserved``: slots held for KV that
+  another instance writes (prefill/decode disaggregation: ``reserve``, ``received``,
+  ``unreserve``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -46,6 +49,8 @@ class KVManager:
         self.reserve_ratio = config.schedule_conservativeness
         self.chunk = config.chunked_prefill_size
         self._load_events: list = []  # CUDA events of tier loads the next step must wait for
+        self.reserved: dict[int, torch.Tensor] = {}  # key -> slots another instance writes into
+        self._reservations = itertools.count()
         if tiers is not None and tiers.write_policy == "write_back":
             cache.on_evict = self._store_path
 
@@ -214,6 +219,28 @@ class KVManager:
         for r, invalid in uncached:
             self.cache.drop_unlocked_path(invalid, stop=r.kv.last_node)
 
+    # ------------------------------------------------------------------ KV written from outside
+
+    def reserve(self, n: int) -> tuple[int, torch.Tensor] | None:
+        """Hold ``n`` free slots (evicting if needed) for KV another instance writes: (key,
+        slots), or None if there is no room."""
+        if not self.make_room(n):
+            return None
+        key = next(self._reservations)
+        self.reserved[key] = self.allocator.alloc(n)
+        return key, self.reserved[key]
+
+    def received(self, key: int, tokens: list[int]) -> None:
+        """The KV of ``tokens`` is in reservation ``key``'s slots: into the radix cache (a
+        prefix cached meanwhile keeps the tree's slots; ours of it go back)."""
+        slots = self.reserved.pop(key)
+        existing = self.cache.insert(tokens, slots)
+        self.allocator.free(slots[:existing])
+
+    def unreserve(self, key: int) -> None:
+        """Reservation ``key`` is given up (nothing may write its slots any more)."""
+        self.allocator.free(self.reserved.pop(key))
+
     # ------------------------------------------------------------------ lower tiers
 
     def _load_from_tiers(self, seq: list[int], match, planned: int, limit: int):
@@ -287,23 +314,25 @@ class KVManager:
     # ------------------------------------------------------------------ accounting
 
     def accounting(self, running: list[Request]) -> dict[str, int]:
-        """free + evictable + locked + private == total, recounted from the parts."""
+        """free + evictable + locked + private + reserved == total, recounted from the parts."""
         return {
             "total": self.allocator.total,
             "free": self.allocator.available,
             "evictable": self.cache.evictable_size,
             "locked": self.cache.protected_size,
             "private": sum(r.kv.private_len for r in running),
+            "reserved": sum(s.numel() for s in self.reserved.values()),
         }
 
     def check_accounting(self, running: list[Request]) -> None:
         a = self.accounting(running)
-        if a["free"] + a["evictable"] + a["locked"] + a["private"] != a["total"]:
+        if a["free"] + a["evictable"] + a["locked"] + a["private"] + a["reserved"] != a["total"]:
             raise AssertionError(f"KV accounting broken: {a}")
         self.cache.check()
         every = torch.cat(
             [self.allocator.free_slots(), self.cache.all_slots()]
             + [r.kv.slots[r.kv.cached_len : r.kv.length] for r in running]
+            + list(self.reserved.values())
         )
         if every.numel() != a["total"] or torch.unique(every).numel() != a["total"]:
             raise AssertionError("KV slots are lost or owned twice")

@@ -29,6 +29,7 @@ from radixd.plugins.wiring import Engine
 from radixd.server import reasoning
 from radixd.server.app import ServerState, build_app
 from radixd.server.dashboard import Feed
+from radixd.server.disagg import Disagg
 from radixd.server.notify import notify, watchdog_interval
 from radixd.settings import SECTIONS, Settings, load_settings, section_of
 
@@ -85,6 +86,7 @@ class Daemon:
         engine.stats_hook = self._on_step
         app = build_app(st)
         await engine.start()
+        st.disagg = await Disagg.start(st, pm)
         await _maybe_await(pm.hook.radixd_startup(state=st))
 
         from hypercorn.asyncio import serve
@@ -113,6 +115,8 @@ class Daemon:
         finally:
             watch.stop()
         await _maybe_await(pm.hook.radixd_shutdown(state=st))
+        if st.disagg is not None:
+            await st.disagg.stop()
         await engine.stop()
         log.info("stopped")
         return 0

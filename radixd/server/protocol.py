@@ -21,6 +21,7 @@ from typing import Any
 from radixd.core.errors import InvalidRequest
 from radixd.core.sampling_params import INT32_MAX, SamplingParams, json_schema
 from radixd.server import openai_extras, reasoning, tool_calls
+from radixd.server.bootstrap import take_bootstrap
 from radixd.server.errors import ApiError
 
 EXTENSIONS = {
@@ -443,8 +444,11 @@ def _in_range(body: dict, key: str, table: dict[str, dict]) -> None:
 
 
 async def read_json(request) -> dict:
-    """The body of a starlette ``request``, by ``parse_json``."""
-    return parse_json(await request.body())
+    """The body of a starlette ``request``, by ``parse_json`` (a prefill/decode role takes
+    the bootstrap fields off it: ``bootstrap.take_bootstrap``)."""
+    body = parse_json(await request.body())
+    take_bootstrap(request, body)
+    return body
 
 
 def parse_json(body: bytes) -> dict:
