@@ -203,11 +203,28 @@ class PrefillRooms:
 # ------------------------------------------------------------------ both sides
 
 
+async def _unless_gone(request, coro):
+    """``coro``'s result, or ``CancelledError`` (``coro`` cancelled) if the client leaves first."""
+    work = asyncio.ensure_future(coro)
+    gone = asyncio.ensure_future(until_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.wait({work})  # its clean-up (a write under way ends first) is done
+    if work.cancelled():
+        raise asyncio.CancelledError("client disconnected")
+    return work.result()
+
+
 class Leg:
     """One request's part in a prefill or decode role, between ``begin`` and ``close``."""
 
-    def __init__(self, d: Disagg, prompts: list, params: list[SamplingParams], room: Room | None = None):
+    def __init__(self, d: Disagg, request, prompts: list, params: list[SamplingParams], room: Room | None = None):
         self.d = d
+        self.request = request
         self.prompts = prompts
         self.params = params
         self.room = room
@@ -218,7 +235,8 @@ class Leg:
             return
         req = subs[0].reqs[0]
         try:
-            await self.d.rooms.send(self.room, list(req.prompt_ids), req.output_ids[0] if req.output_ids else None)
+            await _unless_gone(self.request, self.d.rooms.send(self.room, list(req.prompt_ids),
+                                                                req.output_ids[0] if req.output_ids else None))
         except TransferFailed as exc:
             raise ApiError(exc.status, f"KV transfer to the decode instance failed: {exc}",
                            code="kv_transfer_failed") from exc
@@ -319,12 +337,12 @@ class Disagg:
         if self.mode == "prefill":
             p = params[0]
             one = dataclasses.replace(p, max_new_tokens=1, min_new_tokens=min(p.min_new_tokens, 1))
-            return Leg(self, prompts, [one], self.rooms.room(boot.room))
+            return Leg(self, request, prompts, [one], self.rooms.room(boot.room))
         prompt = prompts[0]
         ids = self.engine.validate(prompt if isinstance(prompt, str) else None,
                                    None if isinstance(prompt, str) else prompt, params[0])
         await self._receive(request, boot, ids)
-        return Leg(self, [ids], params)
+        return Leg(self, request, [ids], params)
 
     async def _receive(self, request, boot: Bootstrap, ids: list[int]) -> None:
         """Reserve, have the prefill side write ``ids``' KV, cache it (decode side)."""
@@ -337,16 +355,7 @@ class Disagg:
         m.waiting.inc()
         t0 = time.perf_counter()
         try:
-            work = asyncio.ensure_future(self._fetch(boot, slots, len(ids)))
-            gone = asyncio.ensure_future(until_disconnect(request))
-            try:
-                await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
-            if not work.done():
-                work.cancel()
-                raise asyncio.CancelledError("client disconnected")
-            rank, out = work.result()
+            rank, out = await _unless_gone(request, self._fetch(boot, slots, len(ids)))
         except BaseException as exc:
             await self._abort(boot, rank)
             core.unreserve(self.engine, key)

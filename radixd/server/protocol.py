@@ -140,7 +140,9 @@ NATIVE_NOOPS: dict[str, Any] = {
     "lora_path": None, "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
     "token_ids_logprob": None, "modalities": None, "session_params": None, "custom_logit_processor": None,
     "return_hidden_states": False, "log_metrics": True, "bootstrap_host": None, "bootstrap_port": None,
-    "bootstrap_room": None, "data_parallel_rank": None}
+    "bootstrap_room": None, "data_parallel_rank": None,
+    # SGLang's gateway (smg) writes these into every /generate body it forwards
+    "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False}
 
 
 def _noop(default: Any) -> dict:
