@@ -19,6 +19,7 @@ import shutil
 import socket
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -33,6 +34,7 @@ mooncake = pytest.importorskip("mooncake.engine", reason="the Mooncake transfer 
 MODEL = "SmolLM2-135M-Instruct"
 PREFILL_TIMEOUT_S = 3.0   # prefill: a decode instance must ask for a room within this
 DECODE_TIMEOUT_S = 1.5    # decode: the KV must arrive within this
+DECODE_SLOTS = 1024       # small: a long stream leaves no room for another long prompt
 
 
 def free_port() -> int:
@@ -49,7 +51,7 @@ path = "default"
 port = 0
 watchdog = false
 [memory]
-kv_cache_tokens = 4096
+kv_cache_tokens = {4096 if mode == "prefill" else DECODE_SLOTS}
 [disaggregation]
 mode = "{mode}"
 bootstrap_port = {bootstrap_port}
@@ -62,15 +64,20 @@ heartbeat_interval_s = 0.2
 class Pair:
     def __init__(self, tmp, bootstrap_port: int):
         self.bootstrap_port = bootstrap_port
-        self.prefill = Daemon(tmp / "prefill", role_toml("prefill", bootstrap_port))
-        self.decode = Daemon(tmp / "decode", role_toml("decode", bootstrap_port))
+        with ThreadPoolExecutor(2) as pool:  # both load the model at once
+            prefill = pool.submit(Daemon, tmp / "prefill", role_toml("prefill", bootstrap_port))
+            decode = pool.submit(Daemon, tmp / "decode", role_toml("decode", bootstrap_port))
+            self.prefill, self.decode = prefill.result(), decode.result()
         port = free_port()
         self.gateway_log = open(tmp / "smg.log", "w")
         self.gateway = subprocess.Popen(
             ["smg", "launch", "--pd-disaggregation", "--prefill", self.prefill.url, str(bootstrap_port),
              "--decode", self.decode.url, "--host", "127.0.0.1", "--port", str(port), "--backend", "sglang",
-             "--disable-retries"], stdout=self.gateway_log, stderr=subprocess.STDOUT)
+             "--retry-max-retries", "40", "--retry-initial-backoff-ms", "100", "--retry-max-backoff-ms", "500", "--disable-circuit-breaker"],
+            stdout=self.gateway_log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{port}"
+        for d in (self.prefill, self.decode):  # warm both up alone: the pair's first request is then no slower
+            httpx.post(d.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1}, timeout=60)
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -220,11 +227,39 @@ def test_client_disconnects(pair, side):
         time.sleep(0.1)
 
 
-def test_prefill_killed_mid_transfer(pair):
-    """Last in this module: the prefill instance dies while the decode side waits for KV."""
+def test_gateway_retries_while_decode_has_no_room(pair):
+    """A long stream holds most of the decode pool (600 + 40 of 1024 slots): the next long
+    prompt (511 tokens) gets 503 (no KV room; the prefill side's room aborted at once) and
+    smg retries it until the stream has ended."""
 
     async def run():
-        async with httpx.AsyncClient(timeout=30) as c:
+        async with httpx.AsyncClient(timeout=60) as c:
+            async with c.stream("POST", pair.url + "/v1/completions", json={
+                    "model": MODEL, "prompt": PROMPT * 120, "max_tokens": 40, "temperature": 0,
+                    "ignore_eos": True, "stream": True}) as blocker:
+                lines = blocker.aiter_lines()
+                while not (await anext(lines)).startswith("data: {"):
+                    pass  # the blocker decodes on the decode side now
+                second = await c.post(pair.url + "/v1/completions", json={
+                    "model": MODEL, "prompt": "Tell me about the sea. " * 85, "max_tokens": 2, "temperature": 0})
+                async for _ in lines:
+                    pass
+                return second
+
+    r = asyncio.run(run())
+    assert r.status_code == 200, r.text
+    log = [x for x in pair.decode.log_lines() if x.get("event") == "access" and x.get("path") == "/v1/completions"]
+    assert any(x["status"] == 503 and x["error_code"] == "kv_full" for x in log), [(x["status"], x["prompt_tokens"], x["duration_ms"], x["timestamp"]) for x in log[-4:]]
+    assert_idle(pair.prefill.url, pair.decode.url)
+
+
+def test_prefill_killed_mid_transfer(pair):
+    """Last in this module: the prefill instance dies while the decode side waits for KV. The
+    decode side fails the transfer at once (the report stream breaks) and returns its slots;
+    smg retries against the dead instance until its retries run out, then answers 5xx."""
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
             req = asyncio.ensure_future(c.post(pair.url + "/v1/completions", json={
                 "model": MODEL, "prompt": PROMPT * 40, "max_tokens": 4}))
             deadline = time.monotonic() + 20
@@ -232,12 +267,17 @@ def test_prefill_killed_mid_transfer(pair):
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
             pair.prefill.proc.kill()
+            killed = time.monotonic()
+            while True:  # nothing waits for a timeout: the decode pool is idle within seconds
+                kv = (await c.get(pair.decode.url + "/server_info")).json()["stats"]["kv"]
+                if kv["reserved"] == 0 and kv["private"] == 0 and kv["locked"] == 0:
+                    break
+                assert time.monotonic() - killed < 5, kv
+                await asyncio.sleep(0.05)
             return await req
 
-    t0 = time.monotonic()
     r = asyncio.run(run())
     assert r.status_code >= 500
-    assert time.monotonic() - t0 < 15  # nothing waits for a 300 s timeout
     assert_idle(pair.decode.url)
     decode = [x for x in pair.decode.log_lines() if x.get("event") == "kv transfer failed"]
     assert decode and "prefill instance" in decode[-1]["error"]

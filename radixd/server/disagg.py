@@ -97,10 +97,19 @@ class PrefillRooms:
         self.d = d
         self.rooms: dict[int, Room] = {}
         self.decoders: dict[str, PoolLayout] = {}
+        self._purged = time.monotonic()
 
     def room(self, number: int) -> Room:
+        """Room ``number``, made by whichever side asks first. A room failed before its
+        prefill request came (aborted by the decode side) stays, so that request fails at
+        once; finished rooms are forgotten after twice the bootstrap timeout."""
+        now = time.monotonic()
+        if now - self._purged > self.d.cfg.bootstrap_timeout_s:
+            self._purged = now
+            old = now - 2 * self.d.cfg.bootstrap_timeout_s
+            self.rooms = {n: r for n, r in self.rooms.items() if not (r.outcome.done() and r.created < old)}
         r = self.rooms.get(number)
-        if r is None or r.outcome.done():  # a finished room's number is free again
+        if r is None or (r.outcome.done() and r.ready.done()):  # a finished exchange: the number is free
             r = self.rooms[number] = Room(number)
         return r
 
@@ -144,9 +153,7 @@ class PrefillRooms:
             await asyncio.shield(r.writing)
 
     async def abort(self, number: int) -> KVPoll:
-        r = self.rooms.get(number)
-        if r is None:
-            return KVPoll.FAILED
+        r = self.room(number)
         await self._end_write(r)
         r.fail("aborted by the decode instance")
         return r.state
@@ -337,7 +344,11 @@ class Disagg:
         if self.mode == "prefill":
             p = params[0]
             one = dataclasses.replace(p, max_new_tokens=1, min_new_tokens=min(p.min_new_tokens, 1))
-            return Leg(self, request, prompts, [one], self.rooms.room(boot.room))
+            room = self.rooms.room(boot.room)
+            if room.outcome.done():  # the decode side gave it up already
+                raise ApiError(502, f"KV transfer to the decode instance failed: {room.outcome.result()['error']}",
+                               code="kv_transfer_failed")
+            return Leg(self, request, prompts, [one], room)
         prompt = prompts[0]
         ids = self.engine.validate(prompt if isinstance(prompt, str) else None,
                                    None if isinstance(prompt, str) else prompt, params[0])
@@ -349,6 +360,8 @@ class Disagg:
         m = self.metrics
         res = core.reserve(self.engine, len(ids))
         if res is None:
+            await self._abort(boot, None)  # the prefill side need not wait for us
+            m.outcomes.labels(outcome="failed").inc()
             raise ApiError(503, f"no KV room for a {len(ids)}-token prompt; retry later", code="kv_full")
         key, slots = res
         rank = None
