@@ -121,3 +121,18 @@ def test_mooncake_moves_kv_between_two_engines():
     finally:
         a.close()
         b.close()
+
+
+def test_benchmark_quick(tmp_path, monkeypatch):
+    """benchmarks/pd.py's in-process logic (the H200 preset's) at toy size: two engines, the KV
+    copied between them, the same greedy tokens as one engine."""
+    import json
+    import sys
+
+    from benchmarks import pd
+
+    monkeypatch.setattr(sys, "argv", ["pd", "--quick", "--out", str(tmp_path)])
+    assert pd.main() == 0
+    doc = json.loads((tmp_path / "pd.json").read_text())
+    assert doc["same_tokens"] and doc["pd"]["transfer_GB"] >= 0
+    assert doc["colocated"]["itl_p99_ms"] is not None and doc["pd"]["long_ttft_p50_ms"] is not None

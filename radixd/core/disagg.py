@@ -12,7 +12,8 @@ holds what both sides need of an engine, whatever carries the bytes:
   one row of each), and ``transfer_ranges``, a prefix's slots on one side against reserved
   slots on the other as (source, destination, length) ranges, contiguous runs merged.
 * ``hold`` / ``let_go`` on the prefill side: a computed prompt's cached slots pinned while
-  they are read. ``reserve`` / ``received`` / ``unreserve`` on the decode side go through the
+  they are read. ``copy_kv``: the transfer between two engines of one process (replicas on
+  one or several GPUs), a direct device-to-device copy, no transfer engine. ``reserve`` / ``received`` / ``unreserve`` on the decode side go through the
   KV manager, whose accounting counts reserved slots until they become a cached prefix.
 
 Contract: the callers run on the engine's event loop (the KV manager's thread), between
@@ -131,6 +132,21 @@ def hold(engine, ids: list[int]) -> tuple[TreeNode, torch.Tensor] | None:
 
 def let_go(engine, node: TreeNode) -> None:
     engine.cache.unlock(node)
+
+
+def copy_kv(src_engine, src_slots: torch.Tensor, dst_engine, dst_slots: torch.Tensor) -> int:
+    """Copy the KV of ``src_slots`` in ``src_engine``'s pool into ``dst_slots`` of
+    ``dst_engine``'s (one process; either device); the bytes moved. Queued on the current
+    stream of the destination's device (CUDA): synchronize before timing it."""
+    src, dst = src_engine.worker.pool, dst_engine.worker.pool
+    s = src_slots.to(src.device)
+    d = dst_slots.to(dst.device)
+    moved = 0
+    for sb, db in zip([*src.k_buffers, *src.v_buffers], [*dst.k_buffers, *dst.v_buffers], strict=True):
+        rows = sb[s]
+        db[d] = rows.to(dst.device, non_blocking=True)
+        moved += rows.numel() * rows.element_size()
+    return moved
 
 
 # ------------------------------------------------------------------ decode side

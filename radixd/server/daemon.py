@@ -29,7 +29,6 @@ from radixd.plugins.wiring import Engine
 from radixd.server import reasoning
 from radixd.server.app import ServerState, build_app
 from radixd.server.dashboard import Feed
-from radixd.server.disagg import Disagg
 from radixd.server.notify import notify, watchdog_interval
 from radixd.settings import SECTIONS, Settings, load_settings, section_of
 
@@ -86,7 +85,10 @@ class Daemon:
         engine.stats_hook = self._on_step
         app = build_app(st)
         await engine.start()
-        st.disagg = await Disagg.start(st, pm)
+        if s.disaggregation.mode != "off":  # (its imports are a PD role's: colocated never loads them)
+            from radixd.server.disagg import Disagg
+
+            st.disagg = await Disagg.start(st, pm)
         await _maybe_await(pm.hook.radixd_startup(state=st))
 
         from hypercorn.asyncio import serve
