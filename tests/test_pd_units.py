@@ -136,3 +136,34 @@ def test_benchmark_quick(tmp_path, monkeypatch):
     doc = json.loads((tmp_path / "pd.json").read_text())
     assert doc["same_tokens"] and doc["pd"]["transfer_GB"] >= 0
     assert doc["colocated"]["itl_p99_ms"] is not None and doc["pd"]["long_ttft_p50_ms"] is not None
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+async def test_copy_kv_between_two_engines(tiny_models, device):
+    """The in-process transfer: a prompt computed by one engine, its KV copied into slots the
+    other reserved, cached there; the second engine computes one position and decodes the
+    same greedy tokens as the first alone."""
+    from radixd import Engine, SamplingParams
+    from radixd.core import disagg
+
+    kw = dict(model=str(tiny_models["llama"]), kv_cache_tokens=512, device=device)
+    a, b = Engine(**kw), Engine(**kw)
+    ids = list(range(5, 45))
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    try:
+        want = [t async for o in a.generate(input_ids=ids, params=greedy) for t in o.token_ids]
+        node, src = disagg.hold(a, ids)
+        key, dst = disagg.reserve(b, len(ids))
+        assert disagg.copy_kv(a, src, b, dst) == len(ids) * disagg.PoolLayout.of(b).item_lens[0] * 2 * len(
+            b.worker.pool.k_buffers)
+        disagg.let_go(a, node)
+        disagg.received(b, key, ids)
+        outs = [o async for o in b.generate(input_ids=ids, params=greedy)]
+        assert [t for o in outs for t in o.token_ids] == want
+        assert outs[-1].cached_tokens == len(ids) - 1
+        a.check_accounting()
+        b.check_accounting()
+    finally:
+        await a.stop()
+        await b.stop()
