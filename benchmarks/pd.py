@@ -270,7 +270,7 @@ def free_port() -> int:
 
 
 def daemon(tmp: Path, name: str, p: dict, mode: str, kv: int, threads: int, bootstrap: int) -> Proc:
-    (tmp / name).mkdir()
+    (tmp / name).mkdir(parents=True)
     cfg = tmp / name / "radixd.toml"
     cfg.write_text(f"""
 [model]
