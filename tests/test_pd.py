@@ -55,7 +55,7 @@ kv_cache_tokens = {4096 if mode == "prefill" else DECODE_SLOTS}
 [disaggregation]
 mode = "{mode}"
 bootstrap_port = {bootstrap_port}
-bootstrap_timeout_s = {PREFILL_TIMEOUT_S if mode == "prefill" else 5.0}
+bootstrap_timeout_s = {PREFILL_TIMEOUT_S if mode == "prefill" else 2.0}
 transfer_timeout_s = {DECODE_TIMEOUT_S if mode == "decode" else 5.0}
 heartbeat_interval_s = 0.2
 """
