@@ -760,6 +760,11 @@ async def test_hook_radixd_kv_transfer_backends(tiny_models):
         usage = decode.json()["usage"]
         assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
         assert _MemmoveTransport.writes == 1
+        async with httpx.AsyncClient() as c:  # the decode side gives room 9 up before its prefill request
+            assert (await c.post(f"http://127.0.0.1:{port}/kv/abort", json={"bootstrap_room": 9})).json() == {
+                "state": "failed"}
+        r = await clients[0].post("/v1/completions", json={**body, **boot, "bootstrap_room": 9})
+        assert r.status_code == 502 and "aborted by the decode instance" in r.json()["error"]["message"]
         for st in states:
             kv = st.engine.stats()["kv"]
             assert kv["locked"] == kv["private"] == kv["reserved"] == 0, kv

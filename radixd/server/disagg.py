@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import structlog
+import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from radixd.core import disagg as core
@@ -182,8 +183,6 @@ class PrefillRooms:
         node, src = held
         t0 = time.perf_counter()
         try:
-            import torch
-
             srcs, dsts, lens = core.transfer_ranges(self.d.layout, src, self.decoders[session],
                                                     torch.tensor(slots, dtype=torch.int64))
             r.state = KVPoll.TRANSFERRING
@@ -235,6 +234,13 @@ class Leg:
         self.prompts = prompts
         self.params = params
         self.room = room
+
+    def attach(self, subs) -> None:
+        """The request's submissions: a room failed on the decode side's word (an abort) ends
+        the prefill computation too."""
+        if self.room is not None:
+            self.room.outcome.add_done_callback(
+                lambda f: "error" in f.result() and [s.close() for s in subs])
 
     async def finish(self, subs) -> None:
         """The request's outputs are all out (prefill: send its KV before answering)."""

@@ -290,6 +290,8 @@ class Generation:
             if leg is not None:
                 leg.close()
             raise
+        if leg is not None:
+            leg.attach(subs)
         return cls(st, request, subs, leg)
 
     @property
