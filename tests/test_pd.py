@@ -170,6 +170,7 @@ def test_outputs_equal_colocated(pair):
     assert_idle(pair.prefill.url, pair.decode.url)
     m = httpx.get(pair.decode.url + "/metrics").text
     assert 'radixd_pd_role{role="decode"} 1.0' in m and 'radixd_pd_transfers_total{outcome="success"}' in m
+    assert "radixd_pd_first_token_mismatches_total 0.0" in m
     assert "radixd_pd_transfer_bytes_total" in httpx.get(pair.prefill.url + "/metrics").text
 
 

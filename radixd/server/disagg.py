@@ -16,7 +16,8 @@ request's number) added; ``bootstrap.take_bootstrap`` takes them off the body as
   and the reports followed (``heartbeat_interval_s``; three silent ones: failed), up to
   ``transfer_timeout_s``. The received KV becomes a cached prefix and the request is
   submitted as any other: admission finds the prompt cached and computes only its last
-  position. On any failure the room is aborted on the prefill side (whose answer waits for
+  position, sampling the first token itself (a greedy request's must equal the prefill
+  side's, which came with the success report: a mismatch is counted). On any failure the room is aborted on the prefill side (whose answer waits for
   a write under way to end) before the reserved slots go back, and the request gets a clear
   error (502: the transfer failed, 504: it timed out, 503: no KV room) that the gateway may
   retry.
@@ -65,6 +66,8 @@ class _Metrics:
                                 registry=registry)
         self.waiting = Gauge("radixd_pd_waiting_for_kv", "Requests waiting for their KV transfer (decode) or "
                              "for their decode instance (prefill).", registry=registry)
+        self.mismatches = Counter("radixd_pd_first_token_mismatches", "Greedy requests whose first token on the "
+                                  "decode side differs from the prefill side's (decode).", registry=registry)
         Gauge("radixd_pd_role", "This instance's disaggregation role.", ["role"], registry=registry).labels(
             role=role).set(1)
 
@@ -228,12 +231,14 @@ async def _unless_gone(request, coro):
 class Leg:
     """One request's part in a prefill or decode role, between ``begin`` and ``close``."""
 
-    def __init__(self, d: Disagg, request, prompts: list, params: list[SamplingParams], room: Room | None = None):
+    def __init__(self, d: Disagg, request, prompts: list, params: list[SamplingParams], room: Room | None = None,
+                 first_token: int | None = None):
         self.d = d
         self.request = request
         self.prompts = prompts
         self.params = params
-        self.room = room
+        self.room = room  # prefill: the request's room
+        self.first_token = first_token  # decode: the token the prefill side sampled
 
     def attach(self, subs) -> None:
         """The request's submissions: a room failed on the decode side's word (an abort) ends
@@ -243,10 +248,17 @@ class Leg:
                 lambda f: "error" in f.result() and [s.close() for s in subs])
 
     async def finish(self, subs) -> None:
-        """The request's outputs are all out (prefill: send its KV before answering)."""
-        if self.room is None:
-            return
+        """The request's outputs are all out (prefill: send its KV before answering; decode:
+        a greedy request's first token must be the prefill side's, else the KV it received
+        was not the prompt's: counted and logged)."""
         req = subs[0].reqs[0]
+        if self.room is None:
+            if (self.first_token is not None and self.params[0].temperature == 0 and req.output_ids
+                    and req.output_ids[0] != self.first_token):
+                self.d.metrics.mismatches.inc()
+                log.warning("first token differs from the prefill side's", rid=subs[0].rid,
+                            prefill=self.first_token, decode=req.output_ids[0])
+            return
         try:
             await _unless_gone(self.request, self.d.rooms.send(self.room, list(req.prompt_ids),
                                                                 req.output_ids[0] if req.output_ids else None))
@@ -358,11 +370,12 @@ class Disagg:
         prompt = prompts[0]
         ids = self.engine.validate(prompt if isinstance(prompt, str) else None,
                                    None if isinstance(prompt, str) else prompt, params[0])
-        await self._receive(request, boot, ids)
-        return Leg(self, request, [ids], params)
+        first = await self._receive(request, boot, ids)
+        return Leg(self, request, [ids], params, first_token=first)
 
-    async def _receive(self, request, boot: Bootstrap, ids: list[int]) -> None:
-        """Reserve, have the prefill side write ``ids``' KV, cache it (decode side)."""
+    async def _receive(self, request, boot: Bootstrap, ids: list[int]) -> int | None:
+        """Reserve, have the prefill side write ``ids``' KV, cache it (decode side); the
+        prefill side's first token."""
         m = self.metrics
         res = core.reserve(self.engine, len(ids))
         if res is None:
@@ -391,6 +404,7 @@ class Disagg:
         m.seconds.observe(time.perf_counter() - t0)
         m.outcomes.labels(outcome="success").inc()
         log.debug("kv received", room=boot.room, tokens=len(ids), first_token=out.get("first_token"))
+        return out.get("first_token")
 
     async def _rank(self, boot: Bootstrap) -> str:
         """The prefill rank's address (SGLang's GET /route), retried while not ready."""
