@@ -50,6 +50,7 @@ path = "default"
 [server]
 port = 0
 watchdog = false
+drain_timeout_s = 1.0
 [memory]
 kv_cache_tokens = {4096 if mode == "prefill" else DECODE_SLOTS}
 [disaggregation]
@@ -92,7 +93,7 @@ class Pair:
             time.sleep(0.3)
 
     def stop(self) -> None:
-        self.gateway.terminate()
+        self.gateway.kill()  # (its graceful shutdown waits out idle connections)
         self.gateway.wait(20)
         self.gateway_log.close()
         self.decode.stop()
