@@ -74,7 +74,7 @@ class DisaggregationSection:  # prefill/decode disaggregation on SGLang's protoc
     transfer_backend: str = option("mooncake", nonempty=True)  # a radixd_kv_transfer_backends name
     ib_device: str = option("")  # Mooncake's RDMA device; empty: TCP
     bootstrap_timeout_s: float = option(30.0, min=0.1)  # a request's peer must show up within this
-    transfer_timeout_s: float = option(30.0, min=0.1)  # the KV of a request must arrive within this
+    transfer_timeout_s: float = option(30.0, min=0.1)  # a request's KV must arrive within this (prefill included)
     heartbeat_interval_s: float = option(1.0, min=0.05)  # a silent peer for 3 of these has failed
 
 

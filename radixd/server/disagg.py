@@ -86,6 +86,7 @@ class Room:
     ready: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     outcome: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     writing: asyncio.Future | None = None
+    claimed: bool = False  # its prefill request arrived
     created: float = field(default_factory=time.monotonic)
 
     def fail(self, reason: str) -> None:
@@ -134,7 +135,7 @@ class PrefillRooms:
         done = False
         try:
             while not r.outcome.done():
-                if not r.ready.done() and time.monotonic() - r.created > cfg.bootstrap_timeout_s:
+                if not r.claimed and time.monotonic() - r.created > cfg.bootstrap_timeout_s:
                     r.fail(f"no prefill request for bootstrap_room {r.number} within {cfg.bootstrap_timeout_s} s")
                     break
                 yield bootstrap.line(r.state)
@@ -366,6 +367,7 @@ class Disagg:
             if room.outcome.done():  # the decode side gave it up already
                 raise ApiError(502, f"KV transfer to the decode instance failed: {room.outcome.result()['error']}",
                                code="kv_transfer_failed")
+            room.claimed = True
             return Leg(self, request, prompts, [one], room)
         prompt = prompts[0]
         ids = self.engine.validate(prompt if isinstance(prompt, str) else None,
