@@ -191,6 +191,18 @@ def boot(pair, number: int) -> dict:
     return {"bootstrap_host": "127.0.0.1", "bootstrap_port": pair.bootstrap_port, "bootstrap_room": number}
 
 
+def test_bad_bootstrap_fields(pair):
+    for extra, field in (({"bootstrap_room": "seven"}, "bootstrap_room"), ({"bootstrap_host": 5}, "bootstrap_host"),
+                         ({"bootstrap_port": -1}, "bootstrap_port")):
+        r = httpx.post(pair.decode.url + "/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, **boot(pair, 1), **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = httpx.post(pair.prefill.url + "/generate", timeout=30, json={
+        "text": [PROMPT, PROMPT], "bootstrap_host": ["127.0.0.1"] * 2, "bootstrap_port": [1, 1], "bootstrap_room": [1, 2]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bootstrap_host"
+    assert_idle(pair.prefill.url, pair.decode.url)
+
+
 def test_decode_gone(pair):
     """The prefill side computes, no decode instance asks: a clear error after its timeout."""
     t0 = time.monotonic()
