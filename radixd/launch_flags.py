@@ -80,6 +80,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--reasoning-parser", "model.reasoning_parser", str, "qwen3, qwen3-thinking, deepseek-r1 or a plugin's "
          "(radixd also takes auto and none)"),
     Flag("--kv-cache-dtype", "memory.kv_cache_dtype", str, "what the KV pool stores: auto, fp8_e4m3 or fp8_e5m2"),
+    Flag("--disaggregation-mode", "disaggregation.mode", str, "null (colocated), prefill or decode",
+         lambda v: "off" if v == "null" else v),
+    Flag("--disaggregation-bootstrap-port", "disaggregation.bootstrap_port", int,
+         "the prefill role's bootstrap server port"),
+    Flag("--disaggregation-transfer-backend", "disaggregation.transfer_backend", str,
+         "KV transfer engine: mooncake or a plugin's"),
+    Flag("--disaggregation-ib-device", "disaggregation.ib_device", str, "Mooncake's RDMA device (none: TCP)"),
 )
 
 

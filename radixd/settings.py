@@ -31,6 +31,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("auto", "json", "console")
 CHAT_SPECIAL_TOKENS = ("refuse", "as_text", "allow")
 PLUGIN_ON_ERROR = ("fail", "disable")
+DISAGG_MODES = ("off", "prefill", "decode")
 
 
 # ------------------------------------------------------------ the daemon's own keys
@@ -64,6 +65,17 @@ class LoggingSection:
 class AuthSection:
     api_keys: list[str] = option([])
     api_keys_file: str = option("")
+
+
+@dataclass(frozen=True)
+class DisaggregationSection:  # prefill/decode disaggregation on SGLang's protocol (server/disagg.py)
+    mode: str = option("off", choices=DISAGG_MODES)
+    bootstrap_port: int = option(8998, min=1, max=65535)  # the prefill role's bootstrap server
+    transfer_backend: str = option("mooncake", nonempty=True)  # a radixd_kv_transfer_backends name
+    ib_device: str = option("")  # Mooncake's RDMA device; empty: TCP
+    bootstrap_timeout_s: float = option(30.0, min=0.1)  # a request's peer must show up within this
+    transfer_timeout_s: float = option(30.0, min=0.1)  # a request's KV must arrive within this (prefill included)
+    heartbeat_interval_s: float = option(1.0, min=0.05)  # a silent peer for 3 of these has failed
 
 
 @dataclass(frozen=True)
@@ -135,6 +147,7 @@ SECTIONS: dict[str, type] = {
     "logging": LoggingSection,
     "plugins": PluginsSection,
     "auth": AuthSection,
+    "disaggregation": DisaggregationSection,
 }
 
 
@@ -155,6 +168,7 @@ class Settings:
     logging: LoggingSection = field(default_factory=LoggingSection)
     plugins: PluginsSection = field(default_factory=PluginsSection)
     auth: AuthSection = field(default_factory=AuthSection)
+    disaggregation: DisaggregationSection = field(default_factory=DisaggregationSection)
     source: str | None = None
 
     def engine_config(self) -> EngineConfig:

@@ -692,3 +692,88 @@ async def test_hook_radixd_tool_parsers(tiny_models):
     with pytest.raises(ConfigError, match="hookprobe-at"):
         ServerState(engine=engine, settings=settings, model_name="tiny", api_keys=[],
                     plugins=make_plugin_manager(load_entry_points=False))
+
+
+class _MemmoveTransport:
+    """A KV transfer backend for engines of one process: ``write`` is a ``memmove``."""
+
+    sessions: dict[str, _MemmoveTransport] = {}
+    writes = 0
+
+    def __init__(self, hostname: str, options: dict):
+        self.session_id = f"{hostname}:memmove-{len(self.sessions)}"
+        self.sessions[self.session_id] = self
+        self.buffers: list[tuple[int, int]] = []
+
+    def register(self, buffers):
+        self.buffers += buffers
+
+    def write(self, peer, srcs, dsts, lens):
+        import ctypes
+
+        inside = lambda a, n, bufs: any(b <= a and a + n <= b + size for b, size in bufs)  # noqa: E731
+        for s, d, n in zip(srcs, dsts, lens, strict=True):
+            assert inside(s, n, self.buffers) and inside(d, n, self.sessions[peer].buffers)
+            ctypes.memmove(d, s, n)
+        type(self).writes += 1
+
+    def close(self):
+        self.buffers.clear()
+
+
+class TransferProbe:
+    @hookimpl
+    def radixd_kv_transfer_backends(self):
+        return {"hookprobe-memmove": _MemmoveTransport}
+
+
+async def test_hook_radixd_kv_transfer_backends(tiny_models):
+    """A prefill and a decode server in this process, the KV moved by the plugin's backend:
+    the decode side computes one prompt position and answers as one engine alone."""
+    import socket
+
+    from radixd.server.disagg import Disagg
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    states = []
+    for mode in ("prefill", "decode"):
+        pm = make_plugin_manager(load_entry_points=False, extra=[TransferProbe()])
+        engine = Engine(model=str(tiny_models["llama"]), kv_cache_tokens=1024, plugin_manager=pm)
+        settings = settings_from_dict({"disaggregation": {"mode": mode, "bootstrap_port": port,
+                                                          "transfer_backend": "hookprobe-memmove"}})
+        st = ServerState(engine=engine, settings=settings, model_name="tiny", api_keys=[], plugins=pm)
+        await engine.start()
+        st.disagg = await Disagg.start(st, pm)
+        states.append(st)
+    body = {"model": "tiny", "prompt": "the quick brown fox jumps over", "max_tokens": 6, "temperature": 0}
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 7}
+    try:
+        clients = [httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(st)), base_url="http://t")
+                   for st in states]
+        alone = (await clients[0].post("/v1/completions", json=body)).json()
+        prefill, decode = await asyncio.gather(*(c.post("/v1/completions", json={**body, **boot}) for c in clients))
+        assert prefill.status_code == 200 and decode.status_code == 200, (prefill.text, decode.text)
+        assert prefill.json()["usage"]["completion_tokens"] == 1
+        assert decode.json()["choices"][0]["text"] == alone["choices"][0]["text"]
+        usage = decode.json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+        assert _MemmoveTransport.writes == 1
+        async with httpx.AsyncClient() as c:  # the decode side gives room 9 up before its prefill request
+            assert (await c.post(f"http://127.0.0.1:{port}/kv/abort", json={"bootstrap_room": 9})).json() == {
+                "state": "failed"}
+        r = await clients[0].post("/v1/completions", json={**body, **boot, "bootstrap_room": 9})
+        assert r.status_code == 502 and "aborted by the decode instance" in r.json()["error"]["message"]
+        for st in states:
+            kv = st.engine.stats()["kv"]
+            assert kv["locked"] == kv["private"] == kv["reserved"] == 0, kv
+            st.engine.check_accounting()
+        with pytest.raises(ConfigError, match="hookprobe-memmove"):  # a backend no plugin provides
+            bad = ServerState(engine=states[1].engine, settings=states[1].settings, model_name="tiny", api_keys=[],
+                              plugins=make_plugin_manager(load_entry_points=False))
+            await Disagg.start(bad, bad.plugins)
+    finally:
+        for st in states:
+            await st.disagg.stop()
+            await st.engine.stop()

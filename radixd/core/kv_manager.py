@@ -16,8 +16,10 @@ Contract
 * Lower tiers: a prefix match that continues past the pool loads those pages back into fresh
   slots at admission; pages are stored on eviction (write-back) or when a request leaves
   (write-through, or once its prefix was hit N times), per the tiers' write policy.
-* Accounting: free + evictable + locked + private == total between steps, and every slot has
-  exactly one owner (``check_accounting``).
+* Accounting: free + evictable + locked + private + reserved == total between steps, and every
+  slot has exactly one owner (``check_accounting``). ``reserved``: slots held for KV that
+  another instance writes (prefill/decode disaggregation: ``reserve``, ``received``,
+  ``unreserve``).
 * Sliding windows (a ``HybridSlotAllocator`` and ``WindowRadixCache``, see ``swa_pool``):
   room is also made in the window region, and before each step a running request's window
   KV behind its window is freed (``free_behind_windows``: what it holds privately; the
@@ -27,6 +29,7 @@ Contract
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -56,6 +59,8 @@ class KVManager:
         self._load_events: list = []  # CUDA events of tier loads the next step must wait for
         # sliding windows: the window region's cache (None: no window region)
         self.window = cache if isinstance(cache, WindowRadixCache) else None
+        self.reserved: dict[int, torch.Tensor] = {}  # key -> slots another instance writes into
+        self._reservations = itertools.count()
         if tiers is not None and tiers.write_policy == "write_back":
             cache.on_evict = self._store_path
 
@@ -262,6 +267,28 @@ class KVManager:
         for r, invalid in uncached:
             self.cache.drop_unlocked_path(invalid, stop=r.kv.last_node)
 
+    # ------------------------------------------------------------------ KV written from outside
+
+    def reserve(self, n: int) -> tuple[int, torch.Tensor] | None:
+        """Hold ``n`` free slots (evicting if needed) for KV another instance writes: (key,
+        slots), or None if there is no room."""
+        if not self.make_room(n):
+            return None
+        key = next(self._reservations)
+        self.reserved[key] = self.allocator.alloc(n)
+        return key, self.reserved[key]
+
+    def received(self, key: int, tokens: list[int]) -> None:
+        """The KV of ``tokens`` is in reservation ``key``'s slots: into the radix cache (a
+        prefix cached meanwhile keeps the tree's slots; ours of it go back)."""
+        slots = self.reserved.pop(key)
+        existing = self.cache.insert(tokens, slots)
+        self.allocator.free(slots[:existing])
+
+    def unreserve(self, key: int) -> None:
+        """Reservation ``key`` is given up (nothing may write its slots any more)."""
+        self.allocator.free(self.reserved.pop(key))
+
     # ------------------------------------------------------------------ lower tiers
 
     def _load_from_tiers(self, seq: list[int], match, planned: int, limit: int):
@@ -335,14 +362,15 @@ class KVManager:
     # ------------------------------------------------------------------ accounting
 
     def accounting(self, running: list[Request]) -> dict[str, int]:
-        """free + evictable + locked + private == total, recounted from the parts (and the
-        same of the window region, ``window_*``, with sliding windows)."""
+        """free + evictable + locked + private + reserved == total, recounted from the parts
+        (and the same of the window region, ``window_*``, with sliding windows)."""
         a = {
             "total": self.allocator.total,
             "free": self.allocator.available,
             "evictable": self.cache.evictable_size,
             "locked": self.cache.protected_size,
             "private": sum(r.kv.private_len for r in running),
+            "reserved": sum(s.numel() for s in self.reserved.values()),
         }
         if self.window is not None:
             a |= self.window.window_accounting(self._private(running))
@@ -356,12 +384,13 @@ class KVManager:
         a = self.accounting(running)
         if self.window is not None:
             self.window.check_window(self._private(running))
-        if a["free"] + a["evictable"] + a["locked"] + a["private"] != a["total"]:
+        if a["free"] + a["evictable"] + a["locked"] + a["private"] + a["reserved"] != a["total"]:
             raise AssertionError(f"KV accounting broken: {a}")
         self.cache.check()
         every = torch.cat(
             [self.allocator.free_slots(), self.cache.all_slots()]
             + [r.kv.slots[r.kv.cached_len : r.kv.length] for r in running]
+            + list(self.reserved.values())
         )
         if every.numel() != a["total"] or torch.unique(every).numel() != a["total"]:
             raise AssertionError("KV slots are lost or owned twice")

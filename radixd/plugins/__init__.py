@@ -20,11 +20,11 @@ __all__ = ["DEFAULT_PLUGINS", "PROJECT", "describe_plugins", "hookimpl", "hooksp
 # What a plugin can provide: the factory hook, and how ``radixd plugins`` names it.
 PROVIDES = (("radixd_schedule_policies", "policies"), ("radixd_cache_tiers", "tiers"),
             ("radixd_grammar_backends", "grammar backends"), ("radixd_reasoning_parsers", "reasoning parsers"),
-            ("radixd_tool_parsers", "tool parsers"))
+            ("radixd_tool_parsers", "tool parsers"), ("radixd_kv_transfer_backends", "KV transfer backends"))
 
 # Modules registered on every plugin manager before entry points are loaded.
 DEFAULT_PLUGINS = ("radixd.plugins.policies", "radixd.plugins.tiers", "radixd.grammars.backend",
-                   "radixd.plugins.reasoning", "radixd.server.tool_parsers")
+                   "radixd.plugins.reasoning", "radixd.server.tool_parsers", "radixd.plugins.mooncake")
 
 
 def make_plugin_manager(

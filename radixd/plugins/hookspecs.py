@@ -155,3 +155,21 @@ def radixd_step_stats(stats: dict) -> None:
 def radixd_routes(state) -> list:
     """Return extra starlette ``Route`` objects to mount on the server (``state`` as in
     ``radixd_startup``). Routes are subject to the same API keys and body limit."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill/decode disaggregation
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def radixd_kv_transfer_backends() -> dict[str, type]:
+    """Return the KV transfer engines this plugin provides, by name.
+
+    A backend class implements :class:`radixd.core.disagg.KVTransport` (``session_id``,
+    ``register``, ``write``, ``close``) and is instantiated once per daemon in a prefill or
+    decode role as ``cls(hostname, options)``: ``hostname`` the address peers reach this
+    instance at, ``options`` the ``[disaggregation]`` keys it may read (``ib_device``).
+    ``disaggregation.transfer_backend`` picks one by name (built in: ``mooncake``). Names
+    must be unique across plugins.
+    """

@@ -85,6 +85,10 @@ class Daemon:
         engine.stats_hook = self._on_step
         app = build_app(st)
         await engine.start()
+        if s.disaggregation.mode != "off":  # (its imports are a PD role's: colocated never loads them)
+            from radixd.server.disagg import Disagg
+
+            st.disagg = await Disagg.start(st, pm)
         await _maybe_await(pm.hook.radixd_startup(state=st))
 
         from hypercorn.asyncio import serve
@@ -113,6 +117,8 @@ class Daemon:
         finally:
             watch.stop()
         await _maybe_await(pm.hook.radixd_shutdown(state=st))
+        if st.disagg is not None:
+            await st.disagg.stop()
         await engine.stop()
         log.info("stopped")
         return 0

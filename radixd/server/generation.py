@@ -254,11 +254,12 @@ def sse(payload: dict) -> dict:
 class Generation:
     """The submissions of one HTTP request (one per prompt) and their ``Tracker``."""
 
-    def __init__(self, st: ServerState, request: Request, subs: list[Submission]):
+    def __init__(self, st: ServerState, request: Request, subs: list[Submission], leg=None):
         self.st = st
         self.request = request
         self.subs = subs
         self.tracker = Tracker(st, request, subs)
+        self.leg = leg  # its part in a prefill/decode pair (radixd.server.disagg.Leg), or None
 
     @classmethod
     async def start(cls, st: ServerState, request: Request, prompts: list[str | list[int]],
@@ -268,6 +269,11 @@ class Generation:
         ids) with ``params[i]``. ``param_prefix``: where the sampling fields sit in the body
         (``"sampling_params."``), for the errors of grammars; ``shown``: see ``submit``; ``rids``:
         the request id of each prompt (None: the engine picks); ``embed``: embedding calls."""
+        leg = None
+        boot = request.scope["state"]["radixd"].get("bootstrap")
+        if boot is not None:  # a prefill or decode role: the KV is sent or received around it
+            leg = await st.disagg.begin(request, boot, prompts, params)
+            prompts, params = leg.prompts, leg.params
         grammars: dict[int, Any] = {}
         for p in params:
             if id(p) not in grammars:
@@ -281,8 +287,12 @@ class Generation:
         except ApiError:
             for s in subs:
                 s.close()
+            if leg is not None:
+                leg.close()
             raise
-        return cls(st, request, subs)
+        if leg is not None:
+            leg.attach(subs)
+        return cls(st, request, subs, leg)
 
     @property
     def rid(self) -> str:
@@ -298,15 +308,26 @@ class Generation:
     async def collect(self) -> list[list[GenerateOutput]]:
         """Every submission's outputs once all have finished; reported however it ends."""
         try:
-            return await collect(self.subs, self.request, self.tracker)
+            outs = await collect(self.subs, self.request, self.tracker)
+            if self.leg is not None:
+                await self.leg.finish(self.subs)
+            return outs
         finally:
             self.tracker.done()
+            if self.leg is not None:
+                self.leg.close()
 
     async def outputs(self) -> AsyncIterator[tuple[int, GenerateOutput]]:
         """(submission index, output) as they come, counted by the tracker."""
-        async for i, out in merged(self.subs, self.st.settings.server.stream_buffer):
-            self.tracker.see(out, i)
-            yield i, out
+        try:
+            async for i, out in merged(self.subs, self.st.settings.server.stream_buffer):
+                self.tracker.see(out, i)
+                yield i, out
+            if self.leg is not None:
+                await self.leg.finish(self.subs)
+        finally:
+            if self.leg is not None:
+                self.leg.close()
 
     def stream(self, events: Callable[[], AsyncIterator[dict]], done: bool = True) -> Response:
         """``events()`` as server-sent events, then ``[DONE]`` if ``done``."""

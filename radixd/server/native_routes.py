@@ -29,7 +29,8 @@ async def native_generate(request: Request) -> Response:
     t0 = time.perf_counter()
     st = state_of(request)
     req = native_protocol.parse_native(await protocol.read_json(request), st.engine.tokenize)
-    protocol.check_model(req.model, st.model_name)
+    # "unknown": what SGLang's gateway (smg) writes for a body without a model (any worker)
+    protocol.check_model(None if req.model == "unknown" else req.model, st.model_name)
     gen = await Generation.start(st, request, req.prompts, req.params, priority=req.priority,
                                  param_prefix="sampling_params.", rids=req.rids)
     answer = _Answer(st, req, t0)

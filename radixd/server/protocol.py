@@ -21,6 +21,7 @@ from typing import Any
 from radixd.core.errors import InvalidRequest
 from radixd.core.sampling_params import INT32_MAX, SamplingParams, json_schema
 from radixd.server import openai_extras, reasoning, tool_calls
+from radixd.server.bootstrap import take_bootstrap
 from radixd.server.errors import ApiError
 
 EXTENSIONS = {
@@ -139,7 +140,9 @@ NATIVE_NOOPS: dict[str, Any] = {
     "lora_path": None, "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
     "token_ids_logprob": None, "modalities": None, "session_params": None, "custom_logit_processor": None,
     "return_hidden_states": False, "log_metrics": True, "bootstrap_host": None, "bootstrap_port": None,
-    "bootstrap_room": None, "data_parallel_rank": None}
+    "bootstrap_room": None, "data_parallel_rank": None,
+    # SGLang's gateway (smg) writes these into every /generate body it forwards
+    "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False}
 
 
 def _noop(default: Any) -> dict:
@@ -443,8 +446,11 @@ def _in_range(body: dict, key: str, table: dict[str, dict]) -> None:
 
 
 async def read_json(request) -> dict:
-    """The body of a starlette ``request``, by ``parse_json``."""
-    return parse_json(await request.body())
+    """The body of a starlette ``request``, by ``parse_json`` (a prefill/decode role takes
+    the bootstrap fields off it: ``bootstrap.take_bootstrap``)."""
+    body = parse_json(await request.body())
+    take_bootstrap(request, body)
+    return body
 
 
 def parse_json(body: bytes) -> dict:

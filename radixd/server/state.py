@@ -40,6 +40,7 @@ class ServerState:
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     dashboard: Any = None  # radixd.server.dashboard.Feed when [server] dashboard is on
+    disagg: Any = None  # radixd.server.disagg.Disagg in a prefill or decode role
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.engine)
