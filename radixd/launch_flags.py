@@ -58,6 +58,11 @@ def _chunked_prefill(value: int) -> int:
     return value
 
 
+def _quantization(value: str) -> str:
+    # SGLang's *_marlin names pick a kernel for the same checkpoint format
+    return {"gptq_marlin": "gptq", "awq_marlin": "awq"}.get(value, value)
+
+
 FLAGS: tuple[Flag, ...] = (
     Flag("--model-path", "model.path", str, "checkpoint directory, .gguf file or 'default'",
          aliases=("--model",)),
@@ -79,6 +84,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--context-length", "model.max_context_len", int, "context length (at most the model's)"),
     Flag("--reasoning-parser", "model.reasoning_parser", str, "qwen3, qwen3-thinking, deepseek-r1 or a plugin's "
          "(radixd also takes auto and none)"),
+    Flag("--quantization", "model.quantization", str, "the checkpoint's quantization format (compressed-tensors, "
+         "fp8, gptq, awq; SGLang's gptq_marlin / awq_marlin name the same formats)", _quantization),
 )
 
 
