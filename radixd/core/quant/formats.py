@@ -120,6 +120,9 @@ class Scheme:
         for name, tensor in weights:
             prefix, _, suffix = name.rpartition(".")
             if prefix not in quantized or suffix not in want:
+                if tensor.dtype == FP8 and prefix not in quantized:
+                    raise QuantFormatError(f"tensor {name!r} is fp8, but {prefix + '.' + self.marker!r} is missing "
+                                           f"({self.description} has one for every quantized projection)")
                 yield name, tensor
                 continue
             parts = pending.setdefault(prefix, {})
@@ -129,7 +132,7 @@ class Scheme:
         for prefix, parts in pending.items():
             missing = [s for s in self.required if s not in parts]
             if missing:
-                raise QuantFormatError(f"tensor {prefix}.{missing[0]!r} is missing: {self.description} "
+                raise QuantFormatError(f"tensor {prefix + '.' + missing[0]!r} is missing: {self.description} "
                                        f"expects {', '.join(self.required)} for every quantized projection")
             yield from self._emit(prefix, parts)
 

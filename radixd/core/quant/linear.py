@@ -24,7 +24,7 @@ from torch import nn
 
 from radixd.core.errors import ConfigError
 from radixd.core.quant import ops
-from radixd.core.quant.formats import Fp8Layout, Layout, QuantFormatError
+from radixd.core.quant.formats import Fp8Layout, IntLayout, Layout, QuantFormatError
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 COLUMN_PARALLEL = ("qkv_proj", "gate_up_proj")  # output rows split over the shards
@@ -34,7 +34,8 @@ class QuantLinear(nn.Module):
     """``x @ W.T + bias`` with ``W`` quantized in ``layout`` (``[N, K]`` = out, in features)."""
 
     def __init__(self, in_features: int, out_features: int, layout: Layout, *, bias: bool, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, name: str = "a projection"):
+        """``name``: what a layout error names (the checkpoint's projection)."""
         super().__init__()
         self.in_features, self.out_features, self.layout = in_features, out_features, layout
         n, k = out_features, in_features
@@ -49,7 +50,7 @@ class QuantLinear(nn.Module):
         else:
             g = layout.group_of(k)
             if k % g or (layout.bits == 4 and k % 8):
-                raise QuantFormatError(f"a projection of {k} input columns is not whole groups of {g} "
+                raise QuantFormatError(f"{name}: its {k} input columns are not whole groups of group_size {g} "
                                        f"(int{layout.bits})")
             self.weight = param((n, k // 8) if layout.bits == 4 else (n, k), ops.INT_DTYPES[layout.bits])
             self.weight_scale = param((n, k // g), dtype)
@@ -93,7 +94,7 @@ def swap_projections(model: nn.Module, layout: Layout, modules: dict[str, str], 
                                    "MoE router and experts) unquantized (the quantizer's ignore list)")
         owner, attr = _parent(model, name)
         setattr(owner, attr, QuantLinear(layer.in_features, layer.out_features, layout, bias=layer.bias is not None,
-                                         dtype=dtype, device=device))
+                                         dtype=dtype, device=device, name=repr(tensor.rpartition(".")[0])))
 
 
 def _has(model: nn.Module, name: str) -> bool:
@@ -136,6 +137,10 @@ def mirror_projections(full: nn.Module, shard: nn.Module, device: torch.device, 
     names = {n: m.layout for n, m in full.named_modules() if isinstance(m, QuantLinear)}
     for name, layout in names.items():
         layer = shard.get_submodule(name)
+        whole = full.get_submodule(name).in_features
+        if isinstance(layout, IntLayout) and layout.group_size and layer.in_features % layout.group_size:
+            raise ConfigError("tp_size", whole // layer.in_features, f"a divisor that keeps {name}'s groups of "
+                              f"{layout.group_size} input columns whole ({whole} columns)")
         owner, attr = _parent(shard, name)
         setattr(owner, attr, QuantLinear(layer.in_features, layer.out_features, layout, bias=layer.bias is not None,
                                          dtype=dtype, device=device))
@@ -173,19 +178,21 @@ def shard_quantized(name: str, t: torch.Tensor, module: QuantLinear, sections: l
             raise ConfigError("tp_size", tp, f"1 for act-order (desc_act) checkpoints: {proj}'s input columns are "
                               "permuted across the shards' inputs")
         return t[: k // tp]
+    # ``whole``: columns a shard boundary must not cut; ``unit``: input columns per column of ``t``
+    scales = suffix in ("weight_scale", "weight_zeros")
     if isinstance(lay, Fp8Layout):
-        if suffix == "weight_scale" and not lay.block:
+        if scales and not lay.block:
             return t  # one scale per output row: every shard has all rows
-        unit = lay.block[1] if lay.block else 1
+        whole = lay.block[1] if lay.block else 1
+        unit = whole if scales else 1
     else:
-        if lay.group_size is None and suffix in ("weight_scale", "weight_zeros"):
+        if scales and lay.group_size is None:
             return t  # per output row: every shard has all rows
-        unit = lay.group_of(k) if suffix in ("weight_scale", "weight_zeros") else (8 if lay.bits == 4 else 1)
-        if lay.group_size is not None and (k // tp) % lay.group_size:
-            raise ConfigError("tp_size", tp, f"a divisor that keeps {proj}'s groups of {lay.group_of(k)} input "
-                              f"columns whole ({k} columns)")
-    if k % tp or (k // tp) % unit:
-        raise ConfigError("tp_size", tp, f"a divisor that keeps {proj}'s {'blocks' if unit > 1 else 'columns'} of "
-                          f"{unit} input columns whole ({k} columns)")
+        packed = 8 if lay.bits == 4 else 1
+        whole = math.lcm(lay.group_size or 1, packed)
+        unit = lay.group_of(k) if scales else packed
+    if k % tp or (k // tp) % whole:
+        raise ConfigError("tp_size", tp, f"a divisor that keeps {proj}'s {'blocks' if whole > 1 else 'columns'} of "
+                          f"{whole} input columns whole ({k} columns)")
     cols = k // tp // unit
     return t[:, rank * cols:(rank + 1) * cols]
