@@ -157,6 +157,8 @@ def read_scheme(hf: dict[str, Any], option: str = "auto") -> Scheme | None:
                               "(its config.json has no quantization_config)")
         return None
     method = qc.get("quant_method")
+    if method == "gguf":  # a GGUF file converted by transformers (model_loader): its weights are floats
+        return None
     readers = {"compressed-tensors": _compressed_tensors, "fp8": _fp8_block, "gptq": _gptq, "awq": _awq}
     if method not in readers:
         raise QuantFormatError(f"quantization_config.quant_method {method!r} is not supported; radixd reads "
