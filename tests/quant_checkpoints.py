@@ -4,7 +4,8 @@ beside torch (GPTQ: GPTQModel replaces torch; AWQ packed by AutoAWQ's own ``WQLi
 block fp8 as DeepSeek / Qwen3-FP8 publish it), each from the same round-to-nearest
 quantization (``radixd.core.quant.ops``' helpers). ``dense_twin`` writes a checkpoint of the
 dequantized weights: transformers' reference where its loader needs a backend that does
-not install on CPU (gptqmodel for GPTQ and AWQ)."""
+not install on CPU (gptqmodel for GPTQ and AWQ). ``last_logits``: the forward-pass probe the
+quantized tests share."""
 
 from __future__ import annotations
 
@@ -145,3 +146,16 @@ def dense_twin(src: Path, dst: Path, dense: dict[str, torch.Tensor]) -> Path:
     _copy_tokenizer(src, dst)
     return dst
 
+
+
+def last_logits(eng, p: list[int]) -> torch.Tensor:
+    """``eng``'s model's logits after prompt ``p`` (one forward pass, its KV freed after)."""
+    from radixd.core.forward_batch import ForwardBatch
+
+    slots = eng.allocator.alloc(len(p))
+    batch = ForwardBatch(input_ids=torch.tensor(p), positions=torch.arange(len(p)), out_cache_loc=slots, rows=[0],
+                         prefix_lens=[0], extend_lens=[len(p)], table_writes=[(0, 0, slots)], sample_indices=[0])
+    try:
+        return eng.worker.forward(batch)[0]
+    finally:
+        eng.allocator.free(slots)
