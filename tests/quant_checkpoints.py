@@ -21,9 +21,9 @@ from radixd.core.quant.ops import pack_int4, quantize_fp8, quantize_int, unpack_
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def oneshot_checkpoint(src: Path, dst: Path, scheme: str | dict) -> Path:
+def oneshot_checkpoint(src: Path, dst: Path, scheme: str | dict, ignore: tuple[str, ...] = ()) -> Path:
     """llmcompressor's ``oneshot`` with a preset scheme name (``"FP8_DYNAMIC"``, ``"W4A16"``)
-    or a dict of ``QuantizationScheme`` fields; the LM head left unquantized."""
+    or a dict of ``QuantizationScheme`` fields; the LM head (and ``ignore``) left unquantized."""
     from compressed_tensors.quantization import QuantizationScheme
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -31,10 +31,10 @@ def oneshot_checkpoint(src: Path, dst: Path, scheme: str | dict) -> Path:
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     if isinstance(scheme, str):
-        recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+        recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head", *ignore])
     else:
         recipe = QuantizationModifier(config_groups={"group_0": QuantizationScheme(targets=["Linear"], **scheme)},
-                                      ignore=["lm_head"])
+                                      ignore=["lm_head", *ignore])
     oneshot(model=model, recipe=recipe)
     model.save_pretrained(dst, save_compressed=True)
     _copy_tokenizer(src, dst)
@@ -146,6 +146,24 @@ def dense_twin(src: Path, dst: Path, dense: dict[str, torch.Tensor]) -> Path:
     _copy_tokenizer(src, dst)
     return dst
 
+
+
+def decompressed_twin(path: Path, base: Path, dst: Path) -> Path:
+    """``dense_twin`` of a pack-quantized checkpoint's weights as compressed-tensors'
+    own decompressor reads them (transformers' loader cannot read asymmetric ones here, and
+    decompresses symmetric ones far more slowly)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    scheme = QuantizationScheme(**{k: v for k, v in qc["config_groups"]["group_0"].items() if k != "format"})
+    state = load_file(path / "model.safetensors")
+    dense = {}
+    for key in [k for k in state if k.endswith(".weight_packed")]:
+        p = key.removesuffix(".weight_packed")
+        mod = {k.removeprefix(p + "."): v for k, v in state.items() if k.startswith(p + ".")}
+        dense[p] = PackedQuantizationCompressor.decompress(mod, scheme)["weight"].float()
+    return dense_twin(base, dst, dense)
 
 
 def last_logits(eng, p: list[int]) -> torch.Tensor:

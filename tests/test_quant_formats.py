@@ -28,6 +28,7 @@ import torch
 from conftest import _hf_model, make_tiny_checkpoint
 from quant_checkpoints import (
     awq_checkpoint,
+    decompressed_twin,
     dense_twin,
     fp8_block_checkpoint,
     gptq_checkpoint,
@@ -71,22 +72,6 @@ FORMATS = {
 }
 
 
-def _decompressed(path, base, dst):
-    """The compressed-tensors checkpoint's weights as compressed-tensors itself decompresses them."""
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    from compressed_tensors.quantization import QuantizationScheme
-
-    qc = json.loads((path / "config.json").read_text())["quantization_config"]
-    scheme = QuantizationScheme(**{k: v for k, v in qc["config_groups"]["group_0"].items() if k != "format"})
-    state = load_file(path / "model.safetensors")
-    dense = {}
-    for key in [k for k in state if k.endswith(".weight_packed")]:
-        p = key.removesuffix(".weight_packed")
-        mod = {k.removeprefix(p + "."): v for k, v in state.items() if k.startswith(p + ".")}
-        dense[p] = PackedQuantizationCompressor.decompress(mod, scheme)["weight"].float()
-    return dense_twin(base, dst, dense)
-
-
 @pytest.fixture(scope="session")
 def quant_models(tmp_path_factory):
     """{format: (quantized checkpoint, reference checkpoint for transformers)}."""
@@ -97,7 +82,7 @@ def quant_models(tmp_path_factory):
         base, dst = bases[arch], root / name
         if name.startswith("ct-"):
             path = oneshot_checkpoint(base, dst, how)
-            out[name] = (path, path if ref == "self" else _decompressed(path, base, root / f"{name}-dense"))
+            out[name] = (path, path if ref == "self" else decompressed_twin(path, base, root / f"{name}-dense"))
         elif name == "fp8-block":
             path = fp8_block_checkpoint(base, dst)
             out[name] = (path, path)
@@ -325,3 +310,21 @@ def test_quantized_moe_experts_are_refused(tmp_path):
     with pytest.raises(QuantFormatError, match=r"experts\.\d+\.\w+_proj\.qweight' is quantized, but radixd quantizes "
                                                r"only the decoder layers' dense projections"):
         Engine(model=str(path), kv_cache_tokens=64)
+
+
+def test_ignored_layers_load_as_plain_weights(quant_models, tmp_path):
+    """A projection on the quantizer's ignore list (a regex here) stays an ``nn.Linear`` of the
+    checkpoint's float weights; the others are quantized; the logits are transformers'."""
+    base = quant_models["bases"]["llama"]
+    path = oneshot_checkpoint(base, tmp_path / "ignored", INT4_G32, ignore=("re:.*layers\\.0\\.mlp\\.down_proj$",))
+    eng = make_engine(path)
+    try:
+        layers = eng.worker.model.layers
+        assert type(layers[0].mlp.down_proj) is torch.nn.Linear
+        assert isinstance(layers[1].mlp.down_proj, QuantLinear) and isinstance(layers[0].mlp.gate_up_proj, QuantLinear)
+        p = prompts(1, 17, seed=10)[0]
+        with torch.no_grad():
+            want = _hf_model(path)(torch.tensor([p])).logits[0, -1]
+        torch.testing.assert_close(last_logits(eng, p), want, rtol=0, atol=EXACT)
+    finally:
+        asyncio.run(eng.stop())

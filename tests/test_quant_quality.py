@@ -7,13 +7,14 @@ within 1% of transformers' on the same quantized checkpoint."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from quant_checkpoints import oneshot_checkpoint
+from quant_checkpoints import decompressed_twin, oneshot_checkpoint
 from test_engine import make_engine
 from test_prompt_logprobs import prompt_lp
 
@@ -67,18 +68,29 @@ def hf_ppl(path: Path, ids: list[int]) -> float:
         return math.exp(float(model(torch.tensor([ids]), labels=torch.tensor([ids])).loss))
 
 
-@pytest.mark.parametrize("scheme", list(SCHEMES))
-async def test_quantized_perplexity(smol_quantized, scheme):
-    base, quantized = smol_quantized
+@pytest.fixture(scope="module")
+def plain_ppl(smol_quantized):
+    base, _ = smol_quantized
     ids = _ids(base)
     assert len(ids) > 400
-    plain = await radixd_ppl(base, ids)
-    ours = await radixd_ppl(quantized[scheme], ids)
-    theirs = hf_ppl(quantized[scheme], ids)
+    return ids, asyncio.run(radixd_ppl(base, ids))
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+async def test_quantized_perplexity(smol_quantized, plain_ppl, tmp_path, scheme):
+    """transformers' perplexity: on the checkpoint itself for FP8_DYNAMIC (its per-token fp8
+    activations fake-quantized, as radixd computes them); for W4A16 on the weights
+    compressed-tensors' decompressor reads (transformers decompresses at load, far slower)."""
+    base, quantized = smol_quantized
+    ids, plain = plain_ppl
+    path = quantized[scheme]
+    ours = await radixd_ppl(path, ids)
+    theirs = hf_ppl(path if scheme == "FP8_DYNAMIC" else decompressed_twin(path, base, tmp_path / "dense"), ids)
     assert abs(ours - theirs) / theirs < 0.01, (ours, theirs)
     assert ours != plain  # (the quantized weights were read, not the plain ones)
     if scheme == "W4A16" and abs(ours - plain) / plain >= SCHEMES[scheme][1]:
-        # measured: 21.35 vs 16.30 (+31%) for round-to-nearest int4 in groups of 64; the
-        # 10% budget needs calibrated (GPTQ / AWQ) or finer-grained int4 on a model this small
+        # measured: 21.35 vs 16.30 (+31%) for round-to-nearest symmetric int4 in groups of 64
+        # (groups of 32: 21.79; asymmetric, groups of 64: 18.13, +11%): the 10% budget needs a
+        # calibrated quantizer (GPTQ / AWQ) on a model this small
         pytest.xfail(f"round-to-nearest int4 perplexity {ours:.2f} vs {plain:.2f} unquantized")
     assert abs(ours - plain) / plain < SCHEMES[scheme][1], (ours, plain)
