@@ -328,3 +328,16 @@ def test_ignored_layers_load_as_plain_weights(quant_models, tmp_path):
         torch.testing.assert_close(last_logits(eng, p), want, rtol=0, atol=EXACT)
     finally:
         asyncio.run(eng.stop())
+
+
+@pytest.mark.parametrize("actorder,act_order", [(None, False), ("weight", False), ("static", False), ("group", True)])
+def test_compressed_tensors_actorder(quant_models, actorder, act_order):
+    """actorder "weight"/"static" only ordered the calibration (the plain layout); "group" stores
+    each column's group in weight_g_idx, which each projection then must have."""
+    from radixd.core.quant.formats import read_scheme
+
+    hf = json.loads((quant_models["ct-w4a16-g32"][0] / "config.json").read_text())
+    hf["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = actorder
+    scheme = read_scheme(hf)
+    assert scheme.layout.act_order == act_order
+    assert ("weight_g_idx" in scheme.required) == act_order

@@ -6,7 +6,10 @@ models fuse them (``qkv_proj``, ``gate_up_proj``) and stack the experts of a lay
 fills one *part* of one parameter: ``()`` all of it, ``(s,)`` shard s of a fused projection,
 ``(e, s)`` / ``(e,)`` expert e's gate or up rows / its down projection (a checkpoint that
 already stacks them, as transformers 5 holds them in memory, fills ``()``). Every part of
-every parameter must be filled: a missing tensor is an error, not random weights.
+every parameter must be filled: a missing tensor is an error, not random weights. A quantized
+projection (``radixd.core.quant``) has its canonical tensors filled the same way (``q_proj.weight_scale``
+fills part 0 of ``qkv_proj.weight_scale``; block scales' rows in proportion to the parts' rows); fp8
+or integer data never lands in a float parameter, nor the reverse.
 """
 
 from __future__ import annotations

@@ -205,9 +205,12 @@ def _compressed_tensors(qc: dict[str, Any]) -> Scheme:
             raise _unsupported("config_groups.*.weights.num_bits", bits, "4 or 8")
         if strategy not in ("group", "channel"):
             raise _unsupported("config_groups.*.weights.strategy", strategy, "'group' or 'channel'")
-        act_order = w.get("actorder") not in (None, False)
-        if act_order and w.get("actorder") != "group":
-            raise _unsupported("config_groups.*.weights.actorder", w.get("actorder"), "null or 'group'")
+        # "weight" / "static" ordered the calibration only: the layout is the plain one; "group"
+        # (alias "dynamic") stores each column's group (weight_g_idx)
+        if w.get("actorder") not in (None, False, "weight", "static", "group", "dynamic"):
+            raise _unsupported("config_groups.*.weights.actorder", w.get("actorder"),
+                               "null, 'weight', 'static', 'group' or 'dynamic'")
+        act_order = w.get("actorder") in ("group", "dynamic")
         layout = IntLayout(bits, w.get("group_size") if strategy == "group" else None, bool(w.get("symmetric")),
                            act_order)
         if layout.group_size is not None and layout.group_size <= 0:
