@@ -341,3 +341,34 @@ def test_compressed_tensors_actorder(quant_models, actorder, act_order):
     scheme = read_scheme(hf)
     assert scheme.layout.act_order == act_order
     assert ("weight_g_idx" in scheme.required) == act_order
+
+
+def test_daemon_serves_a_quantized_checkpoint_to_the_openai_client(quant_models, tmp_path):
+    """``radixd --config`` with ``[model] quantization = "gptq"`` on a GPTQ checkpoint: the
+    official client's greedy completion carries the engine's tokens (the same checkpoint in
+    process)."""
+    import openai
+    from conftest import Daemon
+
+    path, _ = quant_models["gptq-act-order"]
+    prompt = prompts(1, 12, seed=6)[0]
+    eng = make_engine(path)
+
+    async def engine_tokens():
+        try:
+            return await collect(eng, prompt, 6)
+        finally:
+            await eng.stop()
+
+    want = asyncio.run(engine_tokens())
+    toml = f'[server]\nport = 0\n[model]\npath = "{path}"\nquantization = "gptq"\n[memory]\nkv_cache_tokens = 512\n'
+    (tmp_path / "ok").mkdir()
+    d = Daemon(tmp_path / "ok", toml)
+    try:
+        client = openai.OpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model=path.name, prompt=prompt, max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 6
+        assert out.choices[0].text == eng.tokenizer.decode(want)
+    finally:
+        assert d.stop() == 0
