@@ -182,7 +182,15 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     with torch.device("meta"):
         model = cls(cfg, kernels=kernels)
     # (in ``dtype`` from the start: float32 first would need twice a 16-bit model's memory)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    quantized: set[str] = set()
+    if cfg.quant is not None and not random_weights:
+        # swapped while still on "meta": the projections' 16-bit weights are never allocated
+        quantized = cfg.quant.quantized(checkpoint_keys(path))
+        swap_projections(model, cfg.quant.layout,
+                         {target_module(p, cls.checkpoint_renames): f"{p}.{cfg.quant.marker}" for p in quantized},
+                         dtype, torch.device("meta"))
+    model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if random_weights:
@@ -196,10 +204,6 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
         if cfg.quant is not None:  # random weights of the checkpoint's quantized shape
             quantize_projections(model, cfg.quant.layout)
     elif cfg.quant is not None:
-        quantized = cfg.quant.quantized(checkpoint_keys(path))
-        swap_projections(model, cfg.quant.layout,
-                         {target_module(p, cls.checkpoint_renames): f"{p}.{cfg.quant.marker}" for p in quantized},
-                         dtype, device)
         model.load_weights(cfg.quant.convert(iter_safetensors(path), quantized), head=head)
     else:
         model.load_weights(iter_safetensors(path), head=head)

@@ -76,8 +76,9 @@ def shard_model(full: torch.nn.Module, cfg: ModelConfig, rank: int, tp: int, dev
     part_cfg = shard_config(cfg, tp)
     with torch.device("meta"):
         model = type(full)(part_cfg, kernels=full.kernels)
-    model = model.to_empty(device=device).to(dtype)
-    quantized = mirror_projections(full, model, device, dtype)
+    model = model.to(dtype)
+    quantized = mirror_projections(full, model, torch.device("meta"), dtype)  # (before any allocation)
+    model = model.to_empty(device=device)
     whole = dict(full.named_parameters())
     whole["lm_head.weight"] = full.lm_head.weight  # (tied: the embedding, which named_parameters lists once)
     head = shard_tensor("lm_head.weight", whole["lm_head.weight"], cfg, rank, tp)

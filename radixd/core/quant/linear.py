@@ -10,9 +10,10 @@ Which modules may be quantized: the dense projections of the decoder layers (``q
 router and experts stay in the model dtype: a checkpoint that quantizes any of them is
 refused by name (``swap_projections``).
 
-Contract: a ``QuantLinear`` is built on its device with empty tensors of the layout's
-shapes, after the model's ``.to(dtype)`` (which would otherwise cast fp8 weights and fp32
-scales); its parameters are filled once by the loader or ``shard_model`` and never change.
+Contract: a ``QuantLinear`` is built with empty tensors of the layout's shapes after the
+model's ``.to(dtype)`` (which would otherwise cast fp8 weights and fp32 scales), on "meta"
+before the model's ``to_empty`` where it replaces a projection (so the 16-bit weights are never
+allocated); its parameters are filled once by the loader or ``shard_model`` and never change.
 """
 
 from __future__ import annotations
