@@ -58,6 +58,11 @@ def _chunked_prefill(value: int) -> int:
     return value
 
 
+def _quantization(value: str) -> str:
+    # SGLang's *_marlin names pick a kernel for the same checkpoint format
+    return {"gptq_marlin": "gptq", "awq_marlin": "awq"}.get(value, value)
+
+
 FLAGS: tuple[Flag, ...] = (
     Flag("--model-path", "model.path", str, "checkpoint directory, .gguf file or 'default'",
          aliases=("--model",)),
@@ -87,6 +92,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--disaggregation-transfer-backend", "disaggregation.transfer_backend", str,
          "KV transfer engine: mooncake or a plugin's"),
     Flag("--disaggregation-ib-device", "disaggregation.ib_device", str, "Mooncake's RDMA device (none: TCP)"),
+    Flag("--quantization", "model.quantization", str, "the checkpoint's quantization format (compressed-tensors, "
+         "fp8, gptq, awq; SGLang's gptq_marlin / awq_marlin name the same formats)", _quantization),
 )
 
 

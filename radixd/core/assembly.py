@@ -54,7 +54,7 @@ class ModelSetup:
         """Read the checkpoint's config and tokenizer; check dp/tp against them."""
         device = pick_device(config.device)
         path = resolve_model(config.model, config.cache_dir)
-        cfg = read_config(path)
+        cfg = read_config(path, config.quantization)
         tokenizer = None if config.tokenizer == "none" else load_tokenizer(config.tokenizer or path)
         check_parallel(config, cfg, device)
         backend = config.attention_backend

@@ -34,6 +34,7 @@ WRITE_POLICIES = ("write_back", "write_through", "write_through_hits")
 ROUTING_POLICIES = ("cache_aware", "round_robin")
 TASKS = ("auto", "generate", "embed")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # see core.kv_quant
+QUANTIZATION = ("auto", "none", "compressed-tensors", "fp8", "gptq", "awq")  # (core.quant.formats reads them)
 
 
 def option(default: Any, *, key: str | None = None, min: float | None = None, max: float | None = None,
@@ -172,6 +173,9 @@ class EngineConfig:
     max_context_len: int | None = option(None, key="model.max_context_len", min=2)
     # "dummy": random weights of the checkpoint's shape, no weight files (benchmarks).
     load_format: str = option("auto", choices=LOAD_FORMATS)
+    # Quantized weights: "auto" (as the checkpoint's quantization_config declares), "none" (a
+    # plain checkpoint only) or a format that the checkpoint must have (core.quant.formats).
+    quantization: str = option("auto", key="model.quantization", choices=QUANTIZATION)
 
     # KV memory. ``kv_cache_bytes`` wins over ``kv_cache_tokens`` when both are set.
     kv_cache_bytes: int | None = option(None, key="memory.kv_cache_bytes", min=1)

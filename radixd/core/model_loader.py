@@ -17,12 +17,16 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from radixd.core.models import model_class
 from radixd.core.models.config import ModelConfig
+from radixd.core.models.weights import target_module
+from radixd.core.quant.formats import read_scheme
+from radixd.core.quant.linear import quantize_projections, swap_projections
 from radixd.core.triton_ops import ALL_KERNELS, KernelChoice
 
 log = logging.getLogger(__name__)
@@ -128,16 +132,14 @@ def convert_gguf(gguf: Path, target: Path, *, progress: bool | None = None) -> P
     return target
 
 
-def read_config(path: Path) -> ModelConfig:
+def read_config(path: Path, quantization: str = "auto") -> ModelConfig:
+    """The checkpoint's shape and its quantization (``[model] quantization``: ``formats.read_scheme``)."""
     with open(path / "config.json") as f:
-        return ModelConfig.from_hf(json.load(f))
+        hf = json.load(f)
+    return replace(ModelConfig.from_hf(hf), quant=read_scheme(hf, quantization))
 
 
-def iter_safetensors(path: Path, only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor of the checkpoint; ``only``: of the names it accepts
-    (the others are not read)."""
-    from safetensors import safe_open
-
+def _weight_files(path: Path) -> list[str]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         with open(index) as f:
@@ -146,7 +148,26 @@ def iter_safetensors(path: Path, only: Callable[[str], bool] | None = None) -> I
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no safetensors files")
-    for name in files:
+    return files
+
+
+def checkpoint_keys(path: Path) -> list[str]:
+    """Every tensor name of the checkpoint (read from the files' headers, no data)."""
+    from safetensors import safe_open
+
+    keys = []
+    for name in _weight_files(path):
+        with safe_open(str(path / name), framework="pt") as f:
+            keys.extend(f.keys())
+    return keys
+
+
+def iter_safetensors(path: Path, only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of the checkpoint; ``only``: of the names it accepts
+    (the others are not read)."""
+    from safetensors import safe_open
+
+    for name in _weight_files(path):
         with safe_open(str(path / name), framework="pt") as f:
             for key in f.keys():
                 if only is None or only(key):
@@ -164,7 +185,15 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     with torch.device("meta"):
         model = cls(cfg, kernels=kernels)
     # (in ``dtype`` from the start: float32 first would need twice a 16-bit model's memory)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    quantized: set[str] = set()
+    if cfg.quant is not None and not random_weights:
+        # swapped while still on "meta": the projections' 16-bit weights are never allocated
+        quantized = cfg.quant.quantized(checkpoint_keys(path))
+        swap_projections(model, cfg.quant.layout,
+                         {target_module(p, cls.checkpoint_renames): f"{p}.{cfg.quant.marker}" for p in quantized},
+                         dtype, torch.device("meta"))
+    model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if random_weights:
@@ -175,6 +204,10 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
                     p.fill_(1.0)
                 else:
                     p.normal_(0.0, 0.02, generator=gen)
+        if cfg.quant is not None:  # random weights of the checkpoint's quantized shape
+            quantize_projections(model, cfg.quant.layout)
+    elif cfg.quant is not None:
+        model.load_weights(cfg.quant.convert(iter_safetensors(path), quantized), head=head)
     else:
         model.load_weights(iter_safetensors(path), head=head)
     model = model.eval()

@@ -34,6 +34,7 @@ import torch
 from radixd.core.forward_batch import ForwardBatch, StepOutput
 from radixd.core.model_loader import load_model
 from radixd.core.models.config import ModelConfig
+from radixd.core.quant.linear import mirror_projections, shard_quantized
 from radixd.core.sampler import SampledTokens
 from radixd.core.triton_ops import ALL_KERNELS, KernelChoice, linear_weight
 from radixd.core.worker import ModelWorker, bind_device, on_device
@@ -75,17 +76,29 @@ def shard_model(full: torch.nn.Module, cfg: ModelConfig, rank: int, tp: int, dev
     part_cfg = shard_config(cfg, tp)
     with torch.device("meta"):
         model = type(full)(part_cfg, kernels=full.kernels)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype)
+    quantized = mirror_projections(full, model, torch.device("meta"), dtype)  # (before any allocation)
+    model = model.to_empty(device=device)
     whole = dict(full.named_parameters())
     whole["lm_head.weight"] = full.lm_head.weight  # (tied: the embedding, which named_parameters lists once)
     head = shard_tensor("lm_head.weight", whole["lm_head.weight"], cfg, rank, tp)
     model.lm_head = VocabParallelHead(head.to(device=device, dtype=dtype), cfg.vocab_size, full.kernels)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name != "lm_head.weight":
+            proj = name.rpartition(".")[0]
+            if proj in quantized:
+                p.copy_(shard_quantized(name, whole[name], full.get_submodule(proj), _sections(proj, cfg), rank, tp))
+            elif name != "lm_head.weight":
                 p.copy_(shard_tensor(name, whole[name], cfg, rank, tp))
     model.rotary = model.make_rotary(cfg).to(device)
     return model.eval()
+
+
+def _sections(proj: str, cfg: ModelConfig) -> list[int]:
+    """The rows of a fused projection's parts (q, k, v or gate, up), each split by the shards."""
+    if proj.endswith(".qkv_proj"):
+        return [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+    return [cfg.intermediate_size] * 2
 
 
 class VocabParallelHead(torch.nn.Module):

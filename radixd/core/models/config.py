@@ -85,6 +85,9 @@ class ModelConfig:
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
     local_rope_theta: float | None = None
+    # A quantized checkpoint's format and layout (``radixd.core.quant.formats.Scheme``; set by
+    # ``model_loader.read_config``); None: plain weights.
+    quant: Any = None
 
     @property
     def attention_scale(self) -> float:

@@ -6,7 +6,10 @@ models fuse them (``qkv_proj``, ``gate_up_proj``) and stack the experts of a lay
 fills one *part* of one parameter: ``()`` all of it, ``(s,)`` shard s of a fused projection,
 ``(e, s)`` / ``(e,)`` expert e's gate or up rows / its down projection (a checkpoint that
 already stacks them, as transformers 5 holds them in memory, fills ``()``). Every part of
-every parameter must be filled: a missing tensor is an error, not random weights.
+every parameter must be filled: a missing tensor is an error, not random weights. A quantized
+projection (``radixd.core.quant``) has its canonical tensors filled the same way (``q_proj.weight_scale``
+fills part 0 of ``qkv_proj.weight_scale``; block scales' rows in proportion to the parts' rows); fp8
+or integer data never lands in a float parameter, nor the reverse.
 """
 
 from __future__ import annotations
@@ -41,17 +44,18 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     params = dict(model.named_parameters())
     loaded: set[tuple[str, Part]] = set()
     for name, tensor in weights:
-        name = name.removeprefix("model.")
-        if is_scale_name(name):
+        if is_scale_name(name.removeprefix("model.")):
             continue  # a KV cache scale (read by core.kv_quant for an fp8 pool), not a weight
-        for pattern, repl in renames:
-            name = re.sub(pattern, repl, name)
+        name = model_name(name, renames)
         if "rotary_emb" in name or (name == "lm_head.weight" and tied):
             continue
         target, part = _place(name)
         param = params.get(target)
         if param is None:
             raise KeyError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        if target.endswith(".weight_perm") and any(t == target for t, _ in loaded) and not torch.equal(param, tensor):
+            raise ValueError(f"tensor {name!r}: its act-order permutation differs from the other projections "
+                             f"fused into {target.removesuffix('.weight_perm')!r} (they share one input)")
         with torch.no_grad():
             _copy(_view(target, param, part, qkv_sizes), tensor, name)
         loaded.add((target, part))
@@ -64,6 +68,20 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
             params["lm_head.weight"].zero_()
     if missing:
         raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def model_name(name: str, renames: tuple[tuple[str, str], ...] = ()) -> str:
+    """A checkpoint tensor's name in radixd's terms (before fusing): ``model.`` dropped and
+    the family's ``renames`` applied."""
+    name = name.removeprefix("model.")
+    for pattern, repl in renames:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def target_module(name: str, renames: tuple[tuple[str, str], ...] = ()) -> str:
+    """The radixd module a checkpoint projection (``model.layers.0.self_attn.q_proj``) goes to."""
+    return _place(model_name(name, renames) + ".weight")[0].removesuffix(".weight")
 
 
 def _place(name: str) -> tuple[str, Part]:
@@ -100,11 +118,26 @@ def _view(pname: str, param: torch.Tensor, part: Part, qkv_sizes: list[int]) -> 
         return param[e].narrow(0, s * half, half)
     if pname.endswith(".experts.down_proj"):
         return param[part[0]]
-    sizes = qkv_sizes if pname.rsplit(".", 2)[-2] == "qkv_proj" else [param.shape[0] // 2] * 2
-    return param.narrow(0, sum(sizes[: part[0]]), sizes[part[0]])
+    if pname.endswith(".weight_perm"):
+        return param  # a quantized projection's input order: the same for each part (one input)
+    rows = param.shape[0]
+    sizes = qkv_sizes if pname.rsplit(".", 2)[-2] == "qkv_proj" else [rows // 2] * 2
+    # Rows in proportion: a quantized projection's block scales have one row per block of rows.
+    total = sum(sizes)
+    if any(rows * s % total for s in sizes):
+        raise ValueError(f"parameter {pname!r}: {rows} rows do not split as the fused parts {sizes} "
+                         "(fp8 blocks that straddle two of them)")
+    return param.narrow(0, rows * sum(sizes[: part[0]]) // total, rows * sizes[part[0]] // total)
+
+
+PLAIN = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+    if src.dtype != dst.dtype and not (src.dtype in PLAIN and dst.dtype in PLAIN):
+        # fp8 or integer tensors are quantized data: never cast into a float parameter (nor back)
+        raise ValueError(f"tensor {name!r}: {src.dtype} in the checkpoint, the model expects {dst.dtype} "
+                         "(a quantized projection without its scales, or a plain one in a quantized layer)")
     dst.copy_(src)
