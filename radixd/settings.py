@@ -119,6 +119,7 @@ ParallelSection = _engine_section("parallel")
 GrammarSection = _engine_section("grammar")
 LimitsSection = _engine_section("limits", _LimitsKeys)
 PluginsSection = _engine_section("plugins", _PluginsKeys)
+SpeculativeSection = _engine_section("speculative")
 
 
 SECTIONS: dict[str, type] = {
@@ -135,6 +136,7 @@ SECTIONS: dict[str, type] = {
     "logging": LoggingSection,
     "plugins": PluginsSection,
     "auth": AuthSection,
+    "speculative": SpeculativeSection,
 }
 
 
@@ -155,6 +157,7 @@ class Settings:
     logging: LoggingSection = field(default_factory=LoggingSection)
     plugins: PluginsSection = field(default_factory=PluginsSection)
     auth: AuthSection = field(default_factory=AuthSection)
+    speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
     source: str | None = None
 
     def engine_config(self) -> EngineConfig:

@@ -24,6 +24,7 @@ from radixd.core.constraints import Constraints
 from radixd.core.forward_batch import ForwardBatch, SamplingBatch
 from radixd.core.request import Request
 from radixd.core.scheduler_interface import PLACEHOLDER, ScheduledStep, SchedulerStats
+from radixd.core.speculative.speculator import sample_rows
 
 
 class BatchBuilder:
@@ -37,11 +38,12 @@ class BatchBuilder:
         self._sampling_cache: _SamplingRows | None = None  # the last step's batched sampling rows
 
     def build(self, plan: list[tuple[Request, int]], decoding: int, new_slots: torch.Tensor,
-              cascade_members: int = 0) -> ScheduledStep:
+              cascade_members: int = 0, drafts: dict[Request, list[int]] | None = None) -> ScheduledStep:
         """The step's batch. ``plan[:decoding]`` are decodes: requests whose last token is
         all they run (the common case, built on a shorter path). ``new_slots``: one per token
         of the plan, in order. ``cascade_members``: requests per shared-prefix item of a
-        decode batch (0: no cascade plan)."""
+        decode batch (0: no cascade plan). ``drafts``: the verify entries' drafts (each such
+        request runs its last token and its drafts, and samples at each of them)."""
         ids: list[int] = []
         pos: list[int] = []
         rows, prefix_lens, extend_lens, writes = [], [], [], []
@@ -101,7 +103,13 @@ class BatchBuilder:
             if r.unresolved and end == seq_len:  # its last token is a pending pick
                 ph_pos.append(len(ids) + n - 1)
                 ph_req.append(r)
-            if n == 1:
+            draft = drafts.get(r) if drafts else None
+            if draft is not None:  # verify: its last token (on the host) and its drafts
+                ids.append(r.output_ids[-1] if r.output_ids else prompt[-1])
+                ids.extend(draft)
+                pos.extend(range(start, end))
+                sampled_idx.extend([i] * n)
+            elif n == 1:
                 tok = r.output_ids[start - plen] if start >= plen else prompt[start]
                 ids.append(0 if tok == PLACEHOLDER else tok)
                 pos.append(start)
@@ -122,12 +130,15 @@ class BatchBuilder:
             extend_lens.append(n)
             if end == seq_len and r.pool is None:
                 sampled_idx.append(i)
-            if end < seq_len - 1 or n > 1:
+            if (end < seq_len - 1 or n > 1) and draft is None:
                 prefill_tokens += n
         self.stats.prefill_tokens += prefill_tokens
         self.stats.decode_tokens += len(flat_slots) - prefill_tokens
         reqs = [r for r, _ in plan]
         sampled = [reqs[i] for i in sampled_idx]
+        back = offsets = None
+        if drafts:
+            back, offsets = sample_rows(sampled_idx)
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(pos, dtype=torch.int64),
@@ -138,7 +149,8 @@ class BatchBuilder:
             table_writes=writes,
             write_new_slots=True,
             sample_indices=sampled_idx,
-            sampling=self.sampling_batch(sampled) if sampled else None,
+            sampling=self.sampling_batch(sampled, offsets) if sampled else None,
+            sample_back=back,
             prompt_lp_pos=lp_pos,
             prompt_lp_target=lp_target,
             prompt_lp_top=lp_top,
@@ -172,8 +184,10 @@ class BatchBuilder:
         self._last_plan = (list(reqs), chains, list(rows), shared)
         return shared
 
-    def sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
-        """The sampling inputs of ``reqs`` (the requests picking a token, in batch order)."""
+    def sampling_batch(self, reqs: list[Request], offsets: list[int] | None = None) -> SamplingBatch:
+        """The sampling inputs of ``reqs`` (the requests picking a token, in batch order;
+        ``offsets``: each row's token index past ``len(output_ids)``, for a verifying request's
+        rows)."""
         # The requests' constant inputs (each computed once per request, see
         # Request.sampling_row) are batched once and reused while the same requests sample in
         # the same order, as they do step after step while decoding; only the token index of
@@ -183,6 +197,8 @@ class BatchBuilder:
         if cached is None or cached.reqs != reqs:
             cached = self._sampling_cache = _SamplingRows(reqs, self.max_top_logprobs)
         steps = [len(r.output_ids) for r in reqs]
+        if offsets is not None:
+            steps = [s + o for s, o in zip(steps, offsets, strict=True)]
         sb = SamplingBatch(
             temperature=cached.temperature,
             top_p=cached.top_p,

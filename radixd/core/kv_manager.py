@@ -129,14 +129,15 @@ class KVManager:
         if g.followers_waiting == 0 and g.prompt_node is not None:
             self.cache.unlock(g.prompt_node)
 
-    def commit(self, plan: list[tuple[Request, int]]) -> None:
+    def commit(self, plan: list[tuple[Request, int]], verifying: dict[Request, list[int]]) -> None:
         """The step of ``plan`` is built: its KV positions count as computed from now on (the
         device runs steps in order, so a later step may read them), prefill chunks go into the
-        cache, and a group leader that samples has its prompt cached for its followers."""
+        cache, and a group leader that samples has its prompt cached for its followers. The
+        KV of ``verifying`` requests' drafts stays private (it may be rejected)."""
         leaders = []
         for r, n in plan:
             r.kv.length += n
-            if n > 1:
+            if n > 1 and r not in verifying:
                 self._cache_progress(r)  # a prefill chunk: share it with later requests now
             if r.group is not None and r.index == 0:
                 leaders.append(r)
@@ -175,6 +176,7 @@ class KVManager:
         kv = r.kv
         if kv.row is None:
             return
+        self.truncate(r, min(kv.length, r.seq_len))  # (KV of drafts past where it stopped)
         self._cache_progress(r)
         if self.tiers is not None and r.namespace == 0:
             self._write_through(kv.last_node)
@@ -182,19 +184,31 @@ class KVManager:
         self.rows.free(kv.row)
         r.kv = KVHandle()
 
+    def truncate(self, r: Request, length: int) -> None:
+        """Give back ``r``'s private KV past ``length`` tokens (a verify step's rejected
+        drafts, or drafts accepted past where the request stopped)."""
+        kv = r.kv
+        if length >= kv.length:
+            return
+        assert length >= kv.cached_len, "only private KV is truncated"
+        slots = kv.slots
+        self.allocator.free(slots[length : kv.length])
+        kv.slots = slots[:length]
+        kv.length = length
+
     def rollback(self, step: ScheduledStep) -> None:
         """A launched step failed: forget the KV it would have computed.
 
         Prefill chunks went into the radix cache when the step was built: each such request
         moves its lock back to where its valid KV ends, and the tree drops the nodes past
         it that nobody else holds (their slots go back to the free list); a decode step's
-        slot goes back at once."""
+        slot goes back at once, and so do a verify entry's."""
         uncached = []
         for r, n in zip(step.reqs, step.batch.extend_lens, strict=True):
             kv = r.kv
             kv.length -= n
             kv.cached_len = min(kv.cached_len, kv.length)
-            if n == 1:
+            if n == 1 or r in step.drafts:
                 slots = kv.slots
                 self.allocator.free(slots[kv.length :])
                 kv.slots = slots[: kv.length]

@@ -36,6 +36,7 @@ from radixd.core.policy import SchedulePolicy
 from radixd.core.radix_cache import RadixCache
 from radixd.core.sampler import SampledTokens
 from radixd.core.scheduler import NEED_SYNC, ScheduledStep, Scheduler
+from radixd.core.speculative.drafter import Drafter
 from radixd.core.tiers.hierarchy import KVHierarchy
 from radixd.core.worker import Worker, bind_device
 
@@ -75,7 +76,7 @@ class Replica:
     def __init__(self, index: int, worker: Worker, config: EngineConfig, policy: SchedulePolicy, *,
                  outputs: Outputs, reader: concurrent.futures.Executor, on_step: Callable[[ScheduledStep], None],
                  eos_token_ids: tuple[int, ...], context_len: int, tiers: KVHierarchy | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, drafter: Drafter | None = None):
         self.index = index
         self.worker = worker
         self.allocator = SlotAllocator(worker.pool.num_slots)
@@ -85,7 +86,8 @@ class Replica:
         self.tiers = tiers  # KVHierarchy over this replica's pool, or None
         self.scheduler = Scheduler(config, allocator=self.allocator, rows=self.rows, cache=self.cache,
                                    policy=policy, eos_token_ids=eos_token_ids, context_len=context_len,
-                                   tiers=tiers, vocab_size=vocab_size, cascade_members=worker.cascade_members)
+                                   tiers=tiers, vocab_size=vocab_size, cascade_members=worker.cascade_members,
+                                   drafter=drafter)
         self.outputs = outputs
         self.overlap = config.overlap_schedule
         device = worker.device
@@ -252,4 +254,5 @@ class Replica:
             "prefill_tokens": st.prefill_tokens,
             "decode_tokens": st.decode_tokens,
             "tier_loaded_tokens": st.tier_loaded_tokens,
+            **(spec.stats.as_dict() if (spec := self.scheduler.speculator) is not None else {}),
         }

@@ -155,3 +155,21 @@ def radixd_step_stats(stats: dict) -> None:
 def radixd_routes(state) -> list:
     """Return extra starlette ``Route`` objects to mount on the server (``state`` as in
     ``radixd_startup``). Routes are subject to the same API keys and body limit."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def radixd_drafters() -> dict[str, type]:
+    """Return the drafters (speculative decoding) this plugin provides, by name.
+
+    A drafter class implements :class:`radixd.core.speculative.drafter.Drafter` and is
+    instantiated once per replica as ``cls(config)`` (``config``: the ``EngineConfig``);
+    ``propose(reqs, ks)`` returns, per request, at most ``ks[i]`` tokens guessed to follow
+    ``reqs[i].seq``, called on the event loop once per step (the target model verifies every
+    guess, so a drafter changes speed, never output). ``speculative.algorithm`` in radixd.toml
+    picks one by name; names must be unique across plugins.
+    """

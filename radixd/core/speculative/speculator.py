@@ -1,0 +1,146 @@
+"""One replica's speculation: which decoding requests draft, how many tokens, and what a
+verify step's picks leave behind.
+
+Contract
+--------
+* Owned by the replica's scheduler and called from it on the event-loop thread: ``draft``
+  while a step is planned, ``accept`` first thing when the step's picks are processed.
+* A verify entry of a step is a request running ``1 + k`` tokens (its last token and its k
+  drafts, ``ScheduledStep.drafts``) whose KV slots stay private to it until it leaves
+  (never inserted into the radix tree by ``commit``), with ``k + 1`` placeholders and
+  ``k + 1`` rows in ``step.sampled``. ``accept`` cuts each entry at its first rejected draft
+  (picks, placeholders and the rejected positions' KV, freed at once through the KV manager)
+  so that the scheduler's usual loop sees only picks that count, in order.
+* Drafting needs each drafting request's tokens on the host: ``draft`` answers ``NEED_SYNC``
+  when one has a pick still on the device, and the scheduler answers ``NEED_SYNC`` while the
+  launched step verifies (the next step's positions depend on what it accepts). Speculation
+  therefore runs without overlap scheduling in the steps where it drafts.
+* Requests that cannot be verified this way decode plainly, never refused: grammars (their
+  matchers cannot take tokens back), penalties (they count the drafts), ``min_new_tokens``
+  not yet reached (its bans count tokens). With more than ``speculative_max_batch``
+  requests decoding the step is compute-bound and nothing drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixd.core.config import EngineConfig
+from radixd.core.forward_batch import StepOutput
+from radixd.core.kv_manager import KVManager
+from radixd.core.request import Request
+from radixd.core.scheduler_interface import NEED_SYNC, ScheduledStep
+from radixd.core.speculative.drafter import Drafter
+
+
+@dataclass
+class SpecStats:
+    verifies: int = 0         # verify entries run (a request verifying its drafts in a step)
+    draft_tokens: int = 0     # tokens drafted and verified
+    accepted_tokens: int = 0  # of those, accepted
+
+    def as_dict(self) -> dict[str, float]:
+        v, d, a = self.verifies, self.draft_tokens, self.accepted_tokens
+        return {"spec_verifies": v, "spec_draft_tokens": d, "spec_accepted_tokens": a,
+                "spec_accept_rate": a / d if d else 0.0,
+                # tokens a verify entry yields: its accepted drafts and the target's own pick
+                "spec_accept_length": (a + v) / v if v else 0.0}
+
+
+class Speculator:
+    def __init__(self, config: EngineConfig, drafter: Drafter, kv_manager: KVManager, *, context_len: int):
+        self.drafter = drafter
+        self.kv = kv_manager
+        self.max_k = config.speculative_num_draft_tokens
+        self.adaptive = config.speculative_adaptive
+        self.max_batch = config.speculative_max_batch
+        self.context_len = context_len
+        self.stats = SpecStats()
+
+    def draft(self, decoding: list[Request]) -> dict[Request, list[int]] | object:
+        """The drafts of this step's decoding requests (those without one decode plainly),
+        or ``NEED_SYNC`` (see the contract)."""
+        if not decoding or (self.max_batch and len(decoding) > self.max_batch):
+            return {}
+        want, ks = [], []
+        for r in decoding:
+            k = self._length(r)
+            if k:
+                if r.unresolved:
+                    return NEED_SYNC
+                want.append(r)
+                ks.append(k)
+        if not want:
+            return {}
+        return {r: list(d[:k]) for r, k, d in zip(want, ks, self.drafter.propose(want, ks), strict=True) if d}
+
+    def _length(self, r: Request) -> int:
+        """How many tokens ``r`` drafts now (0: it decodes plainly)."""
+        p = r.params
+        out = len(r.output_ids)
+        if r.matcher is not None or p.needs_penalties or out < p.min_new_tokens:
+            return 0
+        # (a verify yields up to k + 1 tokens, and its last position must fit the context)
+        return max(0, min(r.draft_len or self.max_k, p.max_new_tokens - out - 1, self.context_len - r.seq_len))
+
+    def accept(self, step: ScheduledStep, out: StepOutput) -> None:
+        """Cut each verify entry of ``step`` at its first rejected draft (see the contract):
+        ``step.sampled``, ``step.pick_index`` and ``out``'s per-pick lists keep the picks
+        that count."""
+        drafts = step.drafts
+        sampled, toks = step.sampled, out.next_tokens
+        keep: list[int] = []
+        i = 0
+        while i < len(sampled):
+            r = sampled[i]
+            d = drafts.get(r)
+            if d is None:
+                keep.append(i)
+                i += 1
+                continue
+            k = len(d)
+            a = 0
+            while a < k and toks[i + a] == d[a]:
+                a += 1
+            keep.extend(range(i, i + a + 1))
+            rejected = k - a
+            if rejected:  # the last placeholders are the rejected picks' (the step was synchronous)
+                del r.output_ids[len(r.output_ids) - rejected :]
+                r.unresolved -= rejected
+                self.kv.truncate(r, r.kv.length - rejected)
+            self._learn(r, k, a)
+            i += k + 1
+        if len(keep) == len(sampled):
+            return
+        step.sampled = [sampled[j] for j in keep]
+        step.pick_index = [step.pick_index[j] for j in keep]
+        out.next_tokens = [toks[j] for j in keep]
+        if out.logprobs is not None:
+            out.logprobs = [out.logprobs[j] for j in keep]
+        if out.top_logprobs is not None:
+            out.top_logprobs = [out.top_logprobs[j] for j in keep]
+
+    def _learn(self, r: Request, k: int, accepted: int) -> None:
+        """Count a verify entry; adapt ``r``'s draft length: two more after a fully accepted
+        draft, one less after a rejection (at least one)."""
+        st = self.stats
+        st.verifies += 1
+        st.draft_tokens += k
+        st.accepted_tokens += accepted
+        if self.adaptive:
+            r.draft_len = min(self.max_k, k + 2) if accepted == k else max(1, k - 1)
+
+
+def sample_rows(sample_indices: list[int]) -> tuple[list[int], list[int]]:
+    """For sampling rows in batch order, several per verifying request (its last positions):
+    each row's distance from its request's last token (``ForwardBatch.sample_back``) and its
+    offset from the request's first row (the token index it draws, past ``len(output_ids)``)."""
+    back: list[int] = []
+    first: dict[int, int] = {}
+    count: dict[int, int] = {}
+    for j, i in enumerate(sample_indices):
+        first.setdefault(i, j)
+        count[i] = count.get(i, 0) + 1
+    offsets = [j - first[i] for j, i in enumerate(sample_indices)]
+    back = [count[i] - 1 - o for i, o in zip(sample_indices, offsets, strict=True)]
+    return back, offsets

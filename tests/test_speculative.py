@@ -1,0 +1,358 @@
+"""Speculative decoding is exact: with drafts right and wrong, greedy and seeded sampled tokens
+equal plain decoding's (and transformers' greedy ones), under chunked prefill, cache hits,
+preemption, stop strings, logprobs, n > 1 and logit bias; requests it cannot verify
+(penalties, grammars) decode plainly; sampled continuations follow the target distribution
+(chi-square); KV accounting holds after every step."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import _hf_model
+from test_engine import assert_greedy_matches, assert_idle, prompts
+
+from radixd import Engine, SamplingParams
+from radixd.core.config import EngineConfig
+from radixd.core.errors import ConfigError
+from radixd.plugins import hookimpl, make_plugin_manager
+from radixd.plugins.drafters import lookup
+
+
+class Oracle:
+    """Drafts the plain run's tokens (``truth[(prompt, sample index)]``), each replaced by a
+    wrong one with probability ``wrong``: accepted and rejected drafts in every verify."""
+
+    name = "oracle"
+    truth: dict[tuple, list[int]] = {}
+    wrong = 0.3
+
+    def __init__(self, config: EngineConfig):
+        self.rng = random.Random(0)
+
+    def propose(self, reqs, ks):
+        out = []
+        for r, k in zip(reqs, ks, strict=True):
+            done = len(r.output_ids)
+            right = self.truth.get((tuple(r.prompt_ids), r.index), [])[done : done + k]
+            out.append([t if self.rng.random() >= self.wrong else (t + 1 + self.rng.randrange(50)) % 256
+                        for t in right])
+        return out
+
+
+class OraclePlugin:
+    @hookimpl
+    def radixd_drafters(self):
+        return {"oracle": Oracle}
+
+
+def spec_engine(path, algorithm: str | None = "oracle", **kw) -> Engine:
+    kw.setdefault("kv_cache_tokens", 4096)
+    if algorithm:
+        kw["speculative_algorithm"] = algorithm
+    pm = make_plugin_manager(load_entry_points=False, extra=[OraclePlugin()])
+    eng = Engine(model=str(path), plugin_manager=pm, **kw)
+    eng.step_hook = lambda step: eng.check_accounting()
+    return eng
+
+
+async def run_calls(eng: Engine, calls: list[tuple[list[int], dict]]) -> list[list]:
+    """Each call's outputs: per sample, (token ids, text, finish reason, logprobs)."""
+
+    async def one(prompt, params):
+        params = {"temperature": 0.0, "ignore_eos": True, **params}
+        got: dict[int, list] = {}
+        async for o in eng.generate(input_ids=prompt, params=SamplingParams(**params)):
+            g = got.setdefault(o.index, [[], "", None, []])
+            g[0] += o.token_ids
+            g[1] += o.text
+            g[2] = o.finish_reason
+            g[3] += [lp.logprob for lp in o.logprobs or []]
+        return [got[i] for i in sorted(got)]
+
+    return await asyncio.gather(*(one(p, params) for p, params in calls))
+
+
+async def plain_then_spec(path, calls, *, wrong: float = 0.3, **kw):
+    """The calls' outputs without and with speculation (the oracle taught by the first run)
+    and the speculative engine's stats."""
+    plain_eng = spec_engine(path, None, **kw)
+    try:
+        plain = await run_calls(plain_eng, calls)
+    finally:
+        await plain_eng.stop()
+    Oracle.truth = {(tuple(p), i): out[0] for (p, _), outs in zip(calls, plain, strict=True)
+                    for i, out in enumerate(outs)}
+    Oracle.wrong = wrong
+    eng = spec_engine(path, **kw)
+    try:
+        spec = await run_calls(eng, calls)
+        await assert_idle(eng)
+        stats = eng.stats()
+    finally:
+        await eng.stop()
+    return plain, spec, stats
+
+
+def same_outputs(plain, spec, *, logprob_tol: float = 1e-4):
+    for a_call, b_call in zip(plain, spec, strict=True):
+        for a, b in zip(a_call, b_call, strict=True):
+            assert a[:3] == b[:3]
+            assert np.allclose(a[3], b[3], atol=logprob_tol)
+
+
+async def test_greedy_equals_plain_and_transformers(tiny_models):
+    """Right and wrong drafts, prompts chunked 5 at a time, mixed with prefills."""
+    path = tiny_models["llama"]
+    ps = prompts(3, 20, seed=1)
+    plain, spec, st = await plain_then_spec(path, [(p, {"max_new_tokens": 24}) for p in ps],
+                                            chunked_prefill_size=5, max_prefill_tokens=8)
+    same_outputs(plain, spec)
+    for p, outs in zip(ps, spec, strict=True):
+        assert_greedy_matches(path, p, outs[0][0], 24)
+    # drafts were verified, some accepted, some rejected, each verify yielding > 1 token
+    assert st["spec_verifies"] > 0 and 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"]
+    assert st["spec_accept_length"] > 1.5
+
+
+@pytest.mark.parametrize("radix", [True, False])
+async def test_cache_hits_and_preemption(tiny_models, radix):
+    """A pool too small for the batch preempts; a repeated prompt is served from the cache."""
+    path = tiny_models["qwen2"]
+    ps = prompts(4, 30, seed=5)
+    calls = [(p, {"max_new_tokens": 30}) for p in ps] + [(ps[0], {"max_new_tokens": 30})]
+    plain, spec, st = await plain_then_spec(path, calls, kv_cache_tokens=180, schedule_conservativeness=0.0,
+                                            radix_cache=radix)
+    same_outputs(plain, spec)
+    assert st["preemptions"] > 0 and st["spec_accepted_tokens"] > 0
+
+
+async def test_stop_strings_logprobs_n_seeds_bias(tiny_models):
+    """Sampled (seeded) outputs equal plain ones token for token; a stop string inside accepted
+    drafts ends the text there; per-token logprobs match; n > 1; logit bias applies to each
+    verified position."""
+    path = tiny_models["llama"]
+    ps = prompts(3, 12, seed=3)
+    plain_eng = spec_engine(path, None)
+    try:  # a stop string: the text of a few tokens from the middle of a greedy output
+        [[(toks, text, _, _)]] = await run_calls(plain_eng, [(ps[0], {"max_new_tokens": 20})])
+        stop = plain_eng.tokenizer.decode(toks[8:10])
+    finally:
+        await plain_eng.stop()
+    calls = [
+        (ps[0], {"max_new_tokens": 20, "stop": [stop]}),
+        (ps[1], {"max_new_tokens": 16, "temperature": 0.8, "top_p": 0.9, "seed": 7, "n": 3, "logprobs": True,
+                 "top_logprobs": 2}),
+        (ps[2], {"max_new_tokens": 16, "temperature": 1.0, "top_k": 20, "seed": 11, "logit_bias": {9: 3.0}}),
+    ]
+    plain, spec, st = await plain_then_spec(path, calls, wrong=0.4)
+    same_outputs(plain, spec)
+    assert spec[0][0][2] == "stop" and stop not in spec[0][0][1]
+    assert len({tuple(s[0]) for s in spec[1]}) > 1  # the samples differ
+    assert st["spec_accepted_tokens"] > 0
+
+
+async def test_penalties_and_grammars_decode_plainly(tiny_models):
+    """What cannot be verified yet falls back to plain decoding for that request: its output is
+    exact, and it drafts nothing."""
+    path = tiny_models["llama"]
+    ps = prompts(2, 10, seed=4)
+    calls = [(ps[0], {"max_new_tokens": 12, "repetition_penalty": 1.3, "frequency_penalty": 0.5}),
+             (ps[1], {"max_new_tokens": 12, "min_new_tokens": 12})]
+    plain, spec, st = await plain_then_spec(path, calls)
+    same_outputs(plain, spec)
+    assert st.get("spec_verifies", 0) == 0
+    eng = spec_engine(path, grammar_compile_memory_mb=0)
+    try:
+        Oracle.truth = {}
+        params = SamplingParams(max_new_tokens=8, regex="[ab]{3}c", temperature=0.0)
+        grammar = await eng.compile_grammar(params)
+        outs = [o async for o in eng.submit(input_ids=ps[0], params=params, grammar=grammar)]
+        text = "".join(o.text for o in outs)
+        assert outs[-1].finish_reason == "stop" and len(text) == 4 and text.endswith("c")
+        assert eng.stats()["spec_verifies"] == 0
+    finally:
+        await eng.stop()
+
+
+async def test_rejected_drafts_free_their_kv_and_large_batches_step_aside(tiny_models):
+    """Only wrong drafts: every verify keeps one token and frees the rest at once; past
+    speculative_max_batch decoding requests, nothing drafts."""
+    path = tiny_models["llama"]
+    ps = prompts(3, 10, seed=8)
+    plain, spec, st = await plain_then_spec(path, [(p, {"max_new_tokens": 10}) for p in ps], wrong=1.0,
+                                            speculative_num_draft_tokens=3, speculative_adaptive=False)
+    same_outputs(plain, spec)
+    assert st["spec_verifies"] > 0 and st["spec_accepted_tokens"] == 0 and st["spec_accept_length"] == 1.0
+    _, spec, st = await plain_then_spec(path, [(p, {"max_new_tokens": 10}) for p in ps], speculative_max_batch=2)
+    assert st.get("spec_verifies", 0) == 0
+
+
+def test_adaptive_draft_length():
+    from radixd.core.speculative.speculator import Speculator
+
+    class R:
+        draft_len = 0
+
+    spec = Speculator(EngineConfig(speculative_num_draft_tokens=6), Oracle(EngineConfig()), None, context_len=99)
+    r = R()
+    spec._learn(r, 6, 6)
+    assert r.draft_len == 6  # capped at num_draft_tokens
+    spec._learn(r, 6, 2)
+    assert r.draft_len == 5
+    spec._learn(r, 1, 0)
+    assert r.draft_len == 1  # never below one
+    spec._learn(r, 1, 1)
+    assert r.draft_len == 3
+    assert spec.stats.as_dict()["spec_accept_rate"] == pytest.approx(9 / 14)
+
+
+def test_ngram_lookup():
+    seq = np.array([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 2, 3])
+    assert lookup(seq, 3, 1, 3) == [5, 7, 2]  # the latest earlier "2 3" (longest match first)
+    assert lookup(seq, 3, 3, 3) == []  # "7 2 3" occurs nowhere before
+    assert lookup(np.array([4, 5, 4]), 2, 1, 4) == [5, 4]
+    assert lookup(np.array([4, 5, 6]), 2, 1, 4) == []
+    assert lookup(np.array([8, 1, 2, 8, 1, 2]), 5, 1, 2) == [8, 1, 2]  # stops at the end
+
+
+async def test_ngram_drafter_on_a_repetitive_prompt(tiny_models):
+    path = tiny_models["llama"]
+    p = [5, 6, 7, 8, 9, 10, 11] * 4
+    plain, spec, st = await plain_then_spec(path, [(p, {"max_new_tokens": 24})], speculative_ngram_max_match_window=3)
+    Oracle.truth = {}
+    eng = spec_engine(path, "ngram")
+    try:
+        [[got]] = await run_calls(eng, [(p, {"max_new_tokens": 24})])
+        assert got[0] == plain[0][0][0]
+        assert eng.stats()["spec_verifies"] > 0
+    finally:
+        await eng.stop()
+
+
+def test_unknown_drafter_is_refused(tiny_models):
+    with pytest.raises(ConfigError, match="speculative_algorithm.*ngram"):
+        spec_engine(tiny_models["llama"], "eagle9")
+    with pytest.raises(ConfigError, match="speculative_ngram_min_match_window"):
+        EngineConfig(speculative_ngram_min_match_window=5, speculative_ngram_max_match_window=2)
+
+
+# ------------------------------------------------------------------------ the distribution
+
+
+class TopChoice:
+    """Drafts one of the target's ``K`` likeliest next tokens at random (from transformers'
+    logits): accepted about as often as rejected, so a verifier that accepted too often or
+    too rarely would shift the continuations' distribution."""
+
+    name = "topchoice"
+    model = None
+    rng = random.Random(0)
+    tops: dict[tuple, list[int]] = {}
+
+    def __init__(self, config):
+        pass
+
+    @classmethod
+    def top(cls, seq: list[int]) -> list[int]:
+        key = tuple(seq)
+        if key not in cls.tops:
+            with torch.no_grad():
+                cls.tops[key] = cls.model(torch.tensor([seq])).logits[0, -1].topk(K).indices.tolist()
+        return cls.tops[key]
+
+    def propose(self, reqs, ks):
+        out = []
+        for r, k in zip(reqs, ks, strict=True):
+            seq, d = list(r.seq), []
+            for _ in range(k):
+                d.append(self.rng.choice(self.top(seq)))
+                seq.append(d[-1])
+            out.append(d)
+        return out
+
+
+K = 3           # top_k of the sampled requests: K**3 continuations of 3 tokens
+TEMP = 0.7
+SAMPLES = 1800
+
+
+def exact_distribution(model, prompt: list[int]) -> dict[tuple, float]:
+    """P(t1 t2 t3) under temperature TEMP and top_k K, from transformers' logits."""
+    probs: dict[tuple, float] = {(): 1.0}
+    for _ in range(3):
+        nxt = {}
+        for cont, p in probs.items():
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + list(cont)])).logits[0, -1].double()
+            top = logits.topk(K)
+            q = torch.softmax(top.values / TEMP, -1)
+            for t, qt in zip(top.indices.tolist(), q.tolist(), strict=True):
+                nxt[cont + (t,)] = p * qt
+        probs = nxt
+    return probs
+
+
+def chi_square(counts: dict[tuple, int], probs: dict[tuple, float], n: int) -> tuple[float, int]:
+    """Pearson's statistic with cells of small expectation pooled; (statistic, dof)."""
+    big = [c for c, p in probs.items() if p * n >= 5]
+    pooled_p = 1.0 - sum(probs[c] for c in big)
+    stat = sum((counts.get(c, 0) - probs[c] * n) ** 2 / (probs[c] * n) for c in big)
+    cells = len(big)
+    if pooled_p * n >= 5:
+        rest = n - sum(counts.get(c, 0) for c in big)
+        stat += (rest - pooled_p * n) ** 2 / (pooled_p * n)
+        cells += 1
+    return stat, cells - 1
+
+
+async def test_sampled_continuations_follow_the_target_distribution(tiny_models):
+    """1800 sampled 3-token continuations of one prompt (the 2nd and 3rd tokens verified from
+    drafts) against the exact distribution: a chi-square at p = 0.001. The same test would
+    refuse a verifier that took every plausible draft: its distribution is checked to be far
+    from the target's at this sample size."""
+    from scipy.stats import chi2
+
+    path = tiny_models["llama"]
+    model = _hf_model(path)
+    TopChoice.model = model
+    prompt = [3, 17, 42, 9, 77, 5]
+    probs = exact_distribution(model, prompt)
+
+    class Plugin:
+        @hookimpl
+        def radixd_drafters(self):
+            return {"topchoice": TopChoice}
+
+    pm = make_plugin_manager(load_entry_points=False, extra=[Plugin()])
+    eng = Engine(model=str(path), kv_cache_tokens=8192, plugin_manager=pm, speculative_algorithm="topchoice",
+                 speculative_num_draft_tokens=2, speculative_adaptive=False, speculative_max_batch=0,
+                 max_running_requests=256, seed=1)
+    counts: dict[tuple, int] = {}
+    try:
+        params = SamplingParams(max_new_tokens=3, temperature=TEMP, top_k=K, ignore_eos=True, n=16)
+        calls = [eng.generate(input_ids=prompt, params=params) for _ in range(SAMPLES // 16 + 1)]
+
+        async def one(gen):
+            got: dict[int, list[int]] = {}
+            async for o in gen:
+                got.setdefault(o.index, []).extend(o.token_ids)
+            return list(got.values())
+
+        outs = [s for c in await asyncio.gather(*(one(g) for g in calls)) for s in c][:SAMPLES]
+        st = eng.stats()
+    finally:
+        await eng.stop()
+    for s in outs:
+        counts[tuple(s)] = counts.get(tuple(s), 0) + 1
+    assert st["spec_verifies"] >= SAMPLES and 0.2 < st["spec_accept_rate"] < 0.9
+    stat, dof = chi_square(counts, probs, SAMPLES)
+    limit = chi2.ppf(0.999, dof)
+    assert stat < limit, (stat, limit)
+    # power: a verifier accepting every top-K draft makes tokens 2 and 3 uniform over the top K
+    wrong = {c: sum(v for k, v in probs.items() if k[0] == c[0]) / K**2 for c in probs}
+    expected_stat = sum((wrong[c] - p) ** 2 / p for c, p in probs.items()) * SAMPLES
+    assert expected_stat > 3 * limit
