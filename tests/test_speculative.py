@@ -1,7 +1,7 @@
 """Speculative decoding is exact: with drafts right and wrong, greedy and seeded sampled tokens
 equal plain decoding's (and transformers' greedy ones), under chunked prefill, cache hits,
-preemption, stop strings, logprobs, n > 1 and logit bias; requests it cannot verify
-(penalties, grammars) decode plainly; sampled continuations follow the target distribution
+preemption, stop strings, logprobs, n > 1, logit bias and grammars; requests it cannot verify
+(penalties) decode plainly; sampled continuations follow the target distribution
 (chi-square); KV accounting holds after every step."""
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ async def test_stop_strings_logprobs_n_seeds_bias(tiny_models):
     assert st["spec_accepted_tokens"] > 0
 
 
-async def test_penalties_and_grammars_decode_plainly(tiny_models):
+async def test_penalties_decode_plainly(tiny_models):
     """What cannot be verified yet falls back to plain decoding for that request: its output is
     exact, and it drafts nothing."""
     path = tiny_models["llama"]
@@ -165,17 +165,37 @@ async def test_penalties_and_grammars_decode_plainly(tiny_models):
     plain, spec, st = await plain_then_spec(path, calls)
     same_outputs(plain, spec)
     assert st.get("spec_verifies", 0) == 0
-    eng = spec_engine(path, grammar_compile_memory_mb=0)
-    try:
-        Oracle.truth = {}
-        params = SamplingParams(max_new_tokens=8, regex="[ab]{3}c", temperature=0.0)
-        grammar = await eng.compile_grammar(params)
-        outs = [o async for o in eng.submit(input_ids=ps[0], params=params, grammar=grammar)]
-        text = "".join(o.text for o in outs)
-        assert outs[-1].finish_reason == "stop" and len(text) == 4 and text.endswith("c")
-        assert eng.stats()["spec_verifies"] == 0
-    finally:
-        await eng.stop()
+
+
+async def run_constrained(eng: Engine, prompt, params: SamplingParams) -> list:
+    grammar = await eng.compile_grammar(params)
+    outs = [o async for o in eng.submit(input_ids=prompt, params=params, grammar=grammar)]
+    return [[t for o in outs for t in o.token_ids], "".join(o.text for o in outs), outs[-1].finish_reason]
+
+
+async def test_grammar_drafts_are_masked_and_exact(tiny_models):
+    """Constrained requests draft: drafts the grammar refuses are cut, each verified position
+    is masked by the grammar's state after the drafts before it, the matcher sees only the
+    accepted tokens; greedy and seeded sampled outputs equal plain decoding's."""
+    path = tiny_models["llama"]
+    ps = prompts(2, 10, seed=4)
+    cases = [(ps[0], SamplingParams(max_new_tokens=24, regex="[a-e]{3,8}( [a-e]{2,6}){2,4}\\.", temperature=0.0)),
+             (ps[1], SamplingParams(max_new_tokens=24, json_schema='{"type": "object", "properties": {"a": '
+                                    '{"type": "integer"}}, "required": ["a"]}', temperature=0.9, seed=3))]
+    results = {}
+    for algorithm in (None, "oracle"):
+        eng = spec_engine(path, algorithm, grammar_compile_memory_mb=0)
+        try:
+            results[algorithm] = [await run_constrained(eng, p, params) for p, params in cases]
+            st = eng.stats()
+        finally:
+            await eng.stop()
+        if algorithm is None:
+            Oracle.truth = {(tuple(p), 0): out[0] for (p, _), out in zip(cases, results[None], strict=True)}
+            Oracle.wrong = 0.4
+    assert results["oracle"] == results[None]
+    assert results[None][0][2] == "stop" and results[None][0][1].endswith(".")
+    assert st["spec_verifies"] > 0 and st["spec_accepted_tokens"] > 0
 
 
 async def test_rejected_drafts_free_their_kv_and_large_batches_step_aside(tiny_models):
@@ -197,7 +217,7 @@ def test_adaptive_draft_length():
     class R:
         draft_len = 0
 
-    spec = Speculator(EngineConfig(speculative_num_draft_tokens=6), Oracle(EngineConfig()), None, context_len=99)
+    spec = Speculator(EngineConfig(speculative_num_draft_tokens=6), Oracle(EngineConfig()), None, None, context_len=99)
     r = R()
     spec._learn(r, 6, 6)
     assert r.draft_len == 6  # capped at num_draft_tokens

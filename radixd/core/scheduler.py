@@ -79,7 +79,7 @@ class Scheduler(SchedulerInterface):
                                                    close_within=config.grammar_close_within_max_tokens)
         self.builder = BatchBuilder(eos_token_ids=self.eos, max_top_logprobs=config.max_top_logprobs,
                                     constraints=self.constraints, stats=self.stats)
-        self.speculator = (Speculator(config, drafter, self.kv_manager, context_len=context_len)
+        self.speculator = (Speculator(config, drafter, self.kv_manager, self.constraints, context_len=context_len)
                            if drafter is not None else None)
 
     # ------------------------------------------------------------------ queue
@@ -115,9 +115,9 @@ class Scheduler(SchedulerInterface):
         if inflight and host_picks:
             return NEED_SYNC  # penalties need the pending token on the host (grammar masks
                               # are filled while the step runs: see constraints)
-        drafts = self.speculator.draft(decoding) if self.speculator is not None else {}
+        drafts = self.speculator.draft(decoding, bool(inflight)) if self.speculator is not None else {}
         if drafts is NEED_SYNC:
-            return NEED_SYNC  # drafting needs the pending picks on the host
+            return NEED_SYNC  # a request would draft: its tokens and masks must be on the host
         drafted = sum(map(len, drafts.values()))
         if drafted and not self.kv_manager.make_room(len(decoding) + drafted):
             drafts, drafted = {}, 0  # speculation is optional: no KV for it, no drafts
@@ -154,6 +154,8 @@ class Scheduler(SchedulerInterface):
         planned = len(decoding) + drafted + self.config.max_prefill_tokens - budget
         step = self.builder.build(plan, plain, self.kv_manager.alloc(planned), self.cascade_members, drafts)
         step.drafts = drafts
+        if drafts:
+            self.speculator.constrain(step)
         self.kv_manager.commit(plan, drafts)
         picks = step.pick_index
         for r in step.sampled:

@@ -11,21 +11,30 @@ Contract
   ``k + 1`` rows in ``step.sampled``. ``accept`` cuts each entry at its first rejected draft
   (picks, placeholders and the rejected positions' KV, freed at once through the KV manager)
   so that the scheduler's usual loop sees only picks that count, in order.
-* Drafting needs each drafting request's tokens on the host: ``draft`` answers ``NEED_SYNC``
-  when one has a pick still on the device, and the scheduler answers ``NEED_SYNC`` while the
-  launched step verifies (the next step's positions depend on what it accepts). Speculation
-  therefore runs without overlap scheduling in the steps where it drafts.
-* Requests that cannot be verified this way decode plainly, never refused: grammars (their
-  matchers cannot take tokens back), penalties (they count the drafts), ``min_new_tokens``
-  not yet reached (its bans count tokens). With more than ``speculative_max_batch``
-  requests decoding the step is compute-bound and nothing drafts.
+* A step that drafts is built with no step in flight: ``draft`` answers ``NEED_SYNC`` when
+  a request would draft while one is (its tokens must be on the host, its grammar masks
+  made now), and the scheduler answers ``NEED_SYNC`` while the launched step verifies (the
+  next step's positions depend on what it accepts). Speculation therefore runs without
+  overlap scheduling in the steps where it drafts.
+* A constrained request drafts when its matcher ``Forks``: its drafts are walked on a fork,
+  cut at the first the grammar refuses, and each verified position gets the fork's mask
+  there (``constrain``, once the step's sampling rows exist); the matcher itself is fed only
+  the accepted tokens, by the scheduler's loop.
+* Requests that cannot be verified this way decode plainly, never refused: matchers that do
+  not fork, penalties (they count the drafts), ``min_new_tokens`` not yet reached (its bans
+  count tokens). With more than ``speculative_max_batch`` requests decoding the step is
+  compute-bound and nothing drafts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+import torch
+
 from radixd.core.config import EngineConfig
+from radixd.core.constraints import Constraints, Forks
 from radixd.core.forward_batch import StepOutput
 from radixd.core.kv_manager import KVManager
 from radixd.core.request import Request
@@ -48,37 +57,83 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, drafter: Drafter, kv_manager: KVManager, *, context_len: int):
+    def __init__(self, config: EngineConfig, drafter: Drafter, kv_manager: KVManager, constraints: Constraints, *,
+                 context_len: int):
         self.drafter = drafter
         self.kv = kv_manager
+        self.constraints = constraints
+        self._masks: dict[Request, np.ndarray] = {}  # constrained drafts' masks, for ``constrain``
         self.max_k = config.speculative_num_draft_tokens
         self.adaptive = config.speculative_adaptive
         self.max_batch = config.speculative_max_batch
         self.context_len = context_len
         self.stats = SpecStats()
 
-    def draft(self, decoding: list[Request]) -> dict[Request, list[int]] | object:
+    def draft(self, decoding: list[Request], inflight: bool) -> dict[Request, list[int]] | object:
         """The drafts of this step's decoding requests (those without one decode plainly),
-        or ``NEED_SYNC`` (see the contract)."""
+        or ``NEED_SYNC`` (``inflight``: a step is launched and not processed; see the contract)."""
+        self._masks.clear()
         if not decoding or (self.max_batch and len(decoding) > self.max_batch):
             return {}
         want, ks = [], []
         for r in decoding:
             k = self._length(r)
             if k:
-                if r.unresolved:
+                if inflight:
                     return NEED_SYNC
                 want.append(r)
                 ks.append(k)
         if not want:
             return {}
-        return {r: list(d[:k]) for r, k, d in zip(want, ks, self.drafter.propose(want, ks), strict=True) if d}
+        drafts = {}
+        for r, k, d in zip(want, ks, self.drafter.propose(want, ks), strict=True):
+            d = list(d[:k])
+            if d and r.matcher is not None:
+                d = self._fit_grammar(r, d)
+            if d:
+                drafts[r] = d
+        return drafts
+
+    def _fit_grammar(self, r: Request, d: list[int]) -> list[int]:
+        """``d`` up to its first token ``r``'s grammar refuses, walked on a fork of its matcher;
+        the masks of the positions after the kept drafts go to ``constrain``."""
+        m = r.matcher.fork()
+        if m is None:
+            return []
+        left = self.constraints.tokens_left(r)
+        rows = np.empty((len(d) + 1, self.constraints.vocab_size), dtype=bool)  # [i]: after d[:i]
+        kept = len(d)
+        for i, t in enumerate(d):
+            self.constraints.fill_row(m, rows[i], left - i)
+            if not rows[i, t] or not m.accept_token(t):
+                kept = i
+                break
+        else:
+            self.constraints.fill_row(m, rows[kept], left - kept)
+        if kept:
+            self._masks[r] = rows[1 : kept + 1]
+        return d[:kept]
+
+    def constrain(self, step: ScheduledStep) -> None:
+        """Give the built step's rows after each constrained verify entry's first the masks of
+        its drafts' positions (the first row has the matcher's own, as every constrained row)."""
+        if not self._masks:
+            return
+        allowed = step.batch.sampling.allowed
+        seen: set[Request] = set()
+        for j, r in enumerate(step.sampled):
+            if r in self._masks and r not in seen:
+                seen.add(r)
+                rows = self._masks[r]
+                allowed[j + 1 : j + 1 + len(rows)] = torch.from_numpy(rows)
+        self._masks.clear()
 
     def _length(self, r: Request) -> int:
         """How many tokens ``r`` drafts now (0: it decodes plainly)."""
         p = r.params
         out = len(r.output_ids)
-        if r.matcher is not None or p.needs_penalties or out < p.min_new_tokens:
+        if ((r.matcher is not None and not self.constraints.has(r.matcher, Forks)) or p.needs_penalties
+                or out < p.min_new_tokens):
             return 0
         # (a verify yields up to k + 1 tokens, and its last position must fit the context)
         return max(0, min(r.draft_len or self.max_k, p.max_new_tokens - out - 1, self.context_len - r.seq_len))
