@@ -23,7 +23,13 @@ SGLANG_ONLY_POLICIES = ("random", "dfs-weight", "lof", "routing-key")
 
 
 METAVARS = {"--mem-fraction-static": "FRACTION", "--chunked-prefill-size": "TOKENS",
-            "--max-running-requests": "N", "--context-length": "TOKENS", "--reasoning-parser": "NAME"}
+            "--max-running-requests": "N", "--context-length": "TOKENS", "--reasoning-parser": "NAME",
+            "--speculative-algorithm": "NAME", "--speculative-num-draft-tokens": "N",
+            "--speculative-ngram-min-match-window-size": "TOKENS",
+            "--speculative-ngram-max-match-window-size": "TOKENS"}
+
+# SGLang's --speculative-algorithm values that need a draft model or draft heads radixd lacks.
+SGLANG_ONLY_DRAFTERS = ("eagle", "eagle3", "nextn", "standalone")
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,14 @@ def _chunked_prefill(value: int) -> int:
     return value
 
 
+def _drafter(value: str) -> str:
+    name = value.lower()  # SGLang spells them in capitals: NGRAM
+    if name in SGLANG_ONLY_DRAFTERS:
+        raise ConfigError("--speculative-algorithm", value, "NGRAM or a plugin's drafter; SGLang's EAGLE, EAGLE3, "
+                          "NEXTN and STANDALONE have no radixd counterpart yet")
+    return name
+
+
 FLAGS: tuple[Flag, ...] = (
     Flag("--model-path", "model.path", str, "checkpoint directory, .gguf file or 'default'",
          aliases=("--model",)),
@@ -79,6 +93,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--context-length", "model.max_context_len", int, "context length (at most the model's)"),
     Flag("--reasoning-parser", "model.reasoning_parser", str, "qwen3, qwen3-thinking, deepseek-r1 or a plugin's "
          "(radixd also takes auto and none)"),
+    Flag("--speculative-algorithm", "speculative.algorithm", str, "NGRAM (prompt lookup) or a plugin's drafter",
+         _drafter),
+    Flag("--speculative-num-draft-tokens", "speculative.num_draft_tokens", int, "most tokens drafted per step"),
+    Flag("--speculative-ngram-min-match-window-size", "speculative.ngram_min_match_window", int,
+         "shortest suffix NGRAM looks up"),
+    Flag("--speculative-ngram-max-match-window-size", "speculative.ngram_max_match_window", int,
+         "longest suffix NGRAM looks up"),
 )
 
 
