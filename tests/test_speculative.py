@@ -398,3 +398,44 @@ async def test_sampled_continuations_follow_the_target_distribution(tiny_models)
     wrong = {c: sum(v for k, v in probs.items() if k[0] == c[0]) / K**2 for c in probs}
     expected_stat = sum((wrong[c] - p) ** 2 / p for c, p in probs.items()) * SAMPLES
     assert expected_stat > 3 * limit
+
+
+async def test_verify_rows_on_the_triton_backend(tiny_models):
+    """A verify entry is decode rows of one table row: the triton decode kernels (interpreted
+    on CPU) store every row's K/V before attending, so outputs equal plain decoding's."""
+    path = tiny_models["qwen3"]
+    ps = prompts(1, 6, seed=9)
+    plain, spec, st = await plain_then_spec(path, [(p, {"max_new_tokens": 6}) for p in ps], wrong=0.2,
+                                            attention_backend="triton", dtype="float32", kv_cache_tokens=512)
+    same_outputs(plain, spec)
+    assert st["spec_accepted_tokens"] > 0
+
+
+@pytest.mark.gpu
+async def test_verify_steps_replay_decode_graphs(tiny_models):
+    """On a GPU, verify steps are decode batches: they replay the decode CUDA graphs."""
+    path = tiny_models["llama"]
+    ps = prompts(3, 20, seed=10)
+    kw = dict(device="cuda", attention_backend="triton", dtype="float32", cuda_graphs=True)
+    plain_eng = spec_engine(path, None, **kw)
+    try:
+        plain = await run_calls(plain_eng, [(p, {"max_new_tokens": 32}) for p in ps])
+    finally:
+        await plain_eng.stop()
+    Oracle.truth = {(tuple(p), 0): out[0][0] for p, out in zip(ps, plain, strict=True)}
+    Oracle.wrong = 0.3
+    eng = spec_engine(path, **kw)
+    graphed = []
+
+    def hook(step):
+        eng.check_accounting()
+        if step.drafts:
+            graphed.append(eng.worker.graphs.can_run(step.batch))
+
+    eng.step_hook = hook
+    try:
+        spec = await run_calls(eng, [(p, {"max_new_tokens": 32}) for p in ps])
+    finally:
+        await eng.stop()
+    same_outputs(plain, spec)
+    assert graphed and all(graphed)

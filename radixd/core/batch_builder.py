@@ -24,7 +24,7 @@ from radixd.core.constraints import Constraints
 from radixd.core.forward_batch import ForwardBatch, SamplingBatch
 from radixd.core.request import Request
 from radixd.core.scheduler_interface import PLACEHOLDER, ScheduledStep, SchedulerStats
-from radixd.core.speculative.speculator import sample_rows
+from radixd.core.speculative.speculator import verify_rows
 
 
 class BatchBuilder:
@@ -42,8 +42,9 @@ class BatchBuilder:
         """The step's batch. ``plan[:decoding]`` are decodes: requests whose last token is
         all they run (the common case, built on a shorter path). ``new_slots``: one per token
         of the plan, in order. ``cascade_members``: requests per shared-prefix item of a
-        decode batch (0: no cascade plan). ``drafts``: the verify entries' drafts (each such
-        request runs its last token and its drafts, and samples at each of them)."""
+        decode batch (0: no cascade plan). ``drafts``: the verify entries' drafts; such a
+        request is one decode of the plan per position it verifies, in a row (its last token,
+        then each draft, one position further: a decode batch, CUDA graphs and all)."""
         ids: list[int] = []
         pos: list[int] = []
         rows, prefix_lens, extend_lens, writes = [], [], [], []
@@ -60,12 +61,15 @@ class BatchBuilder:
         pool_pos: list[int] = []
         pool_row: list[int] = []
         pool_reqs: list[tuple[Request, int, bool]] = []
+        offsets: list[int] | None = None  # sampled rows' token index past len(output_ids) (verify rows)
         if decoding:  # the plan starts with them: one token each, the last of their sequence
             dec = [r for r, _ in plan[:decoding]]
             kvs = [r.kv for r in dec]
             ids = [0 if (t := r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]) == PLACEHOLDER else t
                    for r in dec]
             pos = [kv.length for kv in kvs]
+            if drafts:
+                offsets = verify_rows(dec, drafts, ids, pos)
             rows = [kv.row for kv in kvs]
             prefix_lens = pos.copy()
             extend_lens = [1] * decoding
@@ -103,13 +107,7 @@ class BatchBuilder:
             if r.unresolved and end == seq_len:  # its last token is a pending pick
                 ph_pos.append(len(ids) + n - 1)
                 ph_req.append(r)
-            draft = drafts.get(r) if drafts else None
-            if draft is not None:  # verify: its last token (on the host) and its drafts
-                ids.append(r.output_ids[-1] if r.output_ids else prompt[-1])
-                ids.extend(draft)
-                pos.extend(range(start, end))
-                sampled_idx.extend([i] * n)
-            elif n == 1:
+            if n == 1:
                 tok = r.output_ids[start - plen] if start >= plen else prompt[start]
                 ids.append(0 if tok == PLACEHOLDER else tok)
                 pos.append(start)
@@ -130,15 +128,14 @@ class BatchBuilder:
             extend_lens.append(n)
             if end == seq_len and r.pool is None:
                 sampled_idx.append(i)
-            if (end < seq_len - 1 or n > 1) and draft is None:
+            if end < seq_len - 1 or n > 1:
                 prefill_tokens += n
         self.stats.prefill_tokens += prefill_tokens
         self.stats.decode_tokens += len(flat_slots) - prefill_tokens
         reqs = [r for r, _ in plan]
         sampled = [reqs[i] for i in sampled_idx]
-        back = offsets = None
-        if drafts:
-            back, offsets = sample_rows(sampled_idx)
+        if offsets is not None and len(sampled) > decoding:
+            offsets += [0] * (len(sampled) - decoding)  # (prefills' picks)
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(pos, dtype=torch.int64),
@@ -150,7 +147,6 @@ class BatchBuilder:
             write_new_slots=True,
             sample_indices=sampled_idx,
             sampling=self.sampling_batch(sampled, offsets) if sampled else None,
-            sample_back=back,
             prompt_lp_pos=lp_pos,
             prompt_lp_target=lp_target,
             prompt_lp_top=lp_top,
@@ -159,7 +155,7 @@ class BatchBuilder:
             pool_row=pool_row,
             pool_rows=len(pool_reqs),
         )
-        if cascade_members and decoding == len(plan) >= 2:
+        if cascade_members and decoding == len(plan) >= 2 and not drafts:
             batch.shared = self.shared_prefixes(reqs, rows, cascade_members)
         return ScheduledStep(batch, reqs, sampled, placeholder_reqs=ph_req, prompt_lp_reqs=lp_reqs,
                              pool_reqs=pool_reqs)
@@ -186,8 +182,7 @@ class BatchBuilder:
 
     def sampling_batch(self, reqs: list[Request], offsets: list[int] | None = None) -> SamplingBatch:
         """The sampling inputs of ``reqs`` (the requests picking a token, in batch order;
-        ``offsets``: each row's token index past ``len(output_ids)``, for a verifying request's
-        rows)."""
+        ``offsets``: each row's token index past ``len(output_ids)``, for verify rows)."""
         # The requests' constant inputs (each computed once per request, see
         # Request.sampling_row) are batched once and reused while the same requests sample in
         # the same order, as they do step after step while decoding; only the token index of

@@ -68,9 +68,6 @@ class ForwardBatch:
     # Which requests pick a token this step (index into the B requests), and how.
     sample_indices: list[int] = field(default_factory=list)
     sampling: SamplingBatch | None = None
-    # Speculative verification: a request may be listed several times in ``sample_indices``
-    # (its last positions); each row's distance from its request's last token (None: all 0).
-    sample_back: list[int] | None = None
     # Prompt tokens whose log-probability was asked for: the flat index of the token before
     # each (whose logits predict it) and its id. Their logits follow the sampled rows'.
     prompt_lp_pos: list[int] = field(default_factory=list)
@@ -101,16 +98,13 @@ class ForwardBatch:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True)]
 
     def logits_indices(self) -> torch.Tensor:
-        """Index in the flat token axis of the last token of each sampled request (or the
-        position ``sample_back`` names), then of each token before a prompt token whose
-        logprob is wanted."""
+        """Index in the flat token axis of the last token of each sampled request, then of
+        each token before a prompt token whose logprob is wanted."""
         n = len(self.sample_indices)
         if not self.prompt_lp_pos and n == len(self.extend_lens) == self.input_ids.numel():
             return torch.arange(n, dtype=torch.int64)  # one token per request, every one sampled
         ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
         idx = ends[torch.tensor(self.sample_indices, dtype=torch.int64)]
-        if self.sample_back is not None:
-            idx -= torch.tensor(self.sample_back, dtype=torch.int64)
         if self.prompt_lp_pos:
             idx = torch.cat((idx, torch.tensor(self.prompt_lp_pos, dtype=torch.int64)))
         return idx

@@ -129,15 +129,14 @@ class KVManager:
         if g.followers_waiting == 0 and g.prompt_node is not None:
             self.cache.unlock(g.prompt_node)
 
-    def commit(self, plan: list[tuple[Request, int]], verifying: dict[Request, list[int]]) -> None:
+    def commit(self, plan: list[tuple[Request, int]]) -> None:
         """The step of ``plan`` is built: its KV positions count as computed from now on (the
         device runs steps in order, so a later step may read them), prefill chunks go into the
-        cache, and a group leader that samples has its prompt cached for its followers. The
-        KV of ``verifying`` requests' drafts stays private (it may be rejected)."""
+        cache, and a group leader that samples has its prompt cached for its followers."""
         leaders = []
         for r, n in plan:
             r.kv.length += n
-            if n > 1 and r not in verifying:
+            if n > 1:
                 self._cache_progress(r)  # a prefill chunk: share it with later requests now
             if r.group is not None and r.index == 0:
                 leaders.append(r)
@@ -202,13 +201,13 @@ class KVManager:
         Prefill chunks went into the radix cache when the step was built: each such request
         moves its lock back to where its valid KV ends, and the tree drops the nodes past
         it that nobody else holds (their slots go back to the free list); a decode step's
-        slot goes back at once, and so do a verify entry's."""
+        slot goes back at once."""
         uncached = []
         for r, n in zip(step.reqs, step.batch.extend_lens, strict=True):
             kv = r.kv
             kv.length -= n
             kv.cached_len = min(kv.cached_len, kv.length)
-            if n == 1 or r in step.drafts:
+            if n == 1:
                 slots = kv.slots
                 self.allocator.free(slots[kv.length :])
                 kv.slots = slots[: kv.length]

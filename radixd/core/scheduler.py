@@ -120,7 +120,7 @@ class Scheduler(SchedulerInterface):
             return NEED_SYNC  # a request would draft: its tokens and masks must be on the host
         drafted = sum(map(len, drafts.values()))
         if drafted and not self.kv_manager.make_room(len(decoding) + drafted):
-            drafts, drafted = {}, 0  # speculation is optional: no KV for it, no drafts
+            drafts = {}  # speculation is optional: no KV for it, no drafts
         while decoding and not self.kv_manager.make_room(len(decoding)):
             if inflight:
                 return NEED_SYNC
@@ -128,8 +128,9 @@ class Scheduler(SchedulerInterface):
             self._preempt(victim)
             decoding = [r for r in decoding if r is not victim]
         plan: list[tuple[Request, int]] = [(r, 1) for r in decoding if r not in drafts]  # (request, tokens)
-        plain = len(plan)
-        plan += [(r, 1 + len(d)) for r, d in drafts.items()]  # verify entries: last token + drafts
+        for r, d in drafts.items():  # verify entries: one decode row per position (last token, drafts)
+            plan += [(r, 1)] * (1 + len(d))
+        decodes = len(plan)
         budget = self.config.max_prefill_tokens
 
         # 2. Continue chunked prefills (a smaller chunk if memory is short).
@@ -137,7 +138,7 @@ class Scheduler(SchedulerInterface):
             budget = self._continue_prefills(plan, budget)
 
         # 3. Admit waiting requests in the policy's order.
-        budget = self._admit_waiting(plan, len(decoding) + drafted, budget)
+        budget = self._admit_waiting(plan, decodes, budget)
 
         if not plan:
             if inflight:
@@ -151,12 +152,12 @@ class Scheduler(SchedulerInterface):
         # 4. Build the batch and commit the step: its KV counts as computed, each pick gets a
         # placeholder, and each placeholder it reads says where among the launched picks it is.
         # (tokens planned: one per decode, and what prefills took of the budget)
-        planned = len(decoding) + drafted + self.config.max_prefill_tokens - budget
-        step = self.builder.build(plan, plain, self.kv_manager.alloc(planned), self.cascade_members, drafts)
+        planned = decodes + self.config.max_prefill_tokens - budget
+        step = self.builder.build(plan, decodes, self.kv_manager.alloc(planned), self.cascade_members, drafts)
         step.drafts = drafts
         if drafts:
             self.speculator.constrain(step)
-        self.kv_manager.commit(plan, drafts)
+        self.kv_manager.commit(plan)
         picks = step.pick_index
         for r in step.sampled:
             picks.append(len(r.output_ids))
@@ -193,7 +194,7 @@ class Scheduler(SchedulerInterface):
 
     def _continue_prefills(self, plan: list[tuple[Request, int]], budget: int) -> int:
         """Next chunks of running prefills onto ``plan`` (its decodes so far); the budget left."""
-        planned = sum(n for _, n in plan)
+        planned = len(plan)
         for r in self.running:
             if r.prefilling and budget > 0 and not r.aborted:
                 want = min(r.seq_len - r.kv.length, budget, self.config.chunked_prefill_size)

@@ -2,8 +2,10 @@
 forward checks them all, and every guess the target agrees with is a token gained.
 
     Scheduler.schedule -> Speculator.draft (per request: eligible? how many? the drafter's
-      guesses d_1..d_k) -> the batch runs [last token, d_1..d_k] as one extend, with logits
-      at each of its k + 1 positions (``ForwardBatch.sample_back``), sampled as k + 1 rows
+      guesses d_1..d_k) -> the batch runs [last token, d_1..d_k] as k + 1 decode rows of the
+      request's table row at consecutive positions (``verify_rows``): every row's K/V is
+      stored before any row attends, so row j sees the prefix and rows < j, exactly a causal
+      extend; a verify step is a decode batch (CUDA graphs and all), sampled per row
     -> Scheduler.process -> Speculator.accept (keep the picks up to the first that differs
       from its draft, free the rest's KV and placeholders) -> the usual per-pick loop
 

@@ -6,9 +6,9 @@ Contract
 * Owned by the replica's scheduler and called from it on the event-loop thread: ``draft``
   while a step is planned, ``accept`` first thing when the step's picks are processed.
 * A verify entry of a step is a request running ``1 + k`` tokens (its last token and its k
-  drafts, ``ScheduledStep.drafts``) whose KV slots stay private to it until it leaves
-  (never inserted into the radix tree by ``commit``), with ``k + 1`` placeholders and
-  ``k + 1`` rows in ``step.sampled``. ``accept`` cuts each entry at its first rejected draft
+  drafts, ``ScheduledStep.drafts``) as ``1 + k`` decode rows in a row, whose KV slots stay
+  private to it as decodes' do, with ``k + 1`` placeholders and ``k + 1`` rows in
+  ``step.sampled``. ``accept`` cuts each entry at its first rejected draft
   (picks, placeholders and the rejected positions' KV, freed at once through the KV manager)
   so that the scheduler's usual loop sees only picks that count, in order.
 * A step that drafts is built with no step in flight: ``draft`` answers ``NEED_SYNC`` when
@@ -184,16 +184,19 @@ class Speculator:
             r.draft_len = min(self.max_k, k + 2) if accepted == k else max(1, k - 1)
 
 
-def sample_rows(sample_indices: list[int]) -> tuple[list[int], list[int]]:
-    """For sampling rows in batch order, several per verifying request (its last positions):
-    each row's distance from its request's last token (``ForwardBatch.sample_back``) and its
-    offset from the request's first row (the token index it draws, past ``len(output_ids)``)."""
-    back: list[int] = []
-    first: dict[int, int] = {}
-    count: dict[int, int] = {}
-    for j, i in enumerate(sample_indices):
-        first.setdefault(i, j)
-        count[i] = count.get(i, 0) + 1
-    offsets = [j - first[i] for j, i in enumerate(sample_indices)]
-    back = [count[i] - 1 - o for i, o in zip(sample_indices, offsets, strict=True)]
-    return back, offsets
+def verify_rows(dec: list[Request], drafts: dict[Request, list[int]], ids: list[int], pos: list[int]) -> list[int]:
+    """Lay out a decode batch's verify entries in place: the j-th row of a verifying request
+    (its rows follow one another) runs ``drafts[r][j - 1]`` at ``pos + j`` (row 0: its last
+    token). Each row's offset j, the token index it samples past ``len(output_ids)``."""
+    offsets = [0] * len(dec)
+    j = 0
+    for i, r in enumerate(dec):
+        d = drafts.get(r)
+        if d is None:
+            continue
+        j = j + 1 if i and dec[i - 1] is r else 0
+        if j:
+            ids[i] = d[j - 1]
+            pos[i] += j
+            offsets[i] = j
+    return offsets
