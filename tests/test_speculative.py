@@ -439,3 +439,22 @@ async def test_verify_steps_replay_decode_graphs(tiny_models):
         await eng.stop()
     same_outputs(plain, spec)
     assert graphed and all(graphed)
+
+
+def test_benchmark_runs_quick(tmp_path):
+    """``python -m benchmarks.spec --quick``: every section's logic on tiny random models."""
+    import json
+
+    from benchmarks import spec
+
+    assert spec.main(["--quick", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "spec_cpu_quick.json").read_text())
+    q = doc["quick"]
+    assert all(q["verify"][f"k{k}"]["step_ms"] > 0 for k in (1, 4, 8))
+    full = q["accept"]["rates"]["1.0"]
+    assert full["measured_acceptance"] == 1.0 and full["tokens_per_verify"] == spec.K_DEFAULT + 1
+    assert all(c["same_outputs"] == 2 for c in q["accept"]["rates"].values())
+    assert q["batch"]["steps_aside"]["verifies"] == 0 < q["batch"]["forced"]["verifies"]
+    assert q["ngram"]["ngram"]["accepted_of_drafted"] > 0
+    cpu = doc["cpu_ngram"]
+    assert cpu["copy"]["same_outputs"] == len(spec.COPY_PROMPTS) and cpu["copy"]["tokens_per_verify"] > 1
