@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import _hf_model
-from prometheus_client import generate_latest
 from test_engine import assert_greedy_matches, assert_idle, prompts
 
 from radixd import Engine, SamplingParams, launch_flags
@@ -22,7 +21,6 @@ from radixd.core.config import EngineConfig
 from radixd.core.errors import ConfigError
 from radixd.plugins import hookimpl, make_plugin_manager
 from radixd.plugins.drafters import lookup
-from radixd.server.metrics import Metrics
 
 
 class Oracle:
@@ -243,6 +241,10 @@ def test_ngram_lookup():
 
 
 async def test_ngram_drafter_on_a_repetitive_prompt(tiny_models):
+    from prometheus_client import generate_latest
+
+    from radixd.server.metrics import Metrics
+
     path = tiny_models["llama"]
     p = [5, 6, 7, 8, 9, 10, 11] * 4
     plain, spec, st = await plain_then_spec(path, [(p, {"max_new_tokens": 24})], speculative_ngram_max_match_window=3)
