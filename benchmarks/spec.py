@@ -323,7 +323,7 @@ def run_model_sections(args, ctx) -> dict:
         kw = dict(kv_cache_tokens=8192)
     else:
         path = gpu_bench.model_dir(args.model)
-        kw = dict(kv_cache_tokens=200_000)
+        kw = dict(kv_cache_tokens=60_000)  # three 8B engines side by side
     kw["max_running_requests"] = max(64, ctx["batch"])
     rng = random.Random(1)
     ctx["vocab_hi"] = 500 if args.quick else gpu_bench.VOCAB_HI  # random prompt ids below the vocabulary
