@@ -171,36 +171,46 @@ class Steps:
 
 
 def section_cpu_ngram(ctx) -> dict:
+    """Per prompt, a plain run then an n-gram run (``rounds`` times, both engines loaded), so
+    that a busy machine slows both alike; tok/s from the summed wall times, and per CPU
+    second of the process (steadier where other processes share the cores)."""
     loop, new = ctx["loop"], ctx["new"]
     res = {}
-    plain = make_cpu_engine(ctx, None)
+    engines = {"plain": make_cpu_engine(ctx, None), "spec": make_cpu_engine(ctx, "ngram")}
     try:
-        sets = prompt_sets(plain)
+        sets = prompt_sets(engines["plain"])
+        for eng in engines.values():
+            loop.run_until_complete(generate(eng, sets["chat"][:1], 4))  # warm up
         for name, prompts in sets.items():
-            loop.run_until_complete(generate(plain, prompts[:1], 4))  # warm up
-            outs, secs = loop.run_until_complete(generate(plain, prompts, new))
-            res[name] = {"prompts": len(prompts), "tokens": sum(map(len, outs)),
-                         "plain_tok_s": round(sum(map(len, outs)) / secs, 2), "_outs": outs}
-    finally:
-        loop.run_until_complete(plain.stop())
-    spec = make_cpu_engine(ctx, "ngram")
-    try:
-        for name, prompts in sets.items():
-            loop.run_until_complete(generate(spec, prompts[:1], 4))
-            before = spec_counts(spec)
-            outs, secs = loop.run_until_complete(generate(spec, prompts, new))
-            after = spec_counts(spec)
-            r = res[name]
-            want = r.pop("_outs")
-            r["spec_tok_s"] = round(sum(map(len, outs)) / secs, 2)
-            r["speedup"] = round(r["spec_tok_s"] / r["plain_tok_s"], 3)
+            wall = dict.fromkeys(engines, 0.0)
+            cpu = dict.fromkeys(engines, 0.0)
+            tokens = same = 0
+            before = spec_counts(engines["spec"])
+            for p in prompts:
+                last = {}
+                for _ in range(ctx["rounds"]):
+                    for key, eng in engines.items():
+                        c = time.process_time()
+                        got, secs = loop.run_until_complete(generate(eng, [p], new))
+                        cpu[key] += time.process_time() - c
+                        wall[key] += secs
+                        last[key] = got[0]
+                tokens += ctx["rounds"] * len(last["spec"])
+                same += last["plain"] == last["spec"]
+            after = spec_counts(engines["spec"])
+            r = {"prompts": len(prompts), "tokens_each_mode": tokens,
+                 "plain_tok_s": round(tokens / wall["plain"], 2), "spec_tok_s": round(tokens / wall["spec"], 2),
+                 "speedup": round(wall["plain"] / wall["spec"], 3),
+                 "speedup_cpu_time": round(cpu["plain"] / cpu["spec"], 3)}
             d = {k: after[k] - before[k] for k in ("verifies", "drafted", "accepted")}
             r["accepted_of_drafted"] = round(d["accepted"] / d["drafted"], 3) if d["drafted"] else 0.0
             r["tokens_per_verify"] = round((d["accepted"] + d["verifies"]) / d["verifies"], 3) if d["verifies"] else 0.0
-            r["same_outputs"] = sum(a == b for a, b in zip(outs, want, strict=True))
+            r["same_outputs"] = same
+            res[name] = r
             ctx["log"](f"cpu ngram {name}: {r}")
     finally:
-        loop.run_until_complete(spec.stop())
+        for eng in engines.values():
+            loop.run_until_complete(eng.stop())
     return res
 
 
@@ -368,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="llama3-8b", choices=sorted(SHAPES), help="cuda: the shape (random weights)")
     ap.add_argument("--cpu-model", default="default", help="cpu: the checkpoint of the n-gram section")
     ap.add_argument("--sections", default="", help="default: ngram on cpu; verify,accept,ngram,batch on cuda")
-    ap.add_argument("--new", type=int, default=0, help="tokens per request (default 128 cpu, 256 cuda, 12 quick)")
+    ap.add_argument("--new", type=int, default=0, help="tokens per request (default 64 cpu, 256 cuda, 12 quick)")
     ap.add_argument("--prompts", type=int, default=0, help="cuda: prompts per batch-1 run (default 4, quick 2)")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda" and not args.quick
@@ -376,9 +386,10 @@ def main(argv: list[str] | None = None) -> int:
                                  ).split(",") if s]
     args.prompts = args.prompts or (2 if args.quick else 4)
     ctx = {"loop": asyncio.new_event_loop(), "log": Log(Path(args.out) / "spec.log"), "k": K_DEFAULT,
+           "rounds": 1,
            "max_batch": 2 if args.quick else 8, "ks": (1, 4, 8) if args.quick else range(1, 9),
            "rates": (0.5, 1.0) if args.quick else RATES,
-           "new": args.new or (12 if args.quick else 256 if cuda else 128), "batch": 4 if args.quick else 64}
+           "new": args.new or (12 if args.quick else 256 if cuda else 64), "batch": 4 if args.quick else 64}
     summary: dict = {"environment": environment(), "k": K_DEFAULT}
     if cuda or args.quick:
         summary["gpu" if cuda else "quick"] = run_model_sections(args, ctx)
