@@ -1,7 +1,7 @@
 """Speculative decoding is exact: with drafts right and wrong, greedy and seeded sampled tokens
 equal plain decoding's (and transformers' greedy ones), under chunked prefill, cache hits,
-preemption, stop strings, logprobs, n > 1, logit bias and grammars; requests it cannot verify
-(penalties) decode plainly; sampled continuations follow the target distribution
+preemption, stop strings, logprobs, n > 1, logit bias, penalties, min_tokens and grammars;
+requests it cannot verify (matchers that do not fork) decode plainly; sampled continuations follow the target distribution
 (chi-square); KV accounting holds after every step."""
 
 from __future__ import annotations
@@ -156,16 +156,51 @@ async def test_stop_strings_logprobs_n_seeds_bias(tiny_models):
     assert st["spec_accepted_tokens"] > 0
 
 
-async def test_penalties_decode_plainly(tiny_models):
-    """What cannot be verified yet falls back to plain decoding for that request: its output is
-    exact, and it drafts nothing."""
+async def test_penalties_and_min_tokens_apply_per_verified_position(tiny_models):
+    """Each verified row's penalties count the drafts before it and its stop-token ban its
+    own token index: outputs equal plain decoding's, greedy and sampled."""
     path = tiny_models["llama"]
-    ps = prompts(2, 10, seed=4)
-    calls = [(ps[0], {"max_new_tokens": 12, "repetition_penalty": 1.3, "frequency_penalty": 0.5}),
-             (ps[1], {"max_new_tokens": 12, "min_new_tokens": 12})]
-    plain, spec, st = await plain_then_spec(path, calls)
+    ps = prompts(3, 10, seed=4)
+    first = spec_engine(path, None)
+    try:  # a stop token first picked at index 8..11: banned before 8 it changes nothing there
+        [[(toks, _, _, _)]] = await run_calls(first, [(ps[2], {"max_new_tokens": 12, "min_new_tokens": 8})])
+    finally:
+        await first.stop()
+    at = next(j for j in range(8, 12) if toks[j] not in toks[:j])
+    calls = [(ps[0], {"max_new_tokens": 16, "repetition_penalty": 1.3, "frequency_penalty": 0.5}),
+             (ps[1], {"max_new_tokens": 16, "presence_penalty": 0.8, "temperature": 0.9, "seed": 5})]
+    plain, spec, st = await plain_then_spec(path, calls, wrong=0.3)
     same_outputs(plain, spec)
-    assert st.get("spec_verifies", 0) == 0
+    assert st["spec_accepted_tokens"] > 0
+    # right drafts: the verify from 6 tokens spans index 8, banned for the rows before it only
+    calls = [(ps[2], {"max_new_tokens": 12, "min_new_tokens": 8, "stop_token_ids": [toks[at]]})]
+    plain, spec, st = await plain_then_spec(path, calls, wrong=0.0)
+    same_outputs(plain, spec)
+    assert plain[0][0][0] == toks[: at + 1] and plain[0][0][2] == "stop"  # it stops there
+
+
+def test_matchers_that_cannot_fork_decode_plainly():
+    """A constrained request whose matcher has no ``fork`` drafts nothing (plain decoding)."""
+    from radixd.core.constraints import Constraints
+    from radixd.core.request import Request
+    from radixd.core.speculative.speculator import Speculator
+
+    class NoFork:
+        def fill_mask(self, out): ...
+        def accept_token(self, token): return True
+        def is_terminated(self): return False
+
+    class Forking(NoFork):
+        def fork(self): return Forking()
+
+    spec = Speculator(EngineConfig(), Oracle(EngineConfig()), None,
+                      Constraints(vocab_size=8, context_len=99, close_within=False), context_len=99)
+    r = Request(rid="a", prompt_ids=[1, 2], params=SamplingParams(max_new_tokens=10), seed=0, arrival=0)
+    assert spec._length(r) == 4
+    r.matcher = NoFork()
+    assert spec._length(r) == 0
+    r.matcher = Forking()
+    assert spec._length(r) == 4
 
 
 async def run_constrained(eng: Engine, prompt, params: SamplingParams) -> list:

@@ -146,7 +146,7 @@ class BatchBuilder:
             table_writes=writes,
             write_new_slots=True,
             sample_indices=sampled_idx,
-            sampling=self.sampling_batch(sampled, offsets) if sampled else None,
+            sampling=self.sampling_batch(sampled, offsets, drafts) if sampled else None,
             prompt_lp_pos=lp_pos,
             prompt_lp_target=lp_target,
             prompt_lp_top=lp_top,
@@ -180,9 +180,11 @@ class BatchBuilder:
         self._last_plan = (list(reqs), chains, list(rows), shared)
         return shared
 
-    def sampling_batch(self, reqs: list[Request], offsets: list[int] | None = None) -> SamplingBatch:
+    def sampling_batch(self, reqs: list[Request], offsets: list[int] | None = None,
+                       drafts: dict[Request, list[int]] | None = None) -> SamplingBatch:
         """The sampling inputs of ``reqs`` (the requests picking a token, in batch order;
-        ``offsets``: each row's token index past ``len(output_ids)``, for verify rows)."""
+        ``offsets``: each row's token index past ``len(output_ids)``, for verify rows, whose
+        penalties count the ``drafts`` before them)."""
         # The requests' constant inputs (each computed once per request, see
         # Request.sampling_row) are batched once and reused while the same requests sample in
         # the same order, as they do step after step while decoding; only the token index of
@@ -212,10 +214,11 @@ class BatchBuilder:
             sb.presence_penalty = torch.tensor([p.presence_penalty for p in ps], dtype=f32)
             out_rows, out_toks, rep_rows, rep_toks = [], [], [], []
             for i, r in enumerate(reqs):
-                out_rows += [i] * len(r.output_ids)
-                out_toks += r.output_ids
+                out = r.output_ids if not offsets or not offsets[i] else r.output_ids + drafts[r][: offsets[i]]
+                out_rows += [i] * len(out)
+                out_toks += out
                 if r.params.repetition_penalty != 1.0:
-                    seen = sorted(set(r.seq))
+                    seen = sorted(set(r.prompt_ids) | set(out))
                     rep_rows += [i] * len(seen)
                     rep_toks += seen
             sb.penalty_rows = torch.tensor(out_rows, dtype=torch.int64)
@@ -229,7 +232,7 @@ class BatchBuilder:
             # min_new_tokens not reached: the stop tokens are banned this step
             banned_rows, banned_toks = [], []
             for i, r in enumerate(reqs):
-                if len(r.output_ids) < r.params.min_new_tokens:
+                if steps[i] < r.params.min_new_tokens:
                     stops = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(self.eos))
                     banned_rows += [i] * len(stops)
                     banned_toks += sorted(stops)

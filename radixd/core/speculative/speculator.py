@@ -20,10 +20,10 @@ Contract
   cut at the first the grammar refuses, and each verified position gets the fork's mask
   there (``constrain``, once the step's sampling rows exist); the matcher itself is fed only
   the accepted tokens, by the scheduler's loop.
-* Requests that cannot be verified this way decode plainly, never refused: matchers that do
-  not fork, penalties (they count the drafts), ``min_new_tokens`` not yet reached (its bans
-  count tokens). With more than ``speculative_max_batch`` requests decoding the step is
-  compute-bound and nothing drafts.
+* Penalties and ``min_new_tokens`` apply per verified position: each row's penalties count
+  the drafts before it, its bans its token index (``BatchBuilder.sampling_batch``).
+* Requests whose matcher does not fork decode plainly, never refused. With more than
+  ``speculative_max_batch`` requests decoding the step is compute-bound and nothing drafts.
 """
 
 from __future__ import annotations
@@ -130,8 +130,7 @@ class Speculator:
         """How many tokens ``r`` drafts now (0: it decodes plainly)."""
         p = r.params
         out = len(r.output_ids)
-        if ((r.matcher is not None and not self.constraints.has(r.matcher, Forks)) or p.needs_penalties
-                or out < p.min_new_tokens):
+        if r.matcher is not None and not self.constraints.has(r.matcher, Forks):
             return 0
         # (a verify yields up to k + 1 tokens, and its last position must fit the context)
         return max(0, min(r.draft_len or self.max_k, p.max_new_tokens - out - 1, self.context_len - r.seq_len))
