@@ -18,7 +18,9 @@ GPU (``--device cuda``, random bf16 weights in Llama-3-8B's shape, no downloads)
 - ``ngram``: n-gram drafting on repetitive prompts (random weights: what the drafter finds in
   the model's own output), batch 1;
 - ``batch``: 64 requests at once, plain against p = 0.7 (speculation steps aside past
-  ``speculative_max_batch``) and against p = 0.7 forced to draft (``max_batch`` 0).
+  ``speculative_max_batch``) and against p = 0.7 forced to draft (``max_batch`` 0);
+- ``standalone``: batch 1 with a draft model identical to the target (the same checkpoint):
+  acceptance near 1 at the price of a second model's weight reads per draft.
 
     python -m benchmarks.spec --device cpu --out benchmarks/results/spec
     python -m benchmarks.spec --device cuda --out DIR          (one H200)
@@ -319,7 +321,31 @@ def section_batch(ctx) -> dict:
     return res
 
 
-GPU_SECTIONS = {"verify": section_verify, "accept": section_accept, "ngram": section_ngram, "batch": section_batch}
+def section_standalone(ctx) -> dict:
+    """Batch 1 with the ``standalone`` drafter whose draft model is the target's own checkpoint
+    (the same seeded random weights): acceptance near 1, paying a second model's reads."""
+    loop, prompts, new = ctx["loop"], ctx["prompts"], ctx["new"]
+    eng = gpu_bench.engine(ctx["path"], plugin_manager=builtin_plugins(), speculative_algorithm="standalone",
+                           speculative_draft_model_path=ctx["path"], speculative_draft_kv_tokens=16384,
+                           speculative_num_draft_tokens=K_DEFAULT, speculative_adaptive=False, **ctx["engine_kw"])
+    try:
+        loop.run_until_complete(generate(eng, prompts[:1], 8))
+        before = spec_counts(eng)
+        outs, secs = loop.run_until_complete(generate(eng, prompts, new))
+        after = spec_counts(eng)
+    finally:
+        loop.run_until_complete(eng.stop())
+    v, d, a = (after[k] - before[k] for k in ("verifies", "drafted", "accepted"))
+    tok_s = sum(map(len, outs)) / secs
+    res = {"tok_s": round(tok_s, 2), "speedup": round(tok_s / ctx["plain_tok_s"], 3),
+           "accepted_of_drafted": round(a / d, 3) if d else 0.0, "tokens_per_verify": round((a + v) / v, 3) if v else 0.0,
+           "same_outputs": sum(o == t for o, t in zip(outs, ctx["truth"], strict=True))}
+    ctx["log"](f"standalone (draft = target): {res}")
+    return res
+
+
+GPU_SECTIONS = {"verify": section_verify, "accept": section_accept, "ngram": section_ngram, "batch": section_batch,
+                "standalone": section_standalone}
 
 
 def run_model_sections(args, ctx) -> dict:
@@ -335,6 +361,7 @@ def run_model_sections(args, ctx) -> dict:
         path = gpu_bench.model_dir(args.model)
         kw = dict(kv_cache_tokens=60_000)  # three 8B engines side by side
     kw["max_running_requests"] = max(64, ctx["batch"])
+    ctx["path"], ctx["engine_kw"] = path, kw
     rng = random.Random(1)
     ctx["vocab_hi"] = 500 if args.quick else gpu_bench.VOCAB_HI  # random prompt ids below the vocabulary
     ctx["prompts"] = [[rng.randrange(100, ctx["vocab_hi"]) for _ in range(48 if args.quick else 512)]
@@ -377,12 +404,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="every section on tiny random models, on the CPU (a smoke run)")
     ap.add_argument("--model", default="llama3-8b", choices=sorted(SHAPES), help="cuda: the shape (random weights)")
     ap.add_argument("--cpu-model", default="default", help="cpu: the checkpoint of the n-gram section")
-    ap.add_argument("--sections", default="", help="default: ngram on cpu; verify,accept,ngram,batch on cuda")
+    ap.add_argument("--sections", default="", help="default: ngram on cpu; verify,accept,ngram,batch,standalone "
+                    "on cuda")
     ap.add_argument("--new", type=int, default=0, help="tokens per request (default 64 cpu, 256 cuda, 12 quick)")
     ap.add_argument("--prompts", type=int, default=0, help="cuda: prompts per batch-1 run (default 4, quick 2)")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda" and not args.quick
-    args.sections = [s for s in (args.sections or ("verify,accept,ngram,batch" if cuda or args.quick else "ngram")
+    args.sections = [s for s in (args.sections or ("verify,accept,ngram,batch,standalone" if cuda or args.quick
+                                                   else "ngram")
                                  ).split(",") if s]
     args.prompts = args.prompts or (2 if args.quick else 4)
     ctx = {"loop": asyncio.new_event_loop(), "log": Log(Path(args.out) / "spec.log"), "k": K_DEFAULT,

@@ -25,11 +25,12 @@ SGLANG_ONLY_POLICIES = ("random", "dfs-weight", "lof", "routing-key")
 METAVARS = {"--mem-fraction-static": "FRACTION", "--chunked-prefill-size": "TOKENS",
             "--max-running-requests": "N", "--context-length": "TOKENS", "--reasoning-parser": "NAME",
             "--speculative-algorithm": "NAME", "--speculative-num-draft-tokens": "N",
+            "--speculative-draft-model-path": "PATH",
             "--speculative-ngram-min-match-window-size": "TOKENS",
             "--speculative-ngram-max-match-window-size": "TOKENS"}
 
 # SGLang's --speculative-algorithm values that need a draft model or draft heads radixd lacks.
-SGLANG_ONLY_DRAFTERS = ("eagle", "eagle3", "nextn", "standalone")
+SGLANG_ONLY_DRAFTERS = ("eagle", "eagle3", "nextn")
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,8 @@ def _chunked_prefill(value: int) -> int:
 def _drafter(value: str) -> str:
     name = value.lower()  # SGLang spells them in capitals: NGRAM
     if name in SGLANG_ONLY_DRAFTERS:
-        raise ConfigError("--speculative-algorithm", value, "NGRAM or a plugin's drafter; SGLang's EAGLE, EAGLE3, "
-                          "NEXTN and STANDALONE have no radixd counterpart yet")
+        raise ConfigError("--speculative-algorithm", value, "NGRAM, STANDALONE or a plugin's drafter; SGLang's "
+                          "EAGLE, EAGLE3 and NEXTN have no radixd counterpart yet")
     return name
 
 
@@ -93,8 +94,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--context-length", "model.max_context_len", int, "context length (at most the model's)"),
     Flag("--reasoning-parser", "model.reasoning_parser", str, "qwen3, qwen3-thinking, deepseek-r1 or a plugin's "
          "(radixd also takes auto and none)"),
-    Flag("--speculative-algorithm", "speculative.algorithm", str, "NGRAM (prompt lookup) or a plugin's drafter",
-         _drafter),
+    Flag("--speculative-algorithm", "speculative.algorithm", str, "NGRAM (prompt lookup), STANDALONE (a draft "
+         "model) or a plugin's drafter", _drafter),
+    Flag("--speculative-draft-model-path", "speculative.draft_model_path", str, "STANDALONE: the draft checkpoint"),
     Flag("--speculative-num-draft-tokens", "speculative.num_draft_tokens", int, "most tokens drafted per step"),
     Flag("--speculative-ngram-min-match-window-size", "speculative.ngram_min_match_window", int,
          "shortest suffix NGRAM looks up"),

@@ -493,5 +493,48 @@ def test_benchmark_runs_quick(tmp_path):
     assert all(c["same_outputs"] == 2 for c in q["accept"]["rates"].values())
     assert q["batch"]["steps_aside"]["verifies"] == 0 < q["batch"]["forced"]["verifies"]
     assert q["ngram"]["ngram"]["accepted_of_drafted"] > 0
+    assert q["standalone"]["same_outputs"] == 2 and q["standalone"]["accepted_of_drafted"] > 0.9
     cpu = doc["cpu_ngram"]
     assert cpu["copy"]["same_outputs"] == len(spec.COPY_PROMPTS) and cpu["copy"]["tokens_per_verify"] > 1
+
+
+@pytest.mark.parametrize("draft", ["llama", "llama-tied"])
+async def test_standalone_draft_model(tiny_models, draft):
+    """A draft model on its own KV region: the target's own weights (every greedy draft
+    accepted) or another checkpoint of the same tokenizer (unrelated random weights: drafts
+    mostly rejected); outputs equal plain
+    decoding's, rejected draft KV is dropped at the next call, a finished request's at the
+    first call after it."""
+    path = tiny_models["llama"]
+    ps = prompts(2, 12, seed=11)
+    calls = [(p, {"max_new_tokens": 16}) for p in ps]
+    plain_eng = spec_engine(path, None)
+    try:
+        plain = await run_calls(plain_eng, calls)
+    finally:
+        await plain_eng.stop()
+    eng = spec_engine(path, "standalone", speculative_draft_model_path=str(tiny_models[draft]),
+                      speculative_draft_kv_tokens=256)
+    drafter = eng.scheduler.speculator.drafter
+
+    def hook(step):
+        eng.check_accounting()
+        held = sum(st.slots.numel() for st in drafter.states.values())
+        assert drafter.allocator.available + held == drafter.allocator.total
+        assert all(st.slots.numel() == len(st.tokens) for st in drafter.states.values())
+
+    eng.step_hook = hook
+    try:
+        spec = await run_calls(eng, calls)
+        st = eng.stats()
+        assert len(drafter.states) == 2  # kept until the next call
+        await run_calls(eng, [(ps[0][:5], {"max_new_tokens": 3})])
+        assert len(drafter.states) == 1
+    finally:
+        await eng.stop()
+    same_outputs(plain, spec)
+    assert st["spec_draft_tokens"] > 0
+    if draft == "llama":
+        assert st["spec_accepted_tokens"] == st["spec_draft_tokens"]
+    with pytest.raises(ConfigError, match="speculative_draft_model_path"):
+        spec_engine(path, "standalone")

@@ -274,6 +274,10 @@ class EngineConfig:
     # "ngram": the longest and the shortest suffix of a request's tokens looked up in them
     speculative_ngram_max_match_window: int = option(4, key="speculative.ngram_max_match_window", min=1)
     speculative_ngram_min_match_window: int = option(1, key="speculative.ngram_min_match_window", min=1)
+    # "standalone": the draft checkpoint (directory, .gguf or "default"; sharing the tokenizer)
+    # and the slots of its KV region
+    speculative_draft_model_path: str = option("", key="speculative.draft_model_path")
+    speculative_draft_kv_tokens: int = option(65536, key="speculative.draft_kv_tokens", min=16)
 
     def __post_init__(self) -> None:
         check_fields(self)

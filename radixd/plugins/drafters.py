@@ -1,5 +1,5 @@
-"""The built-in drafter ``ngram`` (prompt lookup), registered through ``radixd_drafters``
-like any plugin.
+"""The built-in drafters, registered through ``radixd_drafters`` like any plugin: ``ngram``
+(prompt lookup, here) and ``standalone`` (a draft model: ``radixd.core.speculative.draft_model``).
 
 A request's continuation often repeats its own text: code being edited, a passage quoted or
 summarised with quotes, a list being filled. ``ngram`` finds the most recent earlier
@@ -15,6 +15,7 @@ import numpy as np
 
 from radixd.core.config import EngineConfig
 from radixd.core.request import Request
+from radixd.core.speculative.draft_model import DraftModel
 from radixd.plugins import hookimpl
 
 
@@ -53,4 +54,4 @@ def lookup(seq: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
 
 @hookimpl
 def radixd_drafters():
-    return {"ngram": NgramDrafter}
+    return {"ngram": NgramDrafter, "standalone": DraftModel}
