@@ -88,7 +88,7 @@ class AtRate:
     accepted = examined = diverged = 0
     _last: dict[int, tuple[int, int]] = {}  # id(request) -> (output length, drafts) at its last call
 
-    def __init__(self, config):
+    def __init__(self, config, cache):
         pass
 
     @classmethod

@@ -700,8 +700,8 @@ class RepeatLast:
     name = "hookprobe-repeat"
     made: list = []
 
-    def __init__(self, config):
-        self.config, self.calls = config, []
+    def __init__(self, config, cache):
+        self.config, self.cache, self.calls = config, cache, []
         type(self).made.append(self)
 
     def propose(self, reqs, ks):
@@ -729,7 +729,7 @@ async def test_hook_radixd_drafters(tiny_models):
                     speculative_num_draft_tokens=3)
     try:
         (drafter,) = RepeatLast.made  # one per replica
-        assert isinstance(drafter.config, EngineConfig)
+        assert isinstance(drafter.config, EngineConfig) and drafter.cache is engine.cache
         got = [t for o in [o async for o in engine.generate(input_ids=prompt, params=params)] for t in o.token_ids]
         assert got == want  # a drafter changes speed, never output
         seqs, ks = drafter.calls[0]

@@ -31,7 +31,7 @@ class Oracle:
     truth: dict[tuple, list[int]] = {}
     wrong = 0.3
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, cache):
         self.rng = random.Random(0)
 
     def propose(self, reqs, ks):
@@ -193,7 +193,7 @@ def test_matchers_that_cannot_fork_decode_plainly():
     class Forking(NoFork):
         def fork(self): return Forking()
 
-    spec = Speculator(EngineConfig(), Oracle(EngineConfig()), None,
+    spec = Speculator(EngineConfig(), Oracle(EngineConfig(), None), None,
                       Constraints(vocab_size=8, context_len=99, close_within=False), context_len=99)
     r = Request(rid="a", prompt_ids=[1, 2], params=SamplingParams(max_new_tokens=10), seed=0, arrival=0)
     assert spec._length(r) == 4
@@ -253,7 +253,7 @@ def test_adaptive_draft_length():
     class R:
         draft_len = 0
 
-    spec = Speculator(EngineConfig(speculative_num_draft_tokens=6), Oracle(EngineConfig()), None, None, context_len=99)
+    spec = Speculator(EngineConfig(speculative_num_draft_tokens=6), Oracle(EngineConfig(), None), None, None, context_len=99)
     r = R()
     spec._learn(r, 6, 6)
     assert r.draft_len == 6  # capped at num_draft_tokens
@@ -332,7 +332,7 @@ class TopChoice:
     rng = random.Random(0)
     tops: dict[tuple, list[int]] = {}
 
-    def __init__(self, config):
+    def __init__(self, config, cache):
         pass
 
     @classmethod
@@ -538,3 +538,36 @@ async def test_standalone_draft_model(tiny_models, draft):
         assert st["spec_accepted_tokens"] == st["spec_draft_tokens"]
     with pytest.raises(ConfigError, match="speculative_draft_model_path"):
         spec_engine(path, "standalone")
+
+
+def test_radix_continuation_reads_the_cached_path():
+    from radixd.core.kv_pool import SlotAllocator
+    from radixd.core.radix_cache import RadixCache
+
+    alloc = SlotAllocator(64)
+    cache = RadixCache(alloc)
+    cache.insert([1, 2, 3, 4, 5], alloc.alloc(5))
+    cache.insert([1, 2, 3, 9, 9, 9], alloc.alloc(6))  # forks after 1 2 3; the newer branch
+    cache.match_prefix([1, 2, 3, 9])  # used now: the most recent
+    assert cache.continuation([1, 2], limit=3) == [3, 9, 9]
+    assert cache.continuation([1, 2, 3, 4], limit=5) == [5]
+    assert cache.continuation([1, 2, 7]) == [] and cache.continuation([8]) == []
+    assert cache.continuation([1, 2, 3, 4, 5]) == []  # nothing past it
+    assert cache._roots[0].children[1].key == (1, 2, 3)  # the reads split no edge
+
+
+async def test_ngram_drafts_from_the_radix_tree(tiny_models):
+    """A prompt seen before: the tree holds the earlier answer past it, which ``ngram`` drafts
+    when the request's own tokens have no match."""
+    path = tiny_models["llama"]
+    p = prompts(1, 30, seed=13)[0]
+    eng = spec_engine(path, "ngram", speculative_ngram_min_match_window=4)
+    try:
+        [[first]] = await run_calls(eng, [(p, {"max_new_tokens": 16})])
+        before = eng.stats()["spec_accepted_tokens"]
+        [[again]] = await run_calls(eng, [(p, {"max_new_tokens": 16})])
+        st = eng.stats()
+    finally:
+        await eng.stop()
+    assert again[0] == first[0]
+    assert st["spec_accepted_tokens"] - before >= 10  # most of the answer came from the tree

@@ -65,11 +65,11 @@ class Engine:
     running event loop; ``await engine.stop()`` ends it. ``policy(config)`` makes each
     replica's scheduling policy; ``tiers``: the lower cache tiers, fastest first, shared by
     the replicas (the engine closes them); ``grammars``: None refuses constrained requests;
-    ``drafter(config)`` makes each replica's drafter (None: no speculative decoding)."""
+    ``drafter(config, cache)`` makes each replica's drafter (None: no speculative decoding)."""
 
     def __init__(self, config: EngineConfig, *, policy: Callable[[EngineConfig], SchedulePolicy],
                  tiers: Sequence[CacheTier] = (), grammars: GrammarCompiler | None = None,
-                 setup: ModelSetup | None = None, drafter: Callable[[EngineConfig], Drafter] | None = None):
+                 setup: ModelSetup | None = None, drafter: Callable[..., Drafter] | None = None):
         self.config = config
         setup = setup or ModelSetup.load(config)
         self.dtype, self.model_path, self.model_cfg = setup.dtype, setup.path, setup.cfg
@@ -88,7 +88,7 @@ class Engine:
             self.replicas.append(Replica(d, worker, config, policy(config), outputs=self.outputs, reader=self._reader,
                                          on_step=self._stepped, eos_token_ids=self.eos_token_ids,
                                          context_len=self.context_len, tiers=self._hierarchy(worker),
-                                         vocab_size=self.model_cfg.vocab_size, drafter=drafter and drafter(config)))
+                                         vocab_size=self.model_cfg.vocab_size, drafter=drafter))
         self.device = self.replicas[0].worker.device
         self.router = None
         if config.dp_size > 1:

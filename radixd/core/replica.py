@@ -71,12 +71,13 @@ class Launched(NamedTuple):
 
 class Replica:
     """One model copy (see the module docstring). ``on_step(step)``: called after each step
-    is finished (its outputs emitted)."""
+    is finished (its outputs emitted); ``drafter(config, cache)``: makes its drafter (None:
+    no speculative decoding)."""
 
     def __init__(self, index: int, worker: Worker, config: EngineConfig, policy: SchedulePolicy, *,
                  outputs: Outputs, reader: concurrent.futures.Executor, on_step: Callable[[ScheduledStep], None],
                  eos_token_ids: tuple[int, ...], context_len: int, tiers: KVHierarchy | None = None,
-                 vocab_size: int | None = None, drafter: Drafter | None = None):
+                 vocab_size: int | None = None, drafter: Callable[..., Drafter] | None = None):
         self.index = index
         self.worker = worker
         self.allocator = SlotAllocator(worker.pool.num_slots)
@@ -87,7 +88,7 @@ class Replica:
         self.scheduler = Scheduler(config, allocator=self.allocator, rows=self.rows, cache=self.cache,
                                    policy=policy, eos_token_ids=eos_token_ids, context_len=context_len,
                                    tiers=tiers, vocab_size=vocab_size, cascade_members=worker.cascade_members,
-                                   drafter=drafter)
+                                   drafter=drafter(config, self.cache) if drafter is not None else None)
         self.outputs = outputs
         self.overlap = config.overlap_schedule
         device = worker.device

@@ -5,8 +5,10 @@ A request's continuation often repeats its own text: code being edited, a passag
 summarised with quotes, a list being filled. ``ngram`` finds the most recent earlier
 occurrence of the sequence's last ``n`` tokens (``n`` from
 ``speculative_ngram_max_match_window`` down to ``..._min_match_window``, longest first) and
-proposes the tokens that followed it there. It keeps no state: one vectorised scan of the
-sequence per drafting request and step.
+proposes the tokens that followed it there; where there is none, the tokens the radix tree
+holds past the whole sequence (what an earlier request with the same text went on with). It
+keeps no state: one vectorised scan of the sequence per drafting request and step, and a
+read-only walk of the tree.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from radixd.core.config import EngineConfig
+from radixd.core.radix_cache import RadixCache
 from radixd.core.request import Request
 from radixd.core.speculative.draft_model import DraftModel
 from radixd.plugins import hookimpl
@@ -22,12 +25,18 @@ from radixd.plugins import hookimpl
 class NgramDrafter:
     name = "ngram"
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, cache: RadixCache):
         self.max_n = config.speculative_ngram_max_match_window
         self.min_n = config.speculative_ngram_min_match_window
+        self.cache = cache
 
     def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
-        return [lookup(np.asarray(r.seq, dtype=np.int64), k, self.min_n, self.max_n) for r, k in zip(reqs, ks, strict=True)]
+        out = []
+        for r, k in zip(reqs, ks, strict=True):
+            seq = r.seq
+            d = lookup(np.asarray(seq, dtype=np.int64), k, self.min_n, self.max_n)
+            out.append(d or self.cache.continuation(seq, r.namespace, k))
+        return out
 
 
 def lookup(seq: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:

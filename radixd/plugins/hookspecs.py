@@ -167,7 +167,8 @@ def radixd_drafters() -> dict[str, type]:
     """Return the drafters (speculative decoding) this plugin provides, by name.
 
     A drafter class implements :class:`radixd.core.speculative.drafter.Drafter` and is
-    instantiated once per replica as ``cls(config)`` (``config``: the ``EngineConfig``);
+    instantiated once per replica as ``cls(config, cache)`` (``config``: the ``EngineConfig``;
+    ``cache``: the replica's ``RadixCache``, to read only);
     ``propose(reqs, ks)`` returns, per request, at most ``ks[i]`` tokens guessed to follow
     ``reqs[i].seq``, called on the event loop once per step (the target model verifies every
     guess, so a drafter changes speed, never output). ``speculative.algorithm`` in radixd.toml

@@ -28,6 +28,7 @@ from radixd.core.errors import ConfigError
 from radixd.core.forward_batch import ForwardBatch
 from radixd.core.kv_pool import RowAllocator, SlotAllocator
 from radixd.core.model_loader import read_config, resolve_model
+from radixd.core.radix_cache import RadixCache
 from radixd.core.request import Request, State
 from radixd.core.worker import ModelWorker, on_device
 
@@ -44,7 +45,7 @@ class _State:
 class DraftModel:
     name = "standalone"
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, cache: RadixCache):
         if not config.speculative_draft_model_path:
             raise ConfigError("speculative_draft_model_path", "", 'a checkpoint (speculative_algorithm is "standalone")')
         path = resolve_model(config.speculative_draft_model_path, config.cache_dir)
