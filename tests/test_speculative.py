@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 
 import numpy as np
 import pytest
@@ -571,3 +572,42 @@ async def test_ngram_drafts_from_the_radix_tree(tiny_models):
         await eng.stop()
     assert again[0] == first[0]
     assert st["spec_accepted_tokens"] - before >= 10  # most of the answer came from the tree
+
+
+async def test_daemon_speculates_and_reports_it(tiny_models, tmp_path):
+    """radixd.toml's [speculative] section through a real daemon: the official openai client
+    gets plain decoding's text, and /metrics counts the verified drafts."""
+    import httpx
+    import openai
+    from conftest import Daemon
+
+    path = tiny_models["llama"]
+    prompt = "one two three one two three one two three one two"
+    plain = spec_engine(path, None)
+    try:
+        want = "".join([o.text async for o in plain.generate(prompt, params=SamplingParams(max_new_tokens=16,
+                                                                                            temperature=0.0))])
+    finally:
+        await plain.stop()
+    d = Daemon(tmp_path, f"""
+[model]
+path = "{path}"
+[server]
+port = 0
+[memory]
+kv_cache_tokens = 2048
+[speculative]
+algorithm = "ngram"
+num_draft_tokens = 3
+""")
+    try:
+        client = openai.OpenAI(base_url=f"{d.url}/v1", api_key="none")
+        got = client.completions.create(model="llama", prompt=prompt, max_tokens=16, temperature=0)
+        assert got.choices[0].text == want
+        metrics = httpx.get(f"{d.url}/metrics").text
+        verifies = re.search(r"^radixd_spec_verifies_total (\S+)$", metrics, re.M)
+        assert verifies and float(verifies.group(1)) > 0
+        assert re.search(r"^radixd_spec_accept_length \S+$", metrics, re.M)
+    finally:
+        assert d.stop() == 0
+
