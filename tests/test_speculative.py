@@ -1,8 +1,10 @@
 """Speculative decoding is exact: with drafts right and wrong, greedy and seeded sampled tokens
 equal plain decoding's (and transformers' greedy ones), under chunked prefill, cache hits,
 preemption, stop strings, logprobs, n > 1, logit bias, penalties, min_tokens and grammars;
-requests it cannot verify (matchers that do not fork) decode plainly; sampled continuations follow the target distribution
-(chi-square); KV accounting holds after every step."""
+requests it cannot verify (matchers that do not fork) decode plainly; drafters (n-gram, the
+radix tree, a draft model), configuration, launch flags, /metrics and the benchmark's quick
+run; KV accounting holds after every step. The sampled distribution:
+test_speculative_distribution.py."""
 
 from __future__ import annotations
 
