@@ -493,3 +493,24 @@ num_draft_tokens = 3
     finally:
         assert d.stop() == 0
 
+
+
+async def test_requests_without_guesses_decode_overlapped(tiny_models):
+    """A request the drafter has no guess for pauses drafting: most of its steps are
+    scheduled ahead (placeholders), not synchronised for a draft that never comes."""
+    path = tiny_models["llama"]
+    Oracle.truth = {}  # no guesses at all
+    eng = spec_engine(path)
+    placeholders = 0
+
+    def hook(step):
+        nonlocal placeholders
+        placeholders += len(step.batch.placeholder_pos)
+        eng.check_accounting()
+
+    eng.step_hook = hook
+    try:
+        await run_calls(eng, [(p, {"max_new_tokens": 20}) for p in prompts(2, 10, seed=14)])
+    finally:
+        await eng.stop()
+    assert placeholders >= 20  # of 2 x 19 decode steps

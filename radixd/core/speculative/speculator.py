@@ -22,7 +22,9 @@ Contract
   the accepted tokens, by the scheduler's loop.
 * Penalties and ``min_new_tokens`` apply per verified position: each row's penalties count
   the drafts before it, its bans its token index (``BatchBuilder.sampling_batch``).
-* Requests whose matcher does not fork decode plainly, never refused. With more than
+* A request the drafter had no guess for decodes plainly for ``PAUSE_STEPS`` steps (with
+  overlap scheduling) before it is asked again. Requests whose matcher does not fork decode
+  plainly, never refused. With more than
   ``speculative_max_batch`` requests decoding the step is compute-bound and nothing drafts.
 """
 
@@ -52,6 +54,12 @@ class SpecStats:
         """The counters as the replica's stats report them (summed over replicas)."""
         return {"spec_verifies": self.verifies, "spec_draft_tokens": self.draft_tokens,
                 "spec_accepted_tokens": self.accepted_tokens}
+
+
+# Steps a request decodes plainly after its drafter had no guess for it: a step that drafts
+# is scheduled without overlap, and asking every step would cost that on every step of a
+# request the drafter cannot help (chat for n-gram lookup).
+PAUSE_STEPS = 4
 
 
 class Speculator:
@@ -90,6 +98,8 @@ class Speculator:
                 d = self._fit_grammar(r, d)
             if d:
                 drafts[r] = d
+            else:  # no guess: decode plainly (and overlapped) for a while before asking again
+                r.draft_len = -PAUSE_STEPS
         return drafts
 
     def _fit_grammar(self, r: Request, d: list[int]) -> list[int]:
@@ -130,6 +140,9 @@ class Speculator:
         """How many tokens ``r`` drafts now (0: it decodes plainly)."""
         p = r.params
         out = len(r.output_ids)
+        if r.draft_len < 0:  # pausing after a step without a guess
+            r.draft_len += 1
+            return 0
         if r.matcher is not None and not self.constraints.has(r.matcher, Forks):
             return 0
         # (a verify yields up to k + 1 tokens, and its last position must fit the context)
