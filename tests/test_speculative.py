@@ -514,3 +514,46 @@ async def test_requests_without_guesses_decode_overlapped(tiny_models):
     finally:
         await eng.stop()
     assert placeholders >= 20  # of 2 x 19 decode steps
+
+
+def test_verify_steps_on_the_scheduler_alone():
+    """No model (test_scheduler's fake worker, which checks every row reads its sequence's
+    KV): a verify entry is 1 + k decode rows at consecutive positions; a failed verify step
+    rolls back to where it was; a processed one keeps the accepted drafts and the bonus pick
+    and frees the rejected slot at once."""
+    from test_scheduler import FakeWorker, free_of_requests, pick, prompt, req, step
+
+    from radixd.core.kv_pool import RowAllocator, SlotAllocator
+    from radixd.core.radix_cache import RadixCache
+    from radixd.core.scheduler import Scheduler
+    from radixd.plugins.policies import FCFS
+
+    class Guess:  # the fake model's next picks, the last one wrong
+        def propose(self, reqs, ks):
+            return [[pick(r, len(r.output_ids) + i) for i in range(k - 1)] + [7] for r, k in zip(reqs, ks, strict=True)]
+
+    config = EngineConfig(max_running_requests=4, speculative_num_draft_tokens=4, speculative_adaptive=False)
+    allocator = SlotAllocator(257)
+    s = Scheduler(config, allocator=allocator, rows=RowAllocator(4), cache=RadixCache(allocator), policy=FCFS(config),
+                  eos_token_ids=(2,), context_len=4096, vocab_size=2048, drafter=Guess())
+    w = FakeWorker()
+    r = req(s, prompt(10), max_new_tokens=12)
+    step(s, w)  # the prompt, and the first pick
+    before = (r.kv.length, list(r.output_ids), s.accounting())
+    st = s.schedule()
+    assert st.drafts == {r: [1001, 1002, 1003, 7]} and st.reqs == [r] * 5
+    assert st.batch.prefix_lens == list(range(10, 15)) and st.batch.extend_lens == [1] * 5
+    assert st.batch.input_ids.tolist() == [1000, 1001, 1002, 1003, 7]
+    w.fail_next = True
+    with pytest.raises(RuntimeError):
+        w.run(st)
+    s.rollback(st)
+    s.check_accounting()
+    assert (r.kv.length, list(r.output_ids), s.accounting()) == before
+    st = step(s, w)  # again: three drafts accepted, the fourth replaced by the model's pick
+    assert st.drafts and r.output_ids == [pick(r, i) for i in range(5)] and r.kv.length == 14
+    assert s.accounting()["private"] == 4  # the rejected draft's slot went back
+    while s.has_work():
+        step(s, w)
+    assert r.output_ids == [pick(r, i) for i in range(12)] and r.finish_reason == "length"
+    free_of_requests(s)
