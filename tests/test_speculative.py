@@ -361,6 +361,24 @@ async def test_verify_steps_replay_decode_graphs(tiny_models):
     assert graphed and all(graphed)
 
 
+@pytest.mark.gpu
+async def test_standalone_draft_model_on_the_gpu(tiny_models):
+    """The draft model on the GPU's triton backend (its own pool and rows), the target's
+    verify steps on decode graphs: outputs equal plain decoding's."""
+    path = tiny_models["llama"]
+    ps = prompts(2, 16, seed=15)
+    kw = dict(device="cuda", attention_backend="triton", dtype="float32", cuda_graphs=True)
+    plain, spec, st = await plain_then_spec(path, [(p, {"max_new_tokens": 24}) for p in ps], **kw)
+    eng = spec_engine(path, "standalone", speculative_draft_model_path=str(path), **kw)
+    try:
+        spec = await run_calls(eng, [(p, {"max_new_tokens": 24}) for p in ps])
+        st = eng.stats()
+    finally:
+        await eng.stop()
+    same_outputs(plain, spec)
+    assert st["spec_accepted_tokens"] > 0.9 * st["spec_draft_tokens"]
+
+
 def test_benchmark_runs_quick(tmp_path):
     """``python -m benchmarks.spec --quick``: every section's logic on tiny random models."""
     import json

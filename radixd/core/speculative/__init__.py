@@ -17,5 +17,6 @@ rejection sampling: accept d with probability p(d), else draw from (p - q)+ norm
 is p without d; so greedy and seeded sampled output equal plain decoding's token for token.
 
 Modules: ``drafter`` (the interface plugins implement), ``speculator`` (per replica: which
-requests draft, how far, acceptance and counters).
+requests draft, how far, what a verify step leaves, acceptance counters), ``draft_model``
+(the ``standalone`` drafter: a smaller checkpoint on a KV region of its own).
 """
