@@ -23,7 +23,14 @@ SGLANG_ONLY_POLICIES = ("random", "dfs-weight", "lof", "routing-key")
 
 
 METAVARS = {"--mem-fraction-static": "FRACTION", "--chunked-prefill-size": "TOKENS",
-            "--max-running-requests": "N", "--context-length": "TOKENS", "--reasoning-parser": "NAME"}
+            "--max-running-requests": "N", "--context-length": "TOKENS", "--reasoning-parser": "NAME",
+            "--speculative-algorithm": "NAME", "--speculative-num-draft-tokens": "N",
+            "--speculative-draft-model-path": "PATH",
+            "--speculative-ngram-min-match-window-size": "TOKENS",
+            "--speculative-ngram-max-match-window-size": "TOKENS"}
+
+# SGLang's --speculative-algorithm values that need a draft model or draft heads radixd lacks.
+SGLANG_ONLY_DRAFTERS = ("eagle", "eagle3", "nextn")
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,12 @@ def _chunked_prefill(value: int) -> int:
 def _quantization(value: str) -> str:
     # SGLang's *_marlin names pick a kernel for the same checkpoint format
     return {"gptq_marlin": "gptq", "awq_marlin": "awq"}.get(value, value)
+def _drafter(value: str) -> str:
+    name = value.lower()  # SGLang spells them in capitals: NGRAM
+    if name in SGLANG_ONLY_DRAFTERS:
+        raise ConfigError("--speculative-algorithm", value, "NGRAM, STANDALONE or a plugin's drafter; SGLang's "
+                          "EAGLE, EAGLE3 and NEXTN have no radixd counterpart yet")
+    return name
 
 
 FLAGS: tuple[Flag, ...] = (
@@ -94,6 +107,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--disaggregation-ib-device", "disaggregation.ib_device", str, "Mooncake's RDMA device (none: TCP)"),
     Flag("--quantization", "model.quantization", str, "the checkpoint's quantization format (compressed-tensors, "
          "fp8, gptq, awq; SGLang's gptq_marlin / awq_marlin name the same formats)", _quantization),
+    Flag("--speculative-algorithm", "speculative.algorithm", str, "NGRAM (prompt lookup), STANDALONE (a draft "
+         "model) or a plugin's drafter", _drafter),
+    Flag("--speculative-draft-model-path", "speculative.draft_model_path", str, "STANDALONE: the draft checkpoint"),
+    Flag("--speculative-num-draft-tokens", "speculative.num_draft_tokens", int, "most tokens drafted per step"),
+    Flag("--speculative-ngram-min-match-window-size", "speculative.ngram_min_match_window", int,
+         "shortest suffix NGRAM looks up"),
+    Flag("--speculative-ngram-max-match-window-size", "speculative.ngram_max_match_window", int,
+         "longest suffix NGRAM looks up"),
 )
 
 

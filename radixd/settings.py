@@ -131,6 +131,7 @@ ParallelSection = _engine_section("parallel")
 GrammarSection = _engine_section("grammar")
 LimitsSection = _engine_section("limits", _LimitsKeys)
 PluginsSection = _engine_section("plugins", _PluginsKeys)
+SpeculativeSection = _engine_section("speculative")
 
 
 SECTIONS: dict[str, type] = {
@@ -148,6 +149,7 @@ SECTIONS: dict[str, type] = {
     "plugins": PluginsSection,
     "auth": AuthSection,
     "disaggregation": DisaggregationSection,
+    "speculative": SpeculativeSection,
 }
 
 
@@ -169,6 +171,7 @@ class Settings:
     plugins: PluginsSection = field(default_factory=PluginsSection)
     auth: AuthSection = field(default_factory=AuthSection)
     disaggregation: DisaggregationSection = field(default_factory=DisaggregationSection)
+    speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
     source: str | None = None
 
     def engine_config(self) -> EngineConfig:

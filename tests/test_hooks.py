@@ -777,3 +777,51 @@ async def test_hook_radixd_kv_transfer_backends(tiny_models):
         for st in states:
             await st.disagg.stop()
             await st.engine.stop()
+
+
+class RepeatLast:
+    """Drafts the last token again (right only inside a run of one token), recording its calls."""
+
+    name = "hookprobe-repeat"
+    made: list = []
+
+    def __init__(self, config, cache):
+        self.config, self.cache, self.calls = config, cache, []
+        type(self).made.append(self)
+
+    def propose(self, reqs, ks):
+        self.calls.append(([list(r.seq) for r in reqs], list(ks)))
+        return [[r.seq[-1]] * k for r, k in zip(reqs, ks, strict=True)]
+
+
+class DrafterProbe:
+    @hookimpl
+    def radixd_drafters(self):
+        return {"hookprobe-repeat": RepeatLast}
+
+
+async def test_hook_radixd_drafters(tiny_models):
+    RepeatLast.made = []
+    path, prompt = str(tiny_models["llama"]), [5, 6, 7, 7, 7]
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    plain = Engine(model=path, kv_cache_tokens=512, plugin_manager=make_plugin_manager(load_entry_points=False))
+    try:
+        want = [t for o in [o async for o in plain.generate(input_ids=prompt, params=params)] for t in o.token_ids]
+    finally:
+        await plain.stop()
+    pm = make_plugin_manager(load_entry_points=False, extra=[DrafterProbe()])
+    engine = Engine(model=path, kv_cache_tokens=512, plugin_manager=pm, speculative_algorithm="hookprobe-repeat",
+                    speculative_num_draft_tokens=3)
+    try:
+        (drafter,) = RepeatLast.made  # one per replica
+        assert isinstance(drafter.config, EngineConfig) and drafter.cache is engine.cache
+        got = [t for o in [o async for o in engine.generate(input_ids=prompt, params=params)] for t in o.token_ids]
+        assert got == want  # a drafter changes speed, never output
+        seqs, ks = drafter.calls[0]
+        assert seqs == [prompt + want[:1]] and ks == [3]  # after the prefill's pick, all tokens known
+        assert engine.stats()["spec_verifies"] == len(drafter.calls)
+    finally:
+        await engine.stop()
+    with pytest.raises(ConfigError, match="hookprobe-repeat"):
+        Engine(model=path, kv_cache_tokens=512, plugin_manager=make_plugin_manager(load_entry_points=False),
+               speculative_algorithm="hookprobe-repeat")

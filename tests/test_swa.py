@@ -334,3 +334,26 @@ class WindowRadixCacheMachine(RadixCacheMachine):
 WindowRadixCacheMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
                                                      suppress_health_check=[HealthCheck.too_slow])
 TestWindowRadixCacheMachine = WindowRadixCacheMachine.TestCase
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_speculative_decoding_keeps_window_kv_exact(tiny_dense_models, arch):
+    """n-gram drafts verified on a window model: rejected drafts' slots go back through the
+    hybrid allocator, the tokens equal plain decoding's, both regions' accounting holds after
+    every step and nothing is held after."""
+    path = tiny_dense_models[arch]
+    prompt = [5, 6, 7, 8, 9, 10] * 3 + [5, 6]
+    plain = make_engine(path, kv_cache_tokens=512, chunked_prefill_size=8)
+    try:
+        want, _ = await final(plain, prompt, 40)
+    finally:
+        await plain.stop()
+    eng = make_engine(path, kv_cache_tokens=512, chunked_prefill_size=8, speculative_algorithm="ngram")
+    eng.step_hook = lambda step: eng.check_accounting()
+    try:
+        got, _ = await final(eng, prompt, 40)
+        assert eng.stats()["spec_verifies"] > 0
+        await assert_window_idle(eng)
+    finally:
+        await eng.stop()
+    assert got == want

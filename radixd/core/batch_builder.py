@@ -24,6 +24,7 @@ from radixd.core.constraints import Constraints
 from radixd.core.forward_batch import ForwardBatch, SamplingBatch
 from radixd.core.request import Request
 from radixd.core.scheduler_interface import PLACEHOLDER, ScheduledStep, SchedulerStats
+from radixd.core.speculative.speculator import verify_rows
 
 
 class BatchBuilder:
@@ -37,11 +38,13 @@ class BatchBuilder:
         self._sampling_cache: _SamplingRows | None = None  # the last step's batched sampling rows
 
     def build(self, plan: list[tuple[Request, int]], decoding: int, new_slots: torch.Tensor,
-              cascade_members: int = 0) -> ScheduledStep:
+              cascade_members: int = 0, drafts: dict[Request, list[int]] | None = None) -> ScheduledStep:
         """The step's batch. ``plan[:decoding]`` are decodes: requests whose last token is
         all they run (the common case, built on a shorter path). ``new_slots``: one per token
         of the plan, in order. ``cascade_members``: requests per shared-prefix item of a
-        decode batch (0: no cascade plan)."""
+        decode batch (0: no cascade plan). ``drafts``: the verify entries' drafts; such a
+        request is one decode of the plan per position it verifies, in a row (its last token,
+        then each draft, one position further: a decode batch, CUDA graphs and all)."""
         ids: list[int] = []
         pos: list[int] = []
         rows, prefix_lens, extend_lens, writes = [], [], [], []
@@ -58,12 +61,15 @@ class BatchBuilder:
         pool_pos: list[int] = []
         pool_row: list[int] = []
         pool_reqs: list[tuple[Request, int, bool]] = []
+        offsets: list[int] | None = None  # sampled rows' token index past len(output_ids) (verify rows)
         if decoding:  # the plan starts with them: one token each, the last of their sequence
             dec = [r for r, _ in plan[:decoding]]
             kvs = [r.kv for r in dec]
             ids = [0 if (t := r.output_ids[-1] if r.output_ids else r.prompt_ids[-1]) == PLACEHOLDER else t
                    for r in dec]
             pos = [kv.length for kv in kvs]
+            if drafts:
+                offsets = verify_rows(dec, drafts, ids, pos)
             rows = [kv.row for kv in kvs]
             prefix_lens = pos.copy()
             extend_lens = [1] * decoding
@@ -128,6 +134,8 @@ class BatchBuilder:
         self.stats.decode_tokens += len(flat_slots) - prefill_tokens
         reqs = [r for r, _ in plan]
         sampled = [reqs[i] for i in sampled_idx]
+        if offsets is not None and len(sampled) > decoding:
+            offsets += [0] * (len(sampled) - decoding)  # (prefills' picks)
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(pos, dtype=torch.int64),
@@ -138,7 +146,7 @@ class BatchBuilder:
             table_writes=writes,
             write_new_slots=True,
             sample_indices=sampled_idx,
-            sampling=self.sampling_batch(sampled) if sampled else None,
+            sampling=self.sampling_batch(sampled, offsets, drafts) if sampled else None,
             prompt_lp_pos=lp_pos,
             prompt_lp_target=lp_target,
             prompt_lp_top=lp_top,
@@ -147,7 +155,7 @@ class BatchBuilder:
             pool_row=pool_row,
             pool_rows=len(pool_reqs),
         )
-        if cascade_members and decoding == len(plan) >= 2:
+        if cascade_members and decoding == len(plan) >= 2 and not drafts:
             batch.shared = self.shared_prefixes(reqs, rows, cascade_members)
         return ScheduledStep(batch, reqs, sampled, placeholder_reqs=ph_req, prompt_lp_reqs=lp_reqs,
                              pool_reqs=pool_reqs)
@@ -172,8 +180,11 @@ class BatchBuilder:
         self._last_plan = (list(reqs), chains, list(rows), shared)
         return shared
 
-    def sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
-        """The sampling inputs of ``reqs`` (the requests picking a token, in batch order)."""
+    def sampling_batch(self, reqs: list[Request], offsets: list[int] | None = None,
+                       drafts: dict[Request, list[int]] | None = None) -> SamplingBatch:
+        """The sampling inputs of ``reqs`` (the requests picking a token, in batch order;
+        ``offsets``: each row's token index past ``len(output_ids)``, for verify rows, whose
+        penalties count the ``drafts`` before them)."""
         # The requests' constant inputs (each computed once per request, see
         # Request.sampling_row) are batched once and reused while the same requests sample in
         # the same order, as they do step after step while decoding; only the token index of
@@ -183,6 +194,8 @@ class BatchBuilder:
         if cached is None or cached.reqs != reqs:
             cached = self._sampling_cache = _SamplingRows(reqs, self.max_top_logprobs)
         steps = [len(r.output_ids) for r in reqs]
+        if offsets is not None:
+            steps = [s + o for s, o in zip(steps, offsets, strict=True)]
         sb = SamplingBatch(
             temperature=cached.temperature,
             top_p=cached.top_p,
@@ -201,10 +214,11 @@ class BatchBuilder:
             sb.presence_penalty = torch.tensor([p.presence_penalty for p in ps], dtype=f32)
             out_rows, out_toks, rep_rows, rep_toks = [], [], [], []
             for i, r in enumerate(reqs):
-                out_rows += [i] * len(r.output_ids)
-                out_toks += r.output_ids
+                out = r.output_ids if not offsets or not offsets[i] else r.output_ids + drafts[r][: offsets[i]]
+                out_rows += [i] * len(out)
+                out_toks += out
                 if r.params.repetition_penalty != 1.0:
-                    seen = sorted(set(r.seq))
+                    seen = sorted(set(r.prompt_ids) | set(out))
                     rep_rows += [i] * len(seen)
                     rep_toks += seen
             sb.penalty_rows = torch.tensor(out_rows, dtype=torch.int64)
@@ -218,7 +232,7 @@ class BatchBuilder:
             # min_new_tokens not reached: the stop tokens are banned this step
             banned_rows, banned_toks = [], []
             for i, r in enumerate(reqs):
-                if len(r.output_ids) < r.params.min_new_tokens:
+                if steps[i] < r.params.min_new_tokens:
                     stops = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(self.eos))
                     banned_rows += [i] * len(stops)
                     banned_toks += sorted(stops)

@@ -274,9 +274,30 @@ class EngineConfig:
     plugins_allow: tuple[str, ...] | None = option(None, key="plugins.allow")
     plugins_block: tuple[str, ...] = option((), key="plugins.block")
 
+    # Speculative decoding (radixd.core.speculative).
+    # a drafter from the radixd_drafters hook (built in: "ngram", prompt lookup); "": off
+    speculative_algorithm: str = option("", key="speculative.algorithm",
+                                        allowed='"" (off) or the name of a loaded drafter')
+    # the most tokens a request drafts in a step
+    speculative_num_draft_tokens: int = option(4, key="speculative.num_draft_tokens", min=1, max=16)
+    # each request's draft length follows its acceptance (else always num_draft_tokens)
+    speculative_adaptive: bool = option(True, key="speculative.adaptive")
+    # with more requests decoding than this a step is compute-bound: nothing drafts (0: no limit)
+    speculative_max_batch: int = option(8, key="speculative.max_batch", min=0)
+    # "ngram": the longest and the shortest suffix of a request's tokens looked up in them
+    speculative_ngram_max_match_window: int = option(4, key="speculative.ngram_max_match_window", min=1)
+    speculative_ngram_min_match_window: int = option(1, key="speculative.ngram_min_match_window", min=1)
+    # "standalone": the draft checkpoint (directory, .gguf or "default"; sharing the tokenizer)
+    # and the slots of its KV region
+    speculative_draft_model_path: str = option("", key="speculative.draft_model_path")
+    speculative_draft_kv_tokens: int = option(65536, key="speculative.draft_kv_tokens", min=16)
+
     def __post_init__(self) -> None:
         check_fields(self)
         self._check_tiers()
+        if self.speculative_ngram_min_match_window > self.speculative_ngram_max_match_window:
+            raise ConfigError("speculative_ngram_min_match_window", self.speculative_ngram_min_match_window,
+                              f"at most speculative_ngram_max_match_window ({self.speculative_ngram_max_match_window})")
 
     def _check_tiers(self) -> None:
         tiers = self.cache_tiers

@@ -10,6 +10,10 @@ Contract
   after which the document could no longer close within the tokens left; with
   ``grammar_close_within_max_tokens`` on, their masks are filled through
   ``fill_mask_within``. Which matcher classes have it is decided once per class.
+* ``Forks`` is the declared capability of matchers that can copy their position: speculative
+  decoding walks a fork over a request's drafts (each draft masked by the fork's state
+  before it) and drops it, so the matcher itself only ever sees accepted tokens and a
+  rejected draft needs no rollback.
 * A mask is filled only once every earlier token of the request reached its matcher: under
   overlap scheduling a step whose matchers still wait for the launched step's picks gets
   ``deferred_masks`` and an ``allowed_future`` that the engine resolves (``fill_masks``)
@@ -54,6 +58,16 @@ class ClosesWithin(Protocol):
         ...
 
 
+@runtime_checkable
+class Forks(Protocol):
+    """The optional capability of a ``Matcher``: an independent copy of its position."""
+
+    def fork(self) -> Matcher | None:
+        """A matcher at the same position whose tokens leave this one as it is; None where
+        this one cannot be copied (e.g. it wraps a matcher that cannot)."""
+        ...
+
+
 class Constraints:
     """Masks for the constrained rows of a sampling batch, sized to the logits' width."""
 
@@ -61,7 +75,7 @@ class Constraints:
         self.vocab_size = vocab_size
         self.context_len = context_len
         self.close_within = close_within
-        self._closing: dict[type, bool] = {}  # matcher class -> has ClosesWithin
+        self._capable: dict[tuple[type, type], bool] = {}  # (matcher class, capability) -> has it
 
     def add_masks(self, sb: SamplingBatch, reqs: list[Request]) -> None:
         """Give ``sb`` the masks of its constrained rows, now or deferred (see the contract)."""
@@ -78,18 +92,23 @@ class Constraints:
         allowed = np.ones((rows, self.vocab_size), dtype=bool)
         for i, r in constrained:
             if r.finish_reason is None:
-                m = r.matcher
-                if self.close_within and self._closes(m):
-                    m.fill_mask_within(allowed[i], self.tokens_left(r))
-                else:
-                    m.fill_mask(allowed[i])
+                self.fill_row(r.matcher, allowed[i], self.tokens_left(r))
         return allowed
 
-    def _closes(self, m: Matcher) -> bool:
-        closes = self._closing.get(type(m))
-        if closes is None:
-            closes = self._closing[type(m)] = isinstance(m, ClosesWithin)
-        return closes
+    def fill_row(self, m: Matcher, out: np.ndarray, tokens_left: int) -> None:
+        """``m``'s mask into ``out``, with ``tokens_left`` tokens (this one included) to come."""
+        if self.close_within and self.has(m, ClosesWithin):
+            m.fill_mask_within(out, tokens_left)
+        else:
+            m.fill_mask(out)
+
+    def has(self, m: Matcher, capability: type) -> bool:
+        """Whether ``m`` has the optional ``capability`` (decided once per matcher class)."""
+        key = (type(m), capability)
+        got = self._capable.get(key)
+        if got is None:
+            got = self._capable[key] = isinstance(m, capability)
+        return got
 
     def tokens_left(self, r: Request) -> int:
         """Tokens ``r`` may still generate, the one being sampled included (its matcher has

@@ -33,6 +33,7 @@ from radixd.core.replica import Replica, StepStats
 from radixd.core.router import Router
 from radixd.core.sampling_params import SamplingParams
 from radixd.core.scheduler import ScheduledStep, Scheduler
+from radixd.core.speculative.drafter import Drafter
 from radixd.core.tiers import CacheTier
 from radixd.core.tiers.hierarchy import KVHierarchy
 from radixd.core.worker import Worker
@@ -63,12 +64,12 @@ class Engine:
     The engine starts its batching loop on first use (or ``await engine.start()``) on the
     running event loop; ``await engine.stop()`` ends it. ``policy(config)`` makes each
     replica's scheduling policy; ``tiers``: the lower cache tiers, fastest first, shared by
-    the replicas (the engine closes them); ``grammars``: None refuses constrained requests.
-    """
+    the replicas (the engine closes them); ``grammars``: None refuses constrained requests;
+    ``drafter(config, cache)`` makes each replica's drafter (None: no speculative decoding)."""
 
     def __init__(self, config: EngineConfig, *, policy: Callable[[EngineConfig], SchedulePolicy],
                  tiers: Sequence[CacheTier] = (), grammars: GrammarCompiler | None = None,
-                 setup: ModelSetup | None = None):
+                 setup: ModelSetup | None = None, drafter: Callable[..., Drafter] | None = None):
         self.config = config
         setup = setup or ModelSetup.load(config)
         self.dtype, self.model_path, self.model_cfg = setup.dtype, setup.path, setup.cfg
@@ -87,7 +88,7 @@ class Engine:
             self.replicas.append(Replica(d, worker, config, policy(config), outputs=self.outputs, reader=self._reader,
                                          on_step=self._stepped, eos_token_ids=self.eos_token_ids,
                                          context_len=self.context_len, tiers=self._hierarchy(worker),
-                                         vocab_size=self.model_cfg.vocab_size))
+                                         vocab_size=self.model_cfg.vocab_size, drafter=drafter))
         self.device = self.replicas[0].worker.device
         self.router = None
         if config.dp_size > 1:
@@ -182,8 +183,7 @@ class Engine:
     async def __aexit__(self, *exc) -> None:
         await self.stop()
 
-    def _stepped(self, step: ScheduledStep) -> None:
-        """A replica finished a step: the hooks (their failures are logged, not raised)."""
+    def _stepped(self, step: ScheduledStep) -> None:  # the hooks (failures logged, not raised)
         if self.step_hook is not None:
             try:
                 self.step_hook(step)

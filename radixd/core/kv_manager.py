@@ -228,12 +228,25 @@ class KVManager:
         kv = r.kv
         if kv.row is None:
             return
+        self.truncate(r, min(kv.length, r.seq_len))  # (KV of drafts past where it stopped)
         self._cache_progress(r)
         if self.tiers is not None and r.namespace == 0:
             self._write_through(kv.last_node)
         self.cache.unlock(kv.last_node)
         self.rows.free(kv.row)
         r.kv = KVHandle()
+
+    def truncate(self, r: Request, length: int) -> None:
+        """Give back ``r``'s private KV past ``length`` tokens (a verify step's rejected
+        drafts, or drafts accepted past where the request stopped)."""
+        kv = r.kv
+        if length >= kv.length:
+            return
+        assert length >= kv.cached_len, "only private KV is truncated"
+        slots = kv.slots
+        self.allocator.free(slots[length : kv.length])
+        kv.slots = slots[:length]
+        kv.length = length
 
     def rollback(self, step: ScheduledStep) -> None:
         """A launched step failed: forget the KV it would have computed.

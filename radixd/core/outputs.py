@@ -273,8 +273,13 @@ class Outputs:
                 continue
             tok = next_tokens[i]
             detok = stream.detok
+            if detok is not None and detok.stopped:
+                continue  # a stop string ended it at an earlier pick of this step (speculation)
             p = r.params
+            count = step.pick_index[i] + 1  # the request's tokens with this one
             reason = r.finish_reason
+            if reason is not None and count < r.num_output:
+                reason = None  # a later pick of this step is its last (speculation)
             stop_token = reason == "stop" and (tok in p.stop_token_ids or (not p.ignore_eos and tok in eos))
             matched = tok if reason == "stop" else None  # a stop token / EOS, or a grammar's last
             if detok is None or stop_token:
@@ -285,6 +290,9 @@ class Outputs:
                     r.finish("stop")
                     reason = r.finish_reason
                     matched = detok.matched
+                    # accepted drafts past it are not generated (placeholders of a step in
+                    # flight stay: that step drops them)
+                    del r.output_ids[count : len(r.output_ids) - r.unresolved]
             finished = reason is not None
             if finished and detok is not None and not detok.stopped:
                 text += detok.finish()
@@ -299,7 +307,7 @@ class Outputs:
                 stream.prompt_lp_sent = True
             queue = stream.queue
             update = GenerateOutput(r.index, [tok], text, finished, reason, lp, len(r.prompt_ids),
-                                    r.num_output, r.cached_tokens or 0, plp, matched, ranks, ptop)
+                                    count, r.cached_tokens or 0, plp, matched, ranks, ptop)
             if interval > 1:  # coalesce: send every ``interval`` tokens, and at the end
                 held = stream.held
                 if held is not None:

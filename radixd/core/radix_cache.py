@@ -9,7 +9,8 @@ Contract
   (``lock``), which pins the whole path to the root. Only unlocked leaves are evicted, least
   recently used first, and only when ``evict`` is asked for room.
 * ``match_prefix`` *may split a node* so that the match ends on a node boundary; it changes
-  no slot ownership. ``peek_prefix_len`` is the read-only variant used for ranking.
+  no slot ownership. ``peek_prefix_len`` is the read-only variant used for ranking, and
+  ``continuation`` (the cached tokens past a key, for speculative drafting) reads only too.
 * Lower tiers (``radixd.core.tiers``): ``backed`` records that the pages ending in a node are
   held by the tiers too; ``hits`` counts admissions that matched through it (for the
   write-through-after-N-hits policy). ``on_evict(leaf)``, if set, runs before a leaf's
@@ -116,6 +117,29 @@ class RadixCache:
                 break
             node = child
         return n
+
+    def continuation(self, key: Sequence[int], namespace: int = 0, limit: int = 8) -> list[int]:
+        """Up to ``limit`` cached tokens that follow the whole of ``key`` (where the tree
+        forks, the most recently used branch); [] if ``key`` is not cached to its end.
+        Changes nothing (speculative drafting reads it every step)."""
+        node = self._roots.get(namespace)
+        n = 0
+        out: list[int] = []
+        while node is not None and n < len(key):
+            child = node.children.get(key[n])
+            if child is None:
+                return []
+            m = _common_len(child.key, key, n)
+            n += m
+            if m < len(child.key):
+                if n < len(key):
+                    return []  # the cached path leaves ``key`` inside this edge
+                out = list(child.key[m : m + limit])
+            node = child
+        while node is not None and len(out) < limit and node.children:
+            node = max(node.children.values(), key=lambda c: c.last_access)
+            out += node.key[: limit - len(out)]
+        return out
 
     def match_prefix(self, key: Sequence[int], namespace: int = 0) -> MatchResult:
         """Longest cached prefix of ``key``. Splits the last node if the match ends inside it

@@ -35,6 +35,7 @@ from radixd.core.outputs import Outputs
 from radixd.core.policy import SchedulePolicy
 from radixd.core.sampler import SampledTokens
 from radixd.core.scheduler import NEED_SYNC, ScheduledStep, Scheduler
+from radixd.core.speculative.drafter import Drafter
 from radixd.core.swa_cache import slots_and_cache
 from radixd.core.tiers.hierarchy import KVHierarchy
 from radixd.core.worker import Worker, bind_device
@@ -70,12 +71,13 @@ class Launched(NamedTuple):
 
 class Replica:
     """One model copy (see the module docstring). ``on_step(step)``: called after each step
-    is finished (its outputs emitted)."""
+    is finished (its outputs emitted); ``drafter(config, cache)``: makes its drafter (None:
+    no speculative decoding)."""
 
     def __init__(self, index: int, worker: Worker, config: EngineConfig, policy: SchedulePolicy, *,
                  outputs: Outputs, reader: concurrent.futures.Executor, on_step: Callable[[ScheduledStep], None],
                  eos_token_ids: tuple[int, ...], context_len: int, tiers: KVHierarchy | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, drafter: Callable[..., Drafter] | None = None):
         self.index = index
         self.worker = worker
         self.allocator, self.cache = slots_and_cache(worker.pool, enabled=config.radix_cache)
@@ -84,7 +86,8 @@ class Replica:
         self.tiers = tiers  # KVHierarchy over this replica's pool, or None
         self.scheduler = Scheduler(config, allocator=self.allocator, rows=self.rows, cache=self.cache,
                                    policy=policy, eos_token_ids=eos_token_ids, context_len=context_len,
-                                   tiers=tiers, vocab_size=vocab_size, cascade_members=worker.cascade_members)
+                                   tiers=tiers, vocab_size=vocab_size, cascade_members=worker.cascade_members,
+                                   drafter=drafter(config, self.cache) if drafter is not None else None)
         self.outputs = outputs
         self.overlap = config.overlap_schedule
         device = worker.device
@@ -251,4 +254,5 @@ class Replica:
             "prefill_tokens": st.prefill_tokens,
             "decode_tokens": st.decode_tokens,
             "tier_loaded_tokens": st.tier_loaded_tokens,
+            **(spec.stats.as_dict() if (spec := self.scheduler.speculator) is not None else {}),
         }

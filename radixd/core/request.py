@@ -60,6 +60,8 @@ class Request:
     matcher: Matcher | None = None        # grammar matcher (a backend's) if constrained
     sampling_row: tuple | None = None     # constant sampling inputs, filled by the scheduler
     pool: PoolState | None = None         # an embedding request: pools its prompt, samples nothing
+    draft_len: int = 0                    # speculative decoding: tokens to draft next (0: the most;
+                                          # below 0: steps to decode plainly first)
 
     def finish(self, reason: str) -> None:
         """The one writer of ``finish_reason``: the first reason stays, except that a stop (a

@@ -36,6 +36,8 @@ from radixd.core.scheduler_interface import (
     SchedulerInterface,
     SchedulerStats,
 )
+from radixd.core.speculative.drafter import Drafter
+from radixd.core.speculative.speculator import Speculator
 from radixd.core.tiers.hierarchy import KVHierarchy
 
 __all__ = ["NEED_SYNC", "PLACEHOLDER", "ScheduledStep", "Scheduler", "SchedulerInterface", "SchedulerStats"]
@@ -57,6 +59,7 @@ class Scheduler(SchedulerInterface):
         tiers: KVHierarchy | None = None,
         vocab_size: int | None = None,
         cascade_members: int = 0,
+        drafter: Drafter | None = None,
     ):
         self.config = config
         self.cache = cache
@@ -76,6 +79,8 @@ class Scheduler(SchedulerInterface):
                                                    close_within=config.grammar_close_within_max_tokens)
         self.builder = BatchBuilder(eos_token_ids=self.eos, max_top_logprobs=config.max_top_logprobs,
                                     constraints=self.constraints, stats=self.stats)
+        self.speculator = (Speculator(config, drafter, self.kv_manager, self.constraints, context_len=context_len)
+                           if drafter is not None else None)
 
     # ------------------------------------------------------------------ queue
 
@@ -102,6 +107,8 @@ class Scheduler(SchedulerInterface):
     def schedule(self, launched: ScheduledStep | None = None) -> ScheduledStep | None | object:
         inflight = frozenset(launched.reqs) if launched is not None else frozenset()
         self._drop_aborted(inflight)
+        if inflight and launched.drafts:
+            return NEED_SYNC  # where its requests' next tokens go depends on what it accepts
 
         # 1. Decode for every running request past its prompt; preempt if KV runs out.
         self.kv_manager.free_behind_windows(self.running)
@@ -109,13 +116,22 @@ class Scheduler(SchedulerInterface):
         if inflight and host_picks:
             return NEED_SYNC  # penalties need the pending token on the host (grammar masks
                               # are filled while the step runs: see constraints)
+        drafts = self.speculator.draft(decoding, bool(inflight)) if self.speculator is not None else {}
+        if drafts is NEED_SYNC:
+            return NEED_SYNC  # a request would draft: its tokens and masks must be on the host
+        drafted = sum(map(len, drafts.values()))
+        if drafted and not self.kv_manager.make_room(len(decoding) + drafted):
+            drafts = {}  # speculation is optional: no KV for it, no drafts
         while decoding and not self.kv_manager.make_room(len(decoding)):
             if inflight:
                 return NEED_SYNC
             victim = max(self.running, key=lambda r: r.arrival)
             self._preempt(victim)
             decoding = [r for r in decoding if r is not victim]
-        plan: list[tuple[Request, int]] = [(r, 1) for r in decoding]   # (request, tokens to run)
+        plan: list[tuple[Request, int]] = [(r, 1) for r in decoding if r not in drafts]  # (request, tokens)
+        for r, d in drafts.items():  # verify entries: one decode row per position (last token, drafts)
+            plan += [(r, 1)] * (1 + len(d))
+        decodes = len(plan)
         budget = self.config.max_prefill_tokens
 
         # 2. Continue chunked prefills (a smaller chunk if memory is short).
@@ -123,7 +139,7 @@ class Scheduler(SchedulerInterface):
             budget = self._continue_prefills(plan, budget)
 
         # 3. Admit waiting requests in the policy's order.
-        budget = self._admit_waiting(plan, len(decoding), budget)
+        budget = self._admit_waiting(plan, decodes, budget)
 
         if not plan:
             if inflight:
@@ -137,9 +153,12 @@ class Scheduler(SchedulerInterface):
         # 4. Build the batch and commit the step: its KV counts as computed, each pick gets a
         # placeholder, and each placeholder it reads says where among the launched picks it is.
         # (tokens planned: one per decode, and what prefills took of the budget)
-        planned = len(decoding) + self.config.max_prefill_tokens - budget
-        step = self.builder.build(plan, len(decoding), self.kv_manager.alloc(planned), self.cascade_members)
+        planned = decodes + self.config.max_prefill_tokens - budget
+        step = self.builder.build(plan, decodes, self.kv_manager.alloc(planned), self.cascade_members, drafts)
         step.batch.window_map = self.kv_manager.take_window_map()  # (before commit: see swa_pool)
+        step.drafts = drafts
+        if drafts:
+            self.speculator.constrain(step)
         self.kv_manager.commit(plan)
         picks = step.pick_index
         for r in step.sampled:
@@ -228,6 +247,8 @@ class Scheduler(SchedulerInterface):
     # ------------------------------------------------------------------ results
 
     def process(self, step: ScheduledStep, out: StepOutput) -> list[int]:
+        if step.drafts:
+            self.speculator.accept(step, out)  # only the picks that count are left
         off = 0
         for r, k in step.prompt_lp_reqs:
             r.prompt_logprobs.extend(out.prompt_logprobs[off : off + k])
@@ -241,9 +262,10 @@ class Scheduler(SchedulerInterface):
         eos, ctx_len = self.eos, self.context_len
         for i, (r, idx, tok) in enumerate(zip(step.sampled, step.pick_index, out.next_tokens, strict=True)):
             r.unresolved -= 1
-            if r.finish_reason is not None:  # finished while the step ran: its pick is dropped
-                assert idx == len(r.output_ids) - 1
-                r.output_ids.pop()
+            if r.finish_reason is not None:
+                # finished while the step ran, or at an earlier accepted draft of this step:
+                # its pick (the last of its placeholders that are left) is dropped
+                del r.output_ids[idx:]
                 continue
             r.output_ids[idx] = tok
             # the finish reason after the count-th generated token, if any
@@ -259,7 +281,8 @@ class Scheduler(SchedulerInterface):
 
     def rollback(self, step: ScheduledStep) -> None:
         self.kv_manager.rollback(step)
-        for r, idx in zip(step.sampled, step.pick_index, strict=True):
+        # (from the end: a verify entry's placeholders follow one another)
+        for r, idx in reversed(list(zip(step.sampled, step.pick_index, strict=True))):
             r.unresolved -= 1
             del r.output_ids[idx]
 

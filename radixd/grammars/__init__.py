@@ -17,6 +17,9 @@ The contract every grammar backend (built-in or a plugin's, through the
                                                # tokens_left - 1 more (the scheduler uses it
                                                # when present and [grammar]
                                                # close_within_max_tokens is on)
+    m.fork() -> matcher | None                 # optional: a copy at the same position
+                                               # (speculative drafts of a constrained
+                                               # request are walked on one, then dropped)
 
 ``GrammarService`` (``service.py``) compiles off the loop with a time limit and keeps an LRU of
 compiled grammars per (kind, spec, after) for the engine's tokenizer; ``after``

@@ -26,6 +26,7 @@ stack-independent vocabulary walks are ``lexers``'; the parsers are ``parsers``'
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import OrderedDict
 
@@ -360,3 +361,7 @@ class Matcher:
 
     def is_terminated(self) -> bool:
         return self.done or self.grammar.mask(self.config)[1]
+
+    def fork(self) -> Matcher:
+        """A matcher at the same position (``Forks``: configurations are immutable tuples)."""
+        return copy.copy(self)

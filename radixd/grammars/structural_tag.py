@@ -142,6 +142,12 @@ class StructuralTagMatcher:
     def is_terminated(self) -> bool:
         return False  # free text follows every structure
 
+    def fork(self) -> StructuralTagMatcher:
+        """A copy at the same position (``Forks``)."""
+        m = StructuralTagMatcher(self.tag)
+        m.state, m.inner = self.state, self.inner.fork() if self.inner is not None else None
+        return m
+
 
 def compile_structural_tag(spec: str, vocab: TokenizerInfo, *, max_ws: int, mask_cache_size: int, shared,
                            warm_budget_s: float) -> StructuralTag:

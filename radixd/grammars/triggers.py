@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from radixd.core.constraints import ClosesWithin
+from radixd.core.constraints import ClosesWithin, Forks
 from radixd.grammars.vocab import TokenizerInfo
 
 
@@ -170,6 +170,15 @@ class AfterTextMatcher:
 
     def is_terminated(self) -> bool:
         return self.after and self.inner.is_terminated()
+
+    def fork(self) -> AfterTextMatcher | None:
+        """A copy at the same position (``Forks``), if the inner matcher forks too."""
+        inner = self.inner.fork() if isinstance(self.inner, Forks) else None
+        if inner is None:
+            return None
+        m = type(self)(self.triggers, inner)
+        m.state, m.after = self.state, self.after
+        return m
 
 
 class AfterTextClosing(AfterTextMatcher):

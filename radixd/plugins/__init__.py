@@ -1,7 +1,7 @@
 """radixd's plugin system: one project name, one pair of markers, one entry-point group.
 
 Built-in features (the ``fcfs`` and ``lpm`` policies, the ``host`` and ``disk`` cache tiers, the ``radixd``
-grammar backend, the reasoning and tool-call parsers) are plugins registered exactly like
+grammar backend, the reasoning and tool-call parsers, the ``ngram`` drafter) are plugins registered exactly like
 third-party ones; third-party packages register through the ``radixd`` entry-point group.
 Factory hooks hand back plain objects that the engine then calls directly, so no pluggy
 call sits on a per-token path; ``wiring`` makes them into the parts of ``radixd.Engine``.
@@ -20,11 +20,13 @@ __all__ = ["DEFAULT_PLUGINS", "PROJECT", "describe_plugins", "hookimpl", "hooksp
 # What a plugin can provide: the factory hook, and how ``radixd plugins`` names it.
 PROVIDES = (("radixd_schedule_policies", "policies"), ("radixd_cache_tiers", "tiers"),
             ("radixd_grammar_backends", "grammar backends"), ("radixd_reasoning_parsers", "reasoning parsers"),
-            ("radixd_tool_parsers", "tool parsers"), ("radixd_kv_transfer_backends", "KV transfer backends"))
+            ("radixd_tool_parsers", "tool parsers"), ("radixd_kv_transfer_backends", "KV transfer backends"),
+            ("radixd_drafters", "drafters"))
 
 # Modules registered on every plugin manager before entry points are loaded.
 DEFAULT_PLUGINS = ("radixd.plugins.policies", "radixd.plugins.tiers", "radixd.grammars.backend",
-                   "radixd.plugins.reasoning", "radixd.server.tool_parsers", "radixd.plugins.mooncake")
+                   "radixd.plugins.reasoning", "radixd.server.tool_parsers", "radixd.plugins.mooncake",
+                   "radixd.plugins.drafters")
 
 
 def make_plugin_manager(

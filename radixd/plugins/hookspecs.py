@@ -173,3 +173,22 @@ def radixd_kv_transfer_backends() -> dict[str, type]:
     ``disaggregation.transfer_backend`` picks one by name (built in: ``mooncake``). Names
     must be unique across plugins.
     """
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def radixd_drafters() -> dict[str, type]:
+    """Return the drafters (speculative decoding) this plugin provides, by name.
+
+    A drafter class implements :class:`radixd.core.speculative.drafter.Drafter` and is
+    instantiated once per replica as ``cls(config, cache)`` (``config``: the ``EngineConfig``;
+    ``cache``: the replica's ``RadixCache``, to read only);
+    ``propose(reqs, ks)`` returns, per request, at most ``ks[i]`` tokens guessed to follow
+    ``reqs[i].seq``, called on the event loop once per step (the target model verifies every
+    guess, so a drafter changes speed, never output). ``speculative.algorithm`` in radixd.toml
+    picks one by name; names must be unique across plugins.
+    """

@@ -5,6 +5,7 @@ that the factory hooks provide.
       radixd_schedule_policies -> the policy class (each replica makes its own)
       radixd_cache_tiers       -> the tier objects named in cache_tiers
       radixd_grammar_backends  -> the backend behind a GrammarService
+      radixd_drafters          -> the drafter class named by speculative_algorithm
     -> radixd.core.engine.Engine(config, policy=..., tiers=..., grammars=..., setup=...)
 
 Names are checked, and tiers and the grammar service made, before any weights load: a
@@ -56,12 +57,17 @@ class Engine(core.Engine):
         backends = provided(hook.radixd_grammar_backends, "grammar backend")
         if config.grammar_backend not in backends:
             raise ConfigError("grammar_backend", config.grammar_backend, "one of " + ", ".join(sorted(backends)))
+        drafters = provided(hook.radixd_drafters, "drafter")
+        algorithm = config.speculative_algorithm
+        if algorithm and algorithm not in drafters:
+            raise ConfigError("speculative_algorithm", algorithm, '"" (off) or one of ' + ", ".join(sorted(drafters)))
         tiers = make_tiers(config, setup, provided(hook.radixd_cache_tiers, "cache tier"))
         grammars = None
         try:
             if setup.tokenizer is not None:  # without one, constrained requests are refused
                 grammars = make_grammar_service(config, setup, backends[config.grammar_backend])
-            super().__init__(config, policy=policies[config.policy], tiers=tiers, grammars=grammars, setup=setup)
+            super().__init__(config, policy=policies[config.policy], tiers=tiers, grammars=grammars, setup=setup,
+                             drafter=drafters[algorithm] if algorithm else None)
         except BaseException:
             for t in tiers:
                 t.close()

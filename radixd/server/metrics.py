@@ -43,6 +43,33 @@ class _EngineCollector:
                     g.add_metric([str(i)], float(per[key]))
                 yield g
         yield from _tier_metrics(st.get("cache_tiers") or {})
+        if "spec_verifies" in st:  # speculative decoding is on
+            yield from _spec_metrics(st)
+
+
+SPEC_COUNTERS = (
+    ("spec_verifies", "radixd_spec_verifies", "Verify entries run: a request checking its drafts in a step."),
+    ("spec_draft_tokens", "radixd_spec_draft_tokens", "Drafted tokens verified."),
+    ("spec_accepted_tokens", "radixd_spec_accepted_tokens", "Drafted tokens accepted."),
+)
+
+
+def _spec_metrics(st: dict):
+    """Speculative decoding's counters, and since start: the share of drafted tokens accepted
+    and the tokens a verify entry yields on average (its accepted drafts and the model's own)."""
+    for key, name, doc in SPEC_COUNTERS:
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], float(st[key]))
+        yield c
+    v, d, a = st["spec_verifies"], st["spec_draft_tokens"], st["spec_accepted_tokens"]
+    for name, doc, value in (
+        ("radixd_spec_accept_rate", "Drafted tokens accepted / drafted tokens, since start.", a / d if d else 0.0),
+        ("radixd_spec_accept_length", "Tokens per verify entry (accepted drafts and the model's own), since start.",
+         (a + v) / v if v else 0.0),
+    ):
+        g = GaugeMetricFamily(name, doc)
+        g.add_metric([], value)
+        yield g
 
 
 TIER_COUNTERS = (
