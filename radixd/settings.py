@@ -119,6 +119,7 @@ ParallelSection = _engine_section("parallel")
 GrammarSection = _engine_section("grammar")
 LimitsSection = _engine_section("limits", _LimitsKeys)
 PluginsSection = _engine_section("plugins", _PluginsKeys)
+KvEventsSection = _engine_section("kv_events")
 
 
 SECTIONS: dict[str, type] = {
@@ -135,6 +136,7 @@ SECTIONS: dict[str, type] = {
     "logging": LoggingSection,
     "plugins": PluginsSection,
     "auth": AuthSection,
+    "kv_events": KvEventsSection,
 }
 
 
@@ -155,6 +157,7 @@ class Settings:
     logging: LoggingSection = field(default_factory=LoggingSection)
     plugins: PluginsSection = field(default_factory=PluginsSection)
     auth: AuthSection = field(default_factory=AuthSection)
+    kv_events: KvEventsSection = field(default_factory=KvEventsSection)
     source: str | None = None
 
     def engine_config(self) -> EngineConfig:

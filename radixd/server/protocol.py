@@ -139,7 +139,11 @@ NATIVE_NOOPS: dict[str, Any] = {
     "lora_path": None, "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None,
     "token_ids_logprob": None, "modalities": None, "session_params": None, "custom_logit_processor": None,
     "return_hidden_states": False, "log_metrics": True, "bootstrap_host": None, "bootstrap_port": None,
-    "bootstrap_room": None, "data_parallel_rank": None}
+    "bootstrap_room": None, "data_parallel_rank": None,
+    # what SGLang's gateway (smg) writes into every /generate it forwards, at their defaults
+    "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False, "lora_id": None,
+    "bootstrap_pair_key": None, "extra_key": None, "custom_labels": None, "conversation_id": None,
+    "return_prompt_token_ids": False, "routed_dp_rank": None}
 
 
 def _noop(default: Any) -> dict:

@@ -42,7 +42,7 @@ class ServerState:
     dashboard: Any = None  # radixd.server.dashboard.Feed when [server] dashboard is on
 
     def __post_init__(self) -> None:
-        self.metrics = Metrics(self.engine)
+        self.metrics = Metrics(self.engine, self.model_name)
         p = self.settings.plugins
         self.hooks = HookGuard(self.plugins, on_error=p.on_error, timeout_s=p.hook_timeout_s,
                                on_fault=lambda plugin, hook, kind: self.metrics.plugin_faults.labels(
