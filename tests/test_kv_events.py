@@ -86,10 +86,11 @@ async def run(eng, prompts, max_new=3):
             pass
 
 
-async def test_subscriber_rebuilds_the_cached_blocks(model, tmp_path):
+async def test_subscriber_rebuilds_the_cached_blocks(model, tmp_path, monkeypatch):
     endpoint = f"ipc://{tmp_path}/kv-events"
+    monkeypatch.setenv("POD_NAME", "pod-a")  # the topic llm-d reads, the pod's name from the environment
     eng = Engine(model=str(model), kv_cache_tokens=96, kv_events=True, kv_events_endpoint=endpoint,
-                 kv_events_topic="kv@pod-a@tiny", kv_events_block_size=BS)
+                 kv_events_topic="kv@$POD_NAME@tiny", kv_events_block_size=BS)
     sub = Subscriber(endpoint, b"kv@pod-a@tiny")
     time.sleep(0.3)  # a SUB socket hears only what is sent after it joined
     cache = eng.replicas[0].cache

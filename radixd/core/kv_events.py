@@ -23,7 +23,8 @@ as msgspec's ``array_like`` structs with defaults omitted: ``[ts, [event, ...], 
 with events ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
 lora_id, medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]`` and
 ``["AllBlocksCleared"]``. ``medium`` is ``"GPU"`` (the KV pool, as vLLM names its own). llm-d
-reads the pod and model from a topic ``kv@<pod>@<model>``. Replica ``i`` of a
+reads the pod and model from a topic ``kv@<pod>@<model>``; ``$VAR`` in the topic is read from
+the environment (a pod's name, from the downward API). Replica ``i`` of a
 data-parallel engine publishes on the endpoint's port + ``i``, as vLLM's ranks do.
 
 Contract
@@ -38,6 +39,7 @@ on the scheduler's thread. It only hashes the new blocks and queues the event; t
 from __future__ import annotations
 
 import hashlib
+import os
 import queue
 import struct
 import threading
@@ -126,7 +128,7 @@ class Publisher:
             self._sock.bind(self.endpoint)  # vLLM's rule: a wildcard binds, an address connects
         else:
             self._sock.connect(self.endpoint)
-        self._topic = topic.encode()
+        self._topic = os.path.expandvars(topic).encode()  # e.g. kv@$POD_NAME@model in a pod
         self._dp_rank = dp_rank
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._seq = 0
