@@ -3,7 +3,7 @@ resources, namespace, labels, images, replicas, JSON patches, ConfigMap generato
 object validated offline, strictly (unknown fields refused), the built-in kinds against the
 Kubernetes schemas of ``kubernetes-validate`` and the custom ones (RoleBasedGroup,
 InferencePool) against their CRDs' schemas vendored in ``deploy/schemas``; every radixd.toml
-a ConfigMap carries passes ``radixd check-config``; and the wiring holds together (probes,
+a ConfigMap carries passes ``radixd check-config`` (its ``main``, in this process); and the wiring holds together (probes,
 drain within the grace period, PDB and pool selectors, the HPA's metric, the topology hint,
 the image's command)."""
 
@@ -13,15 +13,14 @@ import copy
 import functools
 import gzip
 import json
-import os
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
+
+from radixd import cli
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -151,7 +150,7 @@ def test_a_crd_schema_catches_a_bad_field(built):
         jsonschema.validate(bad, crds[("workloads.x-k8s.io/v1alpha2", "RoleBasedGroup")])
 
 
-def test_configmaps_radixd_toml_passes_check_config(built, tmp_path):
+def test_configmaps_radixd_toml_passes_check_config(built, tmp_path, capsys):
     files: dict[str, str] = {}  # text -> the first kustomization carrying it
     for name, objs in built.items():
         for o in objs:
@@ -161,14 +160,10 @@ def test_configmaps_radixd_toml_passes_check_config(built, tmp_path):
     for i, (text, name) in enumerate(files.items()):
         path = tmp_path / f"{i}.toml"
         path.write_text(text)
-        r = subprocess.run([sys.executable, "-m", "radixd", "check-config", str(path)], capture_output=True,
-                           text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
-        assert r.returncode == 0, f"{name}: {r.stdout}{r.stderr}"
+        assert cli.main(["check-config", str(path)]) == 0, f"{name}: {capsys.readouterr()}"
     bad = tmp_path / "bad.toml"
     bad.write_text(next(iter(files)).replace("[kv_events]", "[kv_events]\nblock_sise = 4"))
-    r = subprocess.run([sys.executable, "-m", "radixd", "check-config", str(bad)], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
-    assert r.returncode == 2 and "block_sise" in r.stdout + r.stderr
+    assert cli.main(["check-config", str(bad)]) == 2 and "block_sise" in capsys.readouterr().err
 
 
 def test_deployment_wiring(built):
