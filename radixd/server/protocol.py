@@ -543,6 +543,8 @@ def parse_tokenize(body: dict, served: str) -> TokenizeRequest:
     """``/v1/tokenize``: a ``prompt`` string or chat ``messages``."""
     check_fields(body, set(TOKENIZE_SCHEMAS))
     check_model(body.get("model"), served)
+    if "messages" in body and "prompt" in body:
+        raise ApiError(400, "give one of 'prompt' or 'messages', not both", param="prompt")
     if "messages" in body:
         return TokenizeRequest(chat_messages(body), "", True)
     if isinstance(body.get("prompt"), str):
