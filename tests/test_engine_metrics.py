@@ -96,3 +96,18 @@ def test_loads_include_sections():
     check_include("core,disagg,queues,memory")
     with pytest.raises(ApiError, match="'include' names an unknown section 'nope'"):
         check_include("core,nope")
+
+
+async def test_one_sample_per_data_parallel_rank(model):
+    eng = Engine(model=str(model), kv_cache_tokens=256, dp_size=2)
+    metrics = Metrics(eng, "tiny")
+    try:
+        fams = scrape(metrics)
+        for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:cache_config_info"):
+            assert sorted(s.labels["engine"] for s in fams[name][1]) == ["0", "1"], name
+        assert sorted(s.labels["dp_rank"] for s in fams["sglang:token_usage"][1]) == ["0", "1"]
+        body = metrics.load.loads_body(64)
+        assert body["dp_rank_count"] == 2 and [x["dp_rank"] for x in body["loads"]] == [0, 1]
+        assert [x["max_total_num_tokens"] for x in body["loads"]] == [256, 256]
+    finally:
+        await eng.stop()
