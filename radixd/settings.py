@@ -132,6 +132,7 @@ GrammarSection = _engine_section("grammar")
 LimitsSection = _engine_section("limits", _LimitsKeys)
 PluginsSection = _engine_section("plugins", _PluginsKeys)
 SpeculativeSection = _engine_section("speculative")
+KvEventsSection = _engine_section("kv_events")
 
 
 SECTIONS: dict[str, type] = {
@@ -150,6 +151,7 @@ SECTIONS: dict[str, type] = {
     "auth": AuthSection,
     "disaggregation": DisaggregationSection,
     "speculative": SpeculativeSection,
+    "kv_events": KvEventsSection,
 }
 
 
@@ -172,6 +174,7 @@ class Settings:
     auth: AuthSection = field(default_factory=AuthSection)
     disaggregation: DisaggregationSection = field(default_factory=DisaggregationSection)
     speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
+    kv_events: KvEventsSection = field(default_factory=KvEventsSection)
     source: str | None = None
 
     def engine_config(self) -> EngineConfig:

@@ -271,3 +271,58 @@ def pip_install_contrib(package: str, entry: str, tmp_dir: Path):
     if not was_installed:
         subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", package], check=True, env=env)
         importlib.invalidate_caches()
+
+
+class SmgGateway:
+    """SGLang's gateway (``smg launch``, the PyPI package ``smg``) on free loopback ports in
+    front of ``worker_urls``, with one routing ``policy``; ready once every worker is registered
+    and healthy."""
+
+    def __init__(self, tmp: Path, worker_urls: list[str], policy: str, *extra: str, timeout: float = 60.0):
+        import shutil
+        import socket
+        import subprocess
+        import time
+
+        import httpx
+
+        exe = shutil.which("smg")
+        if exe is None:
+            pytest.skip("smg is not installed (pip install smg)")
+        ports = []
+        for _ in range(2):  # the router's and its Prometheus exporter's (default 29000, often taken)
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ports.append(s.getsockname()[1])
+        self.url = f"http://127.0.0.1:{ports[0]}"
+        self.log_path = tmp / f"smg-{policy}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [exe, "launch", "--host", "127.0.0.1", "--port", str(ports[0]), "--prometheus-host", "127.0.0.1",
+             "--prometheus-port", str(ports[1]), "--policy", policy, "--worker-urls", *worker_urls, *extra],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"smg exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                workers = httpx.get(self.url + "/workers", timeout=2).json()["workers"]
+                if sum(w["is_healthy"] and w["status"] == "ready" for w in workers) == len(worker_urls):
+                    return
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"smg did not register its workers:\n{self.log_path.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()

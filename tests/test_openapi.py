@@ -117,3 +117,12 @@ def test_schemathesis(daemon, document, mode):
     assert httpx.get(daemon.url + "/health", timeout=30).status_code == 200
     st = httpx.get(daemon.url + "/server_info", headers=headers).json()["stats"]
     assert st["kv"]["locked"] == 0 and st["kv"]["private"] == 0
+
+
+def test_tokenize_takes_one_of_prompt_or_messages():
+    from radixd.server.errors import ApiError
+    from radixd.server.protocol import parse_tokenize
+
+    with pytest.raises(ApiError, match="one of 'prompt' or 'messages', not both"):
+        parse_tokenize({"prompt": {"x": 1}, "messages": [{"role": "user", "content": "hi"}]}, "m")
+    assert parse_tokenize({"prompt": "hi"}, "m").prompt == "hi"

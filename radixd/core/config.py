@@ -270,6 +270,14 @@ class EngineConfig:
     max_n: int = option(16, key="limits.max_n", min=1)
     max_top_logprobs: int = option(20, key="limits.max_top_logprobs", min=0, max=20)
 
+    # KV-cache events (core.kv_events): the radix cache's blocks stored / removed / all cleared,
+    # published over ZMQ as vLLM's KVEventBatch (msgpack) for llm-d's precise prefix-cache
+    # scorer. block_size: tokens per reported block (also the block of cache_config_info).
+    kv_events: bool = option(False, key="kv_events.enabled")
+    kv_events_endpoint: str = option("tcp://*:5557", key="kv_events.endpoint", nonempty=True)
+    kv_events_topic: str = option("", key="kv_events.topic")
+    kv_events_block_size: int = option(16, key="kv_events.block_size", min=1)
+
     # Entry-point plugins to load (None: all installed ones) and never to load.
     plugins_allow: tuple[str, ...] | None = option(None, key="plugins.allow")
     plugins_block: tuple[str, ...] = option((), key="plugins.block")

@@ -15,6 +15,10 @@ Contract
   held by the tiers too; ``hits`` counts admissions that matched through it (for the
   write-through-after-N-hits policy). ``on_evict(leaf)``, if set, runs before a leaf's
   slots go back to the allocator (write-back); it must not change the tree.
+* KV-cache events (``radixd.core.kv_events``): ``listener``, if set, hears of namespace 0's
+  nodes stored, split and removed and of flushes; it keeps each node's ``blocks`` (the hashes
+  of the whole blocks ending in it) and must not change the tree. ``depth`` is a node's
+  first token's position in its sequence.
 * ``namespace`` keeps separate trees: namespace 0 is the shared cache; with the cache disabled
   each request group gets a private namespace (so the ``n`` samples of one request share their
   prompt) and nodes are freed as soon as their last lock goes.
@@ -38,9 +42,11 @@ _CHUNK = 64  # tokens of an edge compared at once (as tuples, at C speed)
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "namespace", "hits", "backed")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "namespace", "hits", "backed",
+                 "depth", "blocks")
 
-    def __init__(self, parent: TreeNode | None, key: tuple[int, ...], value: torch.Tensor, namespace: int):
+    def __init__(self, parent: TreeNode | None, key: tuple[int, ...], value: torch.Tensor, namespace: int,
+                 depth: int = 0):
         self.children: dict[int, TreeNode] = {}
         self.parent = parent
         self.key = key
@@ -50,6 +56,8 @@ class TreeNode:
         self.namespace = namespace
         self.hits = 0          # admissions whose cached prefix ran through this node
         self.backed = False    # its pages are in the lower tiers too
+        self.depth = depth     # tokens before its first one
+        self.blocks: tuple[int, ...] = ()  # KV-event hashes of the blocks ending in it (with a listener)
 
     @property
     def is_root(self) -> bool:
@@ -75,6 +83,7 @@ class RadixCache:
         self.protected_size = 0
         self._leaves: set[TreeNode] = set()  # non-root nodes without children
         self.on_evict = None  # callable(leaf) before a leaf's slots are freed (tier write-back)
+        self.listener = None  # kv_events.Recorder: stored / split / removed / cleared
         # Counters: prompt tokens looked up vs served from the cache.
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -186,12 +195,14 @@ class RadixCache:
         while n < len(key):
             child = node.children.get(key[n])
             if child is None:
-                new = TreeNode(node, tuple(key[n:]), slots[n:].clone(), namespace)
+                new = TreeNode(node, tuple(key[n:]), slots[n:].clone(), namespace, depth=n)
                 new.last_access = now
                 node.children[key[n]] = new
                 self._leaves.discard(node)
                 self._leaves.add(new)
                 self.evictable_size += len(new.key)
+                if self.listener is not None and namespace == 0:
+                    self.listener.stored(new)
                 return n
             m = _common_len(child.key, key, n)
             if m < len(child.key):
@@ -205,7 +216,7 @@ class RadixCache:
         """Cut ``child`` after its first ``m`` tokens; returns the new upper node."""
         parent = child.parent
         assert parent is not None
-        upper = TreeNode(parent, child.key[:m], child.value[:m], child.namespace)
+        upper = TreeNode(parent, child.key[:m], child.value[:m], child.namespace, depth=child.depth)
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         upper.hits = child.hits
@@ -215,6 +226,9 @@ class RadixCache:
         child.parent = upper
         child.key = child.key[m:]
         child.value = child.value[m:]
+        child.depth += m
+        if self.listener is not None and child.blocks:
+            self.listener.split(upper, child)
         return upper
 
     # ------------------------------------------------------------------ locks
@@ -284,6 +298,8 @@ class RadixCache:
     def _delete_leaf(self, leaf: TreeNode) -> None:
         parent = leaf.parent
         assert parent is not None and not leaf.children and leaf.lock_ref == 0
+        if self.listener is not None and leaf.namespace == 0:
+            self.listener.removed(leaf)
         del parent.children[leaf.key[0]]
         self._leaves.discard(leaf)
         if not parent.children and not parent.is_root:
@@ -295,8 +311,14 @@ class RadixCache:
         """Drop every unlocked node (``/flush_cache``). Returns False if something is locked."""
         if self.protected_size:
             return False
-        self.evict(self.evictable_size, write_back=False)
+        listener, self.listener = self.listener, None  # one AllBlocksCleared, not a removal per leaf
+        try:
+            self.evict(self.evictable_size, write_back=False)
+        finally:
+            self.listener = listener
         self._roots = {ns: r for ns, r in self._roots.items() if r.children or ns == 0}
+        if listener is not None:
+            listener.cleared()
         return True
 
     # ------------------------------------------------------------------ paths

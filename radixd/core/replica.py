@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from radixd.core.config import EngineConfig
+from radixd.core.kv_events import Publisher, Recorder
 from radixd.core.kv_pool import RowAllocator
 from radixd.core.outputs import Outputs
 from radixd.core.policy import SchedulePolicy
@@ -82,6 +83,11 @@ class Replica:
         self.worker = worker
         self.allocator, self.cache = slots_and_cache(worker.pool, enabled=config.radix_cache)
         self.rows = RowAllocator(config.max_running_requests)
+        self.kv_events = None  # kv_events.Publisher of this replica's cache changes ([kv_events])
+        if config.kv_events:
+            self.kv_events = Publisher(config.kv_events_endpoint, config.kv_events_topic,
+                                       dp_rank=index)
+            self.cache.listener = Recorder(config.kv_events_block_size, self.kv_events)
         self.policy = policy
         self.tiers = tiers  # KVHierarchy over this replica's pool, or None
         self.scheduler = Scheduler(config, allocator=self.allocator, rows=self.rows, cache=self.cache,
@@ -129,6 +135,8 @@ class Replica:
         self.worker.close()
         if self.tiers is not None:
             self.tiers.close(close_tiers=False)  # the engine closes the shared tiers after
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     async def run(self) -> None:
         """The batching loop. A failure of one step fails the requests in flight, never the

@@ -1,5 +1,6 @@
 """Model listing, health, metrics and inspection routes (``/v1/models``, ``/health`` (and
-SGLang's ``/health_generate``), ``/metrics``, ``/flush_cache``, ``/server_info``, ``/openapi.json``)."""
+SGLang's ``/health_generate``), ``/metrics``, ``/flush_cache``, ``/server_info``, SGLang's ``/v1/loads``,
+``/openapi.json``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from radixd import __version__
 from radixd.core.errors import EngineStopped, InvalidRequest
 from radixd.core.sampling_params import SamplingParams
 from radixd.server import protocol
+from radixd.server.engine_load import check_include
 from radixd.server.errors import ApiError
 from radixd.server.state import ServerState, state_of
 
@@ -75,7 +77,34 @@ async def flush_cache(request: Request) -> Response:
 
 
 async def server_info(request: Request) -> Response:
-    return JSONResponse(server_info_body(state_of(request)))
+    """radixd's own body, with SGLang's server arguments beside it (``/server_info`` is also
+    SGLang's newer name of ``/get_server_info``, which its gateway reads)."""
+    st = state_of(request)
+    return JSONResponse({**sglang_server_args(st), **server_info_body(st)})
+
+
+def sglang_server_args(st: ServerState) -> dict:
+    """radixd's settings under the names of SGLang's server arguments."""
+    s = st.settings
+    return {
+        "model_path": s.model.path, "tokenizer_path": s.model.tokenizer or s.model.path,
+        "served_model_name": st.model_name, "host": s.server.host, "port": s.server.port,
+        "context_length": st.engine.context_len, "tp_size": s.parallel.tp_size, "dp_size": s.parallel.dp_size,
+        "mem_fraction_static": s.memory.mem_fraction, "chunked_prefill_size": s.scheduler.chunked_prefill_size,
+        "max_running_requests": s.scheduler.max_running_requests, "schedule_policy": s.scheduler.policy,
+        "disable_radix_cache": not s.cache.radix, "stream_interval": s.scheduler.stream_interval,
+        "log_level": s.logging.level, "random_seed": s.scheduler.seed,
+        "max_total_tokens": st.engine.stats()["kv"]["total"], "is_embedding": st.engine.pooling is not None,
+        "reasoning_parser": getattr(st.reasoning, "name", None),
+    }
+
+
+async def loads(request: Request) -> Response:
+    """SGLang's ``GET /v1/loads`` (``?include=`` sections; radixd answers the core figures):
+    what SGLang's gateway polls for its load-aware policies."""
+    st = state_of(request)
+    check_include(request.query_params.get("include"))
+    return JSONResponse(st.metrics.load.loads_body(st.settings.scheduler.max_running_requests))
 
 
 def server_info_body(st: ServerState) -> dict:

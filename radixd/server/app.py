@@ -19,6 +19,7 @@ from radixd.server import dashboard
 from radixd.server.admin_routes import (
     flush_cache,
     health,
+    loads,
     metrics,
     model_by_id,
     models,
@@ -77,6 +78,8 @@ def build_app(state: ServerState) -> Starlette:
         Route("/health_generate", health, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
         Route("/get_model_info", get_model_info, methods=["GET"]),
+        Route("/model_info", get_model_info, methods=["GET"]),
+        Route("/v1/loads", loads, methods=["GET"]),
         Route("/get_server_info", get_server_info, methods=["GET"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/server_info", server_info, methods=["GET"]),

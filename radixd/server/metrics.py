@@ -5,14 +5,17 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
+from radixd.server.engine_load import LoadReader
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class _EngineCollector:
-    """Gauges read from the engine at scrape time."""
+    """Gauges read from the engine at scrape time (radixd's, then vLLM's and SGLang's names)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, load: LoadReader):
         self.engine = engine
+        self.load = load
 
     def collect(self):
         st = self.engine.stats()
@@ -43,6 +46,7 @@ class _EngineCollector:
                     g.add_metric([str(i)], float(per[key]))
                 yield g
         yield from _tier_metrics(st.get("cache_tiers") or {})
+        yield from self.load.families()
         if "spec_verifies" in st:  # speculative decoding is on
             yield from _spec_metrics(st)
 
@@ -111,7 +115,8 @@ def _tier_metrics(tiers: dict):
 
 
 class Metrics:
-    def __init__(self, engine):
+    def __init__(self, engine, model_name: str = ""):
+        self.load = LoadReader(engine, model_name, engine.config.kv_events_block_size)
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("radixd_requests", "Finished HTTP requests by route and status.",
@@ -130,4 +135,4 @@ class Metrics:
         self.slow_clients = Counter("radixd_slow_clients", "Responses ended because a write to the client "
                                     "blocked past server.send_timeout_s.", registry=r)
         self.preemptions = Counter("radixd_preemptions", "Requests preempted for KV memory.", registry=r)
-        r.register(_EngineCollector(engine))
+        r.register(_EngineCollector(engine, self.load))

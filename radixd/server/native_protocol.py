@@ -46,7 +46,6 @@ class NativeRequest:
     batch: bool                      # a list of prompts: answered with a list, never streamed
     stream: bool
     priority: int
-    model: str | None
 
 
 def check_noop(where: str, key: str, value: Any, default: Any) -> None:
@@ -167,7 +166,7 @@ def parse_native(body: dict, tokenize: Callable[[str], list[int]]) -> NativeRequ
     priority = body.get("priority") or 0
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ApiError(400, "'priority' must be an integer", param="priority")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
+    model = body.get("model")  # named by gateways (smg: "unknown" when the client names none); as
+    if model is not None and not isinstance(model, str):  # SGLang's GenerateReqInput, read by no one
         raise ApiError(400, "'model' must be a string", param="model")
-    return NativeRequest(prompts, params, rids, asks, bool(text_in), batch, stream, priority, model)
+    return NativeRequest(prompts, params, rids, asks, bool(text_in), batch, stream, priority)

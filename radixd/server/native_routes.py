@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from radixd import __version__
 from radixd.core.outputs import GenerateOutput, Submission
 from radixd.server import native_protocol, protocol
-from radixd.server.admin_routes import server_info_body
+from radixd.server.admin_routes import server_info_body, sglang_server_args
 from radixd.server.chat import chat_prompt_ids
 from radixd.server.errors import ApiError
 from radixd.server.generation import Generation, samples, sse
@@ -29,8 +29,6 @@ async def native_generate(request: Request) -> Response:
     t0 = time.perf_counter()
     st = state_of(request)
     req = native_protocol.parse_native(await protocol.read_json(request), st.engine.tokenize)
-    # "unknown": what SGLang's gateway (smg) writes for a body without a model (any worker)
-    protocol.check_model(None if req.model == "unknown" else req.model, st.model_name)
     gen = await Generation.start(st, request, req.prompts, req.params, priority=req.priority,
                                  param_prefix="sampling_params.", rids=req.rids)
     answer = _Answer(st, req, t0)
@@ -114,7 +112,8 @@ class _Answer:
 
 
 async def get_model_info(request: Request) -> Response:
-    """SGLang's ``/get_model_info`` (its frontend reads it at construction)."""
+    """SGLang's ``/model_info`` and its older name ``/get_model_info`` (its frontend reads it at
+    construction, its gateway when a worker registers)."""
     st = state_of(request)
     model = st.settings.model
     return JSONResponse({"model_path": model.path, "tokenizer_path": model.tokenizer or model.path,
@@ -126,18 +125,8 @@ async def get_server_info(request: Request) -> Response:
     """SGLang's ``/get_server_info``: its server arguments (radixd's settings under SGLang's
     names), the engine's state per replica, the version; and radixd's own ``/server_info``."""
     st = state_of(request)
-    s = st.settings
-    stats = st.engine.stats()
-    return JSONResponse({
-        "model_path": s.model.path, "tokenizer_path": s.model.tokenizer or s.model.path,
-        "served_model_name": st.model_name, "host": s.server.host, "port": s.server.port,
-        "context_length": st.engine.context_len, "tp_size": s.parallel.tp_size, "dp_size": s.parallel.dp_size,
-        "mem_fraction_static": s.memory.mem_fraction, "chunked_prefill_size": s.scheduler.chunked_prefill_size,
-        "max_running_requests": s.scheduler.max_running_requests, "schedule_policy": s.scheduler.policy,
-        "disable_radix_cache": not s.cache.radix, "stream_interval": s.scheduler.stream_interval,
-        "log_level": s.logging.level, "random_seed": s.scheduler.seed,
-        "reasoning_parser": getattr(st.reasoning, "name", None),
-        "internal_states": [stats], "version": __version__, "radixd": server_info_body(st)})
+    return JSONResponse({**sglang_server_args(st), "internal_states": [st.engine.stats()], "version": __version__,
+                         "radixd": server_info_body(st)})
 
 
 async def abort_request(request: Request) -> Response:

@@ -113,6 +113,13 @@ OPENAPI = {"type": "object", "required": ["openapi", "info", "paths"]}
 MODEL_INFO = {"type": "object", "required": ["model_path", "tokenizer_path", "is_generation"],
               "properties": {"model_path": _STR, "tokenizer_path": _STR, "is_generation": {"type": "boolean"},
                              "served_model_name": _STR}}
+_LOAD = {"type": "object", "required": ["dp_rank", "num_running_reqs", "num_waiting_reqs", "token_usage"],
+         "properties": {k: _INT for k in ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_total_reqs",
+                                           "num_used_tokens", "max_total_num_tokens", "max_running_requests")}
+         | {k: {"type": "number"} for k in ("token_usage", "gen_throughput", "cache_hit_rate")}}
+LOADS = {"type": "object", "required": ["timestamp", "dp_rank_count", "loads"],
+         "properties": {"timestamp": _STR, "version": _STR, "dp_rank_count": _INT,
+                        "loads": {"type": "array", "items": _LOAD}, "aggregate": {"type": "object"}}}
 SGL_SERVER_INFO = {"type": "object", "required": ["model_path", "version", "internal_states", "radixd"],
                    "properties": {"model_path": _STR, "version": _STR, "radixd": SERVER_INFO,
                                   "internal_states": {"type": "array", "items": {"type": "object"}}}}
@@ -221,6 +228,14 @@ def openapi_document(state) -> dict:
             **_errors(400, 401)}} for method in ("get", "post")},
         "/get_model_info": {"get": {"summary": "SGLang's model information", "responses": {
             "200": {"description": "The model", "content": _json(MODEL_INFO)}, **_errors(401)}}},
+        "/model_info": {"get": {"summary": "SGLang's model information (its newer name of /get_model_info)",
+                                "responses": {"200": {"description": "The model", "content": _json(MODEL_INFO)},
+                                              **_errors(401)}}},
+        "/v1/loads": {"get": {
+            "summary": "SGLang's load report per DP rank (what its gateway's load-aware policies poll)",
+            "parameters": [{"name": "include", "in": "query", "required": False,
+                            "schema": {"type": "string", "description": "comma-separated sections"}}],
+            "responses": {"200": {"description": "Loads", "content": _json(LOADS)}, **_errors(400, 401)}}},
         "/get_server_info": {"get": {"summary": "SGLang's server information (radixd's settings under its names)",
                                      "responses": {"200": {"description": "Server information",
                                                            "content": _json(SGL_SERVER_INFO)}, **_errors(401)}}},

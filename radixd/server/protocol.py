@@ -141,8 +141,10 @@ NATIVE_NOOPS: dict[str, Any] = {
     "token_ids_logprob": None, "modalities": None, "session_params": None, "custom_logit_processor": None,
     "return_hidden_states": False, "log_metrics": True, "bootstrap_host": None, "bootstrap_port": None,
     "bootstrap_room": None, "data_parallel_rank": None,
-    # SGLang's gateway (smg) writes these into every /generate body it forwards
-    "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False}
+    # what SGLang's gateway (smg) writes into every /generate it forwards, at their defaults
+    "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False, "lora_id": None,
+    "bootstrap_pair_key": None, "extra_key": None, "custom_labels": None, "conversation_id": None,
+    "return_prompt_token_ids": False, "routed_dp_rank": None}
 
 
 def _noop(default: Any) -> dict:
@@ -545,6 +547,8 @@ def parse_tokenize(body: dict, served: str) -> TokenizeRequest:
     """``/v1/tokenize``: a ``prompt`` string or chat ``messages``."""
     check_fields(body, set(TOKENIZE_SCHEMAS))
     check_model(body.get("model"), served)
+    if "messages" in body and "prompt" in body:
+        raise ApiError(400, "give one of 'prompt' or 'messages', not both", param="prompt")
     if "messages" in body:
         return TokenizeRequest(chat_messages(body), "", True)
     if isinstance(body.get("prompt"), str):

@@ -8,7 +8,8 @@ one ``check`` walks, so the document and the parser cannot disagree), then maps 
 ``function_call`` / ``function_call_output`` / ``reasoning`` items) -> messages, with
 assistant ``tool_calls``, ``tool`` messages and ``reasoning_content``; the flat function
 ``tools`` -> chat's nested ones; ``text.format`` -> ``response_format``;
-``max_output_tokens`` -> ``max_tokens``. Fields that ask for what a stateless text server
+``max_output_tokens`` -> ``max_tokens``; SGLang's extras ``top_k``, ``min_p``, ``repetition_penalty``,
+``priority`` as they are. Fields that ask for what a stateless text server
 lacks (``store: true``, ``previous_response_id``, hosted tools, reasoning effort) are 400s
 naming them; an absent ``store`` means false here (nothing is stored, and the response says
 ``"store": false``). Errors the chat pipeline raises name the chat field; ``renamed`` gives
@@ -121,6 +122,11 @@ RESPONSES_SCHEMAS: dict[str, dict] = {
     "metadata": nullable(METADATA),
     "user": nullable(_STR),
     "safety_identifier": nullable(_STR),
+    # SGLang's extras of the Responses body (its gateway, smg, writes them into every request)
+    "top_k": nullable(json_schema("top_k")),
+    "min_p": nullable(json_schema("min_p")),
+    "repetition_penalty": nullable(json_schema("repetition_penalty")),
+    "priority": nullable({"type": "integer"}),
     **{k: nullable(op.schema) for k, (_, op) in RESPONSES_NO_OPS.items()},
 }
 RESPONSES_FIELDS = set(RESPONSES_SCHEMAS)
@@ -268,7 +274,8 @@ def parse_responses(body: dict) -> ResponsesRequest:
                                          if body.get("instructions") is not None else []) + messages(body["input"])}
     for key, target in (("model", "model"), ("stream", "stream"), ("temperature", "temperature"), ("top_p", "top_p"),
                         ("max_output_tokens", "max_tokens"), ("user", "user"),
-                        ("parallel_tool_calls", "parallel_tool_calls")):
+                        ("parallel_tool_calls", "parallel_tool_calls"), ("top_k", "top_k"), ("min_p", "min_p"),
+                        ("repetition_penalty", "repetition_penalty"), ("priority", "priority")):
         if body.get(key) is not None:
             chat[target] = body[key]
     tools = body.get("tools") or []

@@ -43,7 +43,7 @@ class ServerState:
     disagg: Any = None  # radixd.server.disagg.Disagg in a prefill or decode role
 
     def __post_init__(self) -> None:
-        self.metrics = Metrics(self.engine)
+        self.metrics = Metrics(self.engine, self.model_name)
         p = self.settings.plugins
         self.hooks = HookGuard(self.plugins, on_error=p.on_error, timeout_s=p.hook_timeout_s,
                                on_fault=lambda plugin, hook, kind: self.metrics.plugin_faults.labels(
