@@ -10,6 +10,7 @@ benchmark configures one is part of what it measures and stays in its script.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import os
@@ -109,6 +110,27 @@ def time_graph(fn: Callable[[], object], reps: int = 30) -> float:
         fn()
     return cuda_median_s(g.replay, reps=reps)
 
+
+
+async def generate_all(engine, prompts: list[list[int]], new: int) -> dict:
+    """Greedy ``new`` tokens for every prompt at once (EOS ignored): the start, the time the
+    last request got its first token, and the time the last one ended (perf_counter)."""
+    from radixd import SamplingParams
+
+    t0 = time.perf_counter()
+    firsts, ends = [], []
+
+    async def one(p):
+        first = None
+        params = SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True)
+        async for out in engine.generate(input_ids=p, params=params):
+            if first is None and out.token_ids:
+                first = time.perf_counter()
+        firsts.append(first)
+        ends.append(time.perf_counter())
+
+    await asyncio.gather(*(one(p) for p in prompts))
+    return {"t0": t0, "all_first": max(firsts), "end": max(ends)}
 
 def timed_section(fn: Callable[[], dict]) -> dict:
     """``fn()``'s result with its wall time as ``section_s``; a section that raises reports

@@ -47,11 +47,12 @@ from benchmarks.common import (
     cuda_median_s,
     environment,
     free,
+    generate_all,
     time_graph,
     timed_section,
     write_json,
 )
-from radixd import Engine, SamplingParams
+from radixd import Engine
 from radixd.core.kv_pool import kv_bytes_per_token
 from radixd.core.moe_ops import PAIRS_UNSORTED, MoETiles, experts_torch, experts_triton, moe_tiles
 
@@ -206,23 +207,6 @@ def tiles(run: Run) -> dict:
     return {"cases": out}
 
 
-async def _generate_all(eng: Engine, prompts: list[list[int]], new: int) -> dict:
-    t0 = time.perf_counter()
-    firsts, ends = [], []
-
-    async def one(p):
-        first = None
-        async for out in eng.generate(input_ids=p, params=SamplingParams(max_new_tokens=new, temperature=0,
-                                                                         ignore_eos=True)):
-            if first is None and out.token_ids:
-                first = time.perf_counter()
-        firsts.append(first)
-        ends.append(time.perf_counter())
-
-    await asyncio.gather(*(one(p) for p in prompts))
-    return {"t0": t0, "all_first": max(firsts), "end": max(ends)}
-
-
 def _weight_bytes(eng: Engine) -> tuple[int, int]:
     """(bytes of the weights every decode step reads whatever the routing: all but the
     experts and the embedding table, of which it reads a row per token; one expert's bytes)."""
@@ -244,11 +228,11 @@ def decode(run: Run) -> dict:
            "kv_bytes_per_token": kv_tok, "cases": []}
     loop = asyncio.new_event_loop()
     try:
-        loop.run_until_complete(_generate_all(eng, [[rng.randrange(100, run.vocab_hi()) for _ in range(64)]
+        loop.run_until_complete(generate_all(eng, [[rng.randrange(100, run.vocab_hi()) for _ in range(64)]
                                                     for _ in range(4)], 4))
         for bs in run.batches:
             prompts = [[rng.randrange(100, run.vocab_hi()) for _ in range(run.prompt)] for _ in range(bs)]
-            r = loop.run_until_complete(_generate_all(eng, prompts, run.new))
+            r = loop.run_until_complete(generate_all(eng, prompts, run.new))
             tok_s = bs * (run.new - 1) / (r["end"] - r["all_first"])
             experts = distinct_experts(cfg.moe.num_experts, cfg.moe.top_k, bs)
             step = fixed + moe_layers * experts * per_expert + bs * (run.prompt + run.new // 2) * kv_tok
@@ -274,10 +258,10 @@ def prefill(run: Run) -> dict:
     rng = random.Random(2)
     loop = asyncio.new_event_loop()
     try:
-        loop.run_until_complete(_generate_all(eng, [[rng.randrange(100, run.vocab_hi()) for _ in range(length)]
+        loop.run_until_complete(generate_all(eng, [[rng.randrange(100, run.vocab_hi()) for _ in range(length)]
                                                     for _ in range(n)], 1))
         eng.flush_cache()
-        r = loop.run_until_complete(_generate_all(eng, [[rng.randrange(100, run.vocab_hi()) for _ in range(length)]
+        r = loop.run_until_complete(generate_all(eng, [[rng.randrange(100, run.vocab_hi()) for _ in range(length)]
                                                         for _ in range(n)], 1))
     finally:
         loop.run_until_complete(eng.stop())

@@ -36,10 +36,11 @@ from benchmarks.common import (
     SHAPES,
     environment,
     free,
+    generate_all,
     timed_section,
     write_json,
 )
-from benchmarks.moe import _generate_all, ceilings
+from benchmarks.moe import ceilings
 from radixd import Engine
 from radixd.core.kv_pool import kv_bytes_per_token
 
@@ -103,9 +104,9 @@ def scheme_figures(run: Run, scheme: str) -> dict:
     out = {"weights_read_per_step_GB": round(weights / 1e9, 3), "decode": []}
     loop = asyncio.new_event_loop()
     try:
-        loop.run_until_complete(_generate_all(eng, run.prompts(rng, 4, 64), 4))  # warm-up
+        loop.run_until_complete(generate_all(eng, run.prompts(rng, 4, 64), 4))  # warm-up
         for bs in run.batches:
-            r = loop.run_until_complete(_generate_all(eng, run.prompts(rng, bs, run.prompt), run.new))
+            r = loop.run_until_complete(generate_all(eng, run.prompts(rng, bs, run.prompt), run.new))
             tok_s = bs * (run.new - 1) / (r["end"] - r["all_first"])
             step = weights + bs * (run.prompt + run.new // 2) * kv_tok
             roof = bs * run.copy_Bps / step
@@ -115,9 +116,9 @@ def scheme_figures(run: Run, scheme: str) -> dict:
             print(json.dumps({"scheme": scheme, **case}), flush=True)
         n, length = run.prefill
         eng.flush_cache()
-        loop.run_until_complete(_generate_all(eng, run.prompts(rng, n, length), 1))  # warm-up at this shape
+        loop.run_until_complete(generate_all(eng, run.prompts(rng, n, length), 1))  # warm-up at this shape
         eng.flush_cache()
-        r = loop.run_until_complete(_generate_all(eng, run.prompts(rng, n, length), 1))
+        r = loop.run_until_complete(generate_all(eng, run.prompts(rng, n, length), 1))
         out["prefill"] = {"prompts": n, "prompt_tokens": length, "tok_s": round(n * length / (r["end"] - r["t0"]), 1)}
     finally:
         loop.run_until_complete(eng.stop())

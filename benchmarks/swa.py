@@ -24,11 +24,10 @@ import asyncio
 import json
 import random
 import sys
-import time
 from pathlib import Path
 
-from benchmarks.common import CPU_ENGINE, CUDA_ENGINE, environment, free, write_json
-from radixd import Engine, SamplingParams
+from benchmarks.common import CPU_ENGINE, CUDA_ENGINE, environment, free, generate_all, write_json
+from radixd import Engine
 from radixd.core.kv_manager import FREE_EVERY
 from radixd.core.kv_pool import kv_bytes_per_token
 
@@ -99,22 +98,6 @@ def held_bytes(acc: dict, sizes: dict, *, cached: bool) -> int:
     return out
 
 
-async def _generate(eng: Engine, prompts: list[list[int]], new: int) -> dict:
-    firsts, ends = [], []
-
-    async def one(p):
-        first = None
-        async for out in eng.generate(input_ids=p, params=SamplingParams(max_new_tokens=new, temperature=0,
-                                                                         ignore_eos=True)):
-            if first is None and out.token_ids:
-                first = time.perf_counter()
-        firsts.append(first)
-        ends.append(time.perf_counter())
-
-    await asyncio.gather(*(one(p) for p in prompts))
-    return {"all_first": max(firsts), "end": max(ends)}
-
-
 def case(run: Run, batch: int, windows: bool) -> dict:
     ratio = run.window_ratio(batch) if windows else 0.0
     eng = run.engine(batch, ratio)
@@ -138,11 +121,11 @@ def case(run: Run, batch: int, windows: bool) -> dict:
     loop = asyncio.new_event_loop()
     try:
         warm = [[rng.randrange(100, vocab) for _ in range(run.chunk)] for _ in range(2)]
-        loop.run_until_complete(_generate(eng, warm, 4))
+        loop.run_until_complete(generate_all(eng, warm, 4))
         eng.flush_cache()
         eng.step_hook = hook
         prompts = [[rng.randrange(100, vocab) for _ in range(run.context - run.new)] for _ in range(batch)]
-        r = loop.run_until_complete(_generate(eng, prompts, run.new))
+        r = loop.run_until_complete(generate_all(eng, prompts, run.new))
     finally:
         loop.run_until_complete(eng.stop())
         loop.close()
