@@ -94,6 +94,18 @@ def quantize_act(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tenso
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program ``pid``'s (row tile, column tile) of an M x N output, programs running in
+    groups of GROUP_M row tiles so that a group reuses its weight tiles from L2."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * tiles_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
+
+
+@triton.jit
 def _fp8_gemm_kernel(A, AS, B, BS, Bias, C, M, N, K, stride_am, stride_as, stride_bn, stride_bs, stride_cm,
                      SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                      HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -102,14 +114,7 @@ def _fp8_gemm_kernel(A, AS, B, BS, Bias, C, M, N, K, stride_am, stride_as, strid
     for SCALE 2); B fp8 [N, K] with BS ([] SCALE 0, [N] SCALE 1, [ceil(N/SCALE_ROWS),
     ceil(K/SCALE_COLS)] SCALE 2). Programs run in groups of GROUP_M row tiles (weight tiles
     reused from L2)."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * tiles_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
