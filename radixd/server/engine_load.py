@@ -95,24 +95,20 @@ class LoadReader:
         reps = self.replicas()
         engine_labels = ["model_name", "engine"]  # vLLM's: an engine is one data-parallel rank
         sglang_labels = ["model_name", "dp_rank"]
-        for name, doc, value in (
+        yield from self._gauges(reps, engine_labels, (
             ("vllm:num_requests_running", "Number of requests in model execution batches.", lambda r: r.running),
             ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lambda r: r.waiting),
             ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lambda r: r.token_usage),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=engine_labels)
-            for r in reps:
-                g.add_metric([self.model_name, str(r.rank)], float(value(r)))
-            yield g
+        ))
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
                                  labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype",
                                          "engine"])
         for r in reps:
             info.add_metric([str(self.block_size), str(r.total_tokens // self.block_size),
-                             str(self.engine.config.radix_cache), str(self.engine.dtype).removeprefix("torch."),
+                             str(self.engine.config.radix_cache), self.engine.config.kv_cache_dtype,
                              str(r.rank)], 1.0)
         yield info
-        for name, doc, value in (
+        yield from self._gauges(reps, sglang_labels, (
             ("sglang:num_running_reqs", "The number of running requests.", lambda r: r.running),
             ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", lambda r: r.waiting),
             ("sglang:num_used_tokens", "The number of used tokens.", lambda r: r.used_tokens),
@@ -120,17 +116,22 @@ class LoadReader:
             ("sglang:token_usage", "The token usage.", lambda r: r.token_usage),
             ("sglang:cache_hit_rate", "The prefix cache hit rate.", lambda r: r.cache_hit_rate),
             ("sglang:gen_throughput", "The generation throughput (token/s).", lambda r: r.gen_throughput),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=sglang_labels)
-            for r in reps:
-                g.add_metric([self.model_name, str(r.rank)], float(value(r)))
-            yield g
+        ))
         info = GaugeMetricFamily("sglang:cache_config_info", "Information of the KV cache configuration.",
                                  labels=["page_size", "num_pages", "model_name", "dp_rank"])
         for r in reps:
             info.add_metric([str(self.block_size), str(r.total_tokens // self.block_size), self.model_name,
                              str(r.rank)], 1.0)
         yield info
+
+    def _gauges(self, reps, labels: list[str], table):
+        """One gauge family per (name, doc, value of a replica) row, a sample per replica
+        labelled (model name, its rank)."""
+        for name, doc, value in table:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            for r in reps:
+                g.add_metric([self.model_name, str(r.rank)], float(value(r)))
+            yield g
 
 
 def check_include(include: str | None) -> None:
