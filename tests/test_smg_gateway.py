@@ -62,12 +62,21 @@ def served_by(daemons: list[Daemon], prefix: str) -> dict[str, int]:
 
 
 def run_workload(gw: SmgGateway, daemons: list[Daemon], tag: str) -> tuple[float, dict[int, set[int]]]:
-    """8 system prompts x 8 questions, shuffled, through the gateway: the hit rate
-    over both daemons' counters and which daemons served each system prompt."""
+    """8 system prompts x 8 questions through the gateway: the hit rate over both daemons'
+    counters and which daemons served each system prompt.
+
+    Each conversation's opening question comes first, two openings at a time; the other 56
+    requests follow one at a time, shuffled. ``cache_aware`` sends a prefix it has not seen to
+    the worker with the fewest requests in flight (the first on a tie): of two openings in
+    flight together, one goes to each daemon, so four prefixes land on each. Sent one at a time,
+    an opening would find both daemons idle or not depending on how soon the gateway counted
+    the previous response done."""
     assert httpx.post(gw.url + "/flush_cache", timeout=30).status_code == 200
     before = [counters(d) for d in daemons]
-    jobs = [(s, q) for s in range(8) for q in range(8)]
-    random.Random(7).shuffle(jobs)
+    order = random.Random(7)
+    openings = [(s, order.randrange(8)) for s in order.sample(range(8), 8)]
+    rest = [(s, q) for s in range(8) for q in range(8) if (s, q) not in openings]
+    order.shuffle(rest)
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     def ask(job):
@@ -77,7 +86,10 @@ def run_workload(gw: SmgGateway, daemons: list[Daemon], tag: str) -> tuple[float
                                                  {"role": "user", "content": QUESTIONS[q]}],
                                        extra_headers={"X-Request-Id": f"{tag}-{s}-{q}"})
 
-    for job in jobs:  # one at a time: the CPU daemons gain nothing from more, and placement stays exact
+    with ThreadPoolExecutor(2) as pool:
+        for i in range(0, 8, 2):
+            list(pool.map(ask, openings[i : i + 2]))
+    for job in rest:  # one at a time: the CPU daemons gain nothing from more, and placement stays exact
         ask(job)
     after = [counters(d) for d in daemons]
     hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
