@@ -100,6 +100,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="multi-turn: tokens of each user turn (default: 128)")
     w.add_argument("--disable-ignore-eos", action="store_true",
                    help="let requests stop at EOS (default: generate exactly the output length)")
+    w.add_argument("--min-tokens", action="store_true",
+                   help="http, OpenAI routes: with ignore_eos also send min_tokens = the output length, "
+                        "for servers that ignore ignore_eos (llama.cpp's)")
     a = p.add_argument_group("arrival")
     a.add_argument("--request-rate", type=_rate, default=math.inf, metavar="R",
                    help="Poisson arrivals at R requests/s, seeded (default: all at once)")
@@ -239,7 +242,7 @@ def _target(args: argparse.Namespace):
 
     if args.target == "http":
         return HttpTarget(args.url, args.api, model=args.model, api_key=args.api_key, timeout=args.timeout,
-                          max_connections=args.max_concurrency)
+                          max_connections=args.max_concurrency, min_tokens=args.min_tokens)
     if args.target == "engine":
         return EngineTarget(args.model or "default", **engine_overrides(args.engine_arg))
     return HFTarget(args.model or "default", batch_size=args.hf_batch_size)

@@ -114,7 +114,7 @@ class HttpTarget(Target):
     kind = "http"
 
     def __init__(self, url: str, api: str, *, model: str | None = None, api_key: str | None = None,
-                 timeout: float = 600.0, max_connections: int | None = None):
+                 timeout: float = 600.0, max_connections: int | None = None, min_tokens: bool = False):
         if api not in APIS:
             raise ValueError(f"api must be one of {APIS}")
         self.url = url.rstrip("/")
@@ -123,6 +123,7 @@ class HttpTarget(Target):
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
         self.max_connections = max_connections
+        self.min_tokens = min_tokens  # OpenAI routes: also ask for min_tokens = the output length
         self.client = None
 
     async def start(self) -> dict:
@@ -204,6 +205,8 @@ class HttpTarget(Target):
             body["model"] = self.model
         if ignore_eos:
             body["ignore_eos"] = True
+            if self.min_tokens:
+                body["min_tokens"] = spec.output_len
         if self.api == "completions":
             return "/v1/completions", {**body, "prompt": spec.input_ids}
         return "/v1/chat/completions", {**body, "messages": spec.messages}
