@@ -210,6 +210,17 @@ def test_rolebasedgroup_roles_and_topology(built):
     assert image.startswith("ghcr.io/radixd/radixd:")
     assert "/spec/roles/1/standalonePattern/template/spec/containers/0/image" in (
         DEPLOY / "rbg" / "kustomization.yaml").read_text()
+    # the radixd roles' KV tier below the host is the store role's Mooncake store, whose store
+    # service holds the pages (the daemons lend it no memory)
+    (cm,) = [o for o in built["rbg"] if o["kind"] == "ConfigMap"]
+    cache = tomllib.loads(cm["data"]["radixd.toml"])["cache"]
+    assert cache["tiers"] == ["host", "mooncake"]
+    store = roles[0]["standalonePattern"]["template"]["spec"]["containers"]
+    assert [c["command"] for c in store] == [["mooncake_master"], ["mooncake_client"]]
+    rpc = next(p["containerPort"] for p in store[0]["ports"] if p["name"] == "rpc")
+    assert cache["mooncake"]["master_server_address"] == f"s-radixd-pd-mooncake-store:{rpc}"
+    assert f"--master_server_address=127.0.0.1:{rpc}" in store[1]["args"]
+    assert cache["mooncake"].get("global_segment_size", 0) == 0
 
 
 def test_containerfile_runs_the_daemon_as_the_unit_does():
