@@ -27,20 +27,26 @@ METAVARS = {"--mem-fraction-static": "FRACTION", "--chunked-prefill-size": "TOKE
             "--speculative-algorithm": "NAME", "--speculative-num-draft-tokens": "N",
             "--speculative-draft-model-path": "PATH",
             "--speculative-ngram-min-match-window-size": "TOKENS",
-            "--speculative-ngram-max-match-window-size": "TOKENS"}
+            "--speculative-ngram-max-match-window-size": "TOKENS", "--kv-events-config": "JSON"}
 
 # SGLang's --speculative-algorithm values that need a draft model or draft heads radixd lacks.
 SGLANG_ONLY_DRAFTERS = ("eagle", "eagle3", "nextn")
 
 
+# SGLang's (and vLLM's) KVEventsConfig fields radixd has no counterpart for, at the values
+# that ask for nothing: the replay socket, its buffer, the publisher's queue bound.
+KV_EVENTS_DEFAULTS = {"replay_endpoint": None, "buffer_steps": 10_000, "max_queue_size": 100_000}
+
+
 @dataclass(frozen=True)
 class Flag:
     name: str                  # SGLang's spelling, e.g. "--tp-size"
-    key: str                   # the radixd.toml key it sets
+    key: str                   # the radixd.toml key it sets (a section: ``convert`` sets several of its keys)
     type: Callable[[str], Any] | None  # None: a switch (store_true)
     help: str
     convert: Callable[[Any], Any] | None = None  # SGLang's value -> the key's; None: as is
     aliases: tuple[str, ...] = ()  # SGLang's other spellings of the flag
+    sets: tuple[str, ...] = ()     # a section's flag: the keys ``convert``'s dict may set
 
     @property
     def metavar(self) -> str:
@@ -68,6 +74,40 @@ def _chunked_prefill(value: int) -> int:
 def _quantization(value: str) -> str:
     # SGLang's *_marlin names pick a kernel for the same checkpoint format
     return {"gptq_marlin": "gptq", "awq_marlin": "awq"}.get(value, value)
+
+
+def _kv_events_config(value: str) -> dict[str, Any]:
+    """SGLang's ``--kv-events-config`` JSON (vLLM's, with ``enable_kv_cache_events``, too) as
+    ``kv_events.*`` keys. Publishing is on unless ``publisher`` is "null" or vLLM's switch is false."""
+    import json
+
+    try:
+        cfg = json.loads(value)
+    except ValueError:
+        cfg = None
+    if not isinstance(cfg, dict):
+        raise ConfigError("--kv-events-config", value, "a JSON object of KVEventsConfig fields")
+    known = {"publisher", "endpoint", "topic", "hwm", "enable_kv_cache_events", *KV_EVENTS_DEFAULTS}
+    for field, v in cfg.items():
+        if field not in known:
+            raise ConfigError(f"--kv-events-config {field}", v, f"one of {', '.join(sorted(known))}")
+        if field in KV_EVENTS_DEFAULTS and v != KV_EVENTS_DEFAULTS[field]:
+            raise ConfigError(f"--kv-events-config {field}", v,
+                              f"{json.dumps(KV_EVENTS_DEFAULTS[field])} (radixd has no replay socket or event queue bound)")
+        if field == "hwm" and v != 100_000:
+            raise ConfigError("--kv-events-config hwm", v, "100000 (the publisher's high-water mark)")
+    publisher = cfg.get("publisher")
+    if publisher not in (None, "zmq", "null"):
+        raise ConfigError("--kv-events-config publisher", publisher, '"zmq" or "null"')
+    out: dict[str, Any] = {"kv_events.enabled": publisher != "null" and cfg.get("enable_kv_cache_events", True)
+                           is not False}
+    if "endpoint" in cfg:
+        out["kv_events.endpoint"] = cfg["endpoint"]
+    if "topic" in cfg:
+        out["kv_events.topic"] = cfg["topic"]
+    return out
+
+
 def _drafter(value: str) -> str:
     name = value.lower()  # SGLang spells them in capitals: NGRAM
     if name in SGLANG_ONLY_DRAFTERS:
@@ -115,6 +155,9 @@ FLAGS: tuple[Flag, ...] = (
          "shortest suffix NGRAM looks up"),
     Flag("--speculative-ngram-max-match-window-size", "speculative.ngram_max_match_window", int,
          "longest suffix NGRAM looks up"),
+    Flag("--kv-events-config", "kv_events", str, 'KV-cache events over ZMQ, as JSON: {"publisher": "zmq", '
+         '"endpoint": ..., "topic": ...}', _kv_events_config,
+         sets=("kv_events.enabled", "kv_events.endpoint", "kv_events.topic")),
 )
 
 
@@ -143,14 +186,15 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         if value is None:
             continue
         converted = f.convert(value) if f.convert else value
-        try:
-            check_key(f.key, converted)
-        except ConfigError as exc:
-            raise ConfigError(f"{f.name} ({f.key})", value, exc.allowed) from exc
-        out[f.key] = converted
+        for key, v in (converted.items() if isinstance(converted, dict) else [(f.key, converted)]):
+            try:
+                check_key(key, v)
+            except ConfigError as exc:
+                raise ConfigError(f"{f.name} ({key})", v, exc.allowed) from exc
+            out[key] = v
     return out
 
 
 def flag_of(key: str) -> str | None:
     """The flag that sets ``key``, if one does."""
-    return next((f.name for f in FLAGS if f.key == key), None)
+    return next((f.name for f in FLAGS if key == f.key or key in f.sets), None)

@@ -51,6 +51,24 @@ def test_flags_map_onto_config_keys():
         "model.path": "/m", "parallel.tp_size": 2, "parallel.dp_size": 3}
 
 
+def test_kv_events_config_json_sets_the_kv_events_keys(capsys):
+    # SGLang's spelling, and vLLM's with its switch; the fields at their defaults ask for nothing
+    assert overrides("--kv-events-config", '{"publisher": "zmq", "endpoint": "tcp://*:6000", "topic": "kv@p@m"}') == {
+        "kv_events.enabled": True, "kv_events.endpoint": "tcp://*:6000", "kv_events.topic": "kv@p@m"}
+    assert overrides("--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq", "hwm": 100000, '
+                     '"replay_endpoint": null, "buffer_steps": 10000}') == {"kv_events.enabled": True}
+    assert overrides("--kv-events-config", '{"publisher": "null"}') == {"kv_events.enabled": False}
+    assert overrides("--kv-events-config", '{"enable_kv_cache_events": false}') == {"kv_events.enabled": False}
+    for bad, named in (('{"replay_endpoint": "tcp://*:5558"}', "replay_endpoint"), ('{"buffer_steps": 5}', "buffer_steps"),
+                       ('{"publisher": "kafka"}', "publisher"), ('{"topics": "x"}', "topics"), ("zmq", "--kv-events-config"),
+                       ('{"endpoint": ""}', "kv_events.endpoint")):
+        with pytest.raises(ConfigError) as exc:
+            overrides("--kv-events-config", bad)
+        assert named in str(exc.value)
+    assert main(["check-config", "--kv-events-config", '{"publisher": "zmq", "topic": "t"}']) == 0
+    assert 'topic = "t"  # --kv-events-config' in capsys.readouterr().out
+
+
 def test_flags_override_the_file(tmp_path: Path):
     cfg = tmp_path / "radixd.toml"
     cfg.write_text('[server]\nport = 9000\nhost = "127.0.0.2"\n[scheduler]\npolicy = "lpm"\n')
