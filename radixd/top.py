@@ -3,8 +3,7 @@
 A client of a running daemon, nothing more: it reads the snapshots that
 ``radixd.server.dashboard`` builds and renders each with ``rich`` (per replica: the KV pool,
 its worker's idle share, the largest cached prefixes, the running and waiting requests with
-their TTFT; then the recent steps). ``--once`` prints one
-snapshot and exits.
+their TTFT; then the recent steps). ``--once`` prints one snapshot and exits.
 """
 
 from __future__ import annotations
