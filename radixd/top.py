@@ -1,9 +1,9 @@
 """``radixd top``: the dashboard's feed (``GET /dashboard/events``) in a terminal, for SSH.
 
 A client of a running daemon, nothing more: it reads the snapshots that
-``radixd.server.dashboard`` builds and renders each with ``rich`` (the KV pool, the largest
-cached prefixes, the running and waiting requests, the recent steps). ``--once`` prints one
-snapshot and exits.
+``radixd.server.dashboard`` builds and renders each with ``rich`` (per replica: the KV pool,
+its worker's idle share, the largest cached prefixes, the running and waiting requests with
+their TTFT; then the recent steps). ``--once`` prints one snapshot and exits.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def render(snap: dict):
     for i, rep in enumerate(snap["replicas"]):
         kv = rep["kv"]
         parts.append(f"[bold]replica {i}[/] KV: free {kv['free']} · evictable {kv['evictable']} · "
-                     f"locked {kv['locked']} · private {kv['private']} of {kv['total']}")
+                     f"locked {kv['locked']} · private {kv['private']} of {kv['total']} · "
+                     f"worker idle {_percent(rep['idle_fraction'])}")
         nodes = rep["tree"]["nodes"]
         tree = Table(title=f"radix cache: {nodes[0][3]} tokens, largest prefixes", title_justify="left")
         for col in ("node", "depth", "tokens", "subtree", "hits", "state"):
@@ -56,19 +57,25 @@ def render(snap: dict):
         parts.append(tree)
         for name in ("running", "waiting"):
             t = Table(title=f"{name} ({len(rep[name])})", title_justify="left")
-            for col in ("request", "age s", "prompt", "cached", "output"):
+            for col in ("request", "age s", "TTFT ms", "prompt", "cached", "output"):
                 t.add_column(col, justify="left" if col == "request" else "right")
             for r in rep[name][:REQUESTS_SHOWN]:
-                t.add_row(r["rid"][:24], f"{r['age_s']:.1f}", str(r["prompt_tokens"]), str(r["cached_tokens"]),
-                          str(r["output_tokens"]))
+                ttft = r["ttft_ms"]
+                t.add_row(r["rid"][:24], f"{r['age_s']:.1f}", "-" if ttft is None else f"{ttft:.1f}",
+                          str(r["prompt_tokens"]), str(r["cached_tokens"]), str(r["output_tokens"]))
             parts.append(t)
     steps = snap["steps"]
     if steps:
         ms = [x["step_ms"] for x in steps]
         parts.append(f"last {len(steps)} steps: prefill {sum(x['prefill_tokens'] for x in steps)} tokens · "
                      f"decode {sum(x['decode_tokens'] for x in steps)} tokens · step ms mean {sum(ms) / len(ms):.1f}"
-                     f" max {max(ms):.1f}")
+                     f" max {max(ms):.1f} · worker idle {_percent(snap['idle_fraction'])}"
+                     f" (mean {sum(x['idle_ms'] for x in steps) / len(steps):.2f} ms before a step)")
     return Group(*parts)
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.1f}%"
 
 
 def main(url: str, key: str | None, once: bool) -> int:

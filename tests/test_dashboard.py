@@ -1,21 +1,31 @@
 """The live dashboard over HTTP: off by default (404), the page, its SSE feed moving while a
-shared-prefix workload runs, the API keys (header or ``?key=``), the tree summary's bound."""
+shared-prefix workload runs (with each request's TTFT and the worker's idle time before each
+step), the API keys (header or ``?key=``), the tree summary's bound, one panel per replica
+with ``parallel.dp_size = 2``."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import re
 import shutil
 import subprocess
 import sys
 import threading
+import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from conftest import Daemon
 
+from radixd import top
 from radixd.core.kv_pool import SlotAllocator
 from radixd.core.radix_cache import RadixCache
+from radixd.core.scheduler_interface import ScheduledStep
+from radixd.core.worker_clock import WorkerClock
 from radixd.server.dashboard import tree_summary
 
 KEY = "sk-dash-1234"
@@ -86,7 +96,8 @@ def test_feed_moves_while_a_shared_prefix_workload_runs(daemon):
     reader.start()
 
     def ask(i: int) -> None:
-        r = httpx.post(daemon.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+        r = httpx.post(daemon.url + "/v1/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": f"dash-feed-{i}"},
                        json={"model": "llama", "prompt": PREFIX + f"Question {i}: what is {i} plus {i}?",
                              "max_tokens": 8 if i else 300, "ignore_eos": True, "temperature": 0})
         assert r.status_code == 200, r.text
@@ -110,6 +121,64 @@ def test_feed_moves_while_a_shared_prefix_workload_runs(daemon):
     assert {"compiles", "hits", "cached"} <= set(last["grammar"]) and "cache_tiers" in last["stats"]
     running = [r for s in seen for r in s["replicas"][0]["running"]]  # the long request, seen mid-way
     assert any(0 < r["output_tokens"] < 300 and r["prompt_tokens"] > 20 for r in running)
+    # each running request's TTFT is the one its access log line records; none before a token
+    long = [(s, r) for s in seen for r in s["replicas"][0]["running"] if 8 < r["output_tokens"] < 300]
+    assert long
+    ttft = access_line(daemon, "dash-feed-0")["ttft_ms"]
+    assert ttft > 0 and {r["ttft_ms"] for _, r in long} == {ttft}
+    assert all(r["ttft_ms"] is None for s in seen for r in s["replicas"][0]["waiting"] if not r["output_tokens"])
+    # the worker's idle gap before each step, within the time since the launch before
+    steps = last["steps"]
+    assert all(0 <= s["idle_ms"] <= s["cycle_ms"] and s["replica"] == 0 for s in steps)
+    assert any(s["idle_ms"] > 0 for s in steps)
+    share = sum(s["idle_ms"] for s in steps) / sum(s["cycle_ms"] for s in steps)
+    assert last["idle_fraction"] == last["replicas"][0]["idle_fraction"] == pytest.approx(share, abs=1e-4)
+    assert 0 < share < 1
+    # radixd top renders the same figures (a snapshot with the long request running)
+    snap, row = long[-1]
+    text = rendered(snap)
+    assert f"worker idle {100 * snap['idle_fraction']:.1f}%" in text, text
+    assert f"{row['ttft_ms']:.1f}" in next(line for line in text.splitlines() if row["rid"][:24] in line)
+
+
+def access_line(daemon: Daemon, rid: str) -> dict:
+    """The access log's line of the request with ``X-Request-Id: rid`` (written as its response ends)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = [x for x in daemon.log_lines() if x.get("event") == "access" and x.get("id") == rid]
+        if lines:
+            return lines[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no access log line for {rid}")
+
+
+def rendered(snap: dict) -> str:
+    """``radixd top``'s rendering of a snapshot, as plain text."""
+    from rich.console import Console
+
+    console = Console(record=True, width=160, file=io.StringIO())
+    console.print(top.render(snap))
+    return console.export_text()
+
+
+def test_worker_clock_notes_the_gap_before_each_launch(monkeypatch):
+    """Idle: from the end of the worker's last call to a launch; the cycle: from the launch
+    before (or the wake); nothing before the first wake."""
+    now = iter([1.0, 1.5, 10.0, 10.25, 10.75, 11.0, 11.25, 20.0, 20.5, 21.0])
+    monkeypatch.setattr("radixd.core.worker_clock.time", types.SimpleNamespace(monotonic=lambda: next(now)))
+    clock, steps = WorkerClock(), [ScheduledStep(batch=None, reqs=[], sampled=[]) for _ in range(4)]
+    assert clock.launch(steps[0], lambda x: x + 1, 1) == 2  # launch 1.0 - 1.5, before any wake
+    clock.woke()                                            # 10.0 (work arrived after a rest)
+    clock.launch(steps[1], lambda: None)                    # 10.25 - 10.75
+    clock.resolve(lambda: None)                             # ends 11.0
+    with pytest.raises(RuntimeError):                       # a failed launch ends a call too
+        clock.launch(steps[2], _fail)                       # 11.25 - 20.0
+    clock.launch(steps[3], lambda: None)                    # 20.5
+    assert [(s.idle_ms, s.cycle_ms) for s in steps] == [(0.0, 0.0), (250.0, 250.0), (250.0, 1000.0), (500.0, 9250.0)]
+
+
+def _fail() -> None:
+    raise RuntimeError("forward pass failed")
 
 
 def test_tree_summary_is_bounded_however_large_the_tree():
@@ -138,8 +207,10 @@ def test_check_config_refuses_a_non_boolean(tmp_path):
     assert r.returncode == 2 and "server.dashboard" in r.stderr, r.stderr
 
 
-def test_the_page_in_headless_chromium(daemon, tmp_path):
-    """The page loads without console errors and its tree and pool move with the workload."""
+@contextlib.contextmanager
+def dashboard_page(url: str):
+    """The dashboard at ``url`` in headless Chromium, once its first snapshot is drawn: (the
+    page, the console errors and page errors seen so far)."""
     sync_api = pytest.importorskip("playwright.sync_api")
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
@@ -151,37 +222,68 @@ def test_the_page_in_headless_chromium(daemon, tmp_path):
             page = browser.new_page(viewport={"width": 1200, "height": 900})
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(daemon.url + f"/dashboard?key={KEY}")
+            page.goto(url)
             page.wait_for_function("window.radixdSnapshot !== undefined", timeout=15_000)
             assert page.text_content("#status") == "live"
-
-            def picture() -> tuple[str, str, str]:
-                return (page.text_content("#rep0 .tree-note"), page.eval_on_selector("#rep0 .tree", "c => c.toDataURL()"),
-                        page.eval_on_selector("#rep0 .pool", "c => c.toDataURL()"))
-
-            before = picture()
-            for i in range(4):
-                r = httpx.post(daemon.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
-                               json={"model": "llama", "prompt": f"A new shared preamble for the browser. Item {i}",
-                                     "max_tokens": 4, "temperature": 0})
-                assert r.status_code == 200, r.text
-            page.wait_for_function(f"document.querySelector('#rep0 .tree-note').textContent !== {json.dumps(before[0])}",
-                                   timeout=15_000)
-            page.wait_for_timeout(600)  # a few more snapshots: the pool's history scrolls
-            after = picture()
-            assert after[0] != before[0] and after[1] != before[1] and after[2] != before[2]
-            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+            yield page, errors
         finally:
             browser.close()
+
+
+def test_the_page_in_headless_chromium(daemon, tmp_path):
+    """The page loads without console errors, its tree and pool move with the workload, a
+    running request's row shows its TTFT and the step timeline the worker's idle share."""
+    with dashboard_page(daemon.url + f"/dashboard?key={KEY}") as (page, errors):
+
+        def picture() -> tuple[str, str, str]:
+            return (page.text_content("#rep0 .tree-note"), page.eval_on_selector("#rep0 .tree", "c => c.toDataURL()"),
+                    page.eval_on_selector("#rep0 .pool", "c => c.toDataURL()"))
+
+        before = picture()
+        for i in range(4):
+            r = httpx.post(daemon.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                           json={"model": "llama", "prompt": f"A new shared preamble for the browser. Item {i}",
+                                 "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+        page.wait_for_function(f"document.querySelector('#rep0 .tree-note').textContent !== {json.dumps(before[0])}",
+                               timeout=15_000)
+        page.wait_for_timeout(600)  # a few more snapshots: the pool's history scrolls
+        after = picture()
+        assert after[0] != before[0] and after[1] != before[1] and after[2] != before[2]
+        pool = ThreadPoolExecutor(1)
+        long = pool.submit(httpx.post, daemon.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                           timeout=60, json={"model": "llama", "prompt": PREFIX + "A long answer for the browser",
+                                             "max_tokens": 300, "ignore_eos": True})
+        # the row and the snapshot it was drawn from, read together
+        shown = page.wait_for_function("""() => {
+            const s = window.radixdSnapshot, r = s.replicas[0].running.find(r => r.ttft_ms !== null);
+            return r && {ttft: r.ttft_ms.toFixed(1), rid: r.rid.slice(0, 24), idle: s.idle_fraction,
+                         table: document.querySelector('#rep0 .running').innerText,
+                         steps: document.getElementById('steps-note').textContent,
+                         replica: document.querySelector('#rep0 .rep-note').textContent};
+        }""", timeout=15_000).json_value()
+        page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        assert long.result(60).status_code == 200
+        pool.shutdown()
+    row = next(line for line in shown["table"].splitlines() if line.startswith(shown["rid"]))
+    assert "TTFT ms" in shown["table"] and shown["ttft"] in row.split()
+    assert shows_idle(shown["steps"], shown["idle"]) and shows_idle(shown["replica"], shown["idle"])
+    assert shown["replica"] == shown["steps"].split(",")[0]
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
     assert errors == []
+
+
+def shows_idle(note: str, share: float) -> bool:
+    """The page's "worker idle P% of its time" is ``share`` (JavaScript rounds half-way cases up,
+    Python to even: compared within the rounding)."""
+    m = re.match(r"worker idle (\d+\.\d)% of its time", note)
+    return m is not None and abs(float(m.group(1)) - 100 * share) <= 0.05 + 1e-9
 
 
 def test_top_renders_the_feed_in_a_terminal(daemon):
     """``radixd top --once`` under a pseudo-terminal shows the figures of the feed."""
     import os
     import pty
-    import re
 
     for i in range(2):
         r = httpx.post(daemon.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
@@ -214,3 +316,52 @@ def test_top_renders_the_feed_in_a_terminal(daemon):
     assert f"radix cache: {tree[0][3]} tokens" in text and f"steps {snap['stats']['steps']}" in text
     biggest = max(tree[1:], key=lambda n: n[3])
     assert re.search(rf"\b{biggest[2]}\s+│?\s*{biggest[3]}\s+│?\s*{biggest[4]}\b", text), text
+    # the worker's idle share, on the replica's line and the steps' line
+    assert text.count(f"worker idle {100 * snap['idle_fraction']:.1f}%") == 2 and "TTFT ms" in text, text
+
+
+DP_TOML = """[model]
+path = "{model}"
+[server]
+port = 0
+dashboard = true
+[memory]
+kv_cache_tokens = 1024
+[parallel]
+dp_size = 2
+routing = "round_robin"
+"""
+
+
+def test_one_panel_per_replica_with_data_parallel(tiny_models, tmp_path):
+    """``dp_size = 2``: the feed has each replica's pool, tree, queues and idle share, the
+    page a panel of each with its own figures, ``radixd top`` a section of each."""
+    d = Daemon(tmp_path, DP_TOML.format(model=tiny_models["llama"]))
+    try:
+        for i in range(2):  # one a replica
+            r = httpx.post(d.url + "/v1/completions", timeout=60,
+                           json={"model": "llama", "prompt": f"Replica number {i} gets this prompt", "max_tokens": 4})
+            assert r.status_code == 200, r.text
+        snap = read_events(d.url + "/dashboard/events", 1)[0]
+        assert len(snap["replicas"]) == 2 and {s["replica"] for s in snap["steps"]} == {0, 1}
+        for rep in snap["replicas"]:
+            kv = rep["kv"]
+            assert rep["tree"]["nodes"][0][3] > 0 and kv["free"] + kv["evictable"] + kv["locked"] + kv["private"] == kv["total"]
+            assert 0 < rep["idle_fraction"] < 1
+        with dashboard_page(d.url + "/dashboard") as (page, errors):
+            shown = page.evaluate("""() => ({snap: window.radixdSnapshot,
+                panels: [...document.querySelectorAll('#replicas > div')].map(el => ({id: el.id,
+                    tree: el.querySelector('.tree-note').textContent, pool: el.querySelector('.pool-note').textContent,
+                    note: el.querySelector('.rep-note').textContent}))})""")
+        assert [p["id"] for p in shown["panels"]] == ["rep0", "rep1"]
+        for p, rep in zip(shown["panels"], shown["snap"]["replicas"], strict=True):
+            nodes, kv = rep["tree"]["nodes"], rep["kv"]
+            assert p["tree"].startswith(f"{len(nodes) - 1} nodes shown, {nodes[0][3]} tokens") and nodes[0][3] > 0
+            assert p["pool"].endswith(f"free {kv['free']} of {kv['total']}")
+            assert shows_idle(p["note"], rep["idle_fraction"])
+        assert errors == []
+        text = rendered(snap)
+        for i, rep in enumerate(snap["replicas"]):
+            assert f"replica {i} KV: free {rep['kv']['free']}" in text, text
+    finally:
+        assert d.stop() == 0

@@ -38,7 +38,8 @@ from radixd.server.tool_parsing import CallForm, ToolParser
 from radixd.settings import Settings, load_settings, settings_from_dict
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "PLUGINS.md"
-STEP_KEYS = {"batch_size", "prefill_tokens", "decode_tokens", "running", "waiting", "kv_usage", "step_ms"}
+STEP_KEYS = {"batch_size", "prefill_tokens", "decode_tokens", "running", "waiting", "kv_usage", "step_ms", "idle_ms",
+             "cycle_ms", "replica"}
 
 
 def hook_specs() -> dict:

@@ -40,6 +40,7 @@ from radixd.core.speculative.drafter import Drafter
 from radixd.core.swa_cache import slots_and_cache
 from radixd.core.tiers.hierarchy import KVHierarchy
 from radixd.core.worker import Worker, bind_device
+from radixd.core.worker_clock import WorkerClock
 
 log = logging.getLogger("radixd.engine")
 
@@ -54,12 +55,16 @@ class StepStats(NamedTuple):
     waiting: int           # requests waiting for admission, over all replicas
     kv_usage: float        # share of KV slots not free, over all replicas (0..1)
     step_ms: float         # the step's wall time, launch to release
+    idle_ms: float         # its replica's worker idle before its launch (radixd.core.worker_clock)
+    cycle_ms: float        # from that replica's launch before (or its wake) to this one's
+    replica: int           # the data-parallel replica that ran it
 
     @classmethod
     def of(cls, step: ScheduledStep, *, running: int, waiting: int, kv_usage: float) -> StepStats:
         b = step.batch
         prefill = sum(n for n in b.extend_lens if n > 1)
-        return cls(b.batch_size, prefill, b.num_tokens - prefill, running, waiting, kv_usage, step.step_ms)
+        return cls(b.batch_size, prefill, b.num_tokens - prefill, running, waiting, kv_usage, step.step_ms,
+                   step.idle_ms, step.cycle_ms, step.replica)
 
 
 class Launched(NamedTuple):
@@ -102,6 +107,7 @@ class Replica:
         self.reader = reader  # reads a step's picks while the worker waits for grammar masks
         self.on_step = on_step
         self.inflight: Launched | None = None
+        self.clock = WorkerClock()  # the worker's idle gaps, noted on each step
         # monotonic time the step now running began (None between steps): read by the
         # stall watchdog (another thread) and /health
         self.step_started: float | None = None
@@ -163,6 +169,7 @@ class Replica:
                 return False
             self.wake.clear()
             await self.wake.wait()
+            self.clock.woke()
             return True
         self.step_started = time.monotonic()
         try:
@@ -183,7 +190,8 @@ class Replica:
         t0 = time.perf_counter()
         sb = step.batch.sampling
         deferred = sb is not None and sb.allowed_future is not None
-        launching = loop.run_in_executor(self.executor, self.worker.launch, step.batch,
+        step.replica = self.index
+        launching = loop.run_in_executor(self.executor, self.clock.launch, step, self.worker.launch, step.batch,
                                          prev.picks if prev is not None else None)
         if deferred:
             self.inflight = None
@@ -212,8 +220,8 @@ class Replica:
         requests of ``inflight``, the step launched after it)."""
         step = launched.step
         try:
-            out = await asyncio.get_running_loop().run_in_executor(reader or self.executor, self.worker.resolve,
-                                                                   launched.picks)
+            out = await asyncio.get_running_loop().run_in_executor(reader or self.executor, self.clock.resolve,
+                                                                   self.worker.resolve, launched.picks)
         except Exception as exc:
             self._fail(step, exc)
             return

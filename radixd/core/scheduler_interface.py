@@ -48,6 +48,11 @@ class ScheduledStep:
     # in the order of the worker's pooled rows (``StepOutput.pooled``)
     pool_reqs: list[tuple[Request, int, bool]] = field(default_factory=list)
     step_ms: float = 0.0         # wall time of the step, set by the engine once it ran
+    # its replica's worker idle before its launch, and the time since the launch before
+    # (``radixd.core.worker_clock``); the replica that ran it
+    idle_ms: float = 0.0
+    cycle_ms: float = 0.0
+    replica: int = 0
     # speculative decoding: each verifying request's drafts (it runs its last token and them,
     # with a pick per position: ``radixd.core.speculative``)
     drafts: dict[Request, list[int]] = field(default_factory=dict)

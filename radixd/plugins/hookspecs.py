@@ -143,7 +143,9 @@ def radixd_request_finished(rid: str, prompt_tokens: int, completion_tokens: int
 @hookspec
 def radixd_step_stats(stats: dict) -> None:
     """One batching step ran. ``stats``: ``batch_size``, ``prefill_tokens``,
-    ``decode_tokens``, ``running``, ``waiting``, ``kv_usage`` (0..1), ``step_ms``."""
+    ``decode_tokens``, ``running``, ``waiting``, ``kv_usage`` (0..1), ``step_ms``, ``idle_ms``
+    (the replica's worker idle before the step), ``cycle_ms`` (since its launch before),
+    ``replica``."""
 
 
 # ---------------------------------------------------------------------------------------------

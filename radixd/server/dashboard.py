@@ -4,7 +4,11 @@
 Contract: a snapshot is built on the event loop, between steps, from what the engine already
 keeps (``Engine.stats()``, the schedulers' queues, the KV accounting, the grammar compiler's
 counters) plus the recent ``StepStats`` the daemon hands to ``Feed.record`` (a bounded deque:
-the only per-step work the dashboard adds, and only when ``[server] dashboard`` is on). The
+the only per-step work the dashboard adds, and only when ``[server] dashboard`` is on) and the
+HTTP requests' trackers, which ``Feed.watch`` holds weakly by engine request id (once per HTTP
+request): a request's TTFT is its tracker's, the one the access log and
+``radixd_time_to_first_token_seconds`` record. Each replica's entry has its own pool, tree,
+queues and worker idle share (``dp_size`` > 1: one entry per replica). The
 radix tree's summary has at most ``TREE_NODES`` nodes however large the tree (the largest
 subtrees first), and its walk stops after ``TREE_WALK`` nodes. Both routes answer 404 when the
 dashboard is off; with API keys set they sit behind the gate, which also takes the key as
@@ -18,6 +22,8 @@ import collections
 import heapq
 import json
 import time
+import weakref
+from collections.abc import Iterable
 from importlib import resources
 
 from starlette.requests import Request
@@ -36,11 +42,13 @@ INTERVAL_S = 0.25    # between snapshots
 
 
 class Feed:
-    """The dashboard's own state: recent steps and when each request was first seen."""
+    """The dashboard's own state: recent steps, when each request was first seen, the
+    trackers of the HTTP requests in flight."""
 
     def __init__(self) -> None:
         self.steps: collections.deque[tuple[float, StepStats]] = collections.deque(maxlen=STEPS_KEPT)
         self._seen: dict[str, float] = {}
+        self._trackers: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
         self._last: tuple[float, dict] | None = None  # shared by the viewers of one interval
 
     def snapshot(self, engine) -> dict:
@@ -52,9 +60,15 @@ class Feed:
     def record(self, stats: StepStats) -> None:
         self.steps.append((time.time(), stats))
 
+    def watch(self, tracker) -> None:
+        """An HTTP request's ``generation.Tracker``: its calls' rows show its TTFT (``info["ttft"]``)."""
+        for sub in tracker.subs:
+            self._trackers[sub.rid] = tracker
+
     def _build(self, engine, now: float) -> dict:
         seen: dict[str, float] = {}
         replicas = []
+        steps = [s for _, s in self.steps]
         for rep in engine.replicas:
             sched = rep.scheduler
             queues = {}
@@ -62,10 +76,14 @@ class Feed:
                 rows = []
                 for r in reqs[:REQUESTS_SHOWN]:
                     seen[r.rid] = first = self._seen.get(r.rid, now)
+                    tracker = self._trackers.get(r.rid)
+                    ttft = tracker.info.get("ttft") if tracker is not None and r.num_output else None
                     rows.append({"rid": r.rid, "age_s": round(now - first, 2), "prompt_tokens": len(r.prompt_ids),
-                                 "output_tokens": len(r.output_ids), "cached_tokens": r.cached_tokens or 0})
+                                 "output_tokens": len(r.output_ids), "cached_tokens": r.cached_tokens or 0,
+                                 "ttft_ms": None if ttft is None else round(ttft * 1000, 2)})
                 queues[name] = rows
-            replicas.append({"kv": sched.accounting(), "tree": tree_summary(rep.cache), **queues})
+            replicas.append({"kv": sched.accounting(), "tree": tree_summary(rep.cache), **queues,
+                             "idle_fraction": idle_fraction(s for s in steps if s.replica == rep.index)})
         self._seen = seen
         stats = engine.stats()
         g = engine.grammars
@@ -74,8 +92,18 @@ class Feed:
             "stats": {k: v for k, v in stats.items() if k != "replicas"},
             "replicas": replicas,
             "steps": [{"t": t, **s._asdict()} for t, s in self.steps],
+            "idle_fraction": idle_fraction(steps),
             "grammar": g.stats() if hasattr(g, "stats") else None,  # a plugin's compiler may keep none
         }
+
+
+def idle_fraction(steps: Iterable[StepStats]) -> float | None:
+    """The share of the workers' time over ``steps`` that they sat idle (None: no time)."""
+    idle = cycle = 0.0
+    for s in steps:
+        idle += s.idle_ms
+        cycle += s.cycle_ms
+    return round(idle / cycle, 4) if cycle else None
 
 
 def tree_summary(cache: RadixCache, limit: int = TREE_NODES, walk: int = TREE_WALK) -> dict:

@@ -93,6 +93,8 @@ class Tracker:
         self.cached_of = [0] * len(subs)          # prompt tokens served from the cache, per prompt
         self.reasons: list[dict[int, str | None]] = [{} for _ in subs]
         self._done = False
+        if st.dashboard is not None:  # its rows there show this TTFT
+            st.dashboard.watch(self)
 
     @property
     def completion(self) -> int:
