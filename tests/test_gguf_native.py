@@ -77,17 +77,22 @@ def tiny_gguf(tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
-def test_canonical_layout_is_the_files_weights(tiny_gguf):
+def test_header_and_canonical_layout_are_the_files(tiny_gguf):
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    for t in GGUFReader(str(tiny_gguf)).tensors:
-        if t.tensor_type.name not in native.LAYOUTS:
+    meta, tensors = native.read(tiny_gguf)
+    assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == L
+    theirs = GGUFReader(str(tiny_gguf)).tensors
+    assert [(t.name, t.kind) for t in tensors] == [(t.name, t.tensor_type.name) for t in theirs]
+    for t, ref in zip(tensors, theirs, strict=True):
+        assert np.array_equal(t.data, ref.data), t.name
+        if t.kind not in native.LAYOUTS:
             continue
         c = native.canonical(t)
-        lay = native.LAYOUTS[t.tensor_type.name]
+        lay = native.LAYOUTS[t.kind]
         got = dequantize_int(c["weight"], c["weight_scale"], c.get("weight_zeros"), lay.bits, 32)
-        want = torch.from_numpy(dequantize(t.data, t.tensor_type))
+        want = torch.from_numpy(dequantize(ref.data, ref.tensor_type))
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=t.name)
 
 

@@ -25,8 +25,11 @@ Contract: native GGUF serving is for one CPU process (``choose``); the file is o
 from __future__ import annotations
 
 import json
+import math
 import re
+import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +47,7 @@ from radixd.core.quant.linear import (
     pack_cpu_projections,
     swap_projections,
 )
-from radixd.core.quant.ops import pack_int4
+from radixd.core.quant.ops import dequantize_int, pack_int4
 
 SOURCE = "gguf.json"
 ARCHITECTURES = ("llama",)
@@ -98,20 +101,99 @@ def source(path: Path) -> Path | None:
     return Path(json.loads(f.read_text())["file"]) if f.exists() else None
 
 
-def _reader(gguf: Path):
-    from gguf import GGUFReader
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor of a GGUF file: its name, ggml type name and bytes (a view of the mapped
+    file: [rows, bytes per row] for a block type, [rows, columns] or [n] of floats)."""
 
-    reader = GGUFReader(str(gguf))
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    name: str
+    kind: str
+    data: np.ndarray
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read(gguf: Path) -> tuple[dict[str, object], list[Tensor]]:
+    """The file's scalar and string metadata and its tensors (the header only is parsed: the
+    gguf package's reader would also decode every token of the vocabulary, seconds of a start).
+    The layout is GGUF v2/v3's, ggml's type sizes the gguf package's."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    mm = np.memmap(gguf, mode="r")
+    buf = memoryview(mm)
+    magic, version, n_tensors, n_kv = struct.unpack_from("<IIQQ", buf, 0)
+    if magic != 0x46554747 or version < 2:
+        raise QuantFormatError(f"{gguf.name}: not a GGUF v2/v3 file")
+    pos = 24
+
+    def string() -> str:
+        nonlocal pos
+        (n,) = struct.unpack_from("<Q", buf, pos)
+        pos += 8 + n
+        return bytes(buf[pos - n:pos]).decode()
+
+    def value(kind: int):
+        nonlocal pos
+        if kind == _STRING:
+            return string()
+        if kind == _ARRAY:
+            item, count = struct.unpack_from("<IQ", buf, pos)
+            pos += 12
+            if item == _STRING:
+                for _ in range(count):
+                    string()
+            else:
+                pos += count * struct.calcsize(_SCALARS[item])  # (arrays are skipped: the vocabulary)
+            return None
+        (v,) = struct.unpack_from(_SCALARS[kind], buf, pos)
+        pos += struct.calcsize(_SCALARS[kind])
+        return v
+
+    meta = {}
+    for _ in range(n_kv):
+        key = string()
+        (kind,) = struct.unpack_from("<I", buf, pos)
+        pos += 4
+        meta[key] = value(kind)
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        (n_dims,) = struct.unpack_from("<I", buf, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+        kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        infos.append((name, dims, GGMLQuantizationType(kind).name, offset))
+    align = int(meta.get("general.alignment") or 32)
+    start = -(-pos // align) * align
+    tensors = []
+    for name, dims, kind, offset in infos:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+        rows = math.prod(dims[1:])
+        row_bytes = dims[0] // block * size
+        raw = mm[start + offset:start + offset + rows * row_bytes]
+        if kind in FLOAT:
+            data = raw.view(np.uint16 if kind == "BF16" else FLOAT[kind]).reshape(*reversed(dims))
+        else:
+            data = raw.reshape(rows, row_bytes)
+        tensors.append(Tensor(name, kind, data))
+    return meta, tensors
+
+
+def _reader(gguf: Path) -> list[Tensor]:
+    """``read``'s tensors, the architecture and every ggml type checked."""
+    meta, tensors = read(gguf)
+    arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise QuantFormatError(f"{gguf.name}: GGUF architecture {arch!r}; radixd serves {', '.join(ARCHITECTURES)} "
                                'GGUF files as shipped (gguf_weights = "fp32" converts others through transformers)')
-    for t in reader.tensors:
-        if t.tensor_type.name not in FLOAT and t.tensor_type.name not in LAYOUTS:
-            raise QuantFormatError(f"{gguf.name}: tensor {t.name!r} is ggml type {t.tensor_type.name}; radixd serves "
+    for t in tensors:
+        if t.kind not in FLOAT and t.kind not in LAYOUTS:
+            raise QuantFormatError(f"{gguf.name}: tensor {t.name!r} is ggml type {t.kind}; radixd serves "
                                    f"{', '.join([*FLOAT, *LAYOUTS])} as shipped (gguf_weights = \"fp32\" converts "
                                    "other types through transformers)")
-    return reader
+    return tensors
 
 
 def hf_name(name: str) -> str:
@@ -129,20 +211,18 @@ def _rows(name: str, cfg: ModelConfig) -> np.ndarray | None:
     return np.arange(heads * cfg.head_dim).reshape(heads, cfg.head_dim // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-def _float(t) -> torch.Tensor:
-    data = np.asarray(t.data)
-    if t.tensor_type.name == "BF16":
-        return torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(data.astype(np.float32))
+def _float(t: Tensor) -> torch.Tensor:
+    if t.kind == "BF16":
+        return torch.from_numpy(t.data.view(np.int16).copy()).view(torch.bfloat16).float()
+    return torch.from_numpy(t.data.astype(np.float32))
 
 
-def canonical(t, rows: np.ndarray | None = None) -> dict[str, torch.Tensor]:
+def canonical(t: Tensor, rows: np.ndarray | None = None) -> dict[str, torch.Tensor]:
     """One Q4_1 / Q8_0 tensor in the ops' canonical layout (``weight``, ``weight_scale``,
     ``weight_zeros``), its rows in ``rows`` order."""
-    kind = t.tensor_type.name
-    data = np.asarray(t.data)
-    n = data.shape[0]
-    blocks = torch.from_numpy(data.reshape(n, -1, 2 + (18 if kind == "Q4_1" else 32)).copy())
+    kind = t.kind
+    n = t.data.shape[0]
+    blocks = torch.from_numpy(t.data.reshape(n, -1, 2 + (18 if kind == "Q4_1" else 32)).copy())
     if rows is not None:
         blocks = blocks[torch.from_numpy(rows)]
     d = blocks[..., :2].contiguous().view(torch.float16)[..., 0].float()
@@ -159,28 +239,25 @@ def canonical(t, rows: np.ndarray | None = None) -> dict[str, torch.Tensor]:
     return {"weight": pack_int4(q.view(n, -1)), "weight_scale": s, "weight_zeros": z}
 
 
-def dequantize(t) -> torch.Tensor:
+def dequantize(t: Tensor) -> torch.Tensor:
     """A tensor of any type read, as float32 (a Q4_1 embedding table; plain weights)."""
-    if t.tensor_type.name in FLOAT:
+    if t.kind in FLOAT:
         return _float(t)
-    from radixd.core.quant.ops import dequantize_int
-
     c = canonical(t)
-    lay = LAYOUTS[t.tensor_type.name]
+    lay = LAYOUTS[t.kind]
     return dequantize_int(c["weight"], c["weight_scale"], c.get("weight_zeros"), lay.bits, BLOCK)
 
 
 def load(model: nn.Module, cfg: ModelConfig, gguf: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Fill ``model`` (built on "meta", already in ``dtype``) from ``gguf`` on the CPU ``device``."""
-    reader = _reader(gguf)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in _reader(gguf)}
     embed = tensors["token_embd.weight"]
     head = tensors.get("output.weight", embed)
     kinds: dict[str, set[str]] = {}
     for name, t in tensors.items():
-        if name.startswith("blk.") and t.tensor_type.name in LAYOUTS:
+        if name.startswith("blk.") and t.kind in LAYOUTS:
             kinds.setdefault(target_module(hf_name(name).removesuffix(".weight"), type(model).checkpoint_renames),
-                             set()).add(t.tensor_type.name)
+                             set()).add(t.kind)
     for module, types in kinds.items():
         if len(types) > 1:
             raise QuantFormatError(f"{gguf.name}: the tensors fused into {module} are of types {sorted(types)}; "
@@ -188,8 +265,8 @@ def load(model: nn.Module, cfg: ModelConfig, gguf: Path, dtype: torch.dtype, dev
     meta = torch.device("meta")
     for kind, layout in LAYOUTS.items():
         swap_projections(model, layout, {m: m for m, types in kinds.items() if types == {kind}}, torch.float32, meta)
-    quant_head = head.tensor_type.name in LAYOUTS
-    quant_embed = embed.tensor_type.name == "Q8_0"
+    quant_head = head.kind in LAYOUTS
+    quant_embed = embed.kind == "Q8_0"
     if quant_head:
         model.lm_head = nn.Module()  # (filled below, after the stream: it may share token_embd)
     if quant_embed:
@@ -211,13 +288,13 @@ def load(model: nn.Module, cfg: ModelConfig, gguf: Path, dtype: torch.dtype, dev
     return model
 
 
-def _stream(tensors: dict, cfg: ModelConfig, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(tensors: dict[str, Tensor], cfg: ModelConfig, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in tensors.items():
         if name in skip:
             continue
         hf = hf_name(name)
         rows = _rows(name, cfg)
-        if t.tensor_type.name in LAYOUTS and name.startswith("blk."):
+        if t.kind in LAYOUTS and name.startswith("blk."):
             for suffix, tensor in canonical(t, rows).items():
                 yield hf.removesuffix(".weight") + "." + suffix, tensor
         else:
@@ -225,8 +302,8 @@ def _stream(tensors: dict, cfg: ModelConfig, skip: set[str]) -> Iterator[tuple[s
             yield hf, (w if rows is None else w[torch.from_numpy(rows)])
 
 
-def _quant_linear(t, in_features: int, out_features: int, device: torch.device) -> QuantLinear:
-    layer = QuantLinear(in_features, out_features, LAYOUTS[t.tensor_type.name], bias=False, dtype=torch.float32,
+def _quant_linear(t: Tensor, in_features: int, out_features: int, device: torch.device) -> QuantLinear:
+    layer = QuantLinear(in_features, out_features, LAYOUTS[t.kind], bias=False, dtype=torch.float32,
                         device=device, name=repr(t.name))
     with torch.no_grad():
         for suffix, tensor in canonical(t).items():
