@@ -128,12 +128,15 @@ def test_gguf_weights_choice():
         native.choose("native", cuda, 1)
 
 
-async def _greedy(model: str, cache_dir: str, mode: str, n: int = 10) -> tuple[list[int], list[float]]:
+async def _greedy(model: str, cache_dir: str | None, mode: str, prompt: list[int] | str = PROMPT,
+                  n: int = 10) -> tuple[list[int], list[float]]:
+    """Greedy tokens and the prompt's logprobs; a str ``prompt`` is a user message."""
     eng = Engine(model=model, cache_dir=cache_dir, gguf_weights=mode, kv_cache_tokens=256)
     try:
         toks, prompt_lp = [], None
+        ids = eng.apply_chat_template([{"role": "user", "content": prompt}]) if isinstance(prompt, str) else prompt
         params = SamplingParams(max_new_tokens=n, min_new_tokens=n, temperature=0, prompt_logprobs_from=1)
-        async for out in eng.generate(input_ids=PROMPT, params=params):
+        async for out in eng.generate(input_ids=ids, params=params):
             toks += out.token_ids
             prompt_lp = out.prompt_logprobs or prompt_lp
         return toks, prompt_lp
@@ -153,6 +156,14 @@ def test_tiny_gguf_native_matches_fp32_and_transformers(tiny_gguf, tmp_path):
     want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=len(got), min_new_tokens=len(got), do_sample=False,
                        pad_token_id=0)[0, len(PROMPT):].tolist()
     assert ref == want
+    assert got == want
+
+
+@pytest.mark.slow
+def test_default_model_native_greedy_equals_fp32():
+    # (the model's own GGUF, tests/test_default_model.py's; a few tokens: seconds)
+    got, _ = asyncio.run(_greedy("default", None, "native", "What is the capital of France?", n=8))
+    want, _ = asyncio.run(_greedy("default", None, "fp32", "What is the capital of France?", n=8))
     assert got == want
 
 

@@ -250,6 +250,17 @@ def dequantize(t: Tensor) -> torch.Tensor:
 
 def load(model: nn.Module, cfg: ModelConfig, gguf: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Fill ``model`` (built on "meta", already in ``dtype``) from ``gguf`` on the CPU ``device``."""
+    threads = torch.get_num_threads()
+    # hundreds of small conversions: intra-op threads only add their hand-offs (several times
+    # the work itself on a busy machine)
+    torch.set_num_threads(1)
+    try:
+        return _load(model, cfg, gguf, dtype, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _load(model: nn.Module, cfg: ModelConfig, gguf: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
     tensors = {t.name: t for t in _reader(gguf)}
     embed = tensors["token_embd.weight"]
     head = tensors.get("output.weight", embed)
