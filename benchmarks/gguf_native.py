@@ -1,6 +1,6 @@
 """The default model's GGUF served as shipped (``gguf_weights = "native"``) against its fp32
 conversion, on the CPU: the bytes of weights each holds, and decode tokens/s at batch 1 and
-8 (greedy, EOS ignored), A and B alternated in one process.
+8 (greedy, EOS ignored; the median of the rounds), A and B alternated in one process.
 
     python benchmarks/gguf_native.py [--rounds 3] [--new 32] [--out benchmarks/results/gguf_native.json]
     python benchmarks/gguf_native.py --quick     (a smoke run: one round, a few tokens)
@@ -36,18 +36,12 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values()) - rotary  # (the rotary tables are not weights)
 
 
-def held(mode: str) -> int:
-    from radixd.core.model_loader import load_model, read_config, resolve_model
-
-    path = resolve_model("default", progress=False, gguf_weights=mode)
-    return weight_bytes(load_model(path, read_config(path), torch.float32, torch.device("cpu")))
-
-
 async def bench(rounds: int, new: int, batches: tuple[int, ...]) -> dict:
     from radixd import Engine
 
     engines = {m: Engine(model="default", gguf_weights=m, kv_cache_tokens=4096) for m in MODES}
-    runs: dict[str, dict[int, list[float]]] = {m: {b: [] for b in batches} for m in MODES}
+    runs: dict[str, dict[str, list[float]]] = {m: {str(b): [] for b in batches} for m in MODES}
+    held = {m: weight_bytes(e.worker.model) for m, e in engines.items()}
     try:
         prompt = engines["fp32"].apply_chat_template([{"role": "user", "content": "Tell me about the sea."}])
         for m in MODES:  # warm-up
@@ -56,11 +50,12 @@ async def bench(rounds: int, new: int, batches: tuple[int, ...]) -> dict:
             for b in batches:
                 for m in MODES:
                     t = await generate_all(engines[m], [prompt] * b, new)
-                    runs[m][b].append(b * (new - 1) / (t["end"] - t["all_first"]))
+                    runs[m][str(b)].append(b * (new - 1) / (t["end"] - t["all_first"]))
     finally:
         for e in engines.values():
             await e.stop()
-    return {m: {str(b): sorted(v)[len(v) // 2] for b, v in r.items()} for m, r in runs.items()} | {"runs": runs}
+    return {"weight_bytes": held, "decode_tok_s": {m: {b: sorted(v)[len(v) // 2] for b, v in r.items()}
+                                                   for m, r in runs.items()}, "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -72,8 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     rounds, new, batches = (1, 4, (1,)) if a.quick else (a.rounds, a.new, (1, 8))
     t0 = time.time()
-    result = {"weight_bytes": {m: held(m) for m in MODES}, "decode_tok_s": asyncio.run(bench(rounds, new, batches)),
-              "rounds": rounds, "new_tokens": new, "torch_threads": torch.get_num_threads(),
+    result = asyncio.run(bench(rounds, new, batches)) | {"rounds": rounds, "new_tokens": new, "torch_threads": torch.get_num_threads(),
               "wall_s": round(time.time() - t0, 1)}
     print(json.dumps(result, indent=1))
     if a.out:

@@ -6,6 +6,7 @@ same file."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
@@ -180,3 +181,15 @@ def test_unserved_ggml_type_is_refused_by_name(tmp_path):
     w.close()
     with pytest.raises(ValueError, match=r"'token_embd.weight' is ggml type Q5_0.*gguf_weights = \"fp32\""):
         native.prepare(tmp_path / "q5.gguf", tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_gguf_native_benchmark_quick(tmp_path):
+    from benchmarks import gguf_native
+
+    out = tmp_path / "gguf.json"
+    doc = gguf_native.main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text()) == doc
+    held = doc["weight_bytes"]
+    assert held["native"] * 4 < held["fp32"]  # Q4_1 layers and a Q8_0 embedding against fp32
+    assert all(doc["decode_tok_s"][m]["1"] > 0 for m in ("native", "fp32"))
