@@ -25,7 +25,8 @@ PROMPT = [1, 17, 93, 200, 45, 8, 150]
 BF16 = 2.0**-7
 
 
-def write_tiny_gguf(path, seed: int = 0):
+def write_tiny_gguf(path, seed: int = 0, untied: bool = False):
+    """A llama GGUF; ``untied``: an ``output.weight`` and a Q4_1 embedding table, F16 norms."""
     from gguf import GGMLQuantizationType as T
     from gguf import GGUFWriter
     from gguf.quants import quantize
@@ -57,12 +58,17 @@ def write_tiny_gguf(path, seed: int = 0):
             a[:4, :32] = 0.25  # constant blocks: Q4_1's d = 0
         w.add_tensor(name, quantize(a, kind), raw_dtype=kind)
 
-    add("token_embd.weight", (V, H), T.Q8_0, 1.0)  # tied: the LM head too, as in the default model
-    w.add_tensor("output_norm.weight", np.ones(H, np.float32))
+    norm = np.float16 if untied else np.float32
+    if untied:
+        add("token_embd.weight", (V, H), T.Q4_1, 1.0)
+        add("output.weight", (V, H), T.Q4_1, 1.0)
+    else:
+        add("token_embd.weight", (V, H), T.Q8_0, 1.0)  # tied: the LM head too, as in the default model
+    w.add_tensor("output_norm.weight", np.ones(H, norm))
     kv = KV * H // NH
     for layer in range(L):
-        w.add_tensor(f"blk.{layer}.attn_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
-        w.add_tensor(f"blk.{layer}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
+        w.add_tensor(f"blk.{layer}.attn_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(norm))
+        w.add_tensor(f"blk.{layer}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(norm))
         for name, shape in (("attn_q", (H, H)), ("attn_k", (kv, H)), ("attn_v", (kv, H)), ("attn_output", (H, H)),
                             ("ffn_gate", (FF, H)), ("ffn_up", (FF, H)), ("ffn_down", (H, FF))):
             add(f"blk.{layer}.{name}.weight", shape, T.Q8_0 if name == "attn_output" else T.Q4_1, 0.3)
@@ -145,17 +151,22 @@ async def _greedy(model: str, cache_dir: str | None, mode: str, prompt: list[int
         await eng.stop()
 
 
-def test_tiny_gguf_native_matches_fp32_and_transformers(tiny_gguf, tmp_path):
+def _hf_greedy(path, n: int) -> list[int]:
+    """transformers' greedy tokens on the file (which it dequantizes to fp32)."""
     from transformers import AutoModelForCausalLM
 
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return hf.generate(torch.tensor([PROMPT]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       pad_token_id=0)[0, len(PROMPT):].tolist()
+
+
+def test_tiny_gguf_native_matches_fp32_and_transformers(tiny_gguf, tmp_path):
     got, got_lp = asyncio.run(_greedy(str(tiny_gguf), str(tmp_path), "native"))
     ref, ref_lp = asyncio.run(_greedy(str(tiny_gguf), str(tmp_path), "fp32"))
     assert (tmp_path / "models").is_dir() and any(p.name.endswith("-gguf") for p in (tmp_path / "models").iterdir())
     # the kernels' bf16 activations: about 2**-8 of each layer's output; the logits here are ~40
     np.testing.assert_allclose(got_lp, ref_lp, rtol=2e-2, atol=0.05)
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name, dtype=torch.float32)
-    want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=len(got), min_new_tokens=len(got), do_sample=False,
-                       pad_token_id=0)[0, len(PROMPT):].tolist()
+    want = _hf_greedy(tiny_gguf, len(got))
     assert ref == want
     assert got == want
 
@@ -166,6 +177,12 @@ def test_default_model_native_greedy_equals_fp32():
     got, _ = asyncio.run(_greedy("default", None, "native", "What is the capital of France?", n=8))
     want, _ = asyncio.run(_greedy("default", None, "fp32", "What is the capital of France?", n=8))
     assert got == want
+
+
+def test_untied_q4_1_head_and_embedding_generate_as_transformers(tmp_path):
+    path = write_tiny_gguf(tmp_path / "untied.gguf", seed=1, untied=True)
+    got, _ = asyncio.run(_greedy(str(path), str(tmp_path), "native", n=6))
+    assert got == _hf_greedy(path, len(got))
 
 
 def test_unserved_ggml_type_is_refused_by_name(tmp_path):

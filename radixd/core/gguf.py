@@ -102,7 +102,7 @@ def source(path: Path) -> Path | None:
 
 
 @dataclass(frozen=True)
-class Tensor:
+class GGUFTensor:
     """One tensor of a GGUF file: its name, ggml type name and bytes (a view of the mapped
     file: [rows, bytes per row] for a block type, [rows, columns] or [n] of floats)."""
 
@@ -115,7 +115,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 
 
-def read(gguf: Path) -> tuple[dict[str, object], list[Tensor]]:
+def read(gguf: Path) -> tuple[dict[str, object], list[GGUFTensor]]:
     """The file's scalar and string metadata and its tensors (the header only is parsed: the
     gguf package's reader would also decode every token of the vocabulary, seconds of a start).
     The layout is GGUF v2/v3's, ggml's type sizes the gguf package's."""
@@ -177,11 +177,11 @@ def read(gguf: Path) -> tuple[dict[str, object], list[Tensor]]:
             data = raw.view(np.uint16 if kind == "BF16" else FLOAT[kind]).reshape(*reversed(dims))
         else:
             data = raw.reshape(rows, row_bytes)
-        tensors.append(Tensor(name, kind, data))
+        tensors.append(GGUFTensor(name, kind, data))
     return meta, tensors
 
 
-def _reader(gguf: Path) -> list[Tensor]:
+def _reader(gguf: Path) -> list[GGUFTensor]:
     """``read``'s tensors, the architecture and every ggml type checked."""
     meta, tensors = read(gguf)
     arch = meta.get("general.architecture")
@@ -211,13 +211,13 @@ def _rows(name: str, cfg: ModelConfig) -> np.ndarray | None:
     return np.arange(heads * cfg.head_dim).reshape(heads, cfg.head_dim // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-def _float(t: Tensor) -> torch.Tensor:
+def _float(t: GGUFTensor) -> torch.GGUFTensor:
     if t.kind == "BF16":
         return torch.from_numpy(t.data.view(np.int16).copy()).view(torch.bfloat16).float()
     return torch.from_numpy(t.data.astype(np.float32))
 
 
-def canonical(t: Tensor, rows: np.ndarray | None = None) -> dict[str, torch.Tensor]:
+def canonical(t: GGUFTensor, rows: np.ndarray | None = None) -> dict[str, torch.GGUFTensor]:
     """One Q4_1 / Q8_0 tensor in the ops' canonical layout (``weight``, ``weight_scale``,
     ``weight_zeros``), its rows in ``rows`` order."""
     kind = t.kind
@@ -239,7 +239,7 @@ def canonical(t: Tensor, rows: np.ndarray | None = None) -> dict[str, torch.Tens
     return {"weight": pack_int4(q.view(n, -1)), "weight_scale": s, "weight_zeros": z}
 
 
-def dequantize(t: Tensor) -> torch.Tensor:
+def dequantize(t: GGUFTensor) -> torch.GGUFTensor:
     """A tensor of any type read, as float32 (a Q4_1 embedding table; plain weights)."""
     if t.kind in FLOAT:
         return _float(t)
@@ -299,7 +299,7 @@ def _load(model: nn.Module, cfg: ModelConfig, gguf: Path, dtype: torch.dtype, de
     return model
 
 
-def _stream(tensors: dict[str, Tensor], cfg: ModelConfig, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(tensors: dict[str, GGUFTensor], cfg: ModelConfig, skip: set[str]) -> Iterator[tuple[str, torch.GGUFTensor]]:
     for name, t in tensors.items():
         if name in skip:
             continue
@@ -313,7 +313,7 @@ def _stream(tensors: dict[str, Tensor], cfg: ModelConfig, skip: set[str]) -> Ite
             yield hf, (w if rows is None else w[torch.from_numpy(rows)])
 
 
-def _quant_linear(t: Tensor, in_features: int, out_features: int, device: torch.device) -> QuantLinear:
+def _quant_linear(t: GGUFTensor, in_features: int, out_features: int, device: torch.device) -> QuantLinear:
     layer = QuantLinear(in_features, out_features, LAYOUTS[t.kind], bias=False, dtype=torch.float32,
                         device=device, name=repr(t.name))
     with torch.no_grad():
