@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -85,12 +86,14 @@ def prepare(gguf: Path, target: Path) -> Path:
 
     _reader(gguf)  # (refuses an architecture or a ggml type before anything is written)
     tmp = target.with_name(target.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     cfg = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     cfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[cfg.model_type]]
     cfg.save_pretrained(str(tmp))
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
     (tmp / SOURCE).write_text(json.dumps({"file": str(gguf.resolve())}))
+    shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     return target
 
@@ -211,13 +214,13 @@ def _rows(name: str, cfg: ModelConfig) -> np.ndarray | None:
     return np.arange(heads * cfg.head_dim).reshape(heads, cfg.head_dim // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-def _float(t: GGUFTensor) -> torch.GGUFTensor:
+def _float(t: GGUFTensor) -> torch.Tensor:
     if t.kind == "BF16":
         return torch.from_numpy(t.data.view(np.int16).copy()).view(torch.bfloat16).float()
     return torch.from_numpy(t.data.astype(np.float32))
 
 
-def canonical(t: GGUFTensor, rows: np.ndarray | None = None) -> dict[str, torch.GGUFTensor]:
+def canonical(t: GGUFTensor, rows: np.ndarray | None = None) -> dict[str, torch.Tensor]:
     """One Q4_1 / Q8_0 tensor in the ops' canonical layout (``weight``, ``weight_scale``,
     ``weight_zeros``), its rows in ``rows`` order."""
     kind = t.kind
@@ -239,7 +242,7 @@ def canonical(t: GGUFTensor, rows: np.ndarray | None = None) -> dict[str, torch.
     return {"weight": pack_int4(q.view(n, -1)), "weight_scale": s, "weight_zeros": z}
 
 
-def dequantize(t: GGUFTensor) -> torch.GGUFTensor:
+def dequantize(t: GGUFTensor) -> torch.Tensor:
     """A tensor of any type read, as float32 (a Q4_1 embedding table; plain weights)."""
     if t.kind in FLOAT:
         return _float(t)
@@ -289,17 +292,15 @@ def _load(model: nn.Module, cfg: ModelConfig, gguf: Path, dtype: torch.dtype, de
     if quant_head:
         model.lm_head = _quant_linear(head, cfg.hidden_size, cfg.vocab_size, device)
     pack_cpu_projections(model)
-    if quant_embed:
-        table = model.lm_head.cpu if head is embed and quant_head else None
-        if table is None:
-            table = _quant_linear(embed, cfg.hidden_size, cfg.vocab_size, device)
+    if quant_embed:  # (int8 with whole groups: always packed)
+        table = model.lm_head if head is embed else _quant_linear(embed, cfg.hidden_size, cfg.vocab_size, device)
+        if table.cpu is None:
             table.pack_for_cpu()
-            table = table.cpu
-        model.embed_tokens.table = table
+        model.embed_tokens.table = table.cpu
     return model
 
 
-def _stream(tensors: dict[str, GGUFTensor], cfg: ModelConfig, skip: set[str]) -> Iterator[tuple[str, torch.GGUFTensor]]:
+def _stream(tensors: dict[str, GGUFTensor], cfg: ModelConfig, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in tensors.items():
         if name in skip:
             continue
