@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from radixd.core import gguf
 from radixd.core.config import EngineConfig
 from radixd.core.errors import ConfigError
 from radixd.core.kv_manager import FREE_EVERY
@@ -53,7 +54,8 @@ class ModelSetup:
     def load(cls, config: EngineConfig) -> ModelSetup:
         """Read the checkpoint's config and tokenizer; check dp/tp against them."""
         device = pick_device(config.device)
-        path = resolve_model(config.model, config.cache_dir)
+        path = resolve_model(config.model, config.cache_dir,
+                             gguf_weights=gguf.choose(config.gguf_weights, device, config.tp_size))
         cfg = read_config(path, config.quantization)
         tokenizer = None if config.tokenizer == "none" else load_tokenizer(config.tokenizer or path)
         check_parallel(config, cfg, device)

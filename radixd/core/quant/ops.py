@@ -67,9 +67,9 @@ def pack_int4(q: Tensor) -> Tensor:
     n, k = q.shape
     if k % 8:
         raise ValueError(f"pack_int4: K={k} is not a multiple of 8")
-    nib = q.to(torch.int64).view(n, k // 8, 8)
-    words = (nib << (4 * torch.arange(8, device=q.device))).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    nib = q.to(torch.int32).view(n, k // 8, 8)
+    # the nibbles' bits are disjoint: the int32 sum is their OR (the top one wraps to the sign)
+    return (nib << (4 * torch.arange(8, dtype=torch.int32, device=q.device))).sum(-1, dtype=torch.int32)
 
 
 def unpack_int4(qweight: Tensor) -> Tensor:

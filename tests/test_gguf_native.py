@@ -1,0 +1,212 @@
+"""GGUF weights served as shipped (``model.gguf_weights = "native"``): Q4_1 / Q8_0 read
+straight into the int4 / int8 layouts, the CPU kernels against the dequantized weights, and a
+tiny random GGUF (written here by the ``gguf`` package) generating as transformers does on the
+same file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from radixd import Engine, SamplingParams
+from radixd.core import gguf as native
+from radixd.core.errors import ConfigError
+from radixd.core.quant.formats import IntLayout
+from radixd.core.quant.linear import QuantLinear
+from radixd.core.quant.ops import dequantize_int, quantize_int
+
+H, FF, L, NH, KV, V = 64, 128, 2, 4, 2, 256
+PROMPT = [1, 17, 93, 200, 45, 8, 150]
+# bf16 activations and bf16 outputs in the int kernels: about 2**-8 of a result's scale
+BF16 = 2.0**-7
+
+
+def write_tiny_gguf(path, seed: int = 0, untied: bool = False):
+    """A llama GGUF; ``untied``: an ``output.weight`` and a Q4_1 embedding table, F16 norms."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFWriter
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(L)
+    w.add_context_length(256)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(FF)
+    w.add_head_count(NH)
+    w.add_head_count_kv(KV)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(V)
+    w.add_rope_dimension_count(H // NH)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [chr(0x100 + i) for i in range(3, V)])
+    w.add_token_types([1] * V)
+    w.add_token_scores([0.0] * V)
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def add(name, shape, kind, scale):
+        a = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if name == "blk.1.ffn_up.weight":
+            a[:4, :32] = 0.25  # constant blocks: Q4_1's d = 0
+        w.add_tensor(name, quantize(a, kind), raw_dtype=kind)
+
+    norm = np.float16 if untied else np.float32
+    if untied:
+        add("token_embd.weight", (V, H), T.Q4_1, 1.0)
+        add("output.weight", (V, H), T.Q4_1, 1.0)
+    else:
+        add("token_embd.weight", (V, H), T.Q8_0, 1.0)  # tied: the LM head too, as in the default model
+    w.add_tensor("output_norm.weight", np.ones(H, norm))
+    kv = KV * H // NH
+    for layer in range(L):
+        w.add_tensor(f"blk.{layer}.attn_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(norm))
+        w.add_tensor(f"blk.{layer}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(norm))
+        for name, shape in (("attn_q", (H, H)), ("attn_k", (kv, H)), ("attn_v", (kv, H)), ("attn_output", (H, H)),
+                            ("ffn_gate", (FF, H)), ("ffn_up", (FF, H)), ("ffn_down", (H, FF))):
+            add(f"blk.{layer}.{name}.weight", shape, T.Q8_0 if name == "attn_output" else T.Q4_1, 0.3)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def test_header_and_canonical_layout_are_the_files(tiny_gguf):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    meta, tensors = native.read(tiny_gguf)
+    assert meta["general.architecture"] == "llama" and meta["llama.block_count"] == L
+    theirs = GGUFReader(str(tiny_gguf)).tensors
+    assert [(t.name, t.kind) for t in tensors] == [(t.name, t.tensor_type.name) for t in theirs]
+    for t, ref in zip(tensors, theirs, strict=True):
+        assert np.array_equal(t.data, ref.data), t.name
+        if t.kind not in native.LAYOUTS:
+            continue
+        c = native.canonical(t)
+        lay = native.LAYOUTS[t.kind]
+        got = dequantize_int(c["weight"], c["weight_scale"], c.get("weight_zeros"), lay.bits, 32)
+        want = torch.from_numpy(dequantize(ref.data, ref.tensor_type))
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=t.name)
+
+
+@pytest.mark.parametrize("bits,symmetric", [(4, False), (4, True), (8, True)])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_cpu_kernels_match_the_dequantized_weight(bits, symmetric, rows):
+    torch.manual_seed(0)
+    n, k = 96, 160
+    w = torch.randn(n, k)
+    qw, s, z = quantize_int(w, bits, 32, symmetric)
+    layer = QuantLinear(k, n, IntLayout(bits, 32, symmetric), bias=True, dtype=torch.float32, device=torch.device("cpu"))
+    with torch.no_grad():
+        layer.weight.copy_(qw)
+        layer.weight_scale.copy_(s)
+        if z is not None:
+            layer.weight_zeros.copy_(z)
+        layer.bias.normal_()
+    x = torch.randn(rows, k).bfloat16().float()  # (the kernels' activations are bf16)
+    want = torch.nn.functional.linear(x, dequantize_int(qw, s, z, bits, 32), layer.bias)
+    assert layer.pack_for_cpu() and not hasattr(layer, "weight")
+    got = layer(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=BF16 * want.abs().max().item())
+
+
+def test_gguf_weights_choice():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert native.choose("auto", cpu, 1) == "native"
+    assert native.choose("auto", cuda, 1) == "fp32"
+    assert native.choose("auto", cpu, 2) == "fp32"
+    assert native.choose("fp32", cpu, 1) == "fp32"
+    with pytest.raises(ConfigError, match="gguf_weights"):
+        native.choose("native", cuda, 1)
+
+
+async def _greedy(model: str, cache_dir: str | None, mode: str, prompt: list[int] | str = PROMPT,
+                  n: int = 10) -> tuple[list[int], list[float]]:
+    """Greedy tokens and the prompt's logprobs; a str ``prompt`` is a user message."""
+    eng = Engine(model=model, cache_dir=cache_dir, gguf_weights=mode, kv_cache_tokens=256)
+    try:
+        toks, prompt_lp = [], None
+        ids = eng.apply_chat_template([{"role": "user", "content": prompt}]) if isinstance(prompt, str) else prompt
+        params = SamplingParams(max_new_tokens=n, min_new_tokens=n, temperature=0, prompt_logprobs_from=1)
+        async for out in eng.generate(input_ids=ids, params=params):
+            toks += out.token_ids
+            prompt_lp = out.prompt_logprobs or prompt_lp
+        return toks, prompt_lp
+    finally:
+        await eng.stop()
+
+
+def _hf_greedy(path, n: int) -> list[int]:
+    """transformers' greedy tokens on the file (which it dequantizes to fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return hf.generate(torch.tensor([PROMPT]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       pad_token_id=0)[0, len(PROMPT):].tolist()
+
+
+def test_tiny_gguf_native_matches_fp32_and_transformers(tiny_gguf, tmp_path):
+    got, got_lp = asyncio.run(_greedy(str(tiny_gguf), str(tmp_path), "native"))
+    ref, ref_lp = asyncio.run(_greedy(str(tiny_gguf), str(tmp_path), "fp32"))
+    assert (tmp_path / "models").is_dir() and any(p.name.endswith("-gguf") for p in (tmp_path / "models").iterdir())
+    # the kernels' bf16 activations: about 2**-8 of each layer's output; the logits here are ~40
+    np.testing.assert_allclose(got_lp, ref_lp, rtol=2e-2, atol=0.05)
+    want = _hf_greedy(tiny_gguf, len(got))
+    assert ref == want
+    assert got == want
+
+
+@pytest.mark.slow
+def test_default_model_native_greedy_equals_fp32():
+    # (the model's own GGUF, tests/test_default_model.py's; a few tokens: seconds)
+    got, _ = asyncio.run(_greedy("default", None, "native", "What is the capital of France?", n=8))
+    want, _ = asyncio.run(_greedy("default", None, "fp32", "What is the capital of France?", n=8))
+    assert got == want
+
+
+def test_untied_q4_1_head_and_embedding_generate_as_transformers(tmp_path):
+    path = write_tiny_gguf(tmp_path / "untied.gguf", seed=1, untied=True)
+    got, _ = asyncio.run(_greedy(str(path), str(tmp_path), "native", n=6))
+    assert got == _hf_greedy(path, len(got))
+
+
+def test_unserved_ggml_type_is_refused_by_name(tmp_path):
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFWriter
+    from gguf.quants import quantize
+
+    w = GGUFWriter(str(tmp_path / "q5.gguf"), "llama")
+    w.add_tensor("token_embd.weight", quantize(np.zeros((16, 64), np.float32), T.Q5_0), raw_dtype=T.Q5_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"'token_embd.weight' is ggml type Q5_0.*gguf_weights = \"fp32\""):
+        native.prepare(tmp_path / "q5.gguf", tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_gguf_native_benchmark_quick(tmp_path):
+    from benchmarks import gguf_native
+
+    out = tmp_path / "gguf.json"
+    doc = gguf_native.main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text()) == doc
+    held = doc["weight_bytes"]
+    assert held["native"] * 4 < held["fp32"]  # Q4_1 layers and a Q8_0 embedding against fp32
+    assert all(doc["decode_tok_s"][m]["1"] > 0 for m in ("native", "fp32"))
