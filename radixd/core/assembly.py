@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from radixd.core.config import EngineConfig
+from radixd.core.cpu_setup import auto_dtype, set_threads
 from radixd.core.errors import ConfigError
 from radixd.core.kv_manager import FREE_EVERY
 from radixd.core.kv_pool import kv_bytes_per_token
@@ -53,6 +54,8 @@ class ModelSetup:
     def load(cls, config: EngineConfig) -> ModelSetup:
         """Read the checkpoint's config and tokenizer; check dp/tp against them."""
         device = pick_device(config.device)
+        if device.type == "cpu":
+            set_threads()
         path = resolve_model(config.model, config.cache_dir)
         cfg = read_config(path, config.quantization)
         tokenizer = None if config.tokenizer == "none" else load_tokenizer(config.tokenizer or path)
@@ -164,7 +167,7 @@ def pick_device(name: str) -> torch.device:
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else auto_dtype()
     return getattr(torch, name)
 
 
