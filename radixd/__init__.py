@@ -2,7 +2,16 @@
 
 The public Python API is ``radixd.Engine``: the core engine with its plugins wired in
 (``radixd.plugins.wiring``; lazy import keeps ``import radixd`` cheap).
+
+Importing radixd before torch makes torch's OpenMP threads sleep, not spin, while they wait
+(``OMP_WAIT_POLICY=PASSIVE`` unless set): on a CPU shared with other processes a spinning
+thread burns the time slice its peer needs, and a decode step then takes several times as
+long (OpenMP reads the variable once, when torch loads it).
 """
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -39,3 +43,13 @@ def test_threads_follow_the_affinity_mask_unless_set(monkeypatch):
         assert cpu_setup.set_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("preset", [None, "ACTIVE"])
+def test_importing_radixd_first_makes_openmp_threads_wait_passively(preset):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if preset:
+        env["OMP_WAIT_POLICY"] = preset
+    out = subprocess.run([sys.executable, "-c", "import os, radixd; print(os.environ['OMP_WAIT_POLICY'])"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == (preset or "PASSIVE")
