@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixd.core.attention import run_decode
+from radixd.core.attention.run_decode import attend as run_attend
+from radixd.core.attention.run_decode import plan as run_plan
 from radixd.core.forward_batch import ForwardBatch
 from radixd.core.kv_pool import KVPool
 
@@ -69,7 +70,7 @@ class TorchAttention:
             kv_idx = torch.where(valid, kv_idx, torch.zeros_like(kv_idx))
             self.decode_tok = torch.tensor([starts[i] for i in decode], device=device)
             if device.type == "cpu" and not self.pool.quantized and not self.softcap:
-                self.decode_runs = run_decode.plan(kv_idx, lens.tolist(), self.pool.dtype)
+                self.decode_runs = run_plan(kv_idx, lens.tolist(), self.pool.dtype)
             self.decode_kv_idx = kv_idx
             self.decode_window_idx = mapped(kv_idx)
             self.decode_masks = {w: (valid & (kv_pos >= lens[:, None] - w if w else True))[:, None, None, :]
@@ -94,7 +95,7 @@ class TorchAttention:
             out[start : start + e] = self._attend(qi, ki, vi, masks[window])[0].transpose(0, 1)
         if self.decode_runs is not None and not window:
             k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
-            out[self.decode_tok] = run_decode.attend(self.decode_runs, q[self.decode_tok], k_buf, v_buf, self.scale)
+            out[self.decode_tok] = run_attend(self.decode_runs, q[self.decode_tok], k_buf, v_buf, self.scale)
         elif self.decode_tok is not None:
             qd = q[self.decode_tok][:, :, None, :]                    # [Bd, H, 1, D]
             idx = self.decode_window_idx if mapped else self.decode_kv_idx
