@@ -1,11 +1,14 @@
 """CPU decode attention over the pool's runs (``run_decode``): the same output as the gather
 path of the torch backend, with shared prefixes, private runs, short runs, windows and a
-soft-cap (which keep the gather path)."""
+soft-cap (which keep the gather path); the engine's greedy tokens on it equal transformers'."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
+from test_engine import assert_greedy_matches, assert_idle, collect, make_engine, prompts
 
 from radixd.core.attention import run_decode
 from radixd.core.attention.torch_backend import TorchAttention
@@ -99,3 +102,29 @@ def test_no_run_long_enough_plans_nothing():
     assert run_decode.plan(kv_idx, lens, torch.float32) is None
     p = run_decode.plan(kv_idx, lens, torch.float32, min_run=4)
     assert [(s.start, s.length) for s in p.segments] == [(1, 4), (10, 8)]
+
+
+async def test_engine_decodes_shared_prefixes_in_place_and_matches_transformers(tiny_models, monkeypatch):
+    shared_members = []
+    real_plan = run_decode.plan
+
+    def spy(*args, **kw):
+        p = real_plan(*args, **kw)
+        if p is not None:
+            shared_members.extend(len(s.members) for s in p.segments)
+        return p
+
+    monkeypatch.setattr("radixd.core.attention.torch_backend.run_plan", spy)
+    path = tiny_models["llama"]
+    eng = make_engine(path)
+    try:
+        system = prompts(1, 70, seed=5)[0]
+        await collect(eng, system + [3], 1)  # the system prompt into the cache
+        ps = [system + q for q in prompts(3, 4, seed=6)] + prompts(1, 50, seed=7)
+        outs = await asyncio.gather(*(collect(eng, p, 8) for p in ps))
+        for p, got in zip(ps, outs, strict=True):
+            assert_greedy_matches(path, p, got, 8)
+        assert max(shared_members) == 3
+        await assert_idle(eng)
+    finally:
+        await eng.stop()
