@@ -45,11 +45,10 @@ def test_threads_follow_the_affinity_mask_unless_set(monkeypatch):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("preset", [None, "ACTIVE"])
-def test_importing_radixd_first_makes_openmp_threads_wait_passively(preset):
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if preset:
-        env["OMP_WAIT_POLICY"] = preset
-    out = subprocess.run([sys.executable, "-c", "import os, radixd; print(os.environ['OMP_WAIT_POLICY'])"],
-                         env=env, capture_output=True, text=True, check=True).stdout.strip()
-    assert out == (preset or "PASSIVE")
+@pytest.mark.parametrize("preset,want", [({}, "1000"), ({"GOMP_SPINCOUNT": "50"}, "50"),
+                                         ({"OMP_WAIT_POLICY": "ACTIVE"}, "unset")])
+def test_importing_radixd_first_bounds_the_openmp_spin(preset, want):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", "import os, radixd; print(os.environ.get('GOMP_SPINCOUNT', 'unset'))"],
+                         env={**env, **preset}, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == want
