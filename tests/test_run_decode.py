@@ -100,6 +100,7 @@ def test_no_run_long_enough_plans_nothing():
     lens = [5, 9]
     kv_idx = torch.tensor([[1, 2, 3, 4, 5, 0, 0, 0, 0], list(range(10, 19))])
     assert run_decode.plan(kv_idx, lens, torch.float32) is None
+    assert run_decode.plan(torch.tensor([[4]]), [1], torch.float32, min_run=0) is None  # one token
     p = run_decode.plan(kv_idx, lens, torch.float32, min_run=4)
     assert [(s.start, s.length) for s in p.segments] == [(1, 4), (10, 8)]
 

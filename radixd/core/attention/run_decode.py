@@ -49,6 +49,9 @@ def plan(kv_idx: torch.Tensor, lens: list[int], dtype: torch.dtype, min_run: int
     """The runs of a decode batch whose request ``b`` reads slots ``kv_idx[b, :lens[b]]``;
     None when no request has a leading run of ``min_run`` slots (all is tail)."""
     bd, width = kv_idx.shape
+    min_run = max(min_run, 1)
+    if width <= min_run:  # a run leaves the newest token to the tail: none can be long enough
+        return None
     lens_t = torch.tensor(lens, dtype=torch.int64)
     breaks = kv_idx[:, 1:] - kv_idx[:, :-1] != 1
     runs = torch.where(breaks.any(1), breaks.to(torch.uint8).argmax(1) + 1, width)
