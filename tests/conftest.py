@@ -9,6 +9,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# dtype "auto" on a CPU picks float32 whatever the CPU (the tests compare with float32 references).
+os.environ.setdefault("RADIXD_CPU_AUTO_DTYPE", "float32")
 if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors through the interpreter (set before triton is used).
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -20,6 +20,7 @@ import torch
 
 from radixd.core import gguf
 from radixd.core.config import EngineConfig
+from radixd.core.cpu_setup import auto_dtype, set_threads
 from radixd.core.errors import ConfigError
 from radixd.core.kv_manager import FREE_EVERY
 from radixd.core.kv_pool import kv_bytes_per_token
@@ -54,6 +55,8 @@ class ModelSetup:
     def load(cls, config: EngineConfig) -> ModelSetup:
         """Read the checkpoint's config and tokenizer; check dp/tp against them."""
         device = pick_device(config.device)
+        if device.type == "cpu":
+            set_threads()
         path = resolve_model(config.model, config.cache_dir,
                              gguf_weights=gguf.choose(config.gguf_weights, device, config.tp_size))
         cfg = read_config(path, config.quantization)
@@ -166,7 +169,7 @@ def pick_device(name: str) -> torch.device:
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else auto_dtype()
     return getattr(torch, name)
 
 

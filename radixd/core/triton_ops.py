@@ -182,7 +182,7 @@ def silu_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor
     n = x.shape[-1] // 2
     if not (x.is_cuda if use_triton is None else use_triton):
         gate, up = x.split(n, dim=-1)
-        return torch.nn.functional.silu(gate) * up
+        return torch.nn.functional.silu(gate).mul_(up)  # (in place: one fresh [T, I] buffer, not two)
     out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
     block = 1024
     _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)

@@ -6,6 +6,9 @@ narrows the mask; a score soft-cap (which SDPA cannot apply) takes the explicit
 softmax(cap * tanh(q.k * scale / cap)) path. K and V are read through the pool (``KVPool.read``:
 dequantized from an fp8 pool). With a window region in the pool (``swa_pool``) a window
 layer's KV is read and stored at the window slots of the table's slots.
+
+On the CPU, decode steps of layers without a window or soft-cap read each request's leading
+run of consecutive slots in place, once for all requests sharing it (``run_decode``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from radixd.core.attention.run_decode import attend as run_attend
+from radixd.core.attention.run_decode import plan as run_plan
 from radixd.core.forward_batch import ForwardBatch
 from radixd.core.kv_pool import KVPool
 
@@ -54,6 +59,7 @@ class TorchAttention:
             masks = {w: (kv_pos <= q_pos) & (kv_pos > q_pos - w if w else True) for w in windows}
             self.extends.append((starts[i], e, kv_idx, mapped(kv_idx), masks))
         self.decode_tok = None
+        self.decode_runs = None
         if decode:
             lens = torch.tensor([batch.prefix_lens[i] + 1 for i in decode], device=device)
             max_len = int(lens.max())
@@ -63,6 +69,8 @@ class TorchAttention:
             valid = kv_pos < lens[:, None]
             kv_idx = torch.where(valid, kv_idx, torch.zeros_like(kv_idx))
             self.decode_tok = torch.tensor([starts[i] for i in decode], device=device)
+            if device.type == "cpu" and not self.pool.quantized and not self.softcap:
+                self.decode_runs = run_plan(kv_idx, lens.tolist(), self.pool.dtype)
             self.decode_kv_idx = kv_idx
             self.decode_window_idx = mapped(kv_idx)
             self.decode_masks = {w: (valid & (kv_pos >= lens[:, None] - w if w else True))[:, None, None, :]
@@ -85,7 +93,10 @@ class TorchAttention:
             ki, vi = self.pool.read(layer, kv_idx, q.dtype)          # [S, Hkv, D]
             ki, vi = ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]  # [1, Hkv, S, D]
             out[start : start + e] = self._attend(qi, ki, vi, masks[window])[0].transpose(0, 1)
-        if self.decode_tok is not None:
+        if self.decode_runs is not None and not window:
+            k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
+            out[self.decode_tok] = run_attend(self.decode_runs, q[self.decode_tok], k_buf, v_buf, self.scale)
+        elif self.decode_tok is not None:
             qd = q[self.decode_tok][:, :, None, :]                    # [Bd, H, 1, D]
             idx = self.decode_window_idx if mapped else self.decode_kv_idx
             kd, vd = self.pool.read(layer, idx, q.dtype)             # [Bd, L, Hkv, D]

@@ -1,0 +1,48 @@
+"""CPU compute defaults: the dtype ``dtype = "auto"`` picks on a CPU, and torch's threads.
+
+``auto_dtype``: bfloat16 where the CPU multiplies it natively (AVX512-BF16 or AMX tiles: a
+decode step's matmuls read half the bytes of float32 and run faster), float32 elsewhere.
+The environment variable ``RADIXD_CPU_AUTO_DTYPE`` (``float32`` or ``bfloat16``) replaces the
+probe: a test run comparing with float32 references sets it, so ``auto`` means the same on
+every machine it runs on.
+
+``set_threads``: torch's intra-op threads to the cores the process may run on (its affinity
+mask, which ``taskset``, cgroups' cpusets and container limits narrow), once when an engine
+on the CPU starts; left alone where the user chose (``OMP_NUM_THREADS``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+AUTO_DTYPE_ENV = "RADIXD_CPU_AUTO_DTYPE"
+_AUTO_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def native_bf16() -> bool:
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def auto_dtype() -> torch.dtype:
+    name = os.environ.get(AUTO_DTYPE_ENV)
+    if name is None:
+        return torch.bfloat16 if native_bf16() else torch.float32
+    if name not in _AUTO_DTYPES:
+        raise ValueError(f"{AUTO_DTYPE_ENV}={name!r}: expected one of {sorted(_AUTO_DTYPES)}")
+    return _AUTO_DTYPES[name]
+
+
+def allowed_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def set_threads() -> int:
+    """Set torch's thread count from the allowed cores unless ``OMP_NUM_THREADS`` is set;
+    returns the count in use."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        n = allowed_cores()
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+    return torch.get_num_threads()
