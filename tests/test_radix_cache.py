@@ -487,7 +487,8 @@ def test_disabled_cache_frees_private_nodes_on_last_unlock():
     cache.unlock(full)  # the [3, 4] tail has no holder left: freed at once
     assert cache.peek_prefix_len([1, 2, 3, 4], ns) == 2
     assert alloc.available == alloc.total - 2
-    assert sorted(alloc.free_slots().tolist()[-2:]) == sorted(s[2:].tolist())
+    free = set(alloc.free_slots().tolist())
+    assert set(s[2:].tolist()) <= free and not set(s[:2].tolist()) & free  # the tail freed, the prompt held
     cache.check()
 
     cache.unlock(prompt)

@@ -129,3 +129,17 @@ async def test_engine_decodes_shared_prefixes_in_place_and_matches_transformers(
         await assert_idle(eng)
     finally:
         await eng.stop()
+
+
+def test_freed_slots_come_back_in_order():
+    """Requests that decoded side by side free interleaved slots; the next prompt still gets
+    one run of consecutive slots (what decode reads in place) once the freed slots are taken."""
+    from radixd.core.kv_pool import SlotAllocator
+
+    alloc = SlotAllocator(65)
+    prompts = [alloc.alloc(8) for _ in range(4)]                          # slots 1..32
+    decodes = [torch.cat([alloc.alloc(1) for _ in range(4)]) for _ in range(8)]  # 33..64, 4 apart per request
+    for i in range(4):  # each request frees its prompt and its decode slots, in its own order
+        alloc.free(torch.cat([prompts[i], *(d[i : i + 1] for d in decodes)]))
+    got = alloc.alloc(40)
+    assert torch.equal(got, torch.arange(1, 41))

@@ -45,7 +45,10 @@ class SlotAllocator:
 
     def _gather(self) -> None:
         if self._freed:
-            self._free = torch.cat([self._free, *self._freed])
+            # in slot order: a request's next allocation is then one run of consecutive slots
+            # where the pool has one (what the CPU decode path reads in place), not the
+            # interleaved slots of the requests that freed them
+            self._free = torch.cat([self._free, *self._freed]).sort().values
             self._freed.clear()
             self._num_freed = 0
 
