@@ -120,7 +120,7 @@ def test_cache_aware_keeps_prefixes_apart(daemons, tmp_path):
     assert all(len(v) == 1 for v in ca_where.values()), ca_where
     assert len({next(iter(v)) for v in ca_where.values()}) == 2  # both daemons serve some
     assert any(len(v) == 2 for v in rr_where.values())
-    assert ca_rate >= rr_rate + 0.20, (ca_rate, rr_rate)
+    assert ca_rate >= rr_rate + 0.20, (ca_rate, rr_rate, ca_where)  # (which daemon held each prefix)
 
 
 def test_prefix_hash_routes(daemons, tmp_path):
