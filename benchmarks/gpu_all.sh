@@ -23,6 +23,15 @@
 #             --sections replicas on `radixd bench`'s shared-prefix workload (pools from free
 #             memory): cascade off/on, the whole workload and one dp=2 replica's share under
 #             cache-aware routing and under round robin
+#   tests2    the GPU-marked tests of the second wave: quantized weights and kernels, the fp8 KV
+#             cache, sliding windows, speculative verify, the PD copy, MoE
+#   quant fp8kv swa spec pd moe
+#             benchmarks/quant.py (bf16, fp8 and int4 engines at the 8B shape), fp8_kv.py (batch
+#             256 x 4k, fp8 vs bf16 KV), swa.py (Gemma-3-12B shape at 8k), spec.py --device cuda,
+#             pd.py --preset h200, moe.py (PEER=path adds the transformers peer)
+#
+# PART:SECONDS stops that part after SECONDS (its log so far is kept), so one call's parts all
+# get their turn inside the machine's time limit.
 set -u
 OUT=$1
 shift
@@ -32,11 +41,14 @@ mkdir -p "$OUT/work"
 W=$OUT/work
 # NVLink multicast stays off.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
 if [ -n "${WHEELS:-}" ]; then  # packages the machine lacks, for every part
   python3 -m pip install -q --no-deps --target /tmp/radixd-deps "$WHEELS"/*.whl
   export PYTHONPATH=/tmp/radixd-deps${PYTHONPATH:+:$PYTHONPATH}
 fi
-for part in $PARTS; do
+for spec in $PARTS; do
+  part=${spec%%:*}
+  limit=; [ "$part" != "$spec" ] && limit="timeout -k 10 ${spec#*:}"
   start=$(date +%s)
   case $part in
   tests)
@@ -66,6 +78,31 @@ for part in $PARTS; do
     python3 -m benchmarks.multi_gpu_bench --out "$W/replicas" --sections replicas --dp-workloads bench_shared_prefix \
         --kv-tokens 0 --stream-interval 8 --max-seconds "${MAX_SECONDS:-280}" > "$W/replicas.log" 2>&1
     grep '^replicas' "$W/replicas.log" | tail -3 | cut -c1-400 ;;
+  tests2)
+    $limit python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_gpu.py tests/test_fp8_kv.py \
+        tests/test_swa.py tests/test_speculative.py tests/test_pd_units.py tests/test_quant_kernels.py \
+        tests/test_moe.py > "$W/tests2.txt" 2>&1
+    $limit python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_window_attention.py \
+        >> "$W/tests2.txt" 2>&1
+    grep -E "passed|failed|error" "$W/tests2.txt" | tail -4 ;;
+  quant)
+    $limit python3 -m benchmarks.quant --json "$W/quant.json" > "$W/quant.log" 2>&1
+    tail -12 "$W/quant.log" | cut -c1-400 ;;
+  fp8kv)
+    $limit python3 -m benchmarks.fp8_kv --out "$W/fp8_kv.json" > "$W/fp8_kv.log" 2>&1
+    tail -6 "$W/fp8_kv.log" | cut -c1-400 ;;
+  swa)
+    $limit python3 -m benchmarks.swa --out "$W/swa" > "$W/swa.log" 2>&1
+    tail -6 "$W/swa.log" | cut -c1-400 ;;
+  spec)
+    $limit python3 -m benchmarks.spec --device cuda --out "$W/spec" > "$W/spec.log" 2>&1
+    tail -14 "$W/spec.log" | cut -c1-400 ;;
+  pd)
+    $limit python3 -m benchmarks.pd --preset h200 --out "$W/pd" > "$W/pd.log" 2>&1
+    tail -8 "$W/pd.log" | cut -c1-400 ;;
+  moe)
+    $limit python3 -m benchmarks.moe --out "$W/moe" ${PEER:+--peer "$PEER"} > "$W/moe.log" 2>&1
+    grep -v '^ ' "$W/moe.log" | tail -10 | cut -c1-400 ;;
   *) echo "unknown part: $part" ;;
   esac
   echo "-- $part: $(( $(date +%s) - start )) s"

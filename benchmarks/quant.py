@@ -120,6 +120,7 @@ def scheme_figures(run: Run, scheme: str) -> dict:
         eng.flush_cache()
         r = loop.run_until_complete(generate_all(eng, run.prompts(rng, n, length), 1))
         out["prefill"] = {"prompts": n, "prompt_tokens": length, "tok_s": round(n * length / (r["end"] - r["t0"]), 1)}
+        print(json.dumps({"scheme": scheme, "prefill": out["prefill"]}), flush=True)
     finally:
         loop.run_until_complete(eng.stop())
         loop.close()
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict = {"environment": environment(), "shape": run.shape, "ceilings": ceilings(run), "schemes": {}}
     for name in args.schemes.split(","):
         doc["schemes"][name] = timed_section(lambda name=name: scheme_figures(run, name))
+        write_json(args.json, doc)  # what is done so far survives a run stopped early
     doc["speedup_over_bf16"] = speedups(doc["schemes"])
     print(json.dumps(doc["speedup_over_bf16"]), flush=True)
     write_json(args.json, doc)
