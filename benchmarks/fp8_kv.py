@@ -103,12 +103,65 @@ def eager_step_s(eng, batch: int, context: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def sweep(batch: int, context: int, copy_bps: float) -> dict:
+    """(``--sweep``) The decode kernel alone on one layer's K/V at the run's batch and context,
+    bf16 against fp8, over stage 1's (tokens per tile, warps, stages): device time and the K/V
+    bytes read over the copy bandwidth. Every request reads its own slots."""
+    import itertools
+
+    from radixd.core.attention.triton_backend import decode_splits
+    from radixd.core.attention.triton_kernels import DECODE_CONFIG, decode_attention
+
+    heads, kv_heads, dim = 32, 8, 128
+    dev = torch.device("cuda")
+    slots = batch * context + 1
+    table = torch.arange(batch * context, device=dev, dtype=torch.int64).view(batch, context) + 1
+    rows = torch.arange(batch, device=dev, dtype=torch.int64)
+    lens = torch.full((batch,), context, device=dev, dtype=torch.int64)
+    q = torch.randn(batch, heads, dim, device=dev, dtype=torch.bfloat16)
+    splits = decode_splits(batch, kv_heads, torch.cuda.get_device_properties(dev).multi_processor_count)
+    out: dict = {"splits": splits, "default": list(DECODE_CONFIG), "configs": {}}
+    ref = None
+    kb = (torch.randn(slots, kv_heads, dim, device=dev) * 0.5).to(torch.bfloat16)
+    vb = (torch.randn(slots, kv_heads, dim, device=dev) * 0.5).to(torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        k, v = kb.to(dtype), vb.to(dtype)
+        by = 2 * batch * context * kv_heads * dim * k.element_size()
+        name = str(dtype).removeprefix("torch.")
+        best = None
+        for cfg in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+            try:
+                o = decode_attention(q, k, v, table, rows, lens, dim ** -0.5, num_splits=splits, config=cfg)
+                if dtype == torch.bfloat16 and cfg == tuple(DECODE_CONFIG):
+                    ref = o.float()
+                s = cuda_median_s(lambda cfg=cfg, k=k, v=v: decode_attention(q, k, v, table, rows, lens, dim ** -0.5,
+                                                                             num_splits=splits, config=cfg), reps=10)
+            except Exception as e:  # (a config the compiler refuses: reported, the sweep goes on)
+                out["configs"][f"{name} {cfg}"] = {"error": repr(e)[:200]}
+                continue
+            row = {"us": round(s * 1e6, 1), "fraction": round(by / copy_bps / s, 3)}
+            out["configs"][f"{name} {cfg}"] = row
+            if best is None or s < best[1]:
+                best = (cfg, s)
+            print(f"sweep {name} {cfg}: {row}", flush=True)
+        out[f"best_{name}"] = {"config": list(best[0]), "us": round(best[1] * 1e6, 1),
+                               "fraction": round(by / copy_bps / best[1], 3)}
+        if dtype != torch.bfloat16 and ref is not None:  # (the same values, rounded to fp8)
+            o = decode_attention(q, k, v, table, rows, lens, dim ** -0.5, num_splits=splits).float()
+            out["fp8_rel_err_vs_bf16"] = round(float((o - ref).norm() / ref.norm()), 4)
+        del k, v
+        free()
+    print(f"sweep best: bf16 {out['best_bfloat16']}, fp8 {out['best_float8_e4m3fn']}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="the JSON file to write")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--quick", action="store_true", help="a tiny model on the CPU (the logic, not a figure)")
+    ap.add_argument("--sweep", action="store_true", help="first, the decode kernel alone over its tile configs")
     args = ap.parse_args(argv)
     if args.quick:
         gpu_bench.DEVICE["name"] = "cpu"
@@ -119,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         ctx: dict = {}
         doc = {"ceilings": gpu_bench.ceilings(None, ctx)}
         copy_bps = ctx["copy_Bps"]
+        if args.sweep:
+            doc["sweep"] = sweep(args.batch, args.context, copy_bps)
+            write_json(Path(args.out), doc)
     path = checkpoint_dir(shape, prefix="radixd-fp8kv-")
     budget = budget_bytes(shape, batch, context)
     doc.update(environment=environment(), model="llama3-8b" if not args.quick else "tiny", batch=batch,

@@ -59,10 +59,11 @@ PRESETS = {
     # one a second (each a few prefill chunks of 256)
     "cpu": dict(mode="daemons", model="default", streams=4, stream_len=32, stream_tokens=96, long_prompts=6,
                 long_len=1024, long_out=4, gap_s=1.0, kv_tokens=16384, chunk=256, threads=os.cpu_count() or 2),
-    # Llama-3-8B shape, bf16, one H200: 128 streams of 256 tokens, 16 prompts of 8192 tokens
+    # Llama-3-8B shape, bf16, one H200: 128 streams of 256 tokens, 16 prompts of 7936 tokens (the
+    # shape's context is 8192)
     # four a second; 2 x 98k tokens of KV (12 GiB each) for PD, 196k for colocated
     "h200": dict(mode="inprocess", model="llama3-8b", streams=128, stream_len=128, stream_tokens=256, long_prompts=16,
-                 long_len=8192, long_out=4, gap_s=0.25, kv_tokens=196608, chunk=8192, threads=0),
+                 long_len=7936, long_out=4, gap_s=0.25, kv_tokens=196608, chunk=8192, threads=0),
     # the in-process logic at toy size on CPU (to check the script, not to measure)
     "quick": dict(mode="inprocess", model="tiny", streams=3, stream_len=8, stream_tokens=24, long_prompts=2,
                   long_len=160, long_out=2, gap_s=0.05, kv_tokens=2048, chunk=64, threads=0),

@@ -5,9 +5,10 @@ Contract
 --------
 * One per replica, made from ``speculative_draft_model_path`` (the engine's device kind and
   dtype; the first device with dp_size > 1): its own ``ModelWorker`` (weights, KV pool of
-  ``speculative_draft_kv_tokens`` slots, table rows, attention backend, no CUDA graphs).
-  Called on the event loop like any drafter; its forwards run there too (steps that draft
-  are synchronous, so the target's worker is idle meanwhile).
+  ``speculative_draft_kv_tokens`` slots, table rows, attention backend, and, where the
+  engine's ``cuda_graphs`` is on, decode graphs that its one-token steps replay). Called on
+  the event loop like any drafter; its forwards run there too (steps that draft are
+  synchronous, so the target's worker is idle meanwhile).
 * Per drafting request a ``_State``: a table row and the slots of the tokens whose draft KV is
   computed. A call keeps the longest prefix of those tokens that the request's sequence still
   starts with (the drafts the target accepted), frees the rest at once, computes the missing
@@ -63,7 +64,7 @@ class DraftModel:
                                       dtype=pick_dtype(config.dtype, device),
                                       attention_backend="triton" if device.type == "cuda" else "torch",
                                       load_format=config.load_format, kv_slots=lambda free: slots,
-                                      max_rows=config.max_running_requests,
+                                      max_rows=config.max_running_requests, cuda_graphs=config.cuda_graphs,
                                       max_context_len=min(cfg.context_len, target.context_len))
         self.allocator = SlotAllocator(slots)
         self.rows = RowAllocator(config.max_running_requests)
