@@ -128,30 +128,33 @@ def sweep(batch: int, context: int, copy_bps: float) -> dict:
         k, v = kb.to(dtype), vb.to(dtype)
         by = 2 * batch * context * kv_heads * dim * k.element_size()
         name = str(dtype).removeprefix("torch.")
-        best = None
-        for cfg in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
-            try:
-                o = decode_attention(q, k, v, table, rows, lens, dim ** -0.5, num_splits=splits, config=cfg)
-                if dtype == torch.bfloat16 and cfg == tuple(DECODE_CONFIG):
-                    ref = o.float()
-                s = cuda_median_s(lambda cfg=cfg, k=k, v=v: decode_attention(q, k, v, table, rows, lens, dim ** -0.5,
-                                                                             num_splits=splits, config=cfg), reps=10)
-            except Exception as e:  # (a config the compiler refuses: reported, the sweep goes on)
-                out["configs"][f"{name} {cfg}"] = {"error": repr(e)[:200]}
-                continue
-            row = {"us": round(s * 1e6, 1), "fraction": round(by / copy_bps / s, 3)}
-            out["configs"][f"{name} {cfg}"] = row
-            if best is None or s < best[1]:
-                best = (cfg, s)
-            print(f"sweep {name} {cfg}: {row}", flush=True)
-        out[f"best_{name}"] = {"config": list(best[0]), "us": round(best[1] * 1e6, 1),
-                               "fraction": round(by / copy_bps / best[1], 3)}
-        if dtype != torch.bfloat16 and ref is not None:  # (the same values, rounded to fp8)
-            o = decode_attention(q, k, v, table, rows, lens, dim ** -0.5, num_splits=splits).float()
-            out["fp8_rel_err_vs_bf16"] = round(float((o - ref).norm() / ref.norm()), 4)
+        for f16 in (False, True) if k.element_size() == 1 else (False,):
+            tag = name + (" fp16 products" if f16 else "")
+            best = None
+            for cfg in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+                def call(cfg=cfg, k=k, v=v, f16=f16):
+                    return decode_attention(q, k, v, table, rows, lens, dim ** -0.5, num_splits=splits, config=cfg,
+                                            fp16_dot=f16)
+                try:
+                    o = call()
+                    if dtype == torch.bfloat16 and cfg == tuple(DECODE_CONFIG):
+                        ref = o.float()
+                    s = cuda_median_s(call, reps=10)
+                except Exception as e:  # (a config the compiler refuses: reported, the sweep goes on)
+                    out["configs"][f"{tag} {cfg}"] = {"error": repr(e)[:200]}
+                    continue
+                row = {"us": round(s * 1e6, 1), "fraction": round(by / copy_bps / s, 3)}
+                if ref is not None and dtype != torch.bfloat16:  # (the same values, rounded to fp8)
+                    row["rel_err_vs_bf16"] = round(float((o.float() - ref).norm() / ref.norm()), 4)
+                out["configs"][f"{tag} {cfg}"] = row
+                if best is None or s < best[1]:
+                    best = (cfg, s)
+                print(f"sweep {tag} {cfg}: {row}", flush=True)
+            out[f"best {tag}"] = {"config": list(best[0]), "us": round(best[1] * 1e6, 1),
+                                  "fraction": round(by / copy_bps / best[1], 3)}
         del k, v
         free()
-    print(f"sweep best: bf16 {out['best_bfloat16']}, fp8 {out['best_float8_e4m3fn']}", flush=True)
+    print("sweep best:", {k: v for k, v in out.items() if k.startswith("best")}, flush=True)
     return out
 
 

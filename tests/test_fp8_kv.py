@@ -359,6 +359,31 @@ async def test_triton_backend_matches_the_torch_backend_on_an_fp8_pool(tiny_dens
     assert [t for t, _, _ in st_x] == [t for t, _, _ in st_t]
 
 
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_pool_read_by_a_bf16_query_takes_fp16_products(kv):
+    """A bf16 query over an fp8 pool: the decode kernel's products in fp16 (its default there)
+    stay within bf16's reach of the float64 reference; on a GPU, as close as bf16 products.
+    (Triton's interpreter converts fp8 to bf16 wrongly, so the CPU checks the fp16 path only.)"""
+    from test_triton_kernels import as_kv, make_pool, ref_attention
+
+    from radixd.core.attention.triton_kernels import decode_attention
+
+    seq_lens = [1, 9, 40, 77]
+    kb, vb, table, rows = make_pool(sum(seq_lens) + 5, 2, 32, torch.float32, seq_lens, seed=3)
+    (k8, v8), (rk, rv), scales = as_kv(kb, vb, kv)
+    q = torch.randn(len(seq_lens), 4, 32, device=DEV).to(torch.bfloat16)
+    lens = torch.tensor(seq_lens, device=DEV)
+    errs = {}
+    for f16 in (None, False) if GPU else (None,):
+        out = decode_attention(q, k8, v8, table, rows, lens, 32**-0.5, num_splits=2, fp16_dot=f16, **scales)
+        errs[f16] = max(rel_err(out[b], ref_attention(q[b][None], rk, rv, table[rows[b], :n],
+                                                      torch.tensor([n - 1], device=DEV), 32**-0.5)[0])
+                        for b, n in enumerate(seq_lens))
+    assert errs[None] < 1e-2, errs
+    if GPU:
+        assert errs[None] <= errs[False] * 1.5, errs  # (fp16 keeps more mantissa than bf16)
+
+
 # ------------------------------------------------------------------ kernels at the 8B shape (GPU)
 
 REAL_LENS = [1, 17, 512, 2048, 4096, 3000, 64, 1000]  # 32 query heads, 8 KV heads, head dim 128

@@ -47,17 +47,23 @@ async def test_cuda_graphs_give_the_eager_tokens(gpu_quant_models, kind):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 async def test_cuda_prefill_logits_near_the_cpu_reference(gpu_quant_models, kind):
+    """Within bf16's reach of the float32 reference: at most 1.5 times as far from it as the
+    CPU's own bfloat16 run of the same checkpoint (plus 2% of the logits' scale). fp8
+    checkpoints quantize activations too, and bf16 inputs round some of them to the next fp8
+    value, so their bf16 runs sit about 10% of the scale away on both devices."""
     path = gpu_quant_models[kind]
     p = prompts(1, 40, seed=2)[0]
     got = {}
-    for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
+    for name, device, dtype in (("ref", "cpu", "float32"), ("cpu_bf16", "cpu", "bfloat16"), ("cuda", "cuda", "bfloat16")):
         eng = make_engine(path, device=device, dtype=dtype, cuda_graphs=False)
         try:
-            got[device] = last_logits(eng, p).float().cpu()
+            got[name] = last_logits(eng, p).float().cpu()
         finally:
             await eng.stop()
-    scale = float(got["cpu"].abs().max())
-    torch.testing.assert_close(got["cuda"], got["cpu"], rtol=0, atol=0.05 * scale)
+    scale = float(got["ref"].abs().max())
+    cpu_err = float((got["cpu_bf16"] - got["ref"]).abs().max()) / scale
+    cuda_err = float((got["cuda"] - got["ref"]).abs().max()) / scale
+    assert cuda_err <= 1.5 * cpu_err + 0.02, (cuda_err, cpu_err)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two GPUs")

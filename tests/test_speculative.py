@@ -389,9 +389,10 @@ def test_benchmark_runs_quick(tmp_path):
     doc = json.loads((tmp_path / "spec_cpu_quick.json").read_text())
     q = doc["quick"]
     assert all(q["verify"][f"k{k}"]["step_ms"] > 0 for k in (1, 4, 8))
-    full = q["accept"]["rates"]["1.0"]
-    assert full["measured_acceptance"] == 1.0 and full["tokens_per_verify"] == spec.K_DEFAULT + 1
-    assert all(c["same_outputs"] == 2 for c in q["accept"]["rates"].values())
+    rates = q["accept"]["rates"]
+    assert rates["1.0"]["accepted_of_drafted"] == 1.0 and rates["1.0"]["tokens_per_verify"] == spec.K_DEFAULT + 1
+    assert 0 < rates["0.5"]["accepted_of_drafted"] < 1.0  # the verifier took drafts by the coin, not all
+    assert q["verify_rows_vs_plain"]["same_outputs"] == 2  # float32 on the CPU: verify rows decode alike
     assert q["batch"]["steps_aside"]["verifies"] == 0 < q["batch"]["forced"]["verifies"]
     assert q["ngram"]["ngram"]["accepted_of_drafted"] > 0
     assert q["standalone"]["same_outputs"] == 2 and q["standalone"]["accepted_of_drafted"] > 0.9

@@ -83,12 +83,13 @@ def _decode_stage1(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
     HAS_START: tl.constexpr, WRITE_LSE: tl.constexpr, MERGE_PREFIX: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MAPPED: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MAPPED: tl.constexpr, F16_DOT: tl.constexpr,
 ):
     """``MERGE_PREFIX`` (cascade with one split): the shared level's ``PrefixParts[b]``
     partials, in split slots ``SPLITS ...`` of ``MidO``/``MidLse``, are already there; they
     are merged with this program's own span and the result goes to ``Out``. ``WINDOW`` > 0:
-    only the newest ``WINDOW`` keys are read (not with a start)."""
+    only the newest ``WINDOW`` keys are read (not with a start). ``F16_DOT``: the query (and
+    so the K/V tiles and probabilities) in fp16 for the products (see ``decode_attention``)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -110,6 +111,8 @@ def _decode_stage1(
     mask_d = offs_d < HEAD_DIM
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    if F16_DOT:
+        q = q.to(tl.float16)
 
     out, lse = _attend_span(q, mask_g, K, V, Table, SlotMap, row, kvh, start, end, scale, v_scale,
                             stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
@@ -169,6 +172,7 @@ def decode_attention(
     out: torch.Tensor | None = None, mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None, window: int = 0, softcap: float = 0.0,
     k_scale: float = 1.0, v_scale: float = 1.0, slot_map: torch.Tensor | None = None,
+    fp16_dot: bool | None = None,
 ) -> torch.Tensor:
     """``q`` [B, H, D] (one token per request) -> [B, H, D]. ``rows``/``seq_lens`` [B] on the
     device; the launch shape depends only on B, so it can be captured in a CUDA graph.
@@ -177,9 +181,14 @@ def decode_attention(
     not run. ``window`` > 0: each request attends to its newest ``window`` keys;
     ``softcap`` > 0: scores soft-capped (``softcap * tanh(score / softcap)``); ``k_scale``/
     ``v_scale``: the layer's scales of an fp8 pool; ``slot_map``: K/V of the table's slot s
-    at row ``slot_map[s]`` of the buffers (``swa_pool``)."""
+    at row ``slot_map[s]`` of the buffers (``swa_pool``). ``fp16_dot`` (None: an fp8 pool
+    read by a bf16 query): the products in fp16, to which fp8 converts in one instruction per
+    two values where bf16 takes several (|q| stays far inside fp16's range, 65504; the
+    probabilities are in [0, 1]; fp16 carries more mantissa than bf16)."""
     B, H, D = q.shape
     Hkv = k_buf.shape[1]
+    if fp16_dot is None:
+        fp16_dot = k_buf.element_size() == 1 and q.dtype == torch.bfloat16
     group = H // Hkv
     if out is None:
         out = torch.empty_like(q)
@@ -198,8 +207,8 @@ def decode_attention(
         out.stride(0), out.stride(1),  # (Starts, Out, PrefixParts: unread without a start or a merge)
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, HAS_START=False, WRITE_LSE=num_splits > 1,
-        MERGE_PREFIX=False, WINDOW=window, SOFTCAP=softcap, MAPPED=slot_map is not None, num_warps=warps,
-        num_stages=stages,
+        MERGE_PREFIX=False, WINDOW=window, SOFTCAP=softcap, MAPPED=slot_map is not None, F16_DOT=fp16_dot,
+        num_warps=warps, num_stages=stages,
     )
     if num_splits == 1:
         return out
@@ -308,7 +317,8 @@ def cascade_decode_attention(
             v_scale, q.stride(0), q.stride(1), *common, *mids, out.stride(0), out.stride(1),
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
             HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, HAS_START=True, WRITE_LSE=True,
-            MERGE_PREFIX=merge, WINDOW=0, SOFTCAP=softcap, MAPPED=False, num_warps=warps, num_stages=stages,
+            MERGE_PREFIX=merge, WINDOW=0, SOFTCAP=softcap, MAPPED=False, F16_DOT=False, num_warps=warps,
+            num_stages=stages,
         )
 
     if not merge:

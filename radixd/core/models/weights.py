@@ -53,7 +53,7 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         param = params.get(target)
         if param is None:
             raise KeyError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-        if target.endswith(".weight_perm") and any(t == target for t, _ in loaded) and not torch.equal(param, tensor):
+        if target.endswith(".weight_perm") and any(t == target for t, _ in loaded) and not torch.equal(param, tensor.to(param.device)):
             raise ValueError(f"tensor {name!r}: its act-order permutation differs from the other projections "
                              f"fused into {target.removesuffix('.weight_perm')!r} (they share one input)")
         with torch.no_grad():
