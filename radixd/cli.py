@@ -121,6 +121,7 @@ def _check_plugin_names(settings, flags: dict) -> None:
     """Keys that name what plugins provide, checked against the plugins that load (an error
     names the launch flag that set the key, if one did)."""
     from radixd.core.errors import ConfigError
+    from radixd.plugins.wiring import provided_names
     from radixd.server import reasoning
     from radixd.server.tool_calls import check_parser_setting, parser_table
 
@@ -128,6 +129,7 @@ def _check_plugin_names(settings, flags: dict) -> None:
     try:
         reasoning.check_setting(settings.model.reasoning_parser, reasoning.available(pm))
         check_parser_setting(settings.model.tool_parser, parser_table(pm))
+        provided_names(settings.engine_config(), pm.hook)
     except ConfigError as exc:
         flag = launch_flags.flag_of(exc.key) if exc.key in flags else None
         raise ConfigError(f"{flag} ({exc.key})", exc.value, exc.allowed) if flag else exc from exc

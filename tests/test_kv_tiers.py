@@ -324,6 +324,21 @@ def test_settings_sections_per_tier(tmp_path):
         settings_from_dict({"cache": {"tiers": ["host"], "radix": False}})
 
 
+def test_check_config_names_a_tier_no_plugin_provides(tmp_path, capsys):
+    """``radixd check-config`` checks tier names against the loaded plugins, as the daemon's
+    engine does at start (the file alone cannot tell a plugin's tier from a typo)."""
+    from radixd.cli import main
+
+    cfg = tmp_path / "radixd.toml"
+    cfg.write_text('[cache]\ntiers = ["host", "nvme"]\n')
+    assert main(["check-config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "'cache.tiers': got 'nvme'; allowed: tiers provided by loaded plugins: disk, host" in err
+    cfg.write_text('[cache]\ntiers = ["host"]\n')
+    assert main(["check-config", str(cfg)]) == 0
+    assert 'tiers = ["host"]' in capsys.readouterr().out
+
+
 def test_radixd_bench_engine_target_with_tiers(tiny_models, tmp_path, capsys):
     """``radixd bench --engine-arg`` takes the tier list and the options table (JSON)."""
     import json

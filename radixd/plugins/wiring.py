@@ -50,18 +50,10 @@ class Engine(core.Engine):
             plugin_manager = make_plugin_manager(allow=config.plugins_allow, block=config.plugins_block)
         self.plugins = plugin_manager
         hook = plugin_manager.hook
+        policies, backends, drafters, tier_table = provided_names(config, hook)
         setup = ModelSetup.load(config)
-        policies = provided(hook.radixd_schedule_policies, "scheduling policy")
-        if config.policy not in policies:
-            raise ConfigError("policy", config.policy, "one of " + ", ".join(sorted(policies)))
-        backends = provided(hook.radixd_grammar_backends, "grammar backend")
-        if config.grammar_backend not in backends:
-            raise ConfigError("grammar_backend", config.grammar_backend, "one of " + ", ".join(sorted(backends)))
-        drafters = provided(hook.radixd_drafters, "drafter")
         algorithm = config.speculative_algorithm
-        if algorithm and algorithm not in drafters:
-            raise ConfigError("speculative_algorithm", algorithm, '"" (off) or one of ' + ", ".join(sorted(drafters)))
-        tiers = make_tiers(config, setup, provided(hook.radixd_cache_tiers, "cache tier"))
+        tiers = make_tiers(config, setup, tier_table)
         grammars = None
         try:
             if setup.tokenizer is not None:  # without one, constrained requests are refused
@@ -74,6 +66,27 @@ class Engine(core.Engine):
             if grammars is not None:
                 grammars.shutdown()
             raise
+
+
+def provided_names(config: EngineConfig, hook) -> tuple[dict[str, type], ...]:
+    """The plugins' tables of scheduling policies, grammar backends, drafters and cache tiers,
+    once each name ``config`` gives is checked against its table (a ``ConfigError`` naming
+    the key and what the loaded plugins provide)."""
+    policies = provided(hook.radixd_schedule_policies, "scheduling policy")
+    if config.policy not in policies:
+        raise ConfigError("policy", config.policy, "one of " + ", ".join(sorted(policies)))
+    backends = provided(hook.radixd_grammar_backends, "grammar backend")
+    if config.grammar_backend not in backends:
+        raise ConfigError("grammar_backend", config.grammar_backend, "one of " + ", ".join(sorted(backends)))
+    drafters = provided(hook.radixd_drafters, "drafter")
+    algorithm = config.speculative_algorithm
+    if algorithm and algorithm not in drafters:
+        raise ConfigError("speculative_algorithm", algorithm, '"" (off) or one of ' + ", ".join(sorted(drafters)))
+    tiers = provided(hook.radixd_cache_tiers, "cache tier")
+    for name in config.cache_tiers:
+        if name not in tiers:
+            raise ConfigError("cache.tiers", name, "tiers provided by loaded plugins: " + ", ".join(sorted(tiers)))
+    return policies, backends, drafters, tiers
 
 
 def provided(hook: Callable[[], list], what: str) -> dict[str, type]:
@@ -97,9 +110,7 @@ def make_tiers(config: EngineConfig, setup: ModelSetup, table: dict[str, type]) 
     ctx = tier_context(config, setup)
     tiers = []
     try:
-        for name in c.cache_tiers:
-            if name not in table:
-                raise ConfigError("cache.tiers", name, "tiers provided by loaded plugins: " + ", ".join(sorted(table)))
+        for name in c.cache_tiers:  # (names checked by ``provided_names``)
             tier = table[name](dict(c.cache_tier_options.get(name, {})), ctx)
             tier.name = name
             tiers.append(tier)
