@@ -89,16 +89,19 @@ async def test_few_row_kernel_decode_matches_cublas_and_torch(tiny_models, monke
         assert_same_greedy(rows, cublas)
 
 
-async def test_cascade_decode_matches_plain_decode_with_graphs_and_eager(tiny_models):
+def shared_prefix_case() -> tuple[list[list[int]], list[int]]:
     """Eleven requests: eight share a 300-token system prompt (one cascade item), three do
-    not; as they finish the batch shrinks through buckets. Cascade (graph replays and eager)
-    gives the tokens and logprobs of decoding every request alone, and of the torch backend."""
-    from radixd.core.cuda_graph import DecodeGraphs
-
+    not; finishing at different steps, so the batch shrinks through buckets."""
     system = [(7 * i) % 250 + 2 for i in range(300)]
     prompts = [system + list(range(3 + i, 10 + 2 * i)) for i in range(8)]
     prompts += [list(range(5 + i, 40 + 9 * i)) for i in range(3)]
-    max_new = [6 + 3 * i for i in range(11)]
+    return prompts, [6 + 3 * i for i in range(11)]
+
+
+async def greedy_runs_counting_cascade(path, prompts, max_new, **kw) -> tuple[list[tuple], list[bool]]:
+    """``greedy_runs`` with CUDA graphs, and per graph replay whether it was a cascade graph."""
+    from radixd.core.cuda_graph import DecodeGraphs
+
     replays = []
     real_run = DecodeGraphs.run
 
@@ -108,9 +111,16 @@ async def test_cascade_decode_matches_plain_decode_with_graphs_and_eager(tiny_mo
 
     DecodeGraphs.run = counted
     try:
-        cascade = await greedy_runs(tiny_models["llama"], prompts, max_new, cuda_graphs=True)
+        return await greedy_runs(path, prompts, max_new, cuda_graphs=True, **kw), replays
     finally:
         DecodeGraphs.run = real_run
+
+
+async def test_cascade_decode_matches_plain_decode_with_graphs_and_eager(tiny_models):
+    """``shared_prefix_case``: cascade (graph replays and eager) gives the tokens and logprobs
+    of decoding every request alone, and of the torch backend."""
+    prompts, max_new = shared_prefix_case()
+    cascade, replays = await greedy_runs_counting_cascade(tiny_models["llama"], prompts, max_new)
     assert any(replays) and not all(replays)  # cascade graphs replayed, and plain ones
     eager = await greedy_runs(tiny_models["llama"], prompts, max_new, cuda_graphs=False)
     plain = await greedy_runs(tiny_models["llama"], prompts, max_new, cuda_graphs=True, cascade_attention=False)

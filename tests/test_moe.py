@@ -322,30 +322,14 @@ def assert_same_greedy_up_to_ties(a, b, tie: float = 0.05, tol: float = 2e-2) ->
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
 async def test_moe_engine_on_gpu_with_cascade_attention(tiny_moe_models):
-    """Eight requests sharing a 300-token system prompt (one cascade item) and three others on
-    a Qwen3-MoE model: cascade graph replays give plain decoding's tokens (the same expert
-    kernels; the attention's rounding may differ, so routing near-ties are allowed)."""
-    from test_gpu_decode import greedy_runs
-
-    from radixd.core.cuda_graph import DecodeGraphs
+    """``shared_prefix_case`` on a Qwen3-MoE model: cascade graph replays give plain decoding's
+    tokens (the same expert kernels; the attention's rounding may differ, so routing near-ties
+    are allowed)."""
+    from test_gpu_decode import greedy_runs, greedy_runs_counting_cascade, shared_prefix_case
 
     path = tiny_moe_models["qwen3-moe"]
-    system = [(7 * i) % 250 + 2 for i in range(300)]
-    prompts_ = [system + list(range(3 + i, 10 + 2 * i)) for i in range(8)]
-    prompts_ += [list(range(5 + i, 40 + 9 * i)) for i in range(3)]
-    max_new = [6 + 3 * i for i in range(11)]
-    replays = []
-    real_run = DecodeGraphs.run
-
-    def counted(self, batch, prev, stager):
-        replays.append(batch.shared is not None and batch.batch_size in self.cascade_graphs)
-        return real_run(self, batch, prev, stager)
-
-    DecodeGraphs.run = counted
-    try:
-        cascade = await greedy_runs(path, prompts_, max_new, cuda_graphs=True, top_logprobs=2)
-    finally:
-        DecodeGraphs.run = real_run
+    prompts_, max_new = shared_prefix_case()
+    cascade, replays = await greedy_runs_counting_cascade(path, prompts_, max_new, top_logprobs=2)
     assert any(replays)  # cascade graphs replayed
     plain = await greedy_runs(path, prompts_, max_new, cuda_graphs=True, cascade_attention=False, top_logprobs=2)
     assert_same_greedy_up_to_ties(cascade, plain)
