@@ -196,15 +196,20 @@ SHOT = [{"role": "user", "content": "What is the weather in Paris?"},
 def test_default_model_calls_tools(smol):
     schemas = {"get_weather": WEATHER["function"]["parameters"], "add": tool_suite.FUNCTIONS["add"][1]}
     tools = [WEATHER, tool_suite.tool("add")]
-    for choice, stream in (("required", False), ({"type": "function", "function": {"name": "add"}}, True)):
-        content, calls, finish = ask(smol, [{"role": "user", "content": "What is 17 plus 25?"}], tools=tools,
-                                     tool_choice=choice, stream=stream)
+    forced = [("required", False), ({"type": "function", "function": {"name": "add"}}, True)]
+    # the four requests at once (one batch); each is checked on its own
+    with ThreadPoolExecutor(4) as pool:
+        forced_answers = [pool.submit(ask, smol, [{"role": "user", "content": "What is 17 plus 25?"}], tools=tools,
+                                      tool_choice=choice, stream=stream) for choice, stream in forced]
+        # auto: after one worked example the model calls the tool, under the grammar once opened
+        auto_answers = [pool.submit(ask, smol, SHOT + [{"role": "user", "content": "What is the weather in Tokyo?"}],
+                                    tools=tools, stream=stream) for stream in (False, True)]
+    for answer in forced_answers:
+        content, calls, finish = answer.result()
         assert calls and content is None and finish == "tool_calls"
         valid(calls, schemas)
-    # auto: after one worked example the model calls the tool, under the grammar once opened
-    for stream in (False, True):
-        content, calls, finish = ask(smol, SHOT + [{"role": "user", "content": "What is the weather in Tokyo?"}],
-                                     tools=tools, stream=stream)
+    for answer in auto_answers:
+        content, calls, finish = answer.result()
         assert [c["name"] for c in calls] == ["get_weather"] and finish == "tool_calls" and content is None
         valid(calls, schemas)
         assert json.loads(calls[0]["arguments"])["city"] == "Tokyo"
