@@ -23,8 +23,9 @@ pytest.importorskip("sglang.bench_serving", reason="SGLang's frontend is not ins
 
 BACKENDS = ("sglang", "sglang-oai", "sglang-oai-chat", "vllm")
 BURST = 8                    # prompts of a burst run
-PACED = 24                   # prompts of a paced run, at PACED_RATE a second on average:
-PACED_RATE = 0.4             # about 60 s of arrivals (seeded), well past 30 s
+PACED = 14                   # prompts of a paced run, at PACED_RATE a second on average:
+PACED_RATE = 0.5             # seed 1 draws 36.5 s of waits between them (the run lasts at least
+                             # that: it sleeps each wait, the last one's too), past 30 s
 # it looks the served model's name up on the hub for its config first (a warning when absent)
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 

@@ -136,8 +136,9 @@ def test_queue_full_is_refused_at_once(tmp_path):
     d = Daemon(tmp_path, toml("default", scheduler={"max_running_requests": 1}, limits={"max_queued_requests": 1}))
     try:
         out: dict = {}
-        # the running stream is long; the queued one only needs to be served once it may run
-        threads = [threading.Thread(target=stream_completion, args=(d.url, n, out, f"s{i}")) for i, n in enumerate((400, 16))]
+        # the running stream outlasts the check (about a second after it starts; 200 tokens are
+        # seconds on a CPU); the queued one only needs to be served once it may run
+        threads = [threading.Thread(target=stream_completion, args=(d.url, n, out, f"s{i}")) for i, n in enumerate((200, 16))]
         for t in threads:
             t.start()
             time.sleep(0.3)

@@ -670,28 +670,3 @@ async def test_compile_timeout_is_an_invalid_request(tiny_models):
         assert outs[-1].finished  # the engine keeps serving
     finally:
         await engine.stop()
-
-
-@pytest.mark.slow
-async def test_engine_default_model_schemas_validate():
-    """The default model under a sample of suite schemas: every output parses and validates."""
-    if not DEFAULT_MODEL.exists():
-        pytest.skip("the default model is not cached")
-    engine = Engine(model="default", kv_cache_tokens=30000)
-    names = ["flat_person", "opt_some", "enum_status", "format_date", "array_bounded", "nested_address",
-             "enum_color", "ref_defs"]
-    try:
-        async def one(name):
-            schema = gs.SCHEMAS[name]
-            msg = [{"role": "user", "content": f"Reply with one JSON document for this schema: {json.dumps(schema)}"}]
-            ids = engine.apply_chat_template(msg)
-            params = SamplingParams(json_schema=schema, max_new_tokens=160, temperature=0.0)
-            outs = [o async for o in engine.generate(input_ids=ids, params=params)]
-            return "".join(o.text for o in outs), outs[-1].finish_reason
-
-        results = await asyncio.gather(*[one(n) for n in names])
-        for name, (text, reason) in zip(names, results, strict=True):
-            assert reason == "stop", (name, text)
-            _validate(text, gs.SCHEMAS[name])
-    finally:
-        await engine.stop()

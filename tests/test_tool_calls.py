@@ -196,15 +196,20 @@ SHOT = [{"role": "user", "content": "What is the weather in Paris?"},
 def test_default_model_calls_tools(smol):
     schemas = {"get_weather": WEATHER["function"]["parameters"], "add": tool_suite.FUNCTIONS["add"][1]}
     tools = [WEATHER, tool_suite.tool("add")]
-    for choice, stream in (("required", False), ({"type": "function", "function": {"name": "add"}}, True)):
-        content, calls, finish = ask(smol, [{"role": "user", "content": "What is 17 plus 25?"}], tools=tools,
-                                     tool_choice=choice, stream=stream)
+    forced = [("required", False), ({"type": "function", "function": {"name": "add"}}, True)]
+    # the four requests at once (one batch); each is checked on its own
+    with ThreadPoolExecutor(4) as pool:
+        forced_answers = [pool.submit(ask, smol, [{"role": "user", "content": "What is 17 plus 25?"}], tools=tools,
+                                      tool_choice=choice, stream=stream) for choice, stream in forced]
+        # auto: after one worked example the model calls the tool, under the grammar once opened
+        auto_answers = [pool.submit(ask, smol, SHOT + [{"role": "user", "content": "What is the weather in Tokyo?"}],
+                                    tools=tools, stream=stream) for stream in (False, True)]
+    for answer in forced_answers:
+        content, calls, finish = answer.result()
         assert calls and content is None and finish == "tool_calls"
         valid(calls, schemas)
-    # auto: after one worked example the model calls the tool, under the grammar once opened
-    for stream in (False, True):
-        content, calls, finish = ask(smol, SHOT + [{"role": "user", "content": "What is the weather in Tokyo?"}],
-                                     tools=tools, stream=stream)
+    for answer in auto_answers:
+        content, calls, finish = answer.result()
         assert [c["name"] for c in calls] == ["get_weather"] and finish == "tool_calls" and content is None
         valid(calls, schemas)
         assert json.loads(calls[0]["arguments"])["city"] == "Tokyo"
@@ -229,7 +234,7 @@ def test_default_model_suite_is_valid_in_required_mode(smol):
     def one(job: tuple[str, float]):
         name, temperature = job
         return job, ask(smol, [{"role": "user", "content": tool_suite.request(name)}], tools=[tool_suite.tool(name)],
-                        tool_choice="required", temperature=temperature, seed=7, max_tokens=128)
+                        tool_choice="required", temperature=temperature, seed=7, max_tokens=96)
 
     jobs = [(name, (0.0, 1.0)[i % 2]) for i, name in enumerate(tool_suite.FUNCTIONS)]
     with ThreadPoolExecutor(len(jobs)) as pool:
