@@ -234,7 +234,7 @@ def test_default_model_suite_is_valid_in_required_mode(smol):
     def one(job: tuple[str, float]):
         name, temperature = job
         return job, ask(smol, [{"role": "user", "content": tool_suite.request(name)}], tools=[tool_suite.tool(name)],
-                        tool_choice="required", temperature=temperature, seed=7, max_tokens=96)
+                        tool_choice="required", temperature=temperature, seed=7, max_tokens=128)
 
     jobs = [(name, (0.0, 1.0)[i % 2]) for i, name in enumerate(tool_suite.FUNCTIONS)]
     with ThreadPoolExecutor(len(jobs)) as pool:
