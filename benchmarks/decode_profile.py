@@ -41,12 +41,14 @@ import torch.nn.functional as F
 from benchmarks import gpu_bench
 from benchmarks.common import (
     SHAPES,
+    checkpoint_dir,
     cuda_median_s,
     environment,
     time_graph,
     timed_section,
     write_json,
 )
+from benchmarks.quant import SCHEMES
 from radixd.core import triton_ops
 from radixd.core.cuda_graph import LEN, ROW
 from radixd.core.sampling_params import SamplingParams
@@ -524,6 +526,8 @@ def main() -> int:
     ap.add_argument("--model", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--sections", default="step,kernels,gemv,extend")
     ap.add_argument("--batches", default="1,64", help="step and kernels sections: decode batch sizes")
+    ap.add_argument("--quant", default="", choices=["", *SCHEMES],
+                    help="the step and kernels sections on weights quantized in-process (benchmarks.quant's schemes)")
     ap.add_argument("--rows-m", default="", help=f"rows section: row counts (default {','.join(map(str, ROWS_M))})")
     ap.add_argument("--rows-shapes", default="", help="rows section: some of qkv,o,gate_up_silu,down,lm_head")
     ap.add_argument("--rows-tiles", default="", help="rows section: JSON list of [rows, K step, warps, stages, splits]")
@@ -540,16 +544,21 @@ def main() -> int:
     gpu_bench.ceilings(None, ctx)
     ctx["copy"] = ctx["copy_Bps"]
     ctx["batches"] = [int(b) for b in args.batches.split(",")]
-    eng = gpu_bench.engine(gpu_bench.model_dir(args.model), max_running_requests=max(64, *ctx["batches"]))
+    path = gpu_bench.model_dir(args.model)
+    if args.quant and SCHEMES[args.quant]:
+        path = checkpoint_dir({**SHAPES[args.model], "quantization_config": SCHEMES[args.quant]},
+                              prefix=f"radixd-{args.model}-{args.quant}-")
+    eng = gpu_bench.engine(path, max_running_requests=max(64, *ctx["batches"]))
     ctx["kv_per_tok"] = gpu_bench.pool_kv_bytes_per_token(eng)
-    summary = {"environment": environment(), "copy_TBps": round(ctx["copy"] / 1e12, 3), "model": args.model}
+    summary = {"environment": environment(), "copy_TBps": round(ctx["copy"] / 1e12, 3), "model": args.model,
+               "quant": args.quant or None}
     fns = {"step": section_step, "kernels": section_kernels, "attn": section_attn, "gemv": section_gemv,
            "shapes": section_shapes, "rows": section_rows, "cascade": section_cascade,
            "fused": section_fused, "extend": section_extend}
     for name in args.sections.split(","):
         summary[name] = timed_section(lambda name=name: fns[name](eng, ctx))
         print(f"== {name}: {json.dumps(summary[name])}", flush=True)
-    write_json(Path(args.out, f"profile_{args.model}.json"), summary)
+    write_json(Path(args.out, f"profile_{args.model}{'_' + args.quant if args.quant else ''}.json"), summary)
     loop.run_until_complete(eng.stop())
     return 0
 

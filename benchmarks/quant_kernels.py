@@ -23,6 +23,8 @@ stdout; a case that fails is reported with its error and the run goes on.
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import math
 import os
 import sys
@@ -50,7 +52,8 @@ FORMATS = {
     "int8_g128": ("int", dict(bits=8, group_size=128, symmetric=True)),
 }
 SWEEP_GEMV = [(2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (16, 1024, 8), (4, 2048, 4), (8, 2048, 8), (8, 512, 4),
-              (16, 512, 4), (32, 1024, 8)]
+              (16, 512, 4), (32, 1024, 8), (2, 2048, 4), (2, 4096, 4), (4, 4096, 4), (8, 4096, 8), (4, 1024, 2),
+              (8, 1024, 2), (4, 2048, 2), (16, 2048, 8)]
 SWEEP_FP8_GEMM = [(64, 128, 128, 4, 4), (128, 128, 128, 4, 4), (128, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 32, 128, 4, 4), (64, 64, 128, 4, 3), (64, 64, 128, 4, 4),
                   (64, 128, 128, 4, 3), (128, 128, 128, 4, 3), (128, 128, 128, 8, 3), (128, 256, 128, 8, 3)]
 SWEEP_INT_GEMM = [(16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 32, 128, 4, 4),
@@ -222,6 +225,32 @@ def table(results: dict, formats: list[str]) -> list[str]:
     return lines
 
 
+def gemv_kind(fmt: str) -> str | None:
+    """``gemv``'s tuned-table kind of a format (None for act-order: its x is gathered, its
+    kernel the symmetric one's)."""
+    kind, q = FORMATS[fmt]
+    if kind == "fp8":
+        return gemv.fp8_kind(torch.ones(1), (128, 128) if q["granularity"] == "block" else None)
+    return None if q.get("act_order") else gemv.int_kind(q["bits"], q["group_size"], q["symmetric"])
+
+
+def write_tuned(path: Path, summary: dict) -> dict:
+    """Each shape and format's fastest one-row GEMV tiles from the sweep, merged into
+    ``path`` under this GPU's name; returns what was written."""
+    found = {}
+    for res in summary.values():
+        row = res.get("M=1") if isinstance(res, dict) and "N_K" in res else None
+        for fmt, r in (row or {}).items():
+            best = r.get("sweep", {}).get("best") if isinstance(r, dict) else None
+            if best and fmt in FORMATS and gemv_kind(fmt):
+                found[gemv.tuned_key(gemv_kind(fmt), *res["N_K"])] = list(ast.literal_eval(best))
+    table = json.loads(path.read_text()) if path.exists() else {}
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    table.setdefault(gpu, {}).update(found)
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(RESULTS / "quant"), help="directory for quant_kernels.json")
@@ -230,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="", help=f"some of {','.join(SHAPES)}")
     ap.add_argument("--formats", default="", help=f"some of {','.join(FORMATS)}")
     ap.add_argument("--sweep", action="store_true", help="also time each kernel over candidate tiles")
+    ap.add_argument("--write-tuned", default="", help="with --sweep: write each one-row GEMV's fastest tiles for "
+                    "this GPU into this JSON (radixd/core/tuned/quant_gemv.json is the one radixd reads)")
     args = ap.parse_args(argv)
     if not args.quick and not torch.cuda.is_available():
         print("no CUDA device: use --quick for the CPU smoke run", file=sys.stderr)
@@ -239,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, (n, k) in run.shapes.items():
         summary[name] = timed_section(lambda n=n, k=k, name=name: shape_case(run, name, n, k))
     print("\n".join(table(summary, run.formats)), flush=True)
+    if args.write_tuned:
+        print(f"tuned tiles: {write_tuned(Path(args.write_tuned), summary)}")
     path = write_json(Path(args.out) / "quant_kernels.json", summary)
     print(f"wrote {path}")
     return 0

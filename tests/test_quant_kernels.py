@@ -5,6 +5,8 @@ Triton kernels against the references: on CPU through the Triton interpreter at 
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 import torch
 
@@ -235,6 +237,34 @@ def test_int_gemv_kernel(bits, group, symmetric, act_order, k, m):
     assert rel_err(y, ref) < 1e-5
 
 
+def silu_of(y):
+    gate, up = y.float().chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@interpreter
+@pytest.mark.parametrize("fmt", ["fp8-channel", "fp8-block", "int4-asym", "int8"])
+def test_gemv_with_silu_is_the_activation_of_its_product(fmt):
+    """gate | up rows in each program's tile, SiLU(gate) * up in the epilogue; N = 2 x 36 is
+    not a multiple of the tile's 4 gate rows, so the last tile's extra rows are masked."""
+    n, k = 72, 256
+    x = rand(1, k, seed=27)
+    if fmt.startswith("fp8"):
+        block = (32, 128) if fmt == "fp8-block" else None
+        wq, s = quantize_fp8(rand(n, k, seed=28), fmt[4:], block=block or (128, 128))
+        y = gemv.fp8_gemv(x, wq, s, block, None, silu=True, tiles=(8, 128, 4))
+        plain = gemv.fp8_gemv(x, wq, s, block, None, tiles=(8, 128, 4))
+    else:
+        bits = 4 if fmt.startswith("int4") else 8
+        qw, s, z, perm = int_case(bits, 64, bits == 8, False, k, n=n)
+        y = gemv.int_gemv(x, qw, s, z, bits, 64, perm, None, silu=True, tiles=(8, 128, 4))
+        plain = gemv.int_gemv(x, qw, s, z, bits, 64, perm, None, tiles=(8, 128, 4))
+    assert y.shape == (1, n // 2)
+    assert rel_err(y, silu_of(plain)) < 1e-6
+    with pytest.raises(ValueError, match="silu"):
+        gemv.fp8_gemv(rand(2, k, seed=29), *quantize_fp8(rand(n, k, seed=28), "channel"), None, None, silu=True)
+
+
 @interpreter
 @pytest.mark.parametrize("bits,group,symmetric,act_order,k", INT_CASES)
 def test_int_gemm_kernel(bits, group, symmetric, act_order, k):
@@ -275,10 +305,17 @@ def test_benchmark_quick_runs_every_case(tmp_path):
     assert len(cases) == len(quant_kernels.QUICK_SHAPES) * len(quant_kernels.QUICK_ROWS) * (1 + len(quant_kernels.FORMATS))
     assert not [r for r in cases if "error" in r]
     assert all(r["rel_err_vs_reference"] < 0.05 for r in cases if "rel_err_vs_reference" in r)
+    tuned = tmp_path / "tuned.json"
+    tuned.write_text(json.dumps({"cpu": {"fp8 channel 1x1": [2, 16, 1]}}))
     assert quant_kernels.main(["--quick", "--out", str(tmp_path), "--sweep", "--rows", "1,20",
-                               "--formats", "int4_g128_asym,fp8_block"]) == 0
+                               "--formats", "int4_g128_asym,fp8_block", "--write-tuned", str(tuned)]) == 0
     doc = json.loads((tmp_path / "quant_kernels.json").read_text())["tiny"]
-    assert doc["M=1"]["int4_g128_asym"]["sweep"]["best"] and doc["M=20"]["fp8_block"]["sweep"]["best"]
+    best = doc["M=1"]["int4_g128_asym"]["sweep"]["best"]
+    assert best and doc["M=20"]["fp8_block"]["sweep"]["best"]
+    n, k = doc["N_K"]
+    written = json.loads(tuned.read_text())["cpu"]  # (merged into what the file held)
+    assert written[gemv.tuned_key(gemv.int_kind(4, 128, False), n, k)] == list(ast.literal_eval(best))
+    assert written["fp8 channel 1x1"] == [2, 16, 1] and f"fp8 block128x128 {n}x{k}" in written
 
 
 # ----------------------------------------------------------------------------- GPU, real shapes
@@ -326,3 +363,23 @@ def test_int_kernels_at_8b_shapes_on_gpu(n, k, bits, group, symmetric, act_order
         y = int_weight_linear(x, qw, s, z, bits=bits, group_size=group, perm=perm)
         ref = int_weight_linear_reference(x, qw, s, z, bits=bits, group_size=group, perm=perm)
         assert rel_err(y, ref) < 1e-2, m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8-channel", "fp8-block", "int4-sym", "int4-asym", "int4-actorder"])
+def test_gemv_with_silu_on_gpu(fmt):
+    """The gate_up projection of one token with SiLU(gate) * up in the GEMV's epilogue, at the
+    8B shape, against the activation of the unfused GEMV's output."""
+    n, k = 28672, 4096
+    w = (torch.randn(n, k, device="cuda") * k**-0.5).to(torch.bfloat16)
+    x = _gpu_input(1, k, 7)
+    if fmt.startswith("fp8"):
+        block = (128, 128) if fmt == "fp8-block" else None
+        wq, s = quantize_fp8(w.float(), fmt[4:])
+        y, plain = (gemv.fp8_gemv(x, wq, s, block, None, silu=silu) for silu in (True, False))
+    else:
+        qw, s, z = quantize_int(w, 4, 128, fmt != "int4-asym")
+        perm = torch.randperm(k, device="cuda") if fmt == "int4-actorder" else None
+        y, plain = (gemv.int_gemv(x, qw, s, z, 4, 128, perm, None, silu=silu) for silu in (True, False))
+    assert y.shape == (1, n // 2) and torch.isfinite(y).all()
+    assert rel_err(y, silu_of(plain)) < 1e-2

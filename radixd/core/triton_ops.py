@@ -297,7 +297,12 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, *, tiles: tuple[int, in
 
 def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelChoice = ALL_KERNELS) -> torch.Tensor:
     """``silu_mul(linear(x, layer))``: one kernel for one CUDA row (``gemv_silu_mul``) and
-    for a few (``rows_linear``, where it beats cuBLAS), as ``kernels`` allows."""
+    for a few (``rows_linear``, where it beats cuBLAS), as ``kernels`` allows; a quantized
+    projection's own (``QuantLinear.forward_silu``) where it has one."""
+    fused = getattr(layer, "forward_silu", None) if kernels.fuse_one_row else None
+    y = fused(x) if fused is not None else None
+    if y is not None:
+        return y
     if isinstance(layer, torch.nn.Linear) and layer.bias is None:
         if kernels.fuse_one_row and one_row(x, layer.weight):
             return gemv_silu_mul(x, layer.weight)

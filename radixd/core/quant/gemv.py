@@ -17,15 +17,30 @@ the per-element work is a conversion and an FMA.
   (interleaves keep a word's copies in the thread that loaded it; on an H200 this beat
   multiplying nibble planes with x's strided columns). Weights are small integers,
   converted by ``small_uint_to_f32``.
+* int4, one 16-bit row of x on CUDA (``_int4_asm_kernel``): packed bf16 (fp16) arithmetic in
+  inline PTX, two weights per instruction (``int4_dot8_asm``), where the path above spends
+  a conversion and an FMA on each.
+* ``silu``: W is a (gate | up) projection; each program's tile holds matching gate and up
+  rows, and SiLU(gate) * up is its epilogue (``QuantLinear.forward_silu``, batch-1 decode).
 
-Callers are ``ops``' dispatch: shapes and dtypes are checked there.
+Tiles: where ``tuned/quant_gemv.json`` has this GPU's measured tiles for the weight's kind
+and shape (``python -m benchmarks.quant_kernels --sweep --write-tuned``), those; else
+``gemv_tiles``' rule.
+
+Callers are ``ops``' dispatch and ``QuantLinear``: shapes and dtypes are checked there.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
+
+GEMV_TUNED = Path(__file__).parents[1] / "tuned" / "quant_gemv.json"
 
 GEMV_MAX_M = 1  # rows of x ``ops`` sends here; 2..4 rows ran slower than the GEMMs on an H200
 SCALE_TENSOR, SCALE_CHANNEL, SCALE_BLOCK = 0, 1, 2
@@ -46,6 +61,144 @@ def unpack_int4_tile(words, BLOCK_K: tl.constexpr):
     words = tl.interleave(words, words)
     words = tl.interleave(words, words)
     return (words >> ((tl.arange(0, BLOCK_K) % 8) * 4)[None, :]) & 0xF
+
+
+# One int4 word's 8 products with x, in bf16x2 (fp16x2 for an fp16 x) pairs: the word's
+# nibbles n and n + 4 (columns 8j + n and 8j + n + 4) land in the two halves of one register
+# by a single lop3 with the exponent of 2**7 (2**10 in fp16) OR'd in, so each half reads
+# 2**7 + q exactly; one packed FMA takes off the offset (and the zero point 8 when
+# symmetric), one more multiplies by x's matching pair and accumulates. The four pairs' sums
+# leave as one fp32. Per 8 weights: 3 shifts, 4 lop3, 4 packs of x, 8 packed FMAs, where the
+# fp32 path spends a conversion and an FMA on each.
+_INT4_DOT8 = """
+{
+.reg .b32 q, t, acc, xp, one, off, zero, mask, magic;
+.reg .b16 lo, hi;
+.reg .f32 flo, fhi;
+mov.b32 one, @ONE@;
+@OFF@
+mov.b32 zero, 0;
+mov.b32 mask, 0x000F000F;
+mov.b32 magic, @MAGIC@;
+lop3.b32 q, $1, mask, magic, 0xEA;
+fma.rn.@T@ q, q, one, off;
+mov.b32 xp, {$2, $3};
+fma.rn.@T@ acc, q, xp, zero;
+shr.u32 t, $1, 4;
+lop3.b32 q, t, mask, magic, 0xEA;
+fma.rn.@T@ q, q, one, off;
+mov.b32 xp, {$4, $5};
+fma.rn.@T@ acc, q, xp, acc;
+shr.u32 t, $1, 8;
+lop3.b32 q, t, mask, magic, 0xEA;
+fma.rn.@T@ q, q, one, off;
+mov.b32 xp, {$6, $7};
+fma.rn.@T@ acc, q, xp, acc;
+shr.u32 t, $1, 12;
+lop3.b32 q, t, mask, magic, 0xEA;
+fma.rn.@T@ q, q, one, off;
+mov.b32 xp, {$8, $9};
+fma.rn.@T@ acc, q, xp, acc;
+@OUT@
+}
+"""
+# bf16 -> fp32 is a 16-bit shift; fp16 needs the conversion
+_BF16_OUT = "shl.b32 t, acc, 16;\nand.b32 acc, acc, 0xFFFF0000;\nadd.f32 $0, t, acc;"
+_FP16_OUT = "mov.b32 {lo, hi}, acc;\ncvt.f32.f16 flo, lo;\ncvt.f32.f16 fhi, hi;\nadd.f32 $0, flo, fhi;"
+
+
+def int4_dot8_asm(fp16: bool, symmetric: bool) -> str:
+    """``_INT4_DOT8`` for x in fp16 (else bf16); symmetric: the offset less the zero point 8 is
+    a constant, else the asm's last input ($10: ``int4_offsets``' pair for the word's group)."""
+    if fp16:  # 1024 + q; 1.0; -(1024 + 8)
+        consts = dict(T="f16x2", MAGIC="0x64006400", ONE="0x3C003C00", OUT=_FP16_OUT)
+    else:  # 128 + q; 1.0; -(128 + 8)
+        consts = dict(T="bf16x2", MAGIC="0x43004300", ONE="0x3F803F80", OUT=_BF16_OUT)
+    consts["OFF"] = "mov.b32 off, " + (("0xE408E408" if fp16 else "0xC308C308") if symmetric else "$10") + ";"
+    asm = _INT4_DOT8
+    for key, value in consts.items():
+        asm = asm.replace(f"@{key}@", value)
+    return asm
+
+
+@triton.jit
+def _x_half(base, c):
+    return tl.load(base + c).to(tl.int16, bitcast=True)[None, :]
+
+
+@triton.jit
+def _tile_rows(pid, N, BLOCK_N: tl.constexpr, SILU: tl.constexpr):
+    """Program ``pid``'s BLOCK_N weight rows and which are real (rows past N read row 0);
+    with SILU (W = gate | up, N // 2 rows each) its BLOCK_N // 2 gate rows, then the up rows
+    that match them."""
+    i = tl.arange(0, BLOCK_N)
+    if SILU:
+        first = pid * (BLOCK_N // 2) + i % (BLOCK_N // 2)
+        mask = first < N // 2
+        rows = first + (i // (BLOCK_N // 2)) * (N // 2)
+    else:
+        rows = pid * BLOCK_N + i
+        mask = rows < N
+    return tl.where(mask, rows, 0), mask
+
+
+@triton.jit
+def _store_silu(y, Y, pid, N, BLOCK_N: tl.constexpr):
+    """Y[tile] = SiLU(gate) * up for ``_tile_rows``' SILU tile's fp32 sums ``y`` [BLOCK_N]
+    (each rounded to Y's dtype first, as the unfused projection's output would be)."""
+    g, u = tl.split(tl.permute(tl.reshape(y, (2, BLOCK_N // 2)), (1, 0)))
+    g = g.to(Y.dtype.element_ty).to(tl.float32)
+    u = u.to(Y.dtype.element_ty).to(tl.float32)
+    offs = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(Y + offs, (g / (1.0 + tl.exp(-g)) * u).to(Y.dtype.element_ty), mask=offs < N // 2)
+
+
+@triton.jit
+def _int4_asm_kernel(X, W, S, Z, Bias, Y, N, K, stride_w, stride_s, ASM: tl.constexpr, GROUP: tl.constexpr,
+                     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Y[0, tile] for one x row and BLOCK_N int4 weight rows (``_tile_rows``) through
+    ``int4_dot8_asm``'s text ``ASM``: per step a sum over each group's words, scaled into a
+    per-group accumulator, summed once at the end. (On an H200 this beat a per-word
+    accumulator, with scales read per word or broadcast from each group's, by 8-21% summed
+    over the 8B projections at each one's fastest tiles.)"""
+    pid = tl.program_id(0)
+    offs_n, mask_n = _tile_rows(pid, N, BLOCK_N, SILU)
+    WORDS: tl.constexpr = BLOCK_K // 8
+    SUB: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP  # columns per scale within a step
+    NSUB: tl.constexpr = BLOCK_K // SUB
+    acc = tl.zeros([BLOCK_N, NSUB], dtype=tl.float32)
+    w_ptrs = W + offs_n[:, None] * stride_w + tl.arange(0, WORDS)[None, :]
+    x = X + tl.arange(0, WORDS) * 8
+    for k0 in range(0, K, BLOCK_K):
+        words = tl.load(w_ptrs)
+        g_ptrs = offs_n[:, None] * stride_s + ((k0 + tl.arange(0, NSUB) * SUB) // GROUP)[None, :]
+        s = tl.load(S + g_ptrs).to(tl.float32)
+        x0, x4, x1, x5 = _x_half(x, 0), _x_half(x, 4), _x_half(x, 1), _x_half(x, 5)
+        x2, x6, x3, x7 = _x_half(x, 2), _x_half(x, 6), _x_half(x, 3), _x_half(x, 7)
+        w_ptrs += WORDS
+        x += BLOCK_K
+        if HAS_ZERO:  # -(2**7 + z) (fp16: 2**10) in both halves of a register
+            z = tl.load(Z + g_ptrs).to(tl.float32)
+            if X.dtype.element_ty == tl.float16:
+                off = (-(z + 1024.0)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            else:
+                off = (-(z + 128.0)).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            off = tl.reshape(tl.broadcast_to((off | (off << 16))[:, :, None], (BLOCK_N, NSUB, SUB // 8)),
+                             (BLOCK_N, WORDS))
+            d = tl.inline_asm_elementwise(ASM, "=r,r,h,h,h,h,h,h,h,h,r", [words, x0, x4, x1, x5, x2, x6, x3, x7, off],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            d = tl.inline_asm_elementwise(ASM, "=r,r,h,h,h,h,h,h,h,h", [words, x0, x4, x1, x5, x2, x6, x3, x7],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        acc += tl.sum(tl.reshape(d.to(tl.float32, bitcast=True), (BLOCK_N, NSUB, SUB // 8)), 2) * s
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(Bias + offs_n).to(tl.float32)
+    if SILU:
+        _store_silu(y, Y, pid, N, BLOCK_N)
+    else:
+        tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
@@ -71,14 +224,14 @@ def _row_part(w, X, m, K, stride_xm, cols, S_sub, Z_sub, HAS_ZERO: tl.constexpr,
 def _gemv_kernel(X, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, stride_s, stride_ym,
                  FP8: tl.constexpr, BITS: tl.constexpr, SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr,
                  GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Y[:M, tile] for one tile of BLOCK_N weight rows. FP8: W fp8 [N, K], S per SCALE
-    (tensor []; channel [N]; block [ceil(N / SCALE_ROWS), ceil(K / GROUP)]). Else int: W int32
-    [N, K // 8] (BITS 4) or uint8 [N, K] (BITS 8), S and Z [N, K // GROUP]."""
+                 EVEN_K: tl.constexpr, SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Y[:M, tile] for one tile of BLOCK_N weight rows (``_tile_rows``; SILU: one row of x).
+    FP8: W fp8 [N, K], S per SCALE (tensor []; channel [N]; block [ceil(N / SCALE_ROWS),
+    ceil(K / GROUP)]). Else int: W int32 [N, K // 8] (BITS 4) or uint8 [N, K] (BITS 8), S and
+    Z [N, K // GROUP]."""
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_n = tl.where(mask_n, offs_n, 0)  # (masked rows read row 0: no masks on the weight loads)
+    offs_n, mask_n = _tile_rows(pid, N, BLOCK_N, SILU)  # (masked rows read row 0: no masks on the loads)
     offs_m = tl.arange(0, BLOCK_M)
     SUB: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP
     NSUB: tl.constexpr = BLOCK_K // SUB
@@ -121,8 +274,11 @@ def _gemv_kernel(X, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, stride_s, st
         acc *= tl.load(S + offs_n)[:, None]
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n).to(tl.float32)[:, None]
-    tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty),
-             mask=mask_n[:, None] & (offs_m < M)[None, :])
+    if SILU:
+        _store_silu(tl.sum(acc, 1), Y, pid, N, BLOCK_N)
+    else:
+        tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty),
+                 mask=mask_n[:, None] & (offs_m < M)[None, :])
 
 
 def k_step(limit: int, group: int) -> int:
@@ -146,46 +302,104 @@ def gemv_tiles(kind: str, m: int, k: int, group: int | None) -> tuple[int, int, 
     return max(1, rows * limit // bk) if bk < limit else rows, bk, 4
 
 
-def _launch(x, w, s, z, bias, n, k, *, fp8, bits, scale, scale_rows, group, tiles):
+def tuned_key(kind: str, n: int, k: int) -> str:
+    """``GEMV_TUNED``'s key for a weight of ``kind`` (``fp8 channel``, ``int4 g128 asym``, ...)
+    and shape [n, k]."""
+    return f"{kind} {n}x{k}"
+
+
+@functools.cache
+def _tuned(gpu: str) -> dict:
+    table = json.loads(GEMV_TUNED.read_text()) if GEMV_TUNED.exists() else {}
+    return table.get(gpu, {})
+
+
+def _tiles(x: torch.Tensor, kind: str, n: int, k: int, rule: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The measured tiles for one CUDA row of x and a ``kind`` weight [n, k], else ``rule``."""
+    if x.shape[0] != 1 or not x.is_cuda:
+        return rule
+    tiles = _tuned(torch.cuda.get_device_name(x.device)).get(tuned_key(kind, n, k))
+    return tuple(tiles) if tiles else rule
+
+
+def fp8_kind(weight_scale: torch.Tensor, block: tuple[int, int] | None) -> str:
+    if block is not None:
+        return f"fp8 block{block[0]}x{block[1]}"
+    return "fp8 channel" if weight_scale.dim() == 1 else "fp8 tensor"
+
+
+def int_kind(bits: int, group_size: int, symmetric: bool) -> str:
+    return f"int{bits} g{group_size} {'sym' if symmetric else 'asym'}"
+
+
+def _launch(x, w, s, z, bias, n, k, *, fp8, bits, scale, scale_rows, group, tiles, silu):
     m = x.shape[0]
-    if m > 4:
-        raise ValueError(f"GEMV: {m} rows of x, at most 4 (more go to the GEMM kernels)")
+    if m > 4 or (silu and (m != 1 or bias is not None or n % 2)):
+        raise ValueError(f"GEMV: {m} rows of x, at most 4 (more go to the GEMM kernels); with silu one, no bias "
+                         f"and an even N ({n})")
     bn, bk, warps = tiles
     if (scale == SCALE_BLOCK and bk % group and group % bk) or (not fp8 and k % bk):
         raise ValueError(f"GEMV: K step {bk} and scale groups of {group} columns (K={k}) do not nest")
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, bn),)](
+    if silu and bn % 2:
+        raise ValueError(f"GEMV with silu: {bn} weight rows per program, not gate and up halves")
+    y = torch.empty((m, n // 2 if silu else n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n // 2, bn // 2) if silu else triton.cdiv(n, bn),)
+    asm = _asm_for(x, fp8, bits, z is None, group)
+    if asm:
+        _int4_asm_kernel[grid](
+            x, w, s, z if z is not None else s, bias if bias is not None else s, y, n, k, w.stride(0), s.stride(0),
+            ASM=asm, GROUP=group, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SILU=silu,
+            BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        return y
+    _gemv_kernel[grid](
         x, w, s, z if z is not None else s, bias if bias is not None else s, y,
         m, n, k, x.stride(0), w.stride(0), s.stride(0) if s.dim() == 2 else 0, y.stride(0),
         FP8=fp8, BITS=bits, SCALE=scale, SCALE_ROWS=scale_rows, GROUP=group, HAS_ZERO=z is not None,
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, SILU=silu,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return y
 
 
+def _asm_for(x: torch.Tensor, fp8: bool, bits: int, symmetric: bool, group: int) -> str:
+    """The int4 packed-pair asm for one 16-bit row of x on CUDA (packed bf16 FMAs: sm_80 on)
+    and groups of whole words, else "" (``_gemv_kernel``)."""
+    if fp8 or bits != 4 or x.shape[0] != 1 or group % 8 or not x.is_cuda:
+        return ""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return ""
+    if torch.cuda.get_device_capability(x.device) < (8, 0):
+        return ""
+    return int4_dot8_asm(x.dtype == torch.float16, symmetric)
+
+
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
-             bias: torch.Tensor | None, *, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """``x @ W.T + bias`` for an fp8 weight (``ops``' layout), x [M <= 4, K] unquantized."""
+             bias: torch.Tensor | None, *, tiles: tuple[int, int, int] | None = None,
+             silu: bool = False) -> torch.Tensor:
+    """``x @ W.T + bias`` for an fp8 weight (``ops``' layout), x [M <= 4, K] unquantized; with
+    ``silu`` (W = gate | up, one row of x, no bias) SiLU(gate) * up of it, [1, N // 2]."""
     n, k = weight.shape
     if block is not None:
         scale, rows, group = SCALE_BLOCK, block[0], block[1]
     else:
         scale, rows, group = (SCALE_CHANNEL if weight_scale.dim() == 1 else SCALE_TENSOR), 1, k
     if tiles is None:
-        tiles = gemv_tiles("fp8", x.shape[0], k, group if block is not None else None)
+        tiles = _tiles(x, fp8_kind(weight_scale, block), n, k,
+                       gemv_tiles("fp8", x.shape[0], k, group if block is not None else None))
     return _launch(x, weight, weight_scale, None, bias, n, k, fp8=True, bits=8, scale=scale, scale_rows=rows,
-                   group=group, tiles=tiles)
+                   group=group, tiles=tiles, silu=silu)
 
 
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
              group_size: int, perm: torch.Tensor | None, bias: torch.Tensor | None, *,
-             tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """``x[:, perm] @ W.T + bias`` for an int4/int8 weight (``ops``' layout), x [M <= 4, K]."""
+             tiles: tuple[int, int, int] | None = None, silu: bool = False) -> torch.Tensor:
+    """``x[:, perm] @ W.T + bias`` for an int4/int8 weight (``ops``' layout), x [M <= 4, K];
+    ``silu`` as ``fp8_gemv``'s."""
     n, k = qweight.shape[0], x.shape[1]
-    tiles = tiles or gemv_tiles(f"int{bits}", x.shape[0], k, group_size)
+    tiles = tiles or _tiles(x, int_kind(bits, group_size, zeros is None), n, k,
+                            gemv_tiles(f"int{bits}", x.shape[0], k, group_size))
     if bits == 4 and tiles[1] % 8:
         raise ValueError(f"int4 GEMV: K step {tiles[1]} is not a multiple of 8 (group_size {group_size})")
     if perm is not None:  # (one gather of x's columns up front: per program, they would be scattered reads)
         x = x.index_select(1, perm)
     return _launch(x, qweight, scales, zeros, bias, n, k, fp8=False, bits=bits, scale=SCALE_BLOCK, scale_rows=1,
-                   group=group_size, tiles=tiles)
+                   group=group_size, tiles=tiles, silu=silu)

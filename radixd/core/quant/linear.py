@@ -30,6 +30,7 @@ from radixd.core.errors import ConfigError
 from radixd.core.quant import ops
 from radixd.core.quant.cpu_int import CpuIntWeight, cpu_int_linear, pack_cpu, rows
 from radixd.core.quant.formats import Fp8Layout, IntLayout, Layout, QuantFormatError
+from radixd.core.quant.gemv import GEMV_MAX_M, fp8_gemv, int_gemv
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 COLUMN_PARALLEL = ("qkv_proj", "gate_up_proj")  # output rows split over the shards
@@ -87,6 +88,21 @@ class QuantLinear(nn.Module):
             y = ops.int_weight_linear(flat, self.weight, self.weight_scale, self.weight_zeros, bits=lay.bits,
                                       group_size=lay.group_of(self.in_features), perm=self.weight_perm, bias=self.bias)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def forward_silu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """SiLU(gate) * up of this (gate | up) projection of one CUDA row in one GEMV kernel,
+        the activation in its epilogue; None where that path does not apply (more rows, the
+        CPU, a bias): the caller then takes ``forward`` and its own activation."""
+        flat = x.reshape(-1, self.in_features)
+        if self.cpu is not None or not flat.is_cuda or flat.shape[0] > GEMV_MAX_M or self.bias is not None:
+            return None
+        lay = self.layout
+        if isinstance(lay, Fp8Layout):
+            y = fp8_gemv(flat, self.weight, self.weight_scale, lay.block, None, silu=True)
+        else:
+            y = int_gemv(flat, self.weight, self.weight_scale, self.weight_zeros, lay.bits,
+                         lay.group_of(self.in_features), self.weight_perm, None, silu=True)
+        return y.view(*x.shape[:-1], self.out_features // 2)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, layout={self.layout}"
