@@ -265,6 +265,64 @@ def test_gemv_with_silu_is_the_activation_of_its_product(fmt):
         gemv.fp8_gemv(rand(2, k, seed=29), *quantize_fp8(rand(n, k, seed=28), "channel"), None, None, silu=True)
 
 
+def rope_case(heads, kv_heads, dim, kv_dtype, device):
+    from radixd.core.models.layers import Rotary
+
+    rot = Rotary(dim, 4096, 500000.0, None).to(device)
+    kb = torch.zeros(10, kv_heads, dim, device=device, dtype=kv_dtype)
+    return rot, kb, torch.zeros_like(kb)
+
+
+def fused_vs_unfused_rope(gemv_fn, n, heads, kv_heads, dim, kv_dtype, device, bias=None):
+    """q/k/v stored by ``gemv_fn(rope=...)`` and by the plain GEMV + ``rope_store``: (q, k slot,
+    v slot) of each, and whether any other slot was written."""
+    from radixd.core.triton_ops import rope_store
+
+    rot, kb, vb = rope_case(heads, kv_heads, dim, kv_dtype, device)
+    pos, loc = torch.tensor([1234], device=device), torch.tensor([7], device=device)
+    scales = (0.5, 0.25) if kv_dtype.itemsize == 1 else (1.0, 1.0)
+    q = gemv_fn(rope=gemv.RopeStore(pos, rot.cos, rot.sin, kb, vb, loc, heads, *scales))
+    qkv = gemv_fn()
+    rq, rk, rv = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    rq = rq.reshape(1, heads, dim).contiguous()
+    _, kb2, vb2 = rope_case(heads, kv_heads, dim, kv_dtype, device)
+    rope_store(rq, rk.reshape(1, kv_heads, dim), rv.reshape(1, kv_heads, dim), pos, rot.cos, rot.sin, kb2, vb2, loc,
+               *scales)
+    others = torch.ones(10, dtype=torch.bool)
+    others[7] = False
+    return (q, kb[7], vb[7]), (rq, kb2[7], vb2[7]), bool(kb[others].float().any() or vb[others].float().any())
+
+
+@interpreter
+@pytest.mark.parametrize("fmt,kv", [("fp8-channel", "model"), ("fp8-block", "fp8"), ("int4-asym-bias", "model"),
+                                    ("int8", "fp8")])
+def test_gemv_with_rope_stores_what_the_unfused_path_stores(fmt, kv):
+    """q/k/v of one token with rotary and the K/V store in the GEMV's epilogue: the same q and
+    the same stored K/V as the GEMV followed by ``rope_store`` (also into an fp8 pool)."""
+    heads, kv_heads, dim, k = 4, 2, 16, 256
+    n = (heads + 2 * kv_heads) * dim
+    x = rand(1, k, seed=40)
+    kv_dtype = ops.FP8 if kv == "fp8" else torch.float32
+    if fmt.startswith("fp8"):
+        block = (32, 128) if fmt == "fp8-block" else None
+        wq, s = quantize_fp8(rand(n, k, seed=41), fmt[4:], block=block or (128, 128))
+
+        def run(**epi):
+            return gemv.fp8_gemv(x, wq, s, block, None, tiles=(8, 128, 4), **epi)
+    else:
+        bits = 4 if fmt.startswith("int4") else 8
+        qw, s, z, perm = int_case(bits, 64, bits == 8, False, k, n=n)
+        b = rand(n, seed=42) if fmt.endswith("bias") else None
+
+        def run(**epi):
+            return gemv.int_gemv(x, qw, s, z, bits, 64, perm, b, tiles=(8, 128, 4), **epi)
+    fused, unfused, stray = fused_vs_unfused_rope(run, n, heads, kv_heads, dim, kv_dtype, DEV)
+    assert fused[0].shape == (1, heads, dim)
+    for got, want in zip(fused, unfused, strict=True):
+        assert torch.equal(got.float(), want.float())
+    assert not stray  # only the token's slot is written
+
+
 @interpreter
 @pytest.mark.parametrize("bits,group,symmetric,act_order,k", INT_CASES)
 def test_int_gemm_kernel(bits, group, symmetric, act_order, k):
@@ -383,3 +441,32 @@ def test_gemv_with_silu_on_gpu(fmt):
         y, plain = (gemv.int_gemv(x, qw, s, z, 4, 128, perm, None, silu=silu) for silu in (True, False))
     assert y.shape == (1, n // 2) and torch.isfinite(y).all()
     assert rel_err(y, silu_of(plain)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8-channel", "fp8-block", "int4-sym", "int4-asym", "int4-actorder"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_gemv_with_rope_on_gpu(fmt, kv):
+    """The 8B q/k/v projection of one token with rotary and the K/V store in the GEMV's
+    epilogue, against the unfused GEMV + ``rope_store`` on the same weights."""
+    heads, kv_heads, dim, k = 32, 8, 128, 4096
+    n = (heads + 2 * kv_heads) * dim
+    w = (torch.randn(n, k, device="cuda") * k**-0.5).to(torch.bfloat16)
+    x = _gpu_input(1, k, 11)
+    if fmt.startswith("fp8"):
+        block = (128, 128) if fmt == "fp8-block" else None
+        wq, s = quantize_fp8(w.float(), fmt[4:])
+
+        def run(**epi):
+            return gemv.fp8_gemv(x, wq, s, block, None, **epi)
+    else:
+        qw, s, z = quantize_int(w, 4, 128, fmt != "int4-asym")
+        perm = torch.randperm(k, device="cuda") if fmt == "int4-actorder" else None
+
+        def run(**epi):
+            return gemv.int_gemv(x, qw, s, z, 4, 128, perm, None, **epi)
+    kv_dtype = ops.FP8 if kv == "fp8" else torch.bfloat16
+    fused, unfused, stray = fused_vs_unfused_rope(run, n, heads, kv_heads, dim, kv_dtype, "cuda")
+    for got, want in zip(fused, unfused, strict=True):
+        assert torch.isfinite(got.float()).all() and rel_err(got, want) < 1e-2
+    assert not stray

@@ -313,32 +313,45 @@ def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelChoice 
 
 
 @triton.jit
+def rope_store_pairs(a, b, pair, mask, Q, KBuf, VBuf, Pos, Loc, Cos, Sin, stride_cos, stride_bn, stride_bh,
+                     stride_vbn, stride_vbh, H, HKV, k_scale, v_scale, HALF: tl.constexpr,
+                     FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr):
+    """A one-token q/k/v projection's epilogue for its row pairs ``pair`` [P] (pair p: rows j
+    and j + HALF of head p // HALF, j = p % HALF; ``mask``: the real ones), whose products are
+    ``a`` and ``b`` [P] (fp32): q and k pairs rotated (neox halves), q stored to ``Q`` [H, 2 *
+    HALF], k and v to their buffers' slot ``Loc`` as ``rope_store`` stores them."""
+    head = pair // HALF
+    j = pair % HALF
+    pos = tl.load(Pos)
+    loc = tl.load(Loc)
+    cos = tl.load(Cos + pos * stride_cos + j, mask=mask, other=0.0)
+    sin = tl.load(Sin + pos * stride_cos + j, mask=mask, other=0.0)
+    y0 = a * cos - b * sin
+    y1 = b * cos + a * sin
+    is_q = mask & (head < H)
+    is_k = mask & (head >= H) & (head < H + HKV)
+    is_v = mask & (head >= H + HKV)
+    tl.store(Q + head * 2 * HALF + j, y0.to(Q.dtype.element_ty), mask=is_q)
+    tl.store(Q + head * 2 * HALF + j + HALF, y1.to(Q.dtype.element_ty), mask=is_q)
+    kp = KBuf + loc * stride_bn + (head - H) * stride_bh + j
+    tl.store(kp, _kv_value(y0, k_scale, FP8_MAX, FP8_MANT).to(KBuf.dtype.element_ty), mask=is_k)
+    tl.store(kp + HALF, _kv_value(y1, k_scale, FP8_MAX, FP8_MANT).to(KBuf.dtype.element_ty), mask=is_k)
+    vp = VBuf + loc * stride_vbn + (head - H - HKV) * stride_vbh + j
+    tl.store(vp, _kv_value(a, v_scale, FP8_MAX, FP8_MANT).to(VBuf.dtype.element_ty), mask=is_v)
+    tl.store(vp + HALF, _kv_value(b, v_scale, FP8_MAX, FP8_MANT).to(VBuf.dtype.element_ty), mask=is_v)
+
+
+@triton.jit
 def _gemv_rope_store_kernel(X, W, B, Q, KBuf, VBuf, Pos, Loc, Cos, Sin, K, stride_w, stride_cos,
                             stride_bn, stride_bh, stride_vbn, stride_vbh, H, HKV, k_scale, v_scale,
                             HALF: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                             BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr):
     pid = tl.program_id(0)
-    head = pid // HALF
-    j = pid % HALF
-    pos = tl.load(Pos)
-    loc = tl.load(Loc)
-    cos = tl.load(Cos + pos * stride_cos + j)
-    sin = tl.load(Sin + pos * stride_cos + j)
     a, b = _gemv_pair(X, W, B, pid, HALF, K, stride_w, HAS_BIAS, EVEN_K, BLOCK_K)
-    if head < H + HKV:  # q or k: rotate the pair (neox halves)
-        y0 = a * cos - b * sin
-        y1 = b * cos + a * sin
-        if head < H:
-            tl.store(Q + head * 2 * HALF + j, y0.to(Q.dtype.element_ty))
-            tl.store(Q + head * 2 * HALF + j + HALF, y1.to(Q.dtype.element_ty))
-        else:
-            kp = KBuf + loc * stride_bn + (head - H) * stride_bh + j
-            tl.store(kp, _kv_value(y0, k_scale, FP8_MAX, FP8_MANT).to(KBuf.dtype.element_ty))
-            tl.store(kp + HALF, _kv_value(y1, k_scale, FP8_MAX, FP8_MANT).to(KBuf.dtype.element_ty))
-    else:
-        vp = VBuf + loc * stride_vbn + (head - H - HKV) * stride_vbh + j
-        tl.store(vp, _kv_value(a, v_scale, FP8_MAX, FP8_MANT).to(VBuf.dtype.element_ty))
-        tl.store(vp + HALF, _kv_value(b, v_scale, FP8_MAX, FP8_MANT).to(VBuf.dtype.element_ty))
+    one = tl.zeros([1], dtype=tl.float32)
+    pair = pid + tl.arange(0, 1)
+    rope_store_pairs(a + one, b + one, pair, pair >= 0, Q, KBuf, VBuf, Pos, Loc, Cos, Sin, stride_cos, stride_bn,
+                     stride_bh, stride_vbn, stride_vbh, H, HKV, k_scale, v_scale, HALF, FP8_MAX, FP8_MANT)
 
 
 def gemv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, position: torch.Tensor,

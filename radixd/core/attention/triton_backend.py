@@ -24,6 +24,7 @@ from radixd.core.attention.triton_kernels import (
 )
 from radixd.core.forward_batch import ForwardBatch
 from radixd.core.kv_pool import KVPool
+from radixd.core.quant.gemv import RopeStore
 from radixd.core.triton_ops import gemv_rope_store, one_row, rope_store
 
 MIN_SPLITS, MAX_SPLITS = 1, 32
@@ -161,11 +162,17 @@ class TritonAttention:
         """``forward`` from the layer's input ``x``: for a decode step of one request on CUDA,
         project q/k/v, rotate and store K/V in one kernel, then attend; None otherwise (the
         caller projects and calls ``forward``)."""
-        if not (self.decode and self.fuse_one_row and isinstance(proj, torch.nn.Linear)
-                and one_row(x, proj.weight)):
+        if not (self.decode and self.fuse_one_row):
             return None
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
         k_scale, v_scale = self._scales(layer)
+        quantized = getattr(proj, "forward_rope", None)  # (a quantized projection's own GEMV)
+        if quantized is not None:
+            q = quantized(x, RopeStore(positions, rotary.cos, rotary.sin, k_buf, v_buf, self._loc(layer),
+                                       self.num_heads, k_scale, v_scale))
+            return None if q is None else self._decode(q, layer)
+        if not (isinstance(proj, torch.nn.Linear) and one_row(x, proj.weight)):
+            return None
         q = gemv_rope_store(x, proj.weight, proj.bias, positions, rotary.cos, rotary.sin, k_buf, v_buf,
                             self._loc(layer), num_heads=self.num_heads, k_scale=k_scale, v_scale=v_scale)
         return self._decode(q, layer)

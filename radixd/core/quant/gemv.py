@@ -34,11 +34,14 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+from radixd.core.triton_ops import fp8_format, rope_store_pairs
 
 GEMV_TUNED = Path(__file__).parents[1] / "tuned" / "quant_gemv.json"
 
@@ -127,15 +130,16 @@ def _x_half(base, c):
 
 
 @triton.jit
-def _tile_rows(pid, N, BLOCK_N: tl.constexpr, SILU: tl.constexpr):
-    """Program ``pid``'s BLOCK_N weight rows and which are real (rows past N read row 0);
-    with SILU (W = gate | up, N // 2 rows each) its BLOCK_N // 2 gate rows, then the up rows
-    that match them."""
+def _tile_rows(pid, N, G, BLOCK_N: tl.constexpr, PAIRED: tl.constexpr):
+    """Program ``pid``'s BLOCK_N weight rows and which are real (rows past N read row 0); with
+    PAIRED, BLOCK_N // 2 row pairs (r, r + G), r the p-th of the first halves of consecutive
+    2G-row blocks, p = pid * BLOCK_N // 2 + i: the first rows, then their partners (gate | up
+    with G = N // 2; a q/k/v head's rotary halves with G = head_dim // 2)."""
     i = tl.arange(0, BLOCK_N)
-    if SILU:
-        first = pid * (BLOCK_N // 2) + i % (BLOCK_N // 2)
-        mask = first < N // 2
-        rows = first + (i // (BLOCK_N // 2)) * (N // 2)
+    if PAIRED:
+        p = pid * (BLOCK_N // 2) + i % (BLOCK_N // 2)
+        mask = p < N // 2
+        rows = (p // G) * (2 * G) + p % G + (i // (BLOCK_N // 2)) * G
     else:
         rows = pid * BLOCK_N + i
         mask = rows < N
@@ -143,19 +147,32 @@ def _tile_rows(pid, N, BLOCK_N: tl.constexpr, SILU: tl.constexpr):
 
 
 @triton.jit
-def _store_silu(y, Y, pid, N, BLOCK_N: tl.constexpr):
-    """Y[tile] = SiLU(gate) * up for ``_tile_rows``' SILU tile's fp32 sums ``y`` [BLOCK_N]
-    (each rounded to Y's dtype first, as the unfused projection's output would be)."""
-    g, u = tl.split(tl.permute(tl.reshape(y, (2, BLOCK_N // 2)), (1, 0)))
-    g = g.to(Y.dtype.element_ty).to(tl.float32)
-    u = u.to(Y.dtype.element_ty).to(tl.float32)
-    offs = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    tl.store(Y + offs, (g / (1.0 + tl.exp(-g)) * u).to(Y.dtype.element_ty), mask=offs < N // 2)
+def _epilogue(y, Y, pid, N, rows, mask, KBuf, VBuf, Pos, Loc, Cos, Sin, stride_cos, stride_bn,
+              stride_bh, stride_vbn, stride_vbh, H, HKV, k_scale, v_scale, EPI: tl.constexpr, BLOCK_N: tl.constexpr,
+              HALF: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr):
+    """Stores one x row's fp32 sums ``y`` [BLOCK_N] of ``_tile_rows``' rows: EPI 0 as they are;
+    else (paired rows, each pair's two sums rounded to Y's dtype first, as the unfused
+    projection's output would be) 1: SiLU(gate) * up; 2: ``triton_ops.rope_store_pairs``
+    (Y is q [H, 2 * HALF])."""
+    if EPI == 0:
+        tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        a, b = tl.split(tl.permute(tl.reshape(y, (2, BLOCK_N // 2)), (1, 0)))
+        a = a.to(Y.dtype.element_ty).to(tl.float32)
+        b = b.to(Y.dtype.element_ty).to(tl.float32)
+        pair = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        if EPI == 1:
+            tl.store(Y + pair, (a / (1.0 + tl.exp(-a)) * b).to(Y.dtype.element_ty), mask=pair < N // 2)
+        else:
+            rope_store_pairs(a, b, pair, pair < N // 2, Y, KBuf, VBuf, Pos, Loc, Cos, Sin, stride_cos, stride_bn,
+                             stride_bh, stride_vbn, stride_vbh, H, HKV, k_scale, v_scale, HALF, FP8_MAX, FP8_MANT)
 
 
 @triton.jit
-def _int4_asm_kernel(X, W, S, Z, Bias, Y, N, K, stride_w, stride_s, ASM: tl.constexpr, GROUP: tl.constexpr,
-                     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+def _int4_asm_kernel(X, W, S, Z, Bias, Y, N, K, stride_w, stride_s, G, KBuf, VBuf, Pos, Loc, Cos, Sin, stride_cos,
+                     stride_bn, stride_bh, stride_vbn, stride_vbh, H, HKV, k_scale, v_scale,
+                     ASM: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     EPI: tl.constexpr, HALF: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Y[0, tile] for one x row and BLOCK_N int4 weight rows (``_tile_rows``) through
     ``int4_dot8_asm``'s text ``ASM``: per step a sum over each group's words, scaled into a
@@ -163,7 +180,7 @@ def _int4_asm_kernel(X, W, S, Z, Bias, Y, N, K, stride_w, stride_s, ASM: tl.cons
     accumulator, with scales read per word or broadcast from each group's, by 8-21% summed
     over the 8B projections at each one's fastest tiles.)"""
     pid = tl.program_id(0)
-    offs_n, mask_n = _tile_rows(pid, N, BLOCK_N, SILU)
+    offs_n, mask_n = _tile_rows(pid, N, G, BLOCK_N, EPI != 0)
     WORDS: tl.constexpr = BLOCK_K // 8
     SUB: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP  # columns per scale within a step
     NSUB: tl.constexpr = BLOCK_K // SUB
@@ -195,10 +212,8 @@ def _int4_asm_kernel(X, W, S, Z, Bias, Y, N, K, stride_w, stride_s, ASM: tl.cons
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(Bias + offs_n).to(tl.float32)
-    if SILU:
-        _store_silu(y, Y, pid, N, BLOCK_N)
-    else:
-        tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
+    _epilogue(y, Y, pid, N, offs_n, mask_n, KBuf, VBuf, Pos, Loc, Cos, Sin, stride_cos, stride_bn, stride_bh,
+              stride_vbn, stride_vbh, H, HKV, k_scale, v_scale, EPI, BLOCK_N, HALF, FP8_MAX, FP8_MANT)
 
 
 @triton.jit
@@ -221,17 +236,19 @@ def _row_part(w, X, m, K, stride_xm, cols, S_sub, Z_sub, HAS_ZERO: tl.constexpr,
 
 
 @triton.jit
-def _gemv_kernel(X, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, stride_s, stride_ym,
+def _gemv_kernel(X, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, stride_s, stride_ym, G, KBuf, VBuf, Pos, Loc,
+                 Cos, Sin, stride_cos, stride_bn, stride_bh, stride_vbn, stride_vbh, H, HKV, k_scale, v_scale,
                  FP8: tl.constexpr, BITS: tl.constexpr, SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr,
                  GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 EVEN_K: tl.constexpr, SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """Y[:M, tile] for one tile of BLOCK_N weight rows (``_tile_rows``; SILU: one row of x).
+                 EVEN_K: tl.constexpr, EPI: tl.constexpr, HALF: tl.constexpr, FP8_MAX: tl.constexpr,
+                 FP8_MANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Y[:M, tile] for one tile of BLOCK_N weight rows (``_tile_rows``; ``_epilogue``'s EPI > 0:
+    paired rows, one row of x).
     FP8: W fp8 [N, K], S per SCALE (tensor []; channel [N]; block [ceil(N / SCALE_ROWS),
     ceil(K / GROUP)]). Else int: W int32 [N, K // 8] (BITS 4) or uint8 [N, K] (BITS 8), S and
     Z [N, K // GROUP]."""
     pid = tl.program_id(0)
-    offs_n, mask_n = _tile_rows(pid, N, BLOCK_N, SILU)  # (masked rows read row 0: no masks on the loads)
+    offs_n, mask_n = _tile_rows(pid, N, G, BLOCK_N, EPI != 0)  # (masked rows read row 0: no masks on the loads)
     offs_m = tl.arange(0, BLOCK_M)
     SUB: tl.constexpr = BLOCK_K if BLOCK_K < GROUP else GROUP
     NSUB: tl.constexpr = BLOCK_K // SUB
@@ -274,8 +291,9 @@ def _gemv_kernel(X, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, stride_s, st
         acc *= tl.load(S + offs_n)[:, None]
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n).to(tl.float32)[:, None]
-    if SILU:
-        _store_silu(tl.sum(acc, 1), Y, pid, N, BLOCK_N)
+    if EPI != 0:
+        _epilogue(tl.sum(acc, 1), Y, pid, N, offs_n, mask_n, KBuf, VBuf, Pos, Loc, Cos, Sin, stride_cos, stride_bn,
+                  stride_bh, stride_vbn, stride_vbh, H, HKV, k_scale, v_scale, EPI, BLOCK_N, HALF, FP8_MAX, FP8_MANT)
     else:
         tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty),
                  mask=mask_n[:, None] & (offs_m < M)[None, :])
@@ -332,31 +350,64 @@ def int_kind(bits: int, group_size: int, symmetric: bool) -> str:
     return f"int{bits} g{group_size} {'sym' if symmetric else 'asym'}"
 
 
-def _launch(x, w, s, z, bias, n, k, *, fp8, bits, scale, scale_rows, group, tiles, silu):
+@dataclass(frozen=True)
+class RopeStore:
+    """The q/k/v projection of one token's epilogue (``triton_ops.gemv_rope_store``'s, for a
+    quantized weight): q and k rotated at ``position``, k and v stored at slot ``loc`` of the
+    layer's buffers (fp8 buffers: divided by the scales, saturated)."""
+
+    position: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_buf: torch.Tensor
+    v_buf: torch.Tensor
+    loc: torch.Tensor
+    num_heads: int
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+def _epilogue_args(x: torch.Tensor, n: int, silu: bool, rope: RopeStore | None) -> tuple[torch.Tensor, tuple, dict]:
+    """The output, ``_epilogue``'s runtime arguments (G first) and its constexprs."""
+    if rope is None:
+        y = torch.empty((x.shape[0], n // 2 if silu else n), dtype=x.dtype, device=x.device)
+        args = (n // 2 if silu else 0, *(y,) * 6, 0, 0, 0, 0, 0, 0, 0, 1.0, 1.0)
+        return y, args, dict(EPI=1 if silu else 0, HALF=1, FP8_MAX=0.0, FP8_MANT=0)
+    kb, vb = rope.k_buf, rope.v_buf
+    hkv, dim = kb.shape[1], kb.shape[2]
+    if n != (rope.num_heads + 2 * hkv) * dim or dim % 2 or x.shape[0] != 1:
+        raise ValueError(f"GEMV with rope: {n} rows for {rope.num_heads} + 2 x {hkv} heads of {dim}, one row of x")
+    y = torch.empty((1, rope.num_heads, dim), dtype=x.dtype, device=x.device)
+    args = (dim // 2, kb, vb, rope.position, rope.loc, rope.cos, rope.sin, rope.cos.stride(0), kb.stride(0),
+            kb.stride(1), vb.stride(0), vb.stride(1), rope.num_heads, hkv, rope.k_scale, rope.v_scale)
+    return y, args, dict(EPI=2, HALF=dim // 2, **fp8_format(kb))
+
+
+def _launch(x, w, s, z, bias, n, k, *, fp8, bits, scale, scale_rows, group, tiles, silu=False, rope=None):
     m = x.shape[0]
-    if m > 4 or (silu and (m != 1 or bias is not None or n % 2)):
-        raise ValueError(f"GEMV: {m} rows of x, at most 4 (more go to the GEMM kernels); with silu one, no bias "
-                         f"and an even N ({n})")
+    if m > 4 or ((silu or rope is not None) and (m != 1 or n % 2)) or (silu and bias is not None):
+        raise ValueError(f"GEMV: {m} rows of x, at most 4 (more go to the GEMM kernels); with silu or rope one, "
+                         f"an even N ({n}) and (silu) no bias")
     bn, bk, warps = tiles
     if (scale == SCALE_BLOCK and bk % group and group % bk) or (not fp8 and k % bk):
         raise ValueError(f"GEMV: K step {bk} and scale groups of {group} columns (K={k}) do not nest")
-    if silu and bn % 2:
-        raise ValueError(f"GEMV with silu: {bn} weight rows per program, not gate and up halves")
-    y = torch.empty((m, n // 2 if silu else n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n // 2, bn // 2) if silu else triton.cdiv(n, bn),)
+    if (silu or rope is not None) and bn % 2:
+        raise ValueError(f"GEMV with silu or rope: {bn} weight rows per program, not pairs")
+    y, epi, consts = _epilogue_args(x, n, silu, rope)
+    grid = (triton.cdiv(n // 2, bn // 2) if consts["EPI"] else triton.cdiv(n, bn),)
     asm = _asm_for(x, fp8, bits, z is None, group)
     if asm:
         _int4_asm_kernel[grid](
             x, w, s, z if z is not None else s, bias if bias is not None else s, y, n, k, w.stride(0), s.stride(0),
-            ASM=asm, GROUP=group, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, SILU=silu,
-            BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+            *epi, ASM=asm, GROUP=group, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, BLOCK_N=bn,
+            BLOCK_K=bk, num_warps=warps, **consts)
         return y
     _gemv_kernel[grid](
         x, w, s, z if z is not None else s, bias if bias is not None else s, y,
-        m, n, k, x.stride(0), w.stride(0), s.stride(0) if s.dim() == 2 else 0, y.stride(0),
+        m, n, k, x.stride(0), w.stride(0), s.stride(0) if s.dim() == 2 else 0, y.stride(0), *epi,
         FP8=fp8, BITS=bits, SCALE=scale, SCALE_ROWS=scale_rows, GROUP=group, HAS_ZERO=z is not None,
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, SILU=silu,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **consts)
     return y
 
 
@@ -374,9 +425,10 @@ def _asm_for(x: torch.Tensor, fp8: bool, bits: int, symmetric: bool, group: int)
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
              bias: torch.Tensor | None, *, tiles: tuple[int, int, int] | None = None,
-             silu: bool = False) -> torch.Tensor:
+             silu: bool = False, rope: RopeStore | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for an fp8 weight (``ops``' layout), x [M <= 4, K] unquantized; with
-    ``silu`` (W = gate | up, one row of x, no bias) SiLU(gate) * up of it, [1, N // 2]."""
+    ``silu`` (W = gate | up, one row of x, no bias) SiLU(gate) * up of it, [1, N // 2]; with
+    ``rope`` (W = q | k | v heads, one row of x) ``rope``'s epilogue: returns q [1, H, D]."""
     n, k = weight.shape
     if block is not None:
         scale, rows, group = SCALE_BLOCK, block[0], block[1]
@@ -386,14 +438,15 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         tiles = _tiles(x, fp8_kind(weight_scale, block), n, k,
                        gemv_tiles("fp8", x.shape[0], k, group if block is not None else None))
     return _launch(x, weight, weight_scale, None, bias, n, k, fp8=True, bits=8, scale=scale, scale_rows=rows,
-                   group=group, tiles=tiles, silu=silu)
+                   group=group, tiles=tiles, silu=silu, rope=rope)
 
 
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
              group_size: int, perm: torch.Tensor | None, bias: torch.Tensor | None, *,
-             tiles: tuple[int, int, int] | None = None, silu: bool = False) -> torch.Tensor:
+             tiles: tuple[int, int, int] | None = None, silu: bool = False,
+             rope: RopeStore | None = None) -> torch.Tensor:
     """``x[:, perm] @ W.T + bias`` for an int4/int8 weight (``ops``' layout), x [M <= 4, K];
-    ``silu`` as ``fp8_gemv``'s."""
+    ``silu`` and ``rope`` as ``fp8_gemv``'s."""
     n, k = qweight.shape[0], x.shape[1]
     tiles = tiles or _tiles(x, int_kind(bits, group_size, zeros is None), n, k,
                             gemv_tiles(f"int{bits}", x.shape[0], k, group_size))
@@ -402,4 +455,4 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     if perm is not None:  # (one gather of x's columns up front: per program, they would be scattered reads)
         x = x.index_select(1, perm)
     return _launch(x, qweight, scales, zeros, bias, n, k, fp8=False, bits=bits, scale=SCALE_BLOCK, scale_rows=1,
-                   group=group_size, tiles=tiles, silu=silu)
+                   group=group_size, tiles=tiles, silu=silu, rope=rope)

@@ -30,7 +30,7 @@ from radixd.core.errors import ConfigError
 from radixd.core.quant import ops
 from radixd.core.quant.cpu_int import CpuIntWeight, cpu_int_linear, pack_cpu, rows
 from radixd.core.quant.formats import Fp8Layout, IntLayout, Layout, QuantFormatError
-from radixd.core.quant.gemv import GEMV_MAX_M, fp8_gemv, int_gemv
+from radixd.core.quant.gemv import GEMV_MAX_M, RopeStore, fp8_gemv, int_gemv
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 COLUMN_PARALLEL = ("qkv_proj", "gate_up_proj")  # output rows split over the shards
@@ -93,16 +93,24 @@ class QuantLinear(nn.Module):
         """SiLU(gate) * up of this (gate | up) projection of one CUDA row in one GEMV kernel,
         the activation in its epilogue; None where that path does not apply (more rows, the
         CPU, a bias): the caller then takes ``forward`` and its own activation."""
-        flat = x.reshape(-1, self.in_features)
-        if self.cpu is not None or not flat.is_cuda or flat.shape[0] > GEMV_MAX_M or self.bias is not None:
+        if self.bias is not None or not self._one_gemv_row(x):
             return None
+        return self._gemv(x.reshape(1, -1), silu=True).view(*x.shape[:-1], self.out_features // 2)
+
+    def forward_rope(self, x: torch.Tensor, rope: RopeStore) -> torch.Tensor | None:
+        """This q/k/v projection of one CUDA row with ``rope``'s epilogue (rotary, the K/V
+        store) in the same GEMV kernel: q [1, H, D]; None where that path does not apply."""
+        return self._gemv(x.reshape(1, -1), rope=rope) if self._one_gemv_row(x) else None
+
+    def _one_gemv_row(self, x: torch.Tensor) -> bool:
+        return self.cpu is None and x.is_cuda and x.numel() == self.in_features  # (GEMV_MAX_M >= 1)
+
+    def _gemv(self, x: torch.Tensor, **epilogue) -> torch.Tensor:
         lay = self.layout
         if isinstance(lay, Fp8Layout):
-            y = fp8_gemv(flat, self.weight, self.weight_scale, lay.block, None, silu=True)
-        else:
-            y = int_gemv(flat, self.weight, self.weight_scale, self.weight_zeros, lay.bits,
-                         lay.group_of(self.in_features), self.weight_perm, None, silu=True)
-        return y.view(*x.shape[:-1], self.out_features // 2)
+            return fp8_gemv(x, self.weight, self.weight_scale, lay.block, self.bias, **epilogue)
+        return int_gemv(x, self.weight, self.weight_scale, self.weight_zeros, lay.bits, lay.group_of(self.in_features),
+                        self.weight_perm, self.bias, **epilogue)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, layout={self.layout}"
