@@ -234,9 +234,9 @@ def gemv_kind(fmt: str) -> str | None:
     return None if q.get("act_order") else gemv.int_kind(q["bits"], q["group_size"], q["symmetric"])
 
 
-def write_tuned(path: Path, summary: dict) -> dict:
+def write_tuned(path: Path, summary: dict, device: str) -> dict:
     """Each shape and format's fastest one-row GEMV tiles from the sweep, merged into
-    ``path`` under this GPU's name; returns what was written."""
+    ``path`` under the GPU's name ("cpu" for a ``--quick`` run); returns what was written."""
     found = {}
     for res in summary.values():
         row = res.get("M=1") if isinstance(res, dict) and "N_K" in res else None
@@ -245,7 +245,7 @@ def write_tuned(path: Path, summary: dict) -> dict:
             if best and fmt in FORMATS and gemv_kind(fmt):
                 found[gemv.tuned_key(gemv_kind(fmt), *res["N_K"])] = list(ast.literal_eval(best))
     table = json.loads(path.read_text()) if path.exists() else {}
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     table.setdefault(gpu, {}).update(found)
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     return found
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         summary[name] = timed_section(lambda n=n, k=k, name=name: shape_case(run, name, n, k))
     print("\n".join(table(summary, run.formats)), flush=True)
     if args.write_tuned:
-        print(f"tuned tiles: {write_tuned(Path(args.write_tuned), summary)}")
+        print(f"tuned tiles: {write_tuned(Path(args.write_tuned), summary, run.device)}")
     path = write_json(Path(args.out) / "quant_kernels.json", summary)
     print(f"wrote {path}")
     return 0
