@@ -73,7 +73,15 @@ def unpack_int4_tile(words, BLOCK_K: tl.constexpr):
 # symmetric), one more multiplies by x's matching pair and accumulates. The four pairs' sums
 # leave as one fp32. Per 8 weights: 3 shifts, 4 lop3, 4 packs of x, 8 packed FMAs, where the
 # fp32 path spends a conversion and an FMA on each.
-_INT4_DOT8 = """
+def _pair(i: int) -> str:
+    """PTX for the word's nibbles i and i + 4 (in ``$1``) against x's pair ``$(2 + 2i)``,
+    ``$(3 + 2i)``, added to ``acc`` (the first pair starts it)."""
+    shift = f"shr.u32 t, $1, {4 * i};\n" if i else ""
+    return (f"{shift}lop3.b32 q, {'t' if i else '$1'}, mask, magic, 0xEA;\nfma.rn.@T@ q, q, one, off;\n"
+            f"mov.b32 xp, {{${2 + 2 * i}, ${3 + 2 * i}}};\nfma.rn.@T@ acc, q, xp, {'acc' if i else 'zero'};\n")
+
+
+_INT4_DOT8 = ("""
 {
 .reg .b32 q, t, acc, xp, one, off, zero, mask, magic;
 .reg .b16 lo, hi;
@@ -83,28 +91,9 @@ mov.b32 one, @ONE@;
 mov.b32 zero, 0;
 mov.b32 mask, 0x000F000F;
 mov.b32 magic, @MAGIC@;
-lop3.b32 q, $1, mask, magic, 0xEA;
-fma.rn.@T@ q, q, one, off;
-mov.b32 xp, {$2, $3};
-fma.rn.@T@ acc, q, xp, zero;
-shr.u32 t, $1, 4;
-lop3.b32 q, t, mask, magic, 0xEA;
-fma.rn.@T@ q, q, one, off;
-mov.b32 xp, {$4, $5};
-fma.rn.@T@ acc, q, xp, acc;
-shr.u32 t, $1, 8;
-lop3.b32 q, t, mask, magic, 0xEA;
-fma.rn.@T@ q, q, one, off;
-mov.b32 xp, {$6, $7};
-fma.rn.@T@ acc, q, xp, acc;
-shr.u32 t, $1, 12;
-lop3.b32 q, t, mask, magic, 0xEA;
-fma.rn.@T@ q, q, one, off;
-mov.b32 xp, {$8, $9};
-fma.rn.@T@ acc, q, xp, acc;
-@OUT@
+""" + "".join(_pair(i) for i in range(4)) + """@OUT@
 }
-"""
+""")
 # bf16 -> fp32 is a 16-bit shift; fp16 needs the conversion
 _BF16_OUT = "shl.b32 t, acc, 16;\nand.b32 acc, acc, 0xFFFF0000;\nadd.f32 $0, t, acc;"
 _FP16_OUT = "mov.b32 {lo, hi}, acc;\ncvt.f32.f16 flo, lo;\ncvt.f32.f16 fhi, hi;\nadd.f32 $0, flo, fhi;"
