@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from radixd.core.quant.ops import pack_int4, quantize_fp8, quantize_int, unpack_int4
+from radixd.core.quant.ops import dequantize_fp8, pack_int4, quantize_fp8, quantize_int, unpack_int4
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -133,6 +133,31 @@ def fp8_block_checkpoint(src: Path, dst: Path, *, block: tuple[int, int] = (32, 
         state[p + ".weight"], state[p + ".weight_scale_inv"] = quantize_fp8(state[p + ".weight"], "block", block)
     qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
     return _write(src, dst, state, qc)
+
+
+FP8_CHANNEL_QC = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+    "targets": ["Linear"],
+    "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
+    "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"]}
+
+
+def fp8_experts_checkpoint(src: Path, dst: Path, *, block: tuple[int, int] | None) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A mixture of experts with only its experts in fp8 (attention, router and LM head left
+    as they are): block fp8 as Qwen3-MoE-FP8 publishes it (``weight_scale_inv``), or with
+    ``block`` None per channel as llmcompressor writes it (``weight_scale`` [N, 1]). Returns
+    the path and each expert projection's dequantized weight."""
+    state = load_file(src / "model.safetensors")
+    dense = {}
+    for key in [k for k in state if ".experts." in k and k.endswith(".weight")]:
+        p = key.removesuffix(".weight")
+        q, scale = quantize_fp8(state[key].float(), "block" if block else "channel", block or (128, 128))
+        state[key] = q
+        state[p + (".weight_scale_inv" if block else ".weight_scale")] = scale if block else scale[:, None]
+        dense[p] = dequantize_fp8(q, scale, block)
+    qc = ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
+          if block else FP8_CHANNEL_QC)
+    return _write(src, dst, state, qc), dense
 
 
 def dense_twin(src: Path, dst: Path, dense: dict[str, torch.Tensor]) -> Path:

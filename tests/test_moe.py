@@ -96,6 +96,50 @@ async def test_moe_tp2_gives_the_tp1_tokens(tiny_moe_models, arch):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("block", [(16, 32), None])
+async def test_fp8_experts_checkpoint_gives_its_dequantized_twins_tokens(tiny_moe_models, tmp_path, block):
+    """A Qwen3-MoE checkpoint whose experts are fp8 (block scales as Qwen3-MoE-FP8 ships
+    them, or llmcompressor's per-channel ones) loads them as fp8 and decodes transformers'
+    greedy tokens of the same model with the experts dequantized, in small prefill chunks and
+    from the cache."""
+    from quant_checkpoints import dense_twin, fp8_experts_checkpoint
+
+    from radixd.core.quant.ops import FP8
+
+    base = tiny_moe_models["qwen3-moe"]
+    path, dense = fp8_experts_checkpoint(base, tmp_path / "fp8", block=block)
+    twin = dense_twin(base, tmp_path / "twin", dense)
+    eng = make_engine(path, chunked_prefill_size=7)
+    try:
+        experts = eng.worker.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.dtype == FP8 and experts.down_proj.dtype == FP8
+        assert experts.gate_up_proj_scale.shape == ((8, 4, 2) if block else (8, 64))  # (2I = 64 rows, H = 64)
+        ps = prompts(2, 20, seed=8)
+        outs = await asyncio.gather(*(collect(eng, p, 8) for p in ps))
+        for p, got in zip(ps, outs, strict=True):
+            assert_greedy_matches(twin, p, got, 8)
+        again = ps[0] + outs[0]
+        assert_greedy_matches(twin, again, await collect(eng, again, 4), 4)
+        await assert_idle(eng)
+    finally:
+        await eng.stop()
+
+
+def test_fp8_experts_refuse_tensor_parallel_and_int_experts_are_refused(tiny_moe_models, tmp_path):
+    from quant_checkpoints import fp8_experts_checkpoint, gptq_checkpoint
+
+    from radixd.core.errors import ConfigError
+    from radixd.core.quant.formats import QuantFormatError
+
+    base = tiny_moe_models["qwen3-moe"]
+    path, _ = fp8_experts_checkpoint(base, tmp_path / "fp8", block=(16, 32))
+    with pytest.raises(ConfigError, match="tp_size.*fp8 experts"):
+        make_engine(path, tp_size=2)
+    gptq, _ = gptq_checkpoint(base, tmp_path / "gptq")
+    with pytest.raises(QuantFormatError, match="experts.*int experts"):
+        make_engine(gptq)
+
+
 def test_moe_config_layout(tiny_moe_models):
     """Dense layers from mlp_only_layers / decoder_sparse_step; Mixtral renormalises."""
     def cfg(arch, **over):
@@ -210,6 +254,31 @@ def test_experts_triton_matches_the_reference(t, e, k, h, i, idle, tiles):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     if t > 100:  # in chunks of tokens, the last one short
         got = experts_triton(x, gate_up, down, weights, ids, tiles=tiles, chunk_tokens=128)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def fp8_experts(gate_up, down, block):
+    """Each expert's weights in fp8 (``block`` scales, or per row): (weights, scales) of both,
+    and their dequantized 16-bit twins."""
+    from radixd.core.quant.ops import dequantize_fp8, quantize_fp8
+
+    out = []
+    for w in (gate_up, down):
+        qs = [quantize_fp8(w[e], "block" if block else "channel", block or (128, 128)) for e in range(w.shape[0])]
+        q, sc = torch.stack([a for a, _ in qs]), torch.stack([b for _, b in qs])
+        out.append((q, sc, torch.stack([dequantize_fp8(q[e], sc[e], block) for e in range(w.shape[0])]).to(w.dtype)))
+    return out
+
+
+@pytest.mark.parametrize("t,block", [(1, None), (1, (16, 32)), (20, (16, 32)), (40, None)])
+def test_fp8_experts_compute_the_dequantized_experts(t, block):
+    """fp8 experts (per-row scales, or 16 x 32 blocks that do not divide either K, 48 and 40)
+    through the Triton kernels and the torch loop: the MLP of their dequantized weights."""
+    x, gate_up, down, weights, ids = moe_case(t, 8, 2, 48, 40, idle=1, seed=t)
+    (gq, gs, gd), (dq, ds, dd) = fp8_experts(gate_up, down, block)
+    want = naive_moe(x, gd, dd, weights, ids)
+    for fn in (experts_torch, lambda *a, **kw: experts_triton(*a, **kw, tiles=SMALL_TILES)):
+        got = fn(x, gq, dq, weights, ids, scales=(gs, ds), block=block)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -333,3 +402,18 @@ async def test_moe_engine_on_gpu_with_cascade_attention(tiny_moe_models):
     assert any(replays)  # cascade graphs replayed
     plain = await greedy_runs(path, prompts_, max_new, cuda_graphs=True, cascade_attention=False, top_logprobs=2)
     assert_same_greedy_up_to_ties(cascade, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("t", [1, 16, 512])
+@pytest.mark.parametrize("block", [(128, 128), None])
+def test_fp8_experts_at_qwen3_30b_shape_on_gpu(t, block):
+    """fp8 experts (Qwen3-MoE-FP8's 128 x 128 blocks, or per row) through the fused kernels
+    against the torch loop on the same fp8 weights, bf16 activations."""
+    x, gate_up, down, weights, ids = moe_case(t, **QWEN3_30B_LAYER, dtype=torch.bfloat16, device="cuda", seed=t)
+    (gq, gs, _), (dq, ds, _) = fp8_experts(gate_up, down, block)
+    got = experts_triton(x, gq, dq, weights, ids, scales=(gs, ds), block=block)
+    ref = experts_torch(x, gq, dq, weights, ids, scales=(gs, ds), block=block)
+    assert torch.isfinite(got).all()
+    assert float((got.double() - ref.double()).norm() / ref.double().norm()) < 2e-2

@@ -5,6 +5,11 @@ outputs summed with the router's weights.
     ids, weights [T, k]:
         y[t] = sum_j weights[t, j] * down[e] @ (SiLU(gate[e] @ x[t]) * up[e] @ x[t]),  e = ids[t, j]
 
+The experts may be fp8 (a quantized checkpoint's): ``scales`` (gate_up's, down's) per expert
+and output row [E, N], or per ``block`` of (bn, bk) weights [E, ceil(N / bn), ceil(K / bk)];
+each weight is dequantized to x's dtype as it is read (the torch path: each expert's whole
+weight, ``ops.dequantize_fp8``), so both paths compute the dequantized model's MLP.
+
 ``fused_experts`` computes it one of two ways:
 
 * ``experts_torch`` (CPU, and the reference): for each expert that has tokens,
@@ -33,6 +38,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from radixd.core.quant.ops import dequantize_fp8
 from radixd.core.triton_ops import silu_mul
 
 PAIRS_UNSORTED = 16  # up to this many (token, slot) pairs: one block per pair, no sort
@@ -55,17 +61,25 @@ def moe_tiles(pairs: int) -> MoETiles:
     return FEW_PAIRS_TILES if pairs <= 1024 else MANY_PAIRS_TILES
 
 
+Scales = tuple[torch.Tensor, torch.Tensor] | None  # fp8 experts: gate_up's and down's scales
+
+
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+                  ids: torch.Tensor, *, scales: Scales = None, block: tuple[int, int] | None = None,
+                  use_triton: bool | None = None) -> torch.Tensor:
     """The MoE MLP's output [T, H] (see the module docstring). ``use_triton``: None picks the
     Triton kernels on CUDA and ``experts_torch`` elsewhere."""
     if x.is_cuda if use_triton is None else use_triton:
-        return experts_triton(x, gate_up, down, weights, ids)
-    return experts_torch(x, gate_up, down, weights, ids)
+        return experts_triton(x, gate_up, down, weights, ids, scales=scales, block=block)
+    return experts_torch(x, gate_up, down, weights, ids, scales=scales, block=block)
+
+
+def _expert_weight(w: torch.Tensor, scales: torch.Tensor | None, e: int, block, dtype: torch.dtype) -> torch.Tensor:
+    return w[e] if scales is None else dequantize_fp8(w[e], scales[e], block).to(dtype)
 
 
 def experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
+                  ids: torch.Tensor, *, scales: Scales = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """A loop over the experts that have tokens: gather them, the gated MLP, scatter-add back."""
     k = ids.shape[1]
     flat = ids.flatten()
@@ -79,8 +93,10 @@ def experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
         if not c:
             continue
         idx = tokens[start:start + c]
-        act = silu_mul(F.linear(x.index_select(0, idx), gate_up[e]), use_triton=False)
-        out.index_add_(0, idx, F.linear(act, down[e]) * w[start:start + c, None])
+        gu, dn = (_expert_weight(m, s, e, block, x.dtype)
+                  for m, s in zip((gate_up, down), scales or (None, None), strict=True))
+        act = silu_mul(F.linear(x.index_select(0, idx), gu), use_triton=False)
+        out.index_add_(0, idx, F.linear(act, dn) * w[start:start + c, None])
         start += c
     return out
 
@@ -107,15 +123,19 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
 
 
 @triton.jit
-def _experts_kernel(X, W, Y, Sorted, BlockExpert, Used, Weights, n_pairs, N, K, x_row_div,
-                    stride_xm, stride_we, stride_wn, stride_ym,
-                    GATE_UP: tl.constexpr, UNSORTED: tl.constexpr, EVEN_K: tl.constexpr,
+def _experts_kernel(X, W, S, Y, Sorted, BlockExpert, Used, Weights, n_pairs, N, K, x_row_div,
+                    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+                    GATE_UP: tl.constexpr, UNSORTED: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
+                    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One BLOCK_M x BLOCK_N tile of Y for one block of pairs, all of one expert e: with
     GATE_UP, Y[p] = SiLU(W[e, gate] @ x) * (W[e, up] @ x), W[e]'s rows N gate then N up, x
     row p // x_row_div of X (the pair's token); else Y[p] = Weights[p] * W[e] @ X[p].
     The blocks: ``align_pairs``' (Sorted, BlockExpert, Used), or with UNSORTED block b is
-    pair b alone and BlockExpert the pairs' expert ids (Sorted and Used unread)."""
+    pair b alone and BlockExpert the pairs' expert ids (Sorted and Used unread).
+    FP8: W in fp8, scales S[e] per output row (SCALE_K 0) or per SCALE_N x SCALE_K block;
+    each weight tile dequantized to X's dtype before its product (block scales), or the
+    product scaled per column (row scales)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if UNSORTED:
@@ -142,9 +162,16 @@ def _experts_kernel(X, W, Y, Sorted, BlockExpert, Used, Weights, n_pairs, N, K, 
             mask_w = mask_n[None, :] & (offs_k[:, None] < K)
         x = tl.load(X + rows[:, None] * stride_xm + offs_k[None, :], mask=mask_x, other=0.0)
         w_ptrs = w_cols + offs_k[:, None]
-        acc = tl.dot(x, tl.load(w_ptrs, mask=mask_w, other=0.0), acc)
+        acc = tl.dot(x, _weight_tile(w_ptrs, mask_w, S, e, offs_n, offs_k, stride_se, stride_sn, X, FP8,
+                                     SCALE_N, SCALE_K), acc)
         if GATE_UP:
-            acc_up = tl.dot(x, tl.load(w_ptrs + N * stride_wn, mask=mask_w, other=0.0), acc_up)
+            acc_up = tl.dot(x, _weight_tile(w_ptrs + N * stride_wn, mask_w, S, e, offs_n + N, offs_k, stride_se,
+                                            stride_sn, X, FP8, SCALE_N, SCALE_K), acc_up)
+    if FP8 and SCALE_K == 0:  # (per output row: the tile's columns)
+        s_row = S + e * stride_se + offs_n * stride_sn
+        acc = acc * tl.load(s_row, mask=mask_n, other=0.0)[None, :]
+        if GATE_UP:
+            acc_up = acc_up * tl.load(s_row + N * stride_sn, mask=mask_n, other=0.0)[None, :]
     if GATE_UP:  # (rounded as the unfused projection's output would be)
         g = acc.to(Y.dtype.element_ty).to(tl.float32)
         acc = g / (1.0 + tl.exp(-g)) * acc_up.to(Y.dtype.element_ty).to(tl.float32)
@@ -154,22 +181,37 @@ def _experts_kernel(X, W, Y, Sorted, BlockExpert, Used, Weights, n_pairs, N, K, 
              mask=valid[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _weight_tile(w_ptrs, mask_w, S, e, offs_n, offs_k, stride_se, stride_sn, X, FP8: tl.constexpr,
+                 SCALE_N: tl.constexpr, SCALE_K: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] tile of W[e]'s rows ``offs_n`` (as columns) in X's dtype: fp8
+    weights converted, and with block scales (SCALE_K > 0) multiplied by their block's."""
+    w = tl.load(w_ptrs, mask=mask_w, other=0.0)
+    if FP8:
+        if SCALE_K > 0:
+            s = tl.load(S + e * stride_se + (offs_n // SCALE_N)[None, :] * stride_sn + (offs_k // SCALE_K)[:, None],
+                        mask=mask_w, other=0.0)
+            w = w.to(tl.float32) * s
+        w = w.to(X.dtype.element_ty)
+    return w
+
+
 def experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                   ids: torch.Tensor, *, tiles: MoETiles | None = None,
-                   chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+                   ids: torch.Tensor, *, scales: Scales = None, block: tuple[int, int] | None = None,
+                   tiles: MoETiles | None = None, chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
     """The two grouped GEMMs over ``align_pairs``' blocks, then the sum over each token's k
     slots; ``chunk_tokens`` tokens at a time (a long prefill's pair buffers stay bounded).
     ``tiles``: instead of ``moe_tiles``' choice (benchmarks sweep them)."""
     if x.shape[0] <= chunk_tokens:
-        return _experts_triton(x, gate_up, down, weights, ids, tiles)
+        return _experts_triton(x, gate_up, down, weights, ids, tiles, scales, block)
     out = torch.empty_like(x)
     for s in range(0, x.shape[0], chunk_tokens):
         e = s + chunk_tokens
-        out[s:e] = _experts_triton(x[s:e], gate_up, down, weights[s:e], ids[s:e], tiles)
+        out[s:e] = _experts_triton(x[s:e], gate_up, down, weights[s:e], ids[s:e], tiles, scales, block)
     return out
 
 
-def _experts_triton(x, gate_up, down, weights, ids, tiles: MoETiles | None) -> torch.Tensor:
+def _experts_triton(x, gate_up, down, weights, ids, tiles: MoETiles | None, scales: Scales, block) -> torch.Tensor:
     t, h = x.shape
     num_experts, two_i, _ = gate_up.shape
     inter = two_i // 2
@@ -187,12 +229,15 @@ def _experts_triton(x, gate_up, down, weights, ids, tiles: MoETiles | None) -> t
     flat_w = weights.flatten()
     act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((n, h), dtype=x.dtype, device=x.device)
-    for src, w, dst, row_div, gate, (bn, bk, warps, stages) in (
-            (x, gate_up, act, k, True, up_tiles), (act, down, out, 1, False, down_tiles)):
+    scale_n, scale_k = block or (1, 0)
+    for src, w, sc, dst, row_div, gate, (bn, bk, warps, stages) in (
+            (x, gate_up, scales and scales[0], act, k, True, up_tiles),
+            (act, down, scales and scales[1], out, 1, False, down_tiles)):
         width, depth = dst.shape[1], src.shape[1]
+        sc = sc if sc is not None else w  # (unread without fp8)
         _experts_kernel[(blocks, triton.cdiv(width, bn))](
-            src, w, dst, sorted_ids, block_expert, used, flat_w, n, width, depth, row_div,
-            src.stride(0), w.stride(0), w.stride(1), dst.stride(0),
-            GATE_UP=gate, UNSORTED=unsorted, EVEN_K=depth % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=warps, num_stages=stages)
+            src, w, sc, dst, sorted_ids, block_expert, used, flat_w, n, width, depth, row_div,
+            src.stride(0), w.stride(0), w.stride(1), sc.stride(0), sc.stride(1), dst.stride(0),
+            GATE_UP=gate, UNSORTED=unsorted, EVEN_K=depth % bk == 0, FP8=scales is not None, SCALE_N=scale_n,
+            SCALE_K=scale_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return out.view(t, k, h).sum(1)

@@ -31,6 +31,7 @@ from dataclasses import replace
 
 import torch
 
+from radixd.core.errors import ConfigError
 from radixd.core.forward_batch import ForwardBatch, StepOutput
 from radixd.core.model_loader import load_model
 from radixd.core.models.config import ModelConfig
@@ -77,6 +78,10 @@ def shard_model(full: torch.nn.Module, cfg: ModelConfig, rank: int, tp: int, dev
     with torch.device("meta"):
         model = type(full)(part_cfg, kernels=full.kernels)
     model = model.to(dtype)
+    fp8_experts = [n for n, m in full.named_modules() if getattr(m, "fp8", None) is not None]  # (moe.Experts)
+    if fp8_experts:
+        raise ConfigError("tp_size", tp, f"1 for a checkpoint with fp8 experts ({fp8_experts[0]}): their scales are "
+                          "not sharded")
     quantized = mirror_projections(full, model, torch.device("meta"), dtype)  # (before any allocation)
     model = model.to_empty(device=device)
     whole = dict(full.named_parameters())

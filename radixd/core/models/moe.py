@@ -17,6 +17,8 @@ from torch import nn
 from radixd.core.models.config import ModelConfig, MoEConfig
 from radixd.core.models.layers import GatedMLP
 from radixd.core.moe_ops import fused_experts
+from radixd.core.quant.formats import Fp8Layout, QuantFormatError
+from radixd.core.quant.ops import FP8, quantize_fp8
 from radixd.core.triton_ops import ALL_KERNELS, KernelChoice, linear
 
 
@@ -38,15 +40,50 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 class Experts(nn.Module):
     """A layer's experts, stacked: ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows) and
-    ``down_proj`` [E, H, I]."""
+    ``down_proj`` [E, H, I]; in fp8 (``make_fp8``, a quantized checkpoint's experts) with
+    ``gate_up_proj_scale`` / ``down_proj_scale`` per expert: [E, N] per output row, or
+    [E, ceil(N / bn), ceil(K / bk)] per ``block`` of weights (``moe_ops.fused_experts``)."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.fp8: Fp8Layout | None = None
+
+    def make_fp8(self, layout: Fp8Layout, device: torch.device, name: str) -> None:
+        """Hold the experts in fp8 with ``layout``'s scales: empty parameters of the fp8 shapes
+        (after the model's dtype cast; filled once by the loader or ``quantize``). ``name``:
+        what an error names (the checkpoint's experts)."""
+        e, two_i, h = self.gate_up_proj.shape
+        if layout.block and (two_i // 2) % layout.block[0]:
+            raise QuantFormatError(f"{name}: fp8 blocks of {layout.block[0]} rows straddle the gate and up "
+                                   f"projections ({two_i // 2} rows each) once stacked")
+
+        def param(shape: tuple[int, ...], dt: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False)
+
+        for attr, (n, k) in (("gate_up_proj", (two_i, h)), ("down_proj", (h, two_i // 2))):
+            setattr(self, attr, param((e, n, k), FP8))
+            blocks = (-(-n // layout.block[0]), -(-k // layout.block[1])) if layout.block else (n,)
+            setattr(self, f"{attr}_scale", param((e, *blocks), torch.float32))
+        self.fp8 = layout
+
+    def quantize(self, full: dict[str, torch.Tensor]) -> None:
+        """Fill the fp8 experts from 16-bit ``full`` ({"gate_up_proj", "down_proj"} stacked
+        weights) by round-to-nearest (random weights of a quantized checkpoint's shape)."""
+        gran = "block" if self.fp8.block else "channel"
+        with torch.no_grad():
+            for attr, w in full.items():
+                for e in range(w.shape[0]):
+                    q, s = quantize_fp8(w[e], gran, self.fp8.block or (128, 128))
+                    getattr(self, attr)[e].copy_(q)
+                    getattr(self, f"{attr}_scale")[e].copy_(s)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+        if self.fp8 is None:
+            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids,
+                             scales=(self.gate_up_proj_scale, self.down_proj_scale), block=self.fp8.block)
 
 
 class SparseMoE(nn.Module):

@@ -30,7 +30,9 @@ FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale)?$")
+STACKED_GATE_UP = (".experts.gate_up_proj", ".experts.gate_up_proj_scale")
+STACKED_DOWN = (".experts.down_proj", ".experts.down_proj_scale")
 Part = tuple[int, ...]
 
 
@@ -87,11 +89,11 @@ def target_module(name: str, renames: tuple[tuple[str, str], ...] = ()) -> str:
 def _place(name: str) -> tuple[str, Part]:
     """The parameter a checkpoint tensor goes to, and which part of it."""
     m = EXPERT.match(name)
-    if m:
-        base, e, proj = m.groups()
+    if m:  # (an fp8 expert's scale goes to the stacked scales, ``moe.Experts``)
+        base, e, proj, scale = m.groups()
         if proj == "down_proj":
-            return f"{base}.down_proj", (int(e),)
-        return f"{base}.gate_up_proj", (int(e), 0 if proj == "gate_proj" else 1)
+            return f"{base}.down_proj{scale or ''}", (int(e),)
+        return f"{base}.gate_up_proj{scale or ''}", (int(e), 0 if proj == "gate_proj" else 1)
     for ckpt, (fused, idx) in FUSED.items():
         if f".{ckpt}." in name:
             return name.replace(ckpt, fused), (idx,)
@@ -100,9 +102,9 @@ def _place(name: str) -> tuple[str, Part]:
 
 def _parts(pname: str, param: torch.Tensor) -> list[Part]:
     """Every part of a parameter the checkpoint must fill."""
-    if pname.endswith(".experts.gate_up_proj"):
+    if pname.endswith(STACKED_GATE_UP):
         return [(e, s) for e in range(param.shape[0]) for s in (0, 1)]
-    if pname.endswith(".experts.down_proj"):
+    if pname.endswith(STACKED_DOWN):
         return [(e,) for e in range(param.shape[0])]
     kind = pname.rsplit(".", 2)[-2] if "." in pname else ""
     return {"qkv_proj": [(0,), (1,), (2,)], "gate_up_proj": [(0,), (1,)]}.get(kind, [()])
@@ -112,11 +114,11 @@ def _view(pname: str, param: torch.Tensor, part: Part, qkv_sizes: list[int]) -> 
     """The slice of ``param`` that ``part`` names."""
     if not part:
         return param
-    if pname.endswith(".experts.gate_up_proj"):
+    if pname.endswith(STACKED_GATE_UP):  # (block scales: half the blocks of rows each)
         e, s = part
         half = param.shape[1] // 2
         return param[e].narrow(0, s * half, half)
-    if pname.endswith(".experts.down_proj"):
+    if pname.endswith(STACKED_DOWN):
         return param[part[0]]
     if pname.endswith(".weight_perm"):
         return param  # a quantized projection's input order: the same for each part (one input)

@@ -9,9 +9,10 @@ parallel shard's part of a canonical tensor).
 ``token_embd``, ``radixd.core.gguf``).
 
 Which modules may be quantized: the dense projections of the decoder layers (``qkv_proj``,
-``o_proj``, ``gate_up_proj``, ``down_proj``). The LM head, embeddings, a mixture of experts'
-router and experts stay in the model dtype: a checkpoint that quantizes any of them is
-refused by name (``swap_projections``).
+``o_proj``, ``gate_up_proj``, ``down_proj``), and in fp8 a mixture of experts' experts (held by
+``moe.Experts.make_fp8``, not as ``QuantLinear``). The LM head, embeddings, the router, a
+shared expert and int experts stay in the model dtype: a checkpoint that quantizes any of
+them is refused by name (``swap_projections``).
 
 Contract: a ``QuantLinear`` is built with empty tensors of the layout's shapes after the
 model's ``.to(dtype)`` (which would otherwise cast fp8 weights and fp32 scales), on "meta"
@@ -30,9 +31,10 @@ from radixd.core.errors import ConfigError
 from radixd.core.quant import ops
 from radixd.core.quant.cpu_int import CpuIntWeight, cpu_int_linear, pack_cpu, rows
 from radixd.core.quant.formats import Fp8Layout, IntLayout, Layout, QuantFormatError
-from radixd.core.quant.gemv import GEMV_MAX_M, RopeStore, fp8_gemv, int_gemv
+from radixd.core.quant.gemv import RopeStore, fp8_gemv, int_gemv
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+EXPERTS = ("gate_up_proj", "down_proj")  # a mixture of experts' stacked projections (``moe.Experts``)
 COLUMN_PARALLEL = ("qkv_proj", "gate_up_proj")  # output rows split over the shards
 
 
@@ -103,7 +105,7 @@ class QuantLinear(nn.Module):
         return self._gemv(x.reshape(1, -1), rope=rope) if self._one_gemv_row(x) else None
 
     def _one_gemv_row(self, x: torch.Tensor) -> bool:
-        return self.cpu is None and x.is_cuda and x.numel() == self.in_features  # (GEMV_MAX_M >= 1)
+        return self.cpu is None and x.is_cuda and x.numel() == self.in_features
 
     def _gemv(self, x: torch.Tensor, **epilogue) -> torch.Tensor:
         lay = self.layout
@@ -144,11 +146,18 @@ def swap_projections(model: nn.Module, layout: Layout, modules: dict[str, str], 
     ``QuantLinear``; each value is the checkpoint tensor that made it quantized (named in
     the error when the module cannot be)."""
     for name, tensor in sorted(modules.items()):
+        owner_name, _, attr = name.rpartition(".")
+        experts = model.get_submodule(owner_name) if attr in EXPERTS and _has(model, owner_name) else None
+        if experts is not None and hasattr(experts, "make_fp8") and isinstance(layout, Fp8Layout):
+            if experts.fp8 is None:  # (gate_up and down both come here)
+                experts.make_fp8(layout, device, repr(tensor.rpartition(".experts.")[0] + ".experts"))
+            continue
         layer = model.get_submodule(name) if _has(model, name) else None
         if not isinstance(layer, nn.Linear) or not _quantizable(name):
             raise QuantFormatError(f"tensor {tensor!r} is quantized, but radixd quantizes only the decoder "
-                                   f"layers' dense projections ({', '.join(PROJECTIONS)}); leave the rest (LM head, "
-                                   "MoE router and experts) unquantized (the quantizer's ignore list)")
+                                   f"layers' dense projections ({', '.join(PROJECTIONS)}) and, in fp8, a mixture "
+                                   "of experts' experts; leave the rest (LM head, MoE router, int experts) "
+                                   "unquantized (the quantizer's ignore list)")
         owner, attr = _parent(model, name)
         setattr(owner, attr, QuantLinear(layer.in_features, layer.out_features, layout, bias=layer.bias is not None,
                                          dtype=dtype, device=device, name=repr(tensor.rpartition(".")[0])))
@@ -164,8 +173,14 @@ def _has(model: nn.Module, name: str) -> bool:
 
 def quantize_projections(model: nn.Module, layout: Layout) -> None:
     """Replace every quantizable ``nn.Linear`` by a ``QuantLinear`` of its own weight,
-    quantized by round-to-nearest (``ops.quantize_fp8`` / ``ops.quantize_int``)."""
+    quantized by round-to-nearest (``ops.quantize_fp8`` / ``ops.quantize_int``); with an fp8
+    ``layout`` a mixture of experts' experts too (``moe.Experts.make_fp8``)."""
     for name, layer in list(model.named_modules()):
+        if hasattr(layer, "make_fp8") and isinstance(layout, Fp8Layout):
+            full = {attr: getattr(layer, attr).detach() for attr in EXPERTS}
+            layer.make_fp8(layout, full["down_proj"].device, repr(name))
+            layer.quantize(full)
+            continue
         if not (isinstance(layer, nn.Linear) and _quantizable(name)):
             continue
         w = layer.weight.detach()
