@@ -125,15 +125,36 @@ async def test_fp8_experts_checkpoint_gives_its_dequantized_twins_tokens(tiny_mo
         await eng.stop()
 
 
-def test_fp8_experts_refuse_tensor_parallel_and_int_experts_are_refused(tiny_moe_models, tmp_path):
+@pytest.mark.parametrize("block", [(16, 16), None])
+async def test_fp8_experts_tp2_gives_the_tp1_tokens(tiny_moe_models, tmp_path, block):
+    """fp8 experts split by their intermediate columns, their scales with them."""
+    from quant_checkpoints import fp8_experts_checkpoint
+
+    path, _ = fp8_experts_checkpoint(tiny_moe_models["qwen3-moe"], tmp_path / "fp8", block=block)
+    ps = prompts(2, 20, seed=9)
+    runs = []
+    for tp in (1, 2):
+        eng = make_engine(path, tp_size=tp)
+        try:
+            runs.append(await asyncio.gather(*(collect(eng, p, 8) for p in ps)))
+            if tp == 2:
+                experts = eng.replicas[0].worker.shards[1].model.layers[0].mlp.experts
+                assert experts.down_proj_scale.shape == ((8, 4, 1) if block else (8, 64))
+            await assert_idle(eng)
+        finally:
+            await eng.stop()
+    assert runs[0] == runs[1]
+
+
+def test_fp8_expert_blocks_a_shard_would_cut_and_int_experts_are_refused(tiny_moe_models, tmp_path):
     from quant_checkpoints import fp8_experts_checkpoint, gptq_checkpoint
 
     from radixd.core.errors import ConfigError
     from radixd.core.quant.formats import QuantFormatError
 
     base = tiny_moe_models["qwen3-moe"]
-    path, _ = fp8_experts_checkpoint(base, tmp_path / "fp8", block=(16, 32))
-    with pytest.raises(ConfigError, match="tp_size.*fp8 experts"):
+    path, _ = fp8_experts_checkpoint(base, tmp_path / "fp8", block=(16, 32))  # (16 columns a shard: half a block)
+    with pytest.raises(ConfigError, match="tp_size.*fp8 blocks of \\[16, 32\\]"):
         make_engine(path, tp_size=2)
     gptq, _ = gptq_checkpoint(base, tmp_path / "gptq")
     with pytest.raises(QuantFormatError, match="experts.*int experts"):

@@ -60,6 +60,12 @@ def shard_tensor(name: str, w: torch.Tensor, cfg: ModelConfig, rank: int, tp: in
         # rows (of each expert's [2I, H]): [gate | up], each split by column
         gate, up = w.chunk(2, dim=-2)
         return torch.cat((gate.chunk(tp, dim=-2)[rank], up.chunk(tp, dim=-2)[rank]), dim=-2)
+    if name.endswith(".experts.gate_up_proj_scale"):  # fp8 experts: as their rows (blocks of rows, or one each)
+        dim = -2 if w.dim() == 3 else -1
+        gate, up = w.chunk(2, dim=dim)
+        return torch.cat((gate.chunk(tp, dim=dim)[rank], up.chunk(tp, dim=dim)[rank]), dim=dim)
+    if name.endswith(".experts.down_proj_scale"):  # blocks of input columns; per output row: whole
+        return w.chunk(tp, dim=-1)[rank] if w.dim() == 3 else w
     if name.endswith((".o_proj.weight", ".down_proj.weight", ".experts.down_proj")):  # input columns
         return w.chunk(tp, dim=-1)[rank]
     if name == "lm_head.weight":  # rows: the vocabulary, padded to a multiple of tp
@@ -78,10 +84,7 @@ def shard_model(full: torch.nn.Module, cfg: ModelConfig, rank: int, tp: int, dev
     with torch.device("meta"):
         model = type(full)(part_cfg, kernels=full.kernels)
     model = model.to(dtype)
-    fp8_experts = [n for n, m in full.named_modules() if getattr(m, "fp8", None) is not None]  # (moe.Experts)
-    if fp8_experts:
-        raise ConfigError("tp_size", tp, f"1 for a checkpoint with fp8 experts ({fp8_experts[0]}): their scales are "
-                          "not sharded")
+    _mirror_fp8_experts(full, model, part_cfg, tp)
     quantized = mirror_projections(full, model, torch.device("meta"), dtype)  # (before any allocation)
     model = model.to_empty(device=device)
     whole = dict(full.named_parameters())
@@ -97,6 +100,20 @@ def shard_model(full: torch.nn.Module, cfg: ModelConfig, rank: int, tp: int, dev
                 p.copy_(shard_tensor(name, whole[name], cfg, rank, tp))
     model.rotary = model.make_rotary(cfg).to(device)
     return model.eval()
+
+
+def _mirror_fp8_experts(full: torch.nn.Module, shard: torch.nn.Module, part_cfg: ModelConfig, tp: int) -> None:
+    """Make ``shard``'s experts fp8 (empty, on "meta") wherever ``full``'s are
+    (``moe.Experts.make_fp8``); a shard's intermediate columns must hold whole scale blocks."""
+    for name, experts in full.named_modules():
+        layout = getattr(experts, "fp8", None)  # (moe.Experts)
+        if layout is None:
+            continue
+        inter = part_cfg.moe.intermediate_size
+        if layout.block and (inter % layout.block[0] or inter % layout.block[1]):
+            raise ConfigError("tp_size", tp, f"a divisor that keeps {name}'s fp8 blocks of {list(layout.block)} "
+                              f"whole ({inter * tp} intermediate columns)")
+        shard.get_submodule(name).make_fp8(layout, torch.device("meta"), name)
 
 
 def _sections(proj: str, cfg: ModelConfig) -> list[int]:
