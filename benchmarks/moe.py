@@ -22,6 +22,10 @@ and the run goes on):
             qwen3-30b-a3b, batches 1 and 16, 512-token prompts, 32 new tokens), a separate
             process in the same run
 
+``--quant fp8-block``: the decode and prefill sections on the layout of Qwen3-30B-A3B-FP8 (every
+projection, experts included, in fp8 with 128 x 128 block scales; router and LM head bf16),
+quantized in-process from the random weights; ``fp8-channel`` the same with per-row scales.
+
 ``--tiny``: a tiny Qwen3-MoE shape on the CPU (float32, the torch attention backend; the
 fused kernel only where the Triton interpreter is on): the script's logic, not a figure.
 """
@@ -67,6 +71,16 @@ TINY = {**QWEN3_30B_A3B, "hidden_size": 64, "num_hidden_layers": 2, "num_attenti
         "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 512, "max_position_embeddings": 4096}
 
 
+FP8_CONFIGS = {
+    "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]},
+    "fp8-channel": {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                        "num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
+                        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                                              "dynamic": True}}}},
+}
+
+
 class Run:
     """One run's shape, device and measured ceilings."""
 
@@ -76,7 +90,8 @@ class Run:
         self.device = "cpu" if args.tiny else "cuda"
         self.out = Path(args.out)
         self.path = self.out / "checkpoint"
-        write_json(self.path / "config.json", self.shape)
+        quant = FP8_CONFIGS[args.quant] if args.quant else None
+        write_json(self.path / "config.json", {**self.shape, **({"quantization_config": quant} if quant else {})})
         self.copy_Bps = 1e10 if args.tiny else None  # (placeholders on the CPU: the logic runs)
         self.matmul_flops = 1e11 if args.tiny else None
         self.batches = [1, 2] if args.tiny else [1, 16, 64]
@@ -213,8 +228,8 @@ def _weight_bytes(eng: Engine) -> tuple[int, int]:
     model = eng.worker.model
     fixed = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
                 if ".experts." not in name and name != "embed_tokens.weight")
-    c = eng.model_cfg
-    return fixed, expert_bytes(c.hidden_size, c.moe.intermediate_size, model.embed_tokens.weight.element_size())
+    experts = next(m for name, m in model.named_modules() if name.endswith(".experts"))  # (fp8: with its scales)
+    return fixed, sum(p.numel() * p.element_size() for p in experts.parameters()) // eng.model_cfg.moe.num_experts
 
 
 def decode(run: Run) -> dict:
@@ -302,9 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer", default=None, help="path to the transformers peer script (hf_baseline.py)")
     ap.add_argument("--peer-timeout", type=int, default=900)
     ap.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU: the script's logic, not a figure")
+    ap.add_argument("--quant", default="", choices=["", *FP8_CONFIGS],
+                    help="decode and prefill on fp8 weights, experts included (Qwen3-30B-A3B-FP8's layout)")
     args = ap.parse_args(argv)
     run = Run(args)
-    summary: dict = {"environment": environment(), "shape": run.shape}
+    summary: dict = {"environment": environment(), "shape": run.shape, "quant": args.quant or None}
     for name in args.sections.split(","):
         if name != "ceilings" and run.copy_Bps is None:
             summary["ceilings"] = ceilings(run)

@@ -371,6 +371,11 @@ def test_moe_benchmark_runs_tiny(tmp_path):
     assert all(c["decode_tok_s"] > 0 and c["roofline_fraction"] > 0 for c in decode["cases"])
     assert json.loads((tmp_path / "prefill.json").read_text())["tok_s"] > 0
     assert "environment" in json.loads((tmp_path / "summary.json").read_text())
+    q = tmp_path / "fp8"  # (fp8 weights, experts included: a byte a weight, plus an fp32 scale a row)
+    assert moe.main(["--tiny", "--out", str(q), "--sections", "decode", "--quant", "fp8-channel"]) == 0
+    fp8 = json.loads((q / "decode.json").read_text())
+    h, i = moe.TINY["hidden_size"], moe.TINY["moe_intermediate_size"]
+    assert fp8["expert_MB"] == round((3 * h * i + 4 * (2 * i + h)) / 1e6, 3) < decode["expert_MB"]
 
 
 @pytest.mark.gpu
