@@ -28,7 +28,8 @@
 #   quant fp8kv swa spec pd moe (FP8KV_ARGS=--sweep: the decode kernel's tiles first)
 #             benchmarks/quant.py (bf16, fp8 and int4 engines at the 8B shape), fp8_kv.py (batch
 #             256 x 4k, fp8 vs bf16 KV), swa.py (Gemma-3-12B shape at 8k), spec.py --device cuda,
-#             pd.py --preset h200, moe.py (PEER=path adds the transformers peer)
+#             pd.py --preset h200, moe.py (PEER=path adds the transformers peer; MOE_ARGS e.g.
+#             "--sections ceilings,decode --quant fp8-block": Qwen3-30B-A3B-FP8's layout)
 #
 # PART:SECONDS stops that part after SECONDS (its log so far is kept), so one call's parts all
 # get their turn inside the machine's time limit.
@@ -102,7 +103,7 @@ for spec in $PARTS; do
     $limit python3 -m benchmarks.pd --preset h200 --out "$W/pd" > "$W/pd.log" 2>&1
     tail -8 "$W/pd.log" | cut -c1-400 ;;
   moe)
-    $limit python3 -m benchmarks.moe --out "$W/moe" ${PEER:+--peer "$PEER"} > "$W/moe.log" 2>&1
+    $limit python3 -m benchmarks.moe --out "$W/moe" ${PEER:+--peer "$PEER"} ${MOE_ARGS:-} > "$W/moe.log" 2>&1
     grep -v '^ ' "$W/moe.log" | tail -10 | cut -c1-400 ;;
   *) echo "unknown part: $part" ;;
   esac
