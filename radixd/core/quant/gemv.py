@@ -17,7 +17,7 @@ the per-element work is a conversion and an FMA.
   (interleaves keep a word's copies in the thread that loaded it; on an H200 this beat
   multiplying nibble planes with x's strided columns). Weights are small integers,
   converted by ``small_uint_to_f32``.
-* int4, one 16-bit row of x on CUDA (``_int4_asm_kernel``): packed bf16 (fp16) arithmetic in
+* int4, one bf16 row of x on CUDA (``_int4_asm_kernel``): packed bf16 arithmetic in
   inline PTX, two weights per instruction (``int4_dot8_asm``), where the path above spends
   a conversion and an FMA on each.
 * ``silu``: W is a (gate | up) projection; each program's tile holds matching gate and up
@@ -66,51 +66,37 @@ def unpack_int4_tile(words, BLOCK_K: tl.constexpr):
     return (words >> ((tl.arange(0, BLOCK_K) % 8) * 4)[None, :]) & 0xF
 
 
-# One int4 word's 8 products with x, in bf16x2 (fp16x2 for an fp16 x) pairs: the word's
-# nibbles n and n + 4 (columns 8j + n and 8j + n + 4) land in the two halves of one register
-# by a single lop3 with the exponent of 2**7 (2**10 in fp16) OR'd in, so each half reads
-# 2**7 + q exactly; one packed FMA takes off the offset (and the zero point 8 when
-# symmetric), one more multiplies by x's matching pair and accumulates. The four pairs' sums
-# leave as one fp32. Per 8 weights: 3 shifts, 4 lop3, 4 packs of x, 8 packed FMAs, where the
-# fp32 path spends a conversion and an FMA on each.
+# One int4 word's 8 products with a bf16 x, in bf16x2 pairs: the word's nibbles n and n + 4
+# (columns 8j + n and 8j + n + 4) land in the two halves of one register by a single lop3
+# with the exponent of 2**7 OR'd in, so each half reads 2**7 + q exactly; one packed FMA takes
+# off the offset (and the zero point 8 when symmetric), one more multiplies by x's matching
+# pair and accumulates. The four pairs' sums leave as one fp32 (bf16 -> fp32: a 16-bit
+# shift). Per 8 weights: 3 shifts, 4 lop3, 4 packs of x, 8 packed FMAs, where the fp32 path
+# spends a conversion and an FMA on each. (bf16 only: an fp16 x takes the fp32 path.)
 def _pair(i: int) -> str:
     """PTX for the word's nibbles i and i + 4 (in ``$1``) against x's pair ``$(2 + 2i)``,
     ``$(3 + 2i)``, added to ``acc`` (the first pair starts it)."""
     shift = f"shr.u32 t, $1, {4 * i};\n" if i else ""
-    return (f"{shift}lop3.b32 q, {'t' if i else '$1'}, mask, magic, 0xEA;\nfma.rn.@T@ q, q, one, off;\n"
-            f"mov.b32 xp, {{${2 + 2 * i}, ${3 + 2 * i}}};\nfma.rn.@T@ acc, q, xp, {'acc' if i else 'zero'};\n")
+    return (f"{shift}lop3.b32 q, {'t' if i else '$1'}, mask, magic, 0xEA;\nfma.rn.bf16x2 q, q, one, off;\n"
+            f"mov.b32 xp, {{${2 + 2 * i}, ${3 + 2 * i}}};\nfma.rn.bf16x2 acc, q, xp, {'acc' if i else 'zero'};\n")
 
 
-_INT4_DOT8 = ("""
+def int4_dot8_asm(symmetric: bool) -> str:
+    """The PTX: 2**7 + q's offset, with the zero point 8 folded in when ``symmetric``, else
+    the asm's last input ($10: the pair -(2**7 + z) for the word's group)."""
+    return ("""
 {
 .reg .b32 q, t, acc, xp, one, off, zero, mask, magic;
-.reg .b16 lo, hi;
-.reg .f32 flo, fhi;
-mov.b32 one, @ONE@;
-@OFF@
+mov.b32 one, 0x3F803F80;
+mov.b32 off, """ + ("0xC308C308" if symmetric else "$10") + """;
 mov.b32 zero, 0;
 mov.b32 mask, 0x000F000F;
-mov.b32 magic, @MAGIC@;
-""" + "".join(_pair(i) for i in range(4)) + """@OUT@
+mov.b32 magic, 0x43004300;
+""" + "".join(_pair(i) for i in range(4)) + """shl.b32 t, acc, 16;
+and.b32 acc, acc, 0xFFFF0000;
+add.f32 $0, t, acc;
 }
 """)
-# bf16 -> fp32 is a 16-bit shift; fp16 needs the conversion
-_BF16_OUT = "shl.b32 t, acc, 16;\nand.b32 acc, acc, 0xFFFF0000;\nadd.f32 $0, t, acc;"
-_FP16_OUT = "mov.b32 {lo, hi}, acc;\ncvt.f32.f16 flo, lo;\ncvt.f32.f16 fhi, hi;\nadd.f32 $0, flo, fhi;"
-
-
-def int4_dot8_asm(fp16: bool, symmetric: bool) -> str:
-    """``_INT4_DOT8`` for x in fp16 (else bf16); symmetric: the offset less the zero point 8 is
-    a constant, else the asm's last input ($10: ``int4_offsets``' pair for the word's group)."""
-    if fp16:  # 1024 + q; 1.0; -(1024 + 8)
-        consts = dict(T="f16x2", MAGIC="0x64006400", ONE="0x3C003C00", OUT=_FP16_OUT)
-    else:  # 128 + q; 1.0; -(128 + 8)
-        consts = dict(T="bf16x2", MAGIC="0x43004300", ONE="0x3F803F80", OUT=_BF16_OUT)
-    consts["OFF"] = "mov.b32 off, " + (("0xE408E408" if fp16 else "0xC308C308") if symmetric else "$10") + ";"
-    asm = _INT4_DOT8
-    for key, value in consts.items():
-        asm = asm.replace(f"@{key}@", value)
-    return asm
 
 
 @triton.jit
@@ -184,12 +170,9 @@ def _int4_asm_kernel(X, W, S, Z, Bias, Y, N, K, stride_w, stride_s, G, KBuf, VBu
         x2, x6, x3, x7 = _x_half(x, 2), _x_half(x, 6), _x_half(x, 3), _x_half(x, 7)
         w_ptrs += WORDS
         x += BLOCK_K
-        if HAS_ZERO:  # -(2**7 + z) (fp16: 2**10) in both halves of a register
+        if HAS_ZERO:  # -(2**7 + z) in both halves of a register
             z = tl.load(Z + g_ptrs).to(tl.float32)
-            if X.dtype.element_ty == tl.float16:
-                off = (-(z + 1024.0)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            else:
-                off = (-(z + 128.0)).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            off = (-(z + 128.0)).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
             off = tl.reshape(tl.broadcast_to((off | (off << 16))[:, :, None], (BLOCK_N, NSUB, SUB // 8)),
                              (BLOCK_N, WORDS))
             d = tl.inline_asm_elementwise(ASM, "=r,r,h,h,h,h,h,h,h,h,r", [words, x0, x4, x1, x5, x2, x6, x3, x7, off],
@@ -401,15 +384,11 @@ def _launch(x, w, s, z, bias, n, k, *, fp8, bits, scale, scale_rows, group, tile
 
 
 def _asm_for(x: torch.Tensor, fp8: bool, bits: int, symmetric: bool, group: int) -> str:
-    """The int4 packed-pair asm for one 16-bit row of x on CUDA (packed bf16 FMAs: sm_80 on)
+    """The int4 packed-pair asm for one bf16 row of x on CUDA (packed bf16 FMAs: sm_80 on)
     and groups of whole words, else "" (``_gemv_kernel``)."""
-    if fp8 or bits != 4 or x.shape[0] != 1 or group % 8 or not x.is_cuda:
+    if fp8 or bits != 4 or x.shape[0] != 1 or group % 8 or not x.is_cuda or x.dtype != torch.bfloat16:
         return ""
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        return ""
-    if torch.cuda.get_device_capability(x.device) < (8, 0):
-        return ""
-    return int4_dot8_asm(x.dtype == torch.float16, symmetric)
+    return int4_dot8_asm(symmetric) if torch.cuda.get_device_capability(x.device) >= (8, 0) else ""
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
