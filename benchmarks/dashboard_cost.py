@@ -80,6 +80,22 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def thread_seconds(pid: int) -> dict[int, float]:
+    """utime + stime of each thread of a process, by thread id."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[int(tid)] = cpu_seconds(pid, int(tid))
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return out
+
+
+def thread_deltas(before: dict[int, float], after: dict[int, float]) -> list[float]:
+    """The threads' CPU seconds between two ``thread_seconds``, largest first (those over 0.1 s)."""
+    return sorted((d for tid, t in after.items() if (d := round(t - before.get(tid, 0.0), 2)) >= 0.1), reverse=True)
+
+
 def steal_seconds() -> float:
     return int(Path("/proc/stat").read_text().split("\n", 1)[0].split()[8]) / TICK
 
@@ -92,7 +108,7 @@ def run_bench(url: str, out: Path) -> dict:
 
 def window(url: str, pid: int, out: Path, open_: bool) -> dict:
     """One bench run, with a viewer reading the feed throughout when ``open_``."""
-    cpu0, loop0, steal0 = cpu_seconds(pid), cpu_seconds(pid, pid), steal_seconds()
+    cpu0, loop0, steal0, threads0 = cpu_seconds(pid), cpu_seconds(pid, pid), steal_seconds(), thread_seconds(pid)
     if open_:
         with Viewer(url) as v:
             fig = run_bench(url, out)
@@ -104,7 +120,8 @@ def window(url: str, pid: int, out: Path, open_: bool) -> dict:
             "snapshots_read": snapshots, "duration_s": fig["duration_s"],
             "daemon_cpu_s_per_req": (cpu_seconds(pid) - cpu0) / done,
             "loop_cpu_s_per_req": (cpu_seconds(pid, pid) - loop0) / done,
-            "viewer_cpu_s": viewer_cpu, "steal_s": steal_seconds() - steal0}
+            "viewer_cpu_s": viewer_cpu, "steal_s": steal_seconds() - steal0,
+            "threads_cpu_s": thread_deltas(threads0, thread_seconds(pid))}
 
 
 def pair_ratios(runs: list[dict], key: str) -> list[float]:
