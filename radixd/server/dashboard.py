@@ -10,7 +10,8 @@ request): a request's TTFT is its tracker's, the one the access log and
 ``radixd_time_to_first_token_seconds`` record. Each replica's entry has its own pool, tree,
 queues and worker idle share (``dp_size`` > 1: one entry per replica). The
 radix tree's summary has at most ``TREE_NODES`` nodes however large the tree (the largest
-subtrees first), and its walk stops after ``TREE_WALK`` nodes. Both routes answer 404 when the
+subtrees first), and its walk stops after ``TREE_WALK`` nodes. A snapshot is encoded once per
+interval for all viewers, and each step's JSON once in all (``Feed._steps_json``). Both routes answer 404 when the
 dashboard is off; with API keys set they sit behind the gate, which also takes the key as
 ``?key=`` on ``/dashboard`` paths (a browser's ``EventSource`` cannot send headers).
 """
