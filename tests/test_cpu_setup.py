@@ -38,6 +38,11 @@ def test_threads_follow_the_affinity_mask_unless_set(monkeypatch):
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         monkeypatch.setattr(cpu_setup.os, "sched_getaffinity", lambda pid: {0}, raising=False)
         assert cpu_setup.set_threads() == 1 == torch.get_num_threads()
+        # a core is left for the event loop, tokenizers and whatever else shares the machine
+        monkeypatch.setattr(cpu_setup.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+        assert cpu_setup.set_threads() == 3 == torch.get_num_threads()
+        monkeypatch.setattr(cpu_setup.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+        assert cpu_setup.set_threads() == 1 == torch.get_num_threads()
         monkeypatch.setattr(cpu_setup.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
         assert cpu_setup.set_threads() == 1

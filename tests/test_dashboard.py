@@ -24,9 +24,11 @@ from conftest import Daemon
 from radixd import top
 from radixd.core.kv_pool import SlotAllocator
 from radixd.core.radix_cache import RadixCache
+from radixd.core.replica import StepStats
 from radixd.core.scheduler_interface import ScheduledStep
 from radixd.core.worker_clock import WorkerClock
-from radixd.server.dashboard import tree_summary
+from radixd.server import dashboard
+from radixd.server.dashboard import Feed, tree_summary
 
 KEY = "sk-dash-1234"
 TOML = """[model]
@@ -198,6 +200,42 @@ def test_tree_summary_is_bounded_however_large_the_tree():
     small = tree_summary(cache, limit=50, walk=100)
     assert len(small["nodes"]) == 50 and not small["complete"]
     assert all(n[2] == 3 for n in small["nodes"][1:41])  # a cut walk still covers the top level
+
+
+class CountedStep(StepStats):
+    """A step that counts how often it is turned into a dict (once per encoding)."""
+
+    __slots__ = ()
+    encoded: list[int] = []
+
+    def _asdict(self) -> dict:
+        self.encoded.append(self.batch_size)
+        return super()._asdict()
+
+
+def test_feed_encodes_each_step_once(monkeypatch):
+    """A snapshot re-sends the kept steps: each is encoded once, at the first snapshot after it,
+    and the snapshot still holds the newest ``STEPS_KEPT`` in order, after the deque wraps too."""
+    monkeypatch.setattr(dashboard, "INTERVAL_S", 0.0)  # every call builds a snapshot
+    engine = types.SimpleNamespace(replicas=[], stats=dict, grammars=None)
+    feed, kept = Feed(), dashboard.STEPS_KEPT
+    CountedStep.encoded.clear()
+
+    def step(i: int) -> CountedStep:
+        return CountedStep(i, 0, i, 1, 0, 0.5, 10.0, 1.0, 11.0, 0)
+
+    for i in range(kept + 40):
+        feed.record(step(i))
+    first = json.loads(feed.snapshot(engine))
+    assert [s["batch_size"] for s in first["steps"]] == list(range(40, kept + 40))
+    assert CountedStep.encoded == list(range(40, kept + 40))  # the dropped ones never
+    for i in range(kept + 40, kept + 43):
+        feed.record(step(i))
+    second = json.loads(feed.snapshot(engine))
+    assert [s["batch_size"] for s in second["steps"]] == list(range(43, kept + 43))
+    assert CountedStep.encoded[kept:] == [kept + 40, kept + 41, kept + 42]  # only the new ones
+    assert json.loads(feed.snapshot(engine))["steps"] == second["steps"]
+    assert second["idle_fraction"] == pytest.approx(1 / 11, abs=1e-4) and {"stats", "replicas", "time"} <= set(second)
 
 
 def test_check_config_refuses_a_non_boolean(tmp_path):

@@ -7,8 +7,14 @@ probe: a test run comparing with float32 references sets it, so ``auto`` means t
 every machine it runs on.
 
 ``set_threads``: torch's intra-op threads to the cores the process may run on (its affinity
-mask, which ``taskset``, cgroups' cpusets and container limits narrow), once when an engine
-on the CPU starts; left alone where the user chose (``OMP_NUM_THREADS``).
+mask, which ``taskset``, cgroups' cpusets and container limits narrow) less one, once when an
+engine on the CPU starts; left alone where the user chose (``OMP_NUM_THREADS``). The core left
+over is for what else must run: the event loop, HTTP, tokenizers, a client on the same
+machine, other processes. An OpenMP parallel region waits at its barrier for its slowest
+thread, so with a thread on every core one preempted thread stalls them all: on 2 cores a busy
+loop beside the daemon halved its throughput with 2 threads and cost nothing with 1, and one
+thread's runs spread less and served more on that shared machine
+(``docs/benchmarks/cpu_spread.md``). vLLM's CPU backend reserves a core the same way.
 """
 
 from __future__ import annotations
@@ -39,10 +45,10 @@ def allowed_cores() -> int:
 
 
 def set_threads() -> int:
-    """Set torch's thread count from the allowed cores unless ``OMP_NUM_THREADS`` is set;
-    returns the count in use."""
+    """Set torch's thread count to the allowed cores less one (at least one) unless
+    ``OMP_NUM_THREADS`` is set; returns the count in use."""
     if "OMP_NUM_THREADS" not in os.environ:
-        n = allowed_cores()
+        n = max(1, allowed_cores() - 1)
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
     return torch.get_num_threads()

@@ -10,7 +10,8 @@ request): a request's TTFT is its tracker's, the one the access log and
 ``radixd_time_to_first_token_seconds`` record. Each replica's entry has its own pool, tree,
 queues and worker idle share (``dp_size`` > 1: one entry per replica). The
 radix tree's summary has at most ``TREE_NODES`` nodes however large the tree (the largest
-subtrees first), and its walk stops after ``TREE_WALK`` nodes. Both routes answer 404 when the
+subtrees first), and its walk stops after ``TREE_WALK`` nodes. A snapshot is encoded once per
+interval for all viewers, and each step's JSON once in all (``Feed._steps_json``). Both routes answer 404 when the
 dashboard is off; with API keys set they sit behind the gate, which also takes the key as
 ``?key=`` on ``/dashboard`` paths (a browser's ``EventSource`` cannot send headers).
 """
@@ -47,11 +48,15 @@ class Feed:
 
     def __init__(self) -> None:
         self.steps: collections.deque[tuple[float, StepStats]] = collections.deque(maxlen=STEPS_KEPT)
+        self._recorded = 0  # steps recorded so far
+        self._encoded: collections.deque[str] = collections.deque(maxlen=STEPS_KEPT)  # JSON of the newest steps
+        self._encoded_upto = 0  # ``_recorded`` when ``_encoded`` was last brought up to date
         self._seen: dict[str, float] = {}
         self._trackers: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
-        self._last: tuple[float, dict] | None = None  # shared by the viewers of one interval
+        self._last: tuple[float, str] | None = None  # shared by the viewers of one interval
 
-    def snapshot(self, engine) -> dict:
+    def snapshot(self, engine) -> str:
+        """The current snapshot as JSON: one per interval, however many viewers read it."""
         now = time.monotonic()
         if self._last is None or now - self._last[0] >= INTERVAL_S / 2:
             self._last = (now, self._build(engine, now))
@@ -59,13 +64,24 @@ class Feed:
 
     def record(self, stats: StepStats) -> None:
         self.steps.append((time.time(), stats))
+        self._recorded += 1
 
     def watch(self, tracker) -> None:
         """An HTTP request's ``generation.Tracker``: its calls' rows show its TTFT (``info["ttft"]``)."""
         for sub in tracker.subs:
             self._trackers[sub.rid] = tracker
 
-    def _build(self, engine, now: float) -> dict:
+    def _steps_json(self) -> str:
+        """The kept steps as a JSON array; each step is encoded once, at the first snapshot
+        after it (a snapshot re-sends the last ``STEPS_KEPT`` steps, nearly all seen before)."""
+        new = min(self._recorded - self._encoded_upto, len(self.steps))
+        for i in range(len(self.steps) - new, len(self.steps)):
+            t, s = self.steps[i]
+            self._encoded.append(_dumps({"t": t, **s._asdict()}))
+        self._encoded_upto = self._recorded
+        return "[" + ",".join(self._encoded) + "]"
+
+    def _build(self, engine, now: float) -> str:
         seen: dict[str, float] = {}
         replicas = []
         steps = [s for _, s in self.steps]
@@ -87,14 +103,18 @@ class Feed:
         self._seen = seen
         stats = engine.stats()
         g = engine.grammars
-        return {
+        head = _dumps({
             "time": time.time(),
             "stats": {k: v for k, v in stats.items() if k != "replicas"},
             "replicas": replicas,
-            "steps": [{"t": t, **s._asdict()} for t, s in self.steps],
             "idle_fraction": idle_fraction(steps),
             "grammar": g.stats() if hasattr(g, "stats") else None,  # a plugin's compiler may keep none
-        }
+        })
+        return head[:-1] + ',"steps":' + self._steps_json() + "}"
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"))
 
 
 def idle_fraction(steps: Iterable[StepStats]) -> float | None:
@@ -157,7 +177,7 @@ async def events(request: Request) -> Response:
 
     async def stream():
         while not st.draining and not await request.is_disconnected():  # a drain ends the feed
-            yield f"data: {json.dumps(st.dashboard.snapshot(st.engine), separators=(',', ':'))}\n\n"
+            yield f"data: {st.dashboard.snapshot(st.engine)}\n\n"
             await asyncio.sleep(INTERVAL_S)
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
