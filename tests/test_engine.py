@@ -54,6 +54,22 @@ async def assert_idle(eng: Engine):
     eng.check_accounting()
 
 
+async def tp1_and_tp2_tokens(path, ps: list[list[int]], max_new: int, check_shard=None) -> list[list[list[int]]]:
+    """Greedy tokens of ``ps`` from an engine at tp 1, then one at tp 2 (each left idle);
+    ``check_shard`` is called with the tp 2 engine's second shard's model."""
+    runs = []
+    for tp in (1, 2):
+        eng = make_engine(path, tp_size=tp)
+        try:
+            runs.append(await asyncio.gather(*(collect(eng, p, max_new) for p in ps)))
+            if tp == 2 and check_shard is not None:
+                check_shard(eng.replicas[0].worker.shards[1].model)
+            await assert_idle(eng)
+        finally:
+            await eng.stop()
+    return runs
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 async def test_greedy_matches_transformers(tiny_models, arch):
     await check_greedy_matches_transformers(tiny_models[arch])

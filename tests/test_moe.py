@@ -22,6 +22,7 @@ from test_engine import (
     collect,
     make_engine,
     prompts,
+    tp1_and_tp2_tokens,
 )
 
 from radixd.core.models.config import ModelConfig
@@ -78,21 +79,14 @@ async def test_moe_tp2_gives_the_tp1_tokens(tiny_moe_models, arch):
     """Experts split by their intermediate columns (the shared expert too), router
     replicated: two shards give one model's tokens."""
     path = tiny_moe_models[arch]
-    ps = prompts(3, 20, seed=4)
-    runs = []
-    for tp in (1, 2):
-        eng = make_engine(path, tp_size=tp)
-        try:
-            runs.append(await asyncio.gather(*(collect(eng, p, 10) for p in ps)))
-            if tp == 2:
-                shard = eng.replicas[0].worker.shards[1].model
-                moe = next(layer.mlp for layer in shard.layers if hasattr(layer.mlp, "experts"))
-                cfg = eng.model_cfg.moe
-                assert moe.experts.down_proj.shape[-1] == cfg.intermediate_size // 2
-                assert moe.gate.weight.shape[0] == cfg.num_experts
-            await assert_idle(eng)
-        finally:
-            await eng.stop()
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text())).moe
+
+    def check(shard):
+        moe = next(layer.mlp for layer in shard.layers if hasattr(layer.mlp, "experts"))
+        assert moe.experts.down_proj.shape[-1] == cfg.intermediate_size // 2
+        assert moe.gate.weight.shape[0] == cfg.num_experts
+
+    runs = await tp1_and_tp2_tokens(path, prompts(3, 20, seed=4), 10, check)
     assert runs[0] == runs[1]
 
 
@@ -131,18 +125,11 @@ async def test_fp8_experts_tp2_gives_the_tp1_tokens(tiny_moe_models, tmp_path, b
     from quant_checkpoints import fp8_experts_checkpoint
 
     path, _ = fp8_experts_checkpoint(tiny_moe_models["qwen3-moe"], tmp_path / "fp8", block=block)
-    ps = prompts(2, 20, seed=9)
-    runs = []
-    for tp in (1, 2):
-        eng = make_engine(path, tp_size=tp)
-        try:
-            runs.append(await asyncio.gather(*(collect(eng, p, 8) for p in ps)))
-            if tp == 2:
-                experts = eng.replicas[0].worker.shards[1].model.layers[0].mlp.experts
-                assert experts.down_proj_scale.shape == ((8, 4, 1) if block else (8, 64))
-            await assert_idle(eng)
-        finally:
-            await eng.stop()
+
+    def check(shard):
+        assert shard.layers[0].mlp.experts.down_proj_scale.shape == ((8, 4, 1) if block else (8, 64))
+
+    runs = await tp1_and_tp2_tokens(path, prompts(2, 20, seed=9), 8, check)
     assert runs[0] == runs[1]
 
 

@@ -36,7 +36,7 @@ from quant_checkpoints import (
     oneshot_checkpoint,
 )
 from safetensors.torch import load_file, save_file
-from test_engine import assert_idle, collect, make_engine, prompts
+from test_engine import assert_idle, collect, make_engine, prompts, tp1_and_tp2_tokens
 
 from radixd import Engine
 from radixd.core.errors import ConfigError
@@ -170,16 +170,12 @@ async def test_tp2_gives_the_tp1_tokens(quant_models, fmt):
     where the margin allows instead."""
     path, ref = quant_models[fmt]
     ps = prompts(2, 20, seed=4)
-    runs = []
-    for tp in (1, 2):
-        eng = make_engine(path, tp_size=tp)
-        try:
-            runs.append(await asyncio.gather(*(collect(eng, p, 8) for p in ps)))
-            if tp == 2:
-                down = eng.replicas[0].worker.shards[1].model.layers[0].mlp.down_proj
-                assert isinstance(down, QuantLinear) and down.in_features == 64
-        finally:
-            await eng.stop()
+
+    def check(shard):
+        down = shard.layers[0].mlp.down_proj
+        assert isinstance(down, QuantLinear) and down.in_features == 64
+
+    runs = await tp1_and_tp2_tokens(path, ps, 8, check)
     if fmt == "ct-fp8-dynamic-qwen3":
         for p, got in zip(ps, runs[1], strict=True):
             assert_tokens(ref, p, got, 0.05)
