@@ -267,10 +267,21 @@ def test_gateway_retries_while_decode_has_no_room(pair):
     assert_idle(pair.prefill.url, pair.decode.url)
 
 
+def failed_transfers(url: str) -> float:
+    line = [x for x in httpx.get(url + "/metrics").text.splitlines()
+            if x.startswith('radixd_pd_transfers_total{outcome="failed"}')]
+    return float(line[0].split()[-1]) if line else 0.0
+
+
 def test_prefill_killed_mid_transfer(pair):
     """Last in this module: the prefill instance dies while the decode side waits for KV. The
-    decode side fails the transfer at once (the report stream breaks) and returns its slots
-    (smg goes on retrying against the dead instance until its retries run out: not waited for)."""
+    decode side ends the transfer at once and returns its slots, by whichever notices first:
+    its report stream from the prefill instance breaks (a failure naming the prefill
+    instance), or smg drops the request on seeing the prefill fail (the client gone); never by
+    its timeout. (smg goes on retrying against the dead instance until its retries run out:
+    not waited for.)"""
+    before = [x for x in pair.decode.log_lines() if x.get("event") == "kv transfer failed"]
+    failed = failed_transfers(pair.decode.url)
 
     async def run():
         async with httpx.AsyncClient(timeout=60) as c:
@@ -292,5 +303,6 @@ def test_prefill_killed_mid_transfer(pair):
 
     asyncio.run(run())
     assert_idle(pair.decode.url)
-    decode = [x for x in pair.decode.log_lines() if x.get("event") == "kv transfer failed"]
-    assert decode and "prefill instance" in decode[-1]["error"]
+    assert failed_transfers(pair.decode.url) > failed  # (the transfer ended as failed, either way)
+    new = [x for x in pair.decode.log_lines() if x.get("event") == "kv transfer failed"][len(before):]
+    assert all("prefill instance" in x["error"] for x in new), new
