@@ -72,11 +72,13 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--gather", action="store_true", help="decode attention by gathering each request's KV")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    ap.add_argument("--gguf-weights", choices=("fp32", "native"), default="fp32",
+                    help="the GGUF converted (fp32) or served as shipped (native)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = resolve_model("default", progress=False)
+    path = resolve_model("default", progress=False, gguf_weights=args.gguf_weights)
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     device = torch.device("cpu")
     dtype = pick_dtype(args.dtype, device)

@@ -1,15 +1,18 @@
-"""CPU decode attention over the pool's runs (``run_decode``): the same output as the gather
-path of the torch backend, with shared prefixes, private runs, short runs, windows and a
-soft-cap (which keep the gather path); the engine's greedy tokens on it equal transformers'."""
+"""CPU decode attention that reads KV in place, radixd's C kernel (``cpu_kernels.decode``) and
+the pool's runs (``run_decode``, where no C compiler is): the same output as the gather path
+of the torch backend, with shared prefixes, private runs, short runs, windows and a soft-cap
+(which keep the gather path); the engine's greedy tokens on each equal transformers'."""
 
 from __future__ import annotations
 
 import asyncio
+from unittest import mock
 
 import pytest
 import torch
 from test_engine import assert_greedy_matches, assert_idle, collect, make_engine, prompts
 
+from radixd.core import cpu_kernels
 from radixd.core.attention import run_decode
 from radixd.core.attention.torch_backend import TorchAttention
 from radixd.core.forward_batch import ForwardBatch
@@ -38,18 +41,22 @@ def layout(pool: KVPool, seed: int) -> list[int]:
     return [len(s) for s in rows]
 
 
-def decode(attn: TorchAttention, lens: list[int], runs: bool, layer: int = 0) -> torch.Tensor:
+def decode(attn: TorchAttention, lens: list[int], path: str, layer: int = 0) -> torch.Tensor:
+    """One decode step's attention on ``path``: "kernel" (the C kernel), "runs" or "gather"."""
     pool = attn.pool
     b = len(lens)
     loc = pool.req_to_token[torch.arange(b), torch.tensor(lens) - 1].clone()
     batch = ForwardBatch(input_ids=torch.zeros(b, dtype=torch.int64), positions=torch.tensor(lens) - 1,
                          out_cache_loc=loc, rows=list(range(b)), prefix_lens=[n - 1 for n in lens],
                          extend_lens=[1] * b)
-    attn.begin(batch)
-    if runs:
-        assert (attn.decode_runs is not None) == (not attn.softcap)
+    with mock.patch.object(cpu_kernels, "takes", return_value=path == "kernel"):
+        attn.begin(batch)
+    if path == "kernel":
+        assert (attn.decode_lens is not None) == (not attn.softcap) and attn.decode_runs is None
+    elif path == "runs":
+        assert (attn.decode_runs is not None) == (not attn.softcap) and attn.decode_lens is None
     else:
-        attn.decode_runs = None
+        attn.decode_runs = attn.decode_lens = None
     g = torch.Generator().manual_seed(layer)
     q, k, v = (torch.randn(b, h, DIM, generator=g).to(pool.dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
     return attn.forward(q, k, v, layer, batch.positions, lambda pos, q, k: (q, k))
@@ -74,26 +81,28 @@ def test_plan_reads_shared_and_private_runs_in_place():
     assert (p.tail_mask[2, 0, 0] == 0).sum() == 1
 
 
+@pytest.mark.parametrize("path", ["kernel", "runs"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_runs_match_the_gather_path(dtype):
+def test_in_place_paths_match_the_gather_path(dtype, path):
     attn = make(dtype=dtype)
     lens = layout(attn.pool, 1)
     for layer in range(2):
-        got = decode(attn, lens, runs=True, layer=layer)
-        want = decode(attn, lens, runs=False, layer=layer)
+        got = decode(attn, lens, path, layer=layer)
+        want = decode(attn, lens, "gather", layer=layer)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
-def test_window_layers_and_softcap_keep_the_gather_path():
+@pytest.mark.parametrize("path", ["kernel", "runs"])
+def test_window_layers_and_softcap_keep_the_gather_path(path):
     attn = make(windows=(0, 16))
     lens = layout(attn.pool, 2)
-    torch.testing.assert_close(decode(attn, lens, True, layer=1), decode(attn, lens, False, layer=1))
-    torch.testing.assert_close(decode(attn, lens, True, layer=0), decode(attn, lens, False, layer=0),
+    torch.testing.assert_close(decode(attn, lens, path, layer=1), decode(attn, lens, "gather", layer=1))
+    torch.testing.assert_close(decode(attn, lens, path, layer=0), decode(attn, lens, "gather", layer=0),
                                atol=1e-5, rtol=1e-5)
     capped = make(softcap=3.0)
     lens = layout(capped.pool, 3)
-    decode(capped, lens, True)  # asserts no plan was made
+    decode(capped, lens, path)  # asserts neither in-place path was planned
 
 
 def test_no_run_long_enough_plans_nothing():
@@ -105,9 +114,11 @@ def test_no_run_long_enough_plans_nothing():
     assert [(s.start, s.length) for s in p.segments] == [(1, 4), (10, 8)]
 
 
-async def test_engine_decodes_shared_prefixes_in_place_and_matches_transformers(tiny_models, monkeypatch):
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "runs"])
+async def test_engine_decodes_shared_prefixes_in_place_and_matches_transformers(tiny_models, monkeypatch, kernel):
     shared_members = []
-    real_plan = run_decode.plan
+    kernel_calls = []
+    real_plan, real_decode = run_decode.plan, cpu_kernels.decode
 
     def spy(*args, **kw):
         p = real_plan(*args, **kw)
@@ -115,7 +126,14 @@ async def test_engine_decodes_shared_prefixes_in_place_and_matches_transformers(
             shared_members.extend(len(s.members) for s in p.segments)
         return p
 
+    def spy_kernel(q, *args):
+        kernel_calls.append(q.shape[0])
+        return real_decode(q, *args)
+
     monkeypatch.setattr("radixd.core.attention.torch_backend.run_plan", spy)
+    monkeypatch.setattr(cpu_kernels, "decode", spy_kernel)
+    if not kernel:
+        monkeypatch.setattr(cpu_kernels, "takes", lambda *a: False)
     path = tiny_models["llama"]
     eng = make_engine(path)
     try:
@@ -125,7 +143,10 @@ async def test_engine_decodes_shared_prefixes_in_place_and_matches_transformers(
         outs = await asyncio.gather(*(collect(eng, p, 8) for p in ps))
         for p, got in zip(ps, outs, strict=True):
             assert_greedy_matches(path, p, got, 8)
-        assert max(shared_members) == 3
+        if kernel:
+            assert max(kernel_calls) == 4 and not shared_members  # all four decodes of a layer in one call
+        else:
+            assert max(shared_members) == 3 and not kernel_calls
         await assert_idle(eng)
     finally:
         await eng.stop()

@@ -15,6 +15,11 @@ thread, so with a thread on every core one preempted thread stalls them all: on 
 loop beside the daemon halved its throughput with 2 threads and cost nothing with 1, and one
 thread's runs spread less and served more on that shared machine
 (``docs/benchmarks/cpu_spread.md``). vLLM's CPU backend reserves a core the same way.
+
+``step_threads``: a step of ``PREFILL_TOKENS`` tokens or more (a prefill) runs on every
+allowed core: its GEMMs are compute-bound and long, so a thread preempted now and then
+delays a region by its own share only (``docs/benchmarks/cpu_kernels.md``); decode steps,
+short regions bound by memory, stay on the cores less one. Not where the user chose (``OMP_NUM_THREADS``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import torch
 
 AUTO_DTYPE_ENV = "RADIXD_CPU_AUTO_DTYPE"
+PREFILL_TOKENS = 64  # a step of this many tokens or more runs on every allowed core
 _AUTO_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -52,3 +58,14 @@ def set_threads() -> int:
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
     return torch.get_num_threads()
+
+
+def step_threads(num_tokens: int) -> None:
+    """torch's threads for the next forward step of ``num_tokens`` tokens on the CPU (module
+    docstring); unchanged where ``OMP_NUM_THREADS`` is set."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = allowed_cores()
+    n = cores if num_tokens >= PREFILL_TOKENS else max(1, cores - 1)
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from radixd.core.attention import AttentionBackend, make_backend
+from radixd.core.cpu_setup import step_threads
 from radixd.core.forward_batch import ForwardBatch, StepOutput
 from radixd.core.kv_pool import KVPool
 from radixd.core.kv_quant import KVFormat
@@ -149,6 +150,8 @@ class ModelWorker:
         Tokens the scheduler did not know yet (``batch.placeholder_pos``: picks of the step
         before, still on the device) are filled in from ``prev`` here, on the device."""
         assert prev is not None or not batch.placeholder_pos, "a batch with placeholders needs the previous step's picks"
+        if self.device.type == "cpu":
+            step_threads(batch.num_tokens)
         stage = self.stager.to_device
         self.stager.next_step()
         graphs = self.graphs if self.graphs is not None and self.graphs.can_run(batch) else None

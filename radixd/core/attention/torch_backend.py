@@ -7,8 +7,10 @@ softmax(cap * tanh(q.k * scale / cap)) path. K and V are read through the pool (
 dequantized from an fp8 pool). With a window region in the pool (``swa_pool``) a window
 layer's KV is read and stored at the window slots of the table's slots.
 
-On the CPU, decode steps of layers without a window or soft-cap read each request's leading
-run of consecutive slots in place, once for all requests sharing it (``run_decode``).
+On the CPU, decode steps of layers without a window or soft-cap read KV where it lies: all
+requests of a layer in one call of radixd's C kernel (``cpu_kernels``), or, without a C
+compiler, each request's leading run of consecutive slots in place, once for all requests
+sharing it (``run_decode``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from radixd.core import cpu_kernels
 from radixd.core.attention.run_decode import attend as run_attend
 from radixd.core.attention.run_decode import plan as run_plan
 from radixd.core.forward_batch import ForwardBatch
@@ -60,6 +63,7 @@ class TorchAttention:
             self.extends.append((starts[i], e, kv_idx, mapped(kv_idx), masks))
         self.decode_tok = None
         self.decode_runs = None
+        self.decode_lens = None
         if decode:
             lens = torch.tensor([batch.prefix_lens[i] + 1 for i in decode], device=device)
             max_len = int(lens.max())
@@ -70,7 +74,10 @@ class TorchAttention:
             kv_idx = torch.where(valid, kv_idx, torch.zeros_like(kv_idx))
             self.decode_tok = torch.tensor([starts[i] for i in decode], device=device)
             if device.type == "cpu" and not self.pool.quantized and not self.softcap:
-                self.decode_runs = run_plan(kv_idx, lens.tolist(), self.pool.dtype)
+                if cpu_kernels.takes(self.pool.dtype, self.pool.k_buffers[0], self.num_heads):
+                    self.decode_lens = lens
+                else:
+                    self.decode_runs = run_plan(kv_idx, lens.tolist(), self.pool.dtype)
             self.decode_kv_idx = kv_idx
             self.decode_window_idx = mapped(kv_idx)
             self.decode_masks = {w: (valid & (kv_pos >= lens[:, None] - w if w else True))[:, None, None, :]
@@ -93,7 +100,11 @@ class TorchAttention:
             ki, vi = self.pool.read(layer, kv_idx, q.dtype)          # [S, Hkv, D]
             ki, vi = ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]  # [1, Hkv, S, D]
             out[start : start + e] = self._attend(qi, ki, vi, masks[window])[0].transpose(0, 1)
-        if self.decode_runs is not None and not window:
+        if self.decode_lens is not None and not window and q.dtype == self.pool.dtype:
+            k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
+            out[self.decode_tok] = cpu_kernels.decode(q[self.decode_tok], k_buf, v_buf, self.decode_kv_idx,
+                                                      self.decode_lens, self.scale)
+        elif self.decode_runs is not None and not window:
             k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
             out[self.decode_tok] = run_attend(self.decode_runs, q[self.decode_tok], k_buf, v_buf, self.scale)
         elif self.decode_tok is not None:

@@ -9,9 +9,15 @@ reference path serves it).
 * int4 (asymmetric or symmetric): ``aten._weight_int4pack_mm_for_cpu``, which dequantizes
   ``(q - 8) * scale + zero`` per group of 32/64/128/256 columns; canonical ``(q - z) * s``
   is ``scale = s``, ``zero = (8 - z) * s``. Its packed weight is in the CPU's own tile order.
+  It is a kernel for few rows (it reads a quarter of bf16's bytes, but its cost grows with
+  the rows as a GEMM's does not): more than ``DEQUANT_ROWS`` rows (a prefill) dequantize the
+  weight to bf16 with radixd's C kernel (``cpu_kernels.int4pack_to_bf16``, where it reads
+  this torch's packing) and multiply in a bf16 GEMM.
 * int8 symmetric: ``aten._weight_int8pack_mm`` takes one scale per row, so a grouped weight is
   held as ``[G, N, group]`` and multiplied group by group (G calls of [M, group] x [group, N],
-  summed in fp32): each reads its slice of the weight once, as a per-channel one would.
+  summed in fp32): each reads its slice of the weight once, as a per-channel one would. Up to
+  ``DEQUANT_ROWS`` rows take radixd's C kernel instead (``cpu_kernels.int8_matmul``: all
+  groups in one pass, 2x at 8 rows).
 
 Both kernels are fast only in bf16 (their fp32 and fp16 paths are scalar): activations, scales
 and zeros are bf16, the result is cast back to ``x``'s dtype. bf16 activations are finer than
@@ -28,7 +34,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from radixd.core import cpu_kernels
+
 INT4_GROUPS = (32, 64, 128, 256)  # what the int4 kernel takes
+DEQUANT_ROWS = 16  # int4 matmuls of more rows dequantize and run a bf16 GEMM; int8 ones of as many take the C kernel
 ACT = torch.bfloat16
 
 
@@ -74,8 +83,12 @@ def pack_cpu(qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int, g
 def cpu_int_linear(x: Tensor, w: CpuIntWeight, bias: Tensor | None = None) -> Tensor:
     """``x @ W.T + bias`` for x [M, K] (any float dtype; computed in bf16, returned in x's)."""
     xa = x.to(ACT).contiguous()
-    if w.bits == 4:
+    if w.bits == 4 and xa.shape[0] > DEQUANT_ROWS and w.n % 64 == 0 and cpu_kernels.int4pack_readable():
+        y = xa @ cpu_kernels.int4pack_to_bf16(w.q, w.scales, w.n, w.k, w.group_size)
+    elif w.bits == 4:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xa, w.q, w.group_size, w.scales)
+    elif xa.shape[0] <= DEQUANT_ROWS and cpu_kernels.library() is not None:
+        y = cpu_kernels.int8_matmul(xa, w.q, w.scales)
     else:
         groups = w.q.shape[0]
         if groups == 1:

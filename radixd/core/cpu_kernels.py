@@ -1,0 +1,171 @@
+"""radixd's C kernels for the CPU (``cpu_kernels.c``): built from source with the machine's C
+compiler on first use, kept in radixd's cache, called through ``ctypes``.
+
+- ``decode``: decode attention. A small problem per request (one query row, a few hundred
+  keys), for which torch's attention kernels pay more in setting up each call than in
+  arithmetic; this reads every request's keys and values through its slots in the pool, all
+  requests of a layer in one call.
+- ``int8_matmul``: x @ W.T for a grouped int8 weight (Q8_0's blocks of 32), few rows: each
+  weight read once for up to 8 rows, where torch's int8 kernel takes one group per call and
+  adds the partial products up in memory (an LM head of 49k rows at 8 rows: 4x).
+- ``int4pack_to_bf16``: an int4 weight in torch's CPU packing, dequantized for a matmul of
+  many rows (prefill), where a bf16 GEMM runs 2-3x faster than torch's int4 kernel; decode
+  steps keep the int4 kernel, which reads a quarter of the bytes. ``int4pack_readable``
+  checks once that torch packs as the kernel reads.
+
+The library is compiled for this CPU
+(``-march=native``), once per source, compiler and CPU (the file name carries a hash of
+the three), into ``<cache>/kernels/``; several processes building it at once each write
+their own file and rename it into place.
+
+Without a C compiler (``$CC``, else ``cc``), or with ``RADIXD_CPU_KERNELS=off``, ``library()``
+is None and the callers keep torch's path; why is logged once.
+
+Contract: the kernels only read their inputs and write their results; ``takes`` and
+``int4pack_readable`` say where they apply (the callers fall back to torch elsewhere).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared")
+ENV = "RADIXD_CPU_KERNELS"
+_FUNCS = {torch.bfloat16: "decode_bf16", torch.float32: "decode_f32"}
+_MAX_GROUP, _MAX_DIM = 16, 256  # (cpu_kernels.c: MAX_G, MAX_D)
+
+
+def _cpu_key() -> str:
+    """What -march=native compiles for: the CPU's model and flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = ("model name", "flags")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+
+
+def _build(cc: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        part = Path(tmp.name)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", str(part), str(SOURCE), "-lm"], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{cc} exited with {done.returncode}: {done.stderr.strip()[-1500:]}")
+        part.rename(target)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels (built now if need be), or None: see the module docstring."""
+    if os.environ.get(ENV, "").lower() in ("off", "0", "false"):
+        log.info("CPU kernels off (%s): decode attention runs through torch", ENV)
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc")
+    if not cc:
+        log.warning("no C compiler (cc, or $CC): decode attention on the CPU runs through torch, slower")
+        return None
+    from radixd.core.model_loader import cache_root
+
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_key()]).encode())
+    target = cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        try:
+            _build(cc, target)
+        except (OSError, RuntimeError) as e:
+            log.warning("building the CPU kernels failed, decode attention runs through torch: %s", e)
+            return None
+    lib = ctypes.CDLL(str(target))
+    for name in _FUNCS.values():
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p]
+    lib.int8g_mm.restype = ctypes.c_int
+    lib.int8g_mm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    lib.int4pack_to_bf16_t.restype = None
+    lib.int4pack_to_bf16_t.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    return lib
+
+
+def takes(q_dtype: torch.dtype, k_buf: Tensor, num_heads: int) -> bool:
+    """Whether ``decode`` serves queries of ``q_dtype`` over ``k_buf`` ([slots, Hkv, D])."""
+    kv_heads, dim = k_buf.shape[1], k_buf.shape[2]
+    return (k_buf.device.type == "cpu" and k_buf.dtype == q_dtype and q_dtype in _FUNCS and k_buf.is_contiguous()
+            and num_heads % kv_heads == 0 and num_heads // kv_heads <= _MAX_GROUP and dim <= _MAX_DIM
+            and library() is not None)
+
+
+def decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, slots: Tensor, lens: Tensor, scale: float) -> Tensor:
+    """Attention of ``q`` [B, H, D] (request b's one query) over the pool's ``k_buf``/``v_buf``
+    [slots, Hkv, D] at ``slots[b, :lens[b]]`` (int64 [B, L], [B]) -> [B, H, D]."""
+    lib = library()
+    assert lib is not None and v_buf.is_contiguous() and slots.dtype == lens.dtype == torch.int64
+    q = q.contiguous()
+    slots = slots.contiguous()
+    b, heads, dim = q.shape
+    kv_heads, width = k_buf.shape[1], slots.shape[1]
+    out = torch.empty_like(q)
+    scratch = torch.empty((heads // kv_heads) * width, dtype=torch.float32)
+    rc = getattr(lib, _FUNCS[q.dtype])(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), slots.data_ptr(),
+                                       lens.data_ptr(), out.data_ptr(), b, heads, kv_heads, dim, width, scale,
+                                       scratch.data_ptr())
+    if rc:
+        raise ValueError(f"cpu_kernels.decode: shape out of range (heads {heads}, KV heads {kv_heads}, head_dim {dim})")
+    return out
+
+
+def int4pack_to_bf16(packed: Tensor, scales: Tensor, n: int, k: int, group: int) -> Tensor:
+    """The weight [n, k] of torch's CPU int4 packing ``packed`` with ``scales`` [k / group, n,
+    2] bf16 (scale, zero), ``(q - 8) * scale + zero``, in bf16 and transposed: [k, n]."""
+    lib = library()
+    assert lib is not None and n % 64 == 0 and k % group == 0 and scales.dtype == torch.bfloat16
+    packed, scales = packed.contiguous(), scales.contiguous()  # (held: the call reads their memory)
+    out = torch.empty((k, n), dtype=torch.bfloat16)
+    lib.int4pack_to_bf16_t(packed.data_ptr(), scales.data_ptr(), out.data_ptr(), n, k, group)
+    return out
+
+
+@functools.cache
+def int4pack_readable() -> bool:
+    """Whether ``int4pack_to_bf16`` reads this torch's packing (a known weight, packed and read back)."""
+    if library() is None:
+        return False
+    n, k, group = 128, 64, 32
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    if packed.shape != (n, k // 2):
+        return False
+    unit = torch.tensor([1.0, 8.0], dtype=torch.bfloat16).expand(k // group, n, 2)
+    return bool(torch.equal(int4pack_to_bf16(packed, unit, n, k, group), q.t().to(torch.bfloat16)))
+
+
+def int8_matmul(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
+    """``x`` [M, K] times the grouped int8 weight ``q`` [G, N, group] with ``scales`` [G, N]
+    (bf16), transposed: [M, N] float32."""
+    lib = library()
+    assert lib is not None and scales.dtype == torch.bfloat16 and q.dtype == torch.int8
+    groups, n, group = q.shape
+    xf, q, scales = x.float().contiguous(), q.contiguous(), scales.contiguous()  # (held: the call reads them)
+    y = torch.empty((x.shape[0], n), dtype=torch.float32)
+    if lib.int8g_mm(xf.data_ptr(), q.data_ptr(), scales.data_ptr(), y.data_ptr(), x.shape[0], n, groups * group, group):
+        raise ValueError(f"cpu_kernels.int8_matmul: group {group} out of range")
+    return y

@@ -1,0 +1,129 @@
+"""radixd's C kernels for the CPU (``cpu_kernels``): decode attention over the pool equals an
+explicit softmax(q.k) v over each request's slots, for the head groups and head sizes the
+dispatcher specializes and for others; the int4 weight read back from torch's packing equals
+the weight torch's int4 kernel multiplies by; the grouped int8 matmul equals its definition,
+across its 8-row chunks; the library is built once into the cache, and without a compiler
+(or switched off) it is None and the callers keep torch's paths."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from radixd.core import cpu_kernels
+from radixd.core.quant.cpu_int import DEQUANT_ROWS, CpuIntWeight, cpu_int_linear, pack_cpu
+
+
+def reference_decode(q, k_buf, v_buf, slots, lens, scale):
+    out = []
+    for b, n in enumerate(lens.tolist()):
+        idx = slots[b, :n]
+        group = q.shape[1] // k_buf.shape[1]
+        k = k_buf[idx].float().repeat_interleave(group, 1)  # [n, H, D]
+        v = v_buf[idx].float().repeat_interleave(group, 1)
+        w = (torch.einsum("hd,nhd->hn", q[b].float(), k) * scale).softmax(-1)
+        out.append(torch.einsum("hn,nhd->hd", w, v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 64), (8, 2, 128), (6, 2, 48), (16, 1, 32)])
+def test_decode_matches_softmax_attention(dtype, heads, kv_heads, dim):
+    g = torch.Generator().manual_seed(heads * dim)
+    k_buf = torch.randn(400, kv_heads, dim, generator=g).to(dtype)
+    v_buf = torch.randn(400, kv_heads, dim, generator=g).to(dtype)
+    lens = torch.tensor([1, 37, 120, 64])
+    slots = torch.zeros(4, 120, dtype=torch.int64)
+    shared = torch.arange(1, 60)
+    for b, n in enumerate(lens.tolist()):  # rows 2 and 3 share a prefix; the rest scattered
+        own = torch.randperm(340, generator=g)[:n] + 60
+        slots[b, :n] = torch.cat((shared, own))[:n] if b >= 2 else own
+    q = torch.randn(4, heads, dim, generator=g).to(dtype)
+    assert cpu_kernels.takes(dtype, k_buf, heads)
+    got = cpu_kernels.decode(q, k_buf, v_buf, slots, lens, dim**-0.5)
+    want = reference_decode(q, k_buf, v_buf, slots, lens, dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    assert got.dtype == dtype
+
+
+def test_decode_refuses_what_it_does_not_take():
+    k = torch.zeros(10, 2, 64)
+    assert not cpu_kernels.takes(torch.float16, k.half(), 4)        # no fp16 kernel
+    assert not cpu_kernels.takes(torch.float32, k, 3)               # heads not a multiple of KV heads
+    assert not cpu_kernels.takes(torch.float32, k, 2 * 17)          # a group over 16
+    assert not cpu_kernels.takes(torch.float32, torch.zeros(10, 2, 512), 4)  # head_dim over 256
+    assert not cpu_kernels.takes(torch.float32, torch.zeros(2, 10, 64).transpose(0, 1), 4)  # not contiguous
+    assert cpu_kernels.takes(torch.float32, k, 4)
+
+
+def test_int4_weight_read_back_is_what_the_int4_kernel_multiplies():
+    assert cpu_kernels.int4pack_readable()
+    g = torch.Generator().manual_seed(1)
+    n, k, group = 192, 256, 64
+    q = torch.randint(0, 16, (n, k // 8), dtype=torch.int32, generator=g)  # canonical packed int4
+    qw = torch.zeros(n, k // 8, dtype=torch.int32)
+    for i in range(8):
+        qw |= ((q >> (4 * i)) & 15) << (4 * i)
+    scales = torch.rand(n, k // group, generator=g) + 0.5
+    zeros = torch.randint(0, 16, (n, k // group), generator=g).float()
+    w = pack_cpu(qw, scales, zeros, 4, group)
+    dense = cpu_kernels.int4pack_to_bf16(w.q, w.scales, n, k, group)  # [k, n]
+    assert dense.shape == (k, n) and dense.dtype == torch.bfloat16
+    unpacked = torch.stack([(q >> (4 * i)) & 15 for i in range(8)], -1).reshape(n, k).float()
+    canonical = (unpacked - zeros.repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
+    torch.testing.assert_close(dense.float(), canonical.t(), atol=0.08, rtol=8e-3)  # (bf16 scale, zero, values)
+    x = torch.randn(DEQUANT_ROWS, k, generator=g).to(torch.bfloat16)
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.q, group, w.scales).float()
+    torch.testing.assert_close(x.float() @ dense.float(), kernel, atol=1e-2 * kernel.abs().max().item(), rtol=0)
+    # and the linear's two paths agree: few rows through the int4 kernel, more dequantized
+    rows = torch.randn(2 * DEQUANT_ROWS, k, generator=g)
+    few = torch.cat([cpu_int_linear(rows[i : i + DEQUANT_ROWS], w) for i in (0, DEQUANT_ROWS)])
+    torch.testing.assert_close(cpu_int_linear(rows, w), few, atol=1e-2 * few.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_int8_matmul_matches_its_definition(group):
+    g = torch.Generator().manual_seed(group)
+    n, k = 80, 4 * group
+    q = torch.randint(-127, 128, (k // group, n, group), dtype=torch.int8, generator=g)
+    s = (torch.rand(k // group, n, generator=g) * 0.05).to(torch.bfloat16)
+    weight = (q.float() * s.float()[..., None]).transpose(0, 1).reshape(n, k)  # [N, K]
+    for m in (1, 3, 8, 11):  # across the kernel's chunks of 8 rows
+        x = torch.randn(m, k, generator=g)
+        torch.testing.assert_close(cpu_kernels.int8_matmul(x, q, s), x @ weight.t(), atol=1e-3, rtol=1e-4)
+    w = CpuIntWeight(8, n, k, group, q, s)
+    x = torch.randn(4, k, generator=g).to(torch.bfloat16)
+    torch.testing.assert_close(cpu_int_linear(x, w).float(), (x.float() @ weight.t()), atol=0.05, rtol=1e-2)
+
+
+def test_library_is_built_once_and_optional(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("RADIXD_CACHE", str(tmp_path))
+    cpu_kernels.library.cache_clear()
+    try:
+        lib = cpu_kernels.library()
+        assert lib is not None
+        built = list((tmp_path / "kernels").glob("cpu_kernels-*.so"))
+        assert len(built) == 1
+        stamp = built[0].stat().st_mtime_ns
+        cpu_kernels.library.cache_clear()
+        assert cpu_kernels.library() is not None
+        assert built[0].stat().st_mtime_ns == stamp and len(list((tmp_path / "kernels").iterdir())) == 1
+
+        cpu_kernels.library.cache_clear()
+        monkeypatch.setenv("RADIXD_CPU_KERNELS", "off")
+        assert cpu_kernels.library() is None
+        assert not cpu_kernels.takes(torch.float32, torch.zeros(4, 1, 8), 1)
+
+        cpu_kernels.library.cache_clear()
+        monkeypatch.delenv("RADIXD_CPU_KERNELS")
+        monkeypatch.setenv("RADIXD_CACHE", str(tmp_path / "other"))
+        monkeypatch.setenv("CC", "false")  # a compiler that fails
+        with caplog.at_level(logging.WARNING, logger="radixd.core.cpu_kernels"):
+            assert cpu_kernels.library() is None
+        assert "building the CPU kernels failed" in caplog.text
+        assert not list((tmp_path / "other" / "kernels").glob("*.so"))  # no half-written library left
+    finally:
+        cpu_kernels.library.cache_clear()
