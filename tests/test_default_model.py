@@ -56,7 +56,7 @@ async def test_default_model_answers(smol_path):
 async def test_default_model_greedy_matches_transformers(smol_path, hf_smol):
     # a small pool and small chunks: prefill in pieces, shared system prompt from the cache,
     # and preemption when all four decode at once
-    eng = Engine(model="default", kv_cache_tokens=120, chunked_prefill_size=16, max_prefill_tokens=24,
+    eng = Engine(model="default", gguf_weights="fp32", kv_cache_tokens=120, chunked_prefill_size=16, max_prefill_tokens=24,
                  schedule_conservativeness=0.0)
     steps = 0
 

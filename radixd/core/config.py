@@ -178,9 +178,9 @@ class EngineConfig:
     # plain checkpoint only) or a format that the checkpoint must have (core.quant.formats).
     quantization: str = option("auto", key="model.quantization", choices=QUANTIZATION)
     # A GGUF model's weights: "native" (its Q4_1 / Q8_0 tensors served as shipped, CPU kernels;
-    # core.gguf), "fp32" (converted once through transformers) or "auto" (native on the CPU
-    # with tp_size 1, fp32 elsewhere).
-    gguf_weights: str = option("fp32", key="model.gguf_weights", choices=GGUF_WEIGHTS)
+    # core.gguf), "fp32" (converted once through transformers) or "auto", the default (native
+    # on the CPU with tp_size 1, fp32 elsewhere).
+    gguf_weights: str = option("auto", key="model.gguf_weights", choices=GGUF_WEIGHTS)
 
     # KV memory. ``kv_cache_bytes`` wins over ``kv_cache_tokens`` when both are set.
     kv_cache_bytes: int | None = option(None, key="memory.kv_cache_bytes", min=1)
