@@ -384,9 +384,9 @@ def _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, lo, hi
                 visible = visible & (offs_n[None, :] > q_pos[:, None] - WINDOW)
             if TREE:  # (keys before the new tokens, and requests without a tree, read as seen)
                 new = offs_n - prefix
-                seen = tl.load(TreeMask + tree_off + offs_m[:, None] * ext + new[None, :],
-                               mask=(tree_off >= 0) & (offs_m[:, None] < ext) & (new[None, :] >= 0)
-                               & (new[None, :] < ext), other=1)
+                lim = tl.where(tree_off >= 0, ext, 0)  # (0: no tree, nothing read)
+                in_tree = (offs_m[:, None] < lim) & (new[None, :] >= 0) & (new[None, :] < lim)
+                seen = tl.load(TreeMask + tree_off + offs_m[:, None] * ext + new[None, :], mask=in_tree, other=1)
                 visible = visible & (seen != 0)
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))

@@ -105,10 +105,10 @@ class Speculator:
         drafts = {}
         for r, k, d in zip(want, ks, self.drafter.propose(want, ks), strict=True):
             if isinstance(d, TokenTree):
+                d = d.pruned(k)
                 # (a constrained request's drafts are walked on one fork: its preferred chain;
-                # (and a tree's rows must fit the table row, whose columns are the context's)
-                d = (d.first_path()[:k] if r.matcher is not None or len(d) > self.context_len - r.seq_len
-                     else as_draft(d))
+                # and a tree's rows must fit the table row, whose columns are the context's)
+                d = d.first_path() if r.matcher is not None or len(d) > self.context_len - r.seq_len else as_draft(d)
             else:
                 d = list(d[:k])
             if d and r.matcher is not None:

@@ -46,6 +46,19 @@ class TokenTree(list):
             i = self.parents[i]
         return out[::-1]
 
+    def pruned(self, depth: int) -> TokenTree:
+        """The nodes at most ``depth`` deep."""
+        if max(self.depths, default=0) <= depth:
+            return self
+        index: dict[int, int] = {-1: -1}
+        tokens, parents = [], []
+        for i, (t, p) in enumerate(zip(self, self.parents, strict=True)):
+            if self.depths[i] <= depth:
+                index[i] = len(tokens)
+                tokens.append(t)
+                parents.append(index[p])
+        return TokenTree(tokens, parents)
+
     def first_path(self) -> list[int]:
         """The tokens of the chain of first children (a constrained request's draft)."""
         out, node = [], -1

@@ -1,0 +1,306 @@
+"""Token trees (speculative_eagle_topk > 1): the tree's shape, mask and acceptance walk; the
+triton extend kernel's tree mask against an explicit-mask reference (interpreted on CPU; at an
+8B shape on a GPU); greedy output with trees equal to plain decoding on the torch and triton
+backends with branches other than the first accepted, no KV left behind; the n-gram drafter's
+tries; sampled tree verification following the target distribution (chi-square)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_engine import assert_idle, prompts
+from test_speculative import run_calls, same_outputs
+
+from radixd import Engine, SamplingParams
+from radixd.core.attention.triton_kernels import extend_attention
+from radixd.core.errors import ConfigError
+from radixd.core.speculative.tree import (
+    TokenTree,
+    as_draft,
+    depth_and_path,
+    from_continuations,
+    walk,
+)
+from radixd.plugins import hookimpl, make_plugin_manager
+from radixd.plugins.drafters import continuations
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+
+
+def test_tree_shape_mask_and_walk():
+    # root -> 0 (5) -> 1 (6); root -> 2 (7) -> 3 (8), 4 (9)
+    t = from_continuations([[5, 6], [7, 8], [7, 9]])
+    assert isinstance(t, TokenTree) and list(t) == [5, 6, 7, 8, 9] and t.parents == [-1, 0, -1, 2, 2]
+    assert t.depths == [1, 2, 1, 2, 2] and t.path(4) == [2, 4] and t.first_path() == [5, 6]
+    m = t.mask().int().tolist()
+    assert m == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0], [1, 0, 0, 1, 0, 0],
+                 [1, 0, 0, 1, 1, 0], [1, 0, 0, 1, 0, 1]]
+    # picks per row (root, then each node): the root picks 7, node 2 picks 9, node 4 picks 1
+    assert walk(t, [7, 0, 0, 9, 0, 1]) == ([2, 4], 2)  # both off their parent's first child
+    assert walk(t, [5, 6, 3, 0, 0, 0]) == ([0, 1], 0)
+    assert walk(t, [4, 0, 0, 0, 0, 0]) == ([], 0)
+    assert depth_and_path(t, 5) == (2, [7, 9]) and depth_and_path([5, 6, 7], 2) == (2, [5, 6])
+    # a trie that is one chain is sent as a plain list (verified as chains are)
+    assert type(from_continuations([[1, 2, 3], [1, 2]])) is list and from_continuations([]) == []
+    assert type(as_draft(TokenTree([1, 2], [-1, 0]))) is list
+    p = t.pruned(1)  # (deeper than a request may draft: cut)
+    assert list(p) == [5, 7] and p.parents == [-1, -1] and t.pruned(2) is t
+
+
+def test_ngram_continuations():
+    seq = np.array([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 2, 3])
+    assert continuations(seq, 2, 1, 3, 1) == [[5, 7]]  # the chain's choice (lookup's)
+    assert continuations(seq, 2, 1, 3, 3) == [[5, 7], [4, 9]]  # then the earlier "2 3"
+    assert continuations(seq, 2, 1, 3, 2) == [[5, 7], [4, 9]]
+    assert continuations(np.array([4, 5, 6]), 2, 1, 4, 3) == []
+
+
+def tree_reference(q, kb, vb, idx, mask, scale):
+    """float64 attention of queries ``q`` [M, H, D] over the keys at slots ``idx`` with an
+    explicit [M, len(idx)] mask."""
+    k = kb[idx].double().transpose(0, 1)[None]
+    v = vb[idx].double().transpose(0, 1)[None]
+    return F.scaled_dot_product_attention(q.double().transpose(0, 1)[None], k, v, attn_mask=mask.to(q.device),
+                                          scale=scale, enable_gqa=True)[0].transpose(0, 1)
+
+
+def random_tree(n: int, seed: int) -> TokenTree:
+    rng = random.Random(seed)
+    return TokenTree(list(range(n)), [rng.randrange(-1, i) for i in range(n)])
+
+
+def check_tree_extend(heads, kv_heads, dim, dtype, config, tol):
+    """Three requests in one extend launch: a plain prompt chunk, a tree of 20 nodes (more
+    rows than one query tile) after a prefix, and a tree of 3; the trees' queries see their
+    prefix and their ancestors only."""
+    g = torch.Generator().manual_seed(dim)
+    trees = {1: random_tree(19, 1), 2: random_tree(2, 2)}
+    prefix, ext = [5, 37, 70], [9, 20, 3]
+    slots = sum(prefix) + sum(ext) + 8
+    kb = torch.randn(slots, kv_heads, dim, generator=g).to(DEV, dtype)
+    vb = torch.randn(slots, kv_heads, dim, generator=g).to(DEV, dtype)
+    table = torch.zeros(4, 128, dtype=torch.int64)
+    perm = (torch.randperm(slots - 1, generator=g) + 1).tolist()
+    rows = [2, 0, 3]
+    off = 0
+    for r, p, e in zip(rows, prefix, ext, strict=True):
+        table[r, : p + e] = torch.tensor(perm[off : off + p + e])
+        off += p + e
+    table = table.to(DEV)
+    starts = [0, 9, 29]
+    q = torch.randn(sum(ext), heads, dim, generator=g).to(DEV, dtype)
+    masks, offsets, at = [], [], 0
+    for i in range(3):
+        if i in trees:
+            masks.append(trees[i].mask().reshape(-1))
+            offsets.append(at)
+            at += ext[i] ** 2
+        else:
+            offsets.append(-1)
+    t = lambda xs: torch.tensor(xs, device=DEV)  # noqa: E731
+    out = torch.full_like(q, float("nan"))
+    extend_attention(q, kb, vb, table, t(rows), t(prefix), t(ext), t(starts), max(ext), dim**-0.5, out=out,
+                     config=config, tree_mask=torch.cat(masks).to(torch.int8).to(DEV), tree_offsets=t(offsets))
+    for i, (p, e) in enumerate(zip(prefix, ext, strict=True)):
+        idx = table[rows[i], : p + e]
+        causal = torch.arange(p + e)[None, :] <= torch.arange(p, p + e)[:, None]
+        mask = torch.cat((torch.ones(e, p, dtype=torch.bool), trees[i].mask()), 1) if i in trees else causal
+        ref = tree_reference(q[starts[i] : starts[i] + e], kb, vb, idx, mask, dim**-0.5)
+        err = float((out[starts[i] : starts[i] + e].double() - ref).norm() / ref.norm())
+        assert err < tol, (i, err)
+        if i in trees:  # (and the mask mattered: plain causal attention differs)
+            plain = tree_reference(q[starts[i] : starts[i] + e], kb, vb, idx, causal, dim**-0.5)
+            assert float((plain - ref).norm() / ref.norm()) > 10 * tol
+
+
+@pytest.mark.parametrize("config", [None, (16, 16, 4, 2, True)], ids=str)
+def test_tree_mask_in_the_extend_kernel(config):
+    check_tree_extend(4, 2, 32, torch.float32, config, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, (64, 64, 4, 3, True), (16, 32, 4, 2, False)], ids=str)
+def test_tree_mask_in_the_extend_kernel_at_an_8b_shape(config):
+    """Llama-3.1-8B's attention shape in bf16 on one GPU."""
+    check_tree_extend(32, 8, 128, torch.bfloat16, config, 2e-2)
+
+
+class TreeOracle:
+    """Drafts a tree around the plain run's tokens (``truth``): at the root a wrong first
+    child (with a child of its own) before the right one, about half the time; below the
+    right token the rest of the truth, each replaced by a wrong one with probability 0.2."""
+
+    name = "treeoracle"
+    truth: dict[tuple, list[int]] = {}
+
+    def __init__(self, config, cache):
+        self.rng = random.Random(0)
+
+    def propose(self, reqs, ks):
+        out = []
+        for r, k in zip(reqs, ks, strict=True):
+            done = len(r.output_ids)
+            right = self.truth.get((tuple(r.prompt_ids), r.index), [])[done : done + k]
+            if not right:
+                out.append([])
+                continue
+            wrong = (right[0] + 1) % 256
+            chain = [right[0]] + [t if self.rng.random() >= 0.2 else (t + 3) % 256 for t in right[1:]]
+            conts = [chain]
+            if self.rng.random() < 0.5:
+                conts.insert(0, [wrong, 7][:k])
+            out.append(from_continuations(conts))
+        return out
+
+
+class Plugin:
+    @hookimpl
+    def radixd_drafters(self):
+        return {"treeoracle": TreeOracle, "topchoicetree": TopChoiceTree}
+
+
+def tree_engine(path, algorithm: str | None, **kw) -> Engine:
+    kw.setdefault("kv_cache_tokens", 2048)
+    if algorithm:
+        kw |= {"speculative_algorithm": algorithm, "speculative_eagle_topk": 2}
+    pm = make_plugin_manager(load_entry_points=False, extra=[Plugin()])
+    eng = Engine(model=str(path), plugin_manager=pm, **kw)
+    eng.step_hook = lambda step: eng.check_accounting()
+    return eng
+
+
+async def plain_then_tree(path, calls, algorithm="treeoracle", **kw):
+    plain_eng = tree_engine(path, None, **kw)
+    try:
+        plain = await run_calls(plain_eng, calls)
+    finally:
+        await plain_eng.stop()
+    TreeOracle.truth = {(tuple(p), i): out[0] for (p, _), outs in zip(calls, plain, strict=True)
+                        for i, out in enumerate(outs)}
+    eng = tree_engine(path, algorithm, **kw)
+    try:
+        spec = await run_calls(eng, calls)
+        await assert_idle(eng)  # every rejected node's slot went back
+        stats = eng.stats()
+    finally:
+        await eng.stop()
+    return plain, spec, stats
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+async def test_tree_greedy_equals_plain(tiny_models, backend):
+    """Trees whose second branch is the right one, with the batch's other requests' trees
+    and a prompt chunk beside them: the tokens (and logprobs) equal plain decoding's, the
+    accepted paths off the first child are counted."""
+    path = tiny_models["llama"]
+    kw = {"attention_backend": backend, "dtype": "float32"} if backend == "triton" else {}
+    ps = prompts(2, 9, seed=4)
+    plain, spec, st = await plain_then_tree(path, [(p, {"max_new_tokens": 12, "logprobs": True}) for p in ps],
+                                            chunked_prefill_size=5, max_prefill_tokens=8, **kw)
+    same_outputs(plain, spec)
+    assert st["spec_tree_verifies"] > 0 and st["spec_branch_accepted_tokens"] > 0
+    assert st["spec_accepted_tokens"] > st["spec_verifies"]
+
+
+async def test_ngram_trees_equal_plain(tiny_models):
+    """n-gram trees on a repetitive prompt (the output repeats tokens followed by different
+    ones earlier): outputs equal plain decoding's; trees were verified."""
+    path = tiny_models["llama"]
+    p = [5, 6, 7, 8, 9, 10, 11] * 4
+    plain, spec, st = await plain_then_tree(path, [(p, {"max_new_tokens": 24})], algorithm="ngram")
+    same_outputs(plain, spec)
+    assert st["spec_tree_verifies"] > 0
+
+
+def test_trees_are_refused_on_window_models(tmp_path):
+    from conftest import make_tiny_checkpoint
+
+    with pytest.raises(ConfigError, match="speculative_eagle_topk"):
+        tree_engine(make_tiny_checkpoint(tmp_path / "m", "mistral-swa"), "ngram")
+
+
+# --- sampled trees: the distribution
+
+
+class TopChoiceTree:
+    """At the root, two distinct tokens of the target's top K (at random), each followed by
+    one more at random: a tree whose branches are each taken about as often as rejected."""
+
+    name = "topchoicetree"
+    rng = random.Random(0)
+
+    def __init__(self, config, cache):
+        pass
+
+    def propose(self, reqs, ks):
+        from test_speculative_distribution import TopChoice
+
+        out = []
+        for r in reqs:
+            seq = list(r.seq)
+            conts = []
+            for t in self.rng.sample(TopChoice.top(seq), 2):
+                conts.append([t, self.rng.choice(TopChoice.top(seq + [t]))])
+            out.append(from_continuations(conts))
+        return out
+
+
+async def test_sampled_tree_continuations_follow_the_target_distribution(tiny_models):
+    """As test_speculative_distribution's chain test, with two-branch trees: 1800 sampled
+    3-token continuations (the 2nd from a tree's two branches, the 3rd the bonus pick) against
+    the exact distribution (chi-square at p = 0.001). The same test would refuse a verifier
+    that took a drafted branch whenever one is there: checked far from the target's."""
+    from conftest import _hf_model
+    from scipy.stats import chi2
+    from test_speculative_distribution import (
+        SAMPLES,
+        TEMP,
+        K,
+        TopChoice,
+        chi_square,
+        exact_distribution,
+    )
+
+    path = tiny_models["llama"]
+    model = _hf_model(path)
+    TopChoice.model = model
+    prompt = [3, 17, 42, 9, 77, 5]
+    probs = exact_distribution(model, prompt)
+    eng = tree_engine(path, "topchoicetree", kv_cache_tokens=8192, speculative_num_draft_tokens=2,
+                      speculative_adaptive=False, speculative_max_batch=0, max_running_requests=256, seed=1)
+    eng.step_hook = None
+    try:
+        params = SamplingParams(max_new_tokens=3, temperature=TEMP, top_k=K, ignore_eos=True, n=16)
+
+        async def one(gen):
+            got: dict[int, list[int]] = {}
+            async for o in gen:
+                got.setdefault(o.index, []).extend(o.token_ids)
+            return list(got.values())
+
+        calls = [eng.generate(input_ids=prompt, params=params) for _ in range(SAMPLES // 16 + 1)]
+        outs = [s for c in await asyncio.gather(*(one(g) for g in calls)) for s in c][:SAMPLES]
+        await assert_idle(eng)
+        st = eng.stats()
+    finally:
+        await eng.stop()
+    counts: dict[tuple, int] = {}
+    for s in outs:
+        counts[tuple(s)] = counts.get(tuple(s), 0) + 1
+    assert st["spec_tree_verifies"] >= SAMPLES and st["spec_branch_accepted_tokens"] > SAMPLES / 10
+    stat, dof = chi_square(counts, probs, SAMPLES)
+    limit = chi2.ppf(0.999, dof)
+    assert stat < limit, (stat, limit)
+    # power: taking one of the two drafted (of the top K) tokens always makes the 2nd token
+    # uniform over the top K, the 3rd then drawn given it
+    first = {c[:1]: sum(v for k, v in probs.items() if k[:1] == c[:1]) for c in probs}
+    second = {c[:2]: sum(v for k, v in probs.items() if k[:2] == c[:2]) for c in probs}
+    wrong = {c: first[c[:1]] / K * p / second[c[:2]] for c, p in probs.items()}
+    assert abs(sum(wrong.values()) - 1) < 1e-9
+    assert sum((wrong[c] - p) ** 2 / p for c, p in probs.items()) * SAMPLES > 3 * limit
