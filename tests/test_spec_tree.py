@@ -19,6 +19,7 @@ from test_speculative import run_calls, same_outputs
 from radixd import Engine, SamplingParams
 from radixd.core.attention.triton_kernels import extend_attention
 from radixd.core.errors import ConfigError
+from radixd.core.forward_batch import StepOutput
 from radixd.core.speculative.tree import (
     TokenTree,
     as_draft,
@@ -304,3 +305,62 @@ async def test_sampled_tree_continuations_follow_the_target_distribution(tiny_mo
     wrong = {c: first[c[:1]] / K * p / second[c[:2]] for c, p in probs.items()}
     assert abs(sum(wrong.values()) - 1) < 1e-9
     assert sum((wrong[c] - p) ** 2 / p for c, p in probs.items()) * SAMPLES > 3 * limit
+
+
+def test_tree_verify_on_the_scheduler_alone():
+    """No model (test_scheduler's fake worker, picking by each row's token index): a tree is
+    1 + n decode rows at consecutive table positions, RoPE positions root + depth; the walk
+    takes the root's second child and its child, whose slots move into place (the next step's
+    rows read the accepted tokens' KV there) while the other three nodes' slots go back."""
+    from test_scheduler import FakeWorker, free_of_requests, pick, prompt, req
+
+    from radixd.core.config import EngineConfig
+    from radixd.core.kv_pool import RowAllocator, SlotAllocator
+    from radixd.core.radix_cache import RadixCache
+    from radixd.core.scheduler import Scheduler
+    from radixd.plugins.policies import FCFS
+
+    class Guess:  # a wrong first branch, then the fake model's next picks, the third wrong
+        def propose(self, reqs, ks):
+            return [from_continuations([[7, 8], [pick(r, len(r.output_ids)), pick(r, len(r.output_ids) + 1), 9]])
+                    for r in reqs]
+
+    class Worker(FakeWorker):
+        def run(self, st, prev_picks=None):
+            b = st.batch
+            if b.trees is not None:  # (the fake checks table positions; the picks follow the depth)
+                rope, b.positions = b.positions, b.trees.table_positions(b.positions)
+                super().run(st, prev_picks)
+                b.positions = rope
+            else:
+                super().run(st, prev_picks)
+            return StepOutput(next_tokens=[1000 + s for s in b.sampling.steps.tolist()])
+
+    config = EngineConfig(max_running_requests=4, speculative_num_draft_tokens=4, speculative_adaptive=False,
+                          speculative_eagle_topk=2)
+    allocator = SlotAllocator(257)
+    s = Scheduler(config, allocator=allocator, rows=RowAllocator(4), cache=RadixCache(allocator), policy=FCFS(config),
+                  eos_token_ids=(2,), context_len=4096, vocab_size=2048, drafter=Guess())
+    w = Worker()
+
+    def step():
+        st = s.schedule()
+        s.check_accounting()
+        s.process(st, w.run(st))
+        s.release_finished()
+        s.check_accounting()
+        return st
+
+    r = req(s, prompt(10), max_new_tokens=12)
+    step()  # the prompt, and the first pick
+    st = step()
+    assert isinstance(st.drafts[r], TokenTree) and st.reqs == [r] * 6
+    assert st.batch.prefix_lens == list(range(10, 16)) and st.batch.positions.tolist() == [10, 11, 12, 11, 12, 13]
+    assert st.batch.trees.first == [0] and st.batch.trees.sizes == [6]
+    assert r.output_ids == [pick(r, i) for i in range(4)] and r.kv.length == 13
+    assert s.accounting()["private"] == 3 and s.speculator.stats.branch_accepted_tokens == 1
+    assert [(start, len(slots)) for start, slots in r.kv.table_writes] == [(11, 2)]  # (the next step's)
+    while s.has_work():
+        step()  # (each step's rows read the accepted tokens' KV: the fake worker checks)
+    assert r.output_ids == [pick(r, i) for i in range(12)] and r.finish_reason == "length"
+    free_of_requests(s)
