@@ -169,7 +169,9 @@ class Plugin:
 def tree_engine(path, algorithm: str | None, **kw) -> Engine:
     kw.setdefault("kv_cache_tokens", 2048)
     if algorithm:
-        kw |= {"speculative_algorithm": algorithm, "speculative_eagle_topk": 2}
+        kw = {"speculative_algorithm": algorithm, "speculative_eagle_topk": 2, **kw}
+    else:  # (the plain run: no drafter's options)
+        kw = {k: v for k, v in kw.items() if not k.startswith("speculative")}
     pm = make_plugin_manager(load_entry_points=False, extra=[Plugin()])
     eng = Engine(model=str(path), plugin_manager=pm, **kw)
     eng.step_hook = lambda step: eng.check_accounting()
@@ -217,6 +219,18 @@ async def test_ngram_trees_equal_plain(tiny_models):
     plain, spec, st = await plain_then_tree(path, [(p, {"max_new_tokens": 24})], algorithm="ngram")
     same_outputs(plain, spec)
     assert st["spec_tree_verifies"] > 0
+
+
+async def test_draft_model_trees_equal_plain(tiny_models):
+    """The standalone drafter's trees (its chain and the first step's next likeliest tokens,
+    from another checkpoint): outputs equal plain decoding's; trees were verified."""
+    path = tiny_models["llama"]
+    calls = [(p, {"max_new_tokens": 10}) for p in prompts(2, 8, seed=11)]
+    plain, spec, st = await plain_then_tree(path, calls, algorithm="standalone", speculative_eagle_topk=3,
+                                            speculative_draft_model_path=str(tiny_models["llama-tied"]),
+                                            speculative_draft_kv_tokens=256)
+    same_outputs(plain, spec)
+    assert st["spec_tree_verifies"] > 0 and st["spec_draft_tokens"] > st["spec_verifies"] * 2
 
 
 def test_trees_are_refused_on_window_models(tmp_path):
