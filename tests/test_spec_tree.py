@@ -199,13 +199,15 @@ async def plain_then_tree(path, calls, algorithm="treeoracle", **kw):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 async def test_tree_greedy_equals_plain(tiny_models, backend):
     """Trees whose second branch is the right one, with the batch's other requests' trees
-    and a prompt chunk beside them: the tokens (and logprobs) equal plain decoding's, the
-    accepted paths off the first child are counted."""
+    and a prompt chunk beside them: the tokens (and logprobs; under penalties, which count
+    each node's ancestors) equal plain decoding's, the accepted paths off the first child are
+    counted."""
     path = tiny_models["llama"]
     kw = {"attention_backend": backend, "dtype": "float32"} if backend == "triton" else {}
     ps = prompts(2, 9, seed=4)
-    plain, spec, st = await plain_then_tree(path, [(p, {"max_new_tokens": 12, "logprobs": True}) for p in ps],
-                                            chunked_prefill_size=5, max_prefill_tokens=8, **kw)
+    penalties = {"frequency_penalty": 0.8, "repetition_penalty": 1.3, "presence_penalty": 0.4}
+    calls = [(ps[0], {"max_new_tokens": 12, "logprobs": True}), (ps[1], {"max_new_tokens": 12, **penalties})]
+    plain, spec, st = await plain_then_tree(path, calls, chunked_prefill_size=5, max_prefill_tokens=8, **kw)
     same_outputs(plain, spec)
     assert st["spec_tree_verifies"] > 0 and st["spec_branch_accepted_tokens"] > 0
     assert st["spec_accepted_tokens"] > st["spec_verifies"]
@@ -219,6 +221,18 @@ async def test_ngram_trees_equal_plain(tiny_models):
     plain, spec, st = await plain_then_tree(path, [(p, {"max_new_tokens": 24})], algorithm="ngram")
     same_outputs(plain, spec)
     assert st["spec_tree_verifies"] > 0
+    from prometheus_client import generate_latest
+
+    from radixd.server.metrics import Metrics
+
+    eng = tree_engine(path, "ngram")
+    try:
+        await run_calls(eng, [(p, {"max_new_tokens": 24})])
+        text = generate_latest(Metrics(eng).registry).decode()
+        assert f"radixd_spec_tree_verifies_total {float(eng.stats()['spec_tree_verifies'])}" in text
+        assert "radixd_spec_branch_accepted_tokens_total " in text
+    finally:
+        await eng.stop()
 
 
 async def test_draft_model_trees_equal_plain(tiny_models):
@@ -233,9 +247,20 @@ async def test_draft_model_trees_equal_plain(tiny_models):
     assert st["spec_tree_verifies"] > 0 and st["spec_draft_tokens"] > st["spec_verifies"] * 2
 
 
-def test_trees_are_refused_on_window_models(tmp_path):
+def test_config_flag_and_window_models(tmp_path):
+    """SGLang's --speculative-eagle-topk sets speculative.eagle_topk (1..8); a sliding-window
+    model refuses trees by the key's name."""
     from conftest import make_tiny_checkpoint
 
+    from radixd import launch_flags
+    from radixd.cli import build_parser
+    from radixd.core.config import EngineConfig
+
+    args = build_parser().parse_args(["--speculative-eagle-topk", "3"])
+    assert launch_flags.overrides(args) == {"speculative.eagle_topk": 3}
+    assert EngineConfig().speculative_eagle_topk == 1  # (off: chains)
+    with pytest.raises(ConfigError, match="speculative_eagle_topk"):
+        EngineConfig(speculative_eagle_topk=9)
     with pytest.raises(ConfigError, match="speculative_eagle_topk"):
         tree_engine(make_tiny_checkpoint(tmp_path / "m", "mistral-swa"), "ngram")
 
