@@ -205,7 +205,7 @@ async def test_tree_greedy_equals_plain(tiny_models, backend):
     path = tiny_models["llama"]
     kw = {"attention_backend": backend, "dtype": "float32"} if backend == "triton" else {}
     ps = prompts(2, 9, seed=4)
-    penalties = {"frequency_penalty": 0.8, "repetition_penalty": 1.3, "presence_penalty": 0.4}
+    penalties = {"frequency_penalty": 2.0, "repetition_penalty": 3.0, "presence_penalty": 1.0}
     calls = [(ps[0], {"max_new_tokens": 12, "logprobs": True}), (ps[1], {"max_new_tokens": 12, **penalties})]
     plain, spec, st = await plain_then_tree(path, calls, chunked_prefill_size=5, max_prefill_tokens=8, **kw)
     same_outputs(plain, spec)
@@ -390,11 +390,19 @@ def test_tree_verify_on_the_scheduler_alone():
         s.check_accounting()
         return st
 
-    r = req(s, prompt(10), max_new_tokens=12)
+    r = req(s, prompt(10), max_new_tokens=12, frequency_penalty=0.5)
     step()  # the prompt, and the first pick
     st = step()
     assert isinstance(st.drafts[r], TokenTree) and st.reqs == [r] * 6
     assert st.batch.prefix_lens == list(range(10, 16)) and st.batch.positions.tolist() == [10, 11, 12, 11, 12, 13]
+    # each row samples its token index (the output so far and its depth), its penalties
+    # counting the output and its ancestors
+    sb = st.batch.sampling
+    assert sb.steps.tolist() == [1, 2, 3, 2, 3, 4]
+    counted = [[t for row, t in zip(sb.penalty_rows.tolist(), sb.penalty_tokens.tolist(), strict=True) if row == j]
+               for j in range(6)]
+    right = [pick(r, 1), pick(r, 2)]
+    assert counted == [[pick(r, 0)] + path for path in ([], [7], [7, 8], right[:1], right, right + [9])]
     assert st.batch.trees.first == [0] and st.batch.trees.sizes == [6]
     assert r.output_ids == [pick(r, i) for i in range(4)] and r.kv.length == 13
     assert s.accounting()["private"] == 3 and s.speculator.stats.branch_accepted_tokens == 1
