@@ -76,17 +76,17 @@ def random_tree(n: int, seed: int) -> TokenTree:
     return TokenTree(list(range(n)), [rng.randrange(-1, i) for i in range(n)])
 
 
-def check_tree_extend(heads, kv_heads, dim, dtype, config, tol):
+def check_tree_extend(heads, kv_heads, dim, dtype, config, tol, prefix=(5, 37, 70)):
     """Three requests in one extend launch: a plain prompt chunk, a tree of 20 nodes (more
     rows than one query tile) after a prefix, and a tree of 3; the trees' queries see their
     prefix and their ancestors only."""
     g = torch.Generator().manual_seed(dim)
     trees = {1: random_tree(19, 1), 2: random_tree(2, 2)}
-    prefix, ext = [5, 37, 70], [9, 20, 3]
+    prefix, ext = list(prefix), [9, 20, 3]
     slots = sum(prefix) + sum(ext) + 8
     kb = torch.randn(slots, kv_heads, dim, generator=g).to(DEV, dtype)
     vb = torch.randn(slots, kv_heads, dim, generator=g).to(DEV, dtype)
-    table = torch.zeros(4, 128, dtype=torch.int64)
+    table = torch.zeros(4, max(prefix) + 32, dtype=torch.int64)
     perm = (torch.randperm(slots - 1, generator=g) + 1).tolist()
     rows = [2, 0, 3]
     off = 0
@@ -115,7 +115,7 @@ def check_tree_extend(heads, kv_heads, dim, dtype, config, tol):
         ref = tree_reference(q[starts[i] : starts[i] + e], kb, vb, idx, mask, dim**-0.5)
         err = float((out[starts[i] : starts[i] + e].double() - ref).norm() / ref.norm())
         assert err < tol, (i, err)
-        if i in trees:  # (and the mask mattered: plain causal attention differs)
+        if i in trees and p < 100:  # (and the mask mattered: plain causal attention differs)
             plain = tree_reference(q[starts[i] : starts[i] + e], kb, vb, idx, causal, dim**-0.5)
             assert float((plain - ref).norm() / ref.norm()) > 10 * tol
 
@@ -128,8 +128,9 @@ def test_tree_mask_in_the_extend_kernel(config):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [None, (64, 64, 4, 3, True), (16, 32, 4, 2, False)], ids=str)
 def test_tree_mask_in_the_extend_kernel_at_an_8b_shape(config):
-    """Llama-3.1-8B's attention shape in bf16 on one GPU."""
+    """Llama-3.1-8B's attention shape in bf16 on one GPU, with short and long prefixes."""
     check_tree_extend(32, 8, 128, torch.bfloat16, config, 2e-2)
+    check_tree_extend(32, 8, 128, torch.bfloat16, config, 2e-2, prefix=(300, 2047, 4100))
 
 
 class TreeOracle:

@@ -11,6 +11,13 @@ Contract
   ``step.sampled``. ``accept`` cuts each entry at its first rejected draft
   (picks, placeholders and the rejected positions' KV, freed at once through the KV manager)
   so that the scheduler's usual loop sees only picks that count, in order.
+* A draft that is a ``TokenTree`` (its n nodes, pruned to the request's draft length k) is
+  such an entry of 1 + n rows, laid out by ``verify_rows`` (table positions in node order,
+  RoPE positions by depth, the tree's mask in ``ForwardBatch.trees``); ``accept`` keeps the
+  picks of the root and of the accepted path (``tree.walk``), as the next token indices in
+  order, and moves the path's KV into place (``KVManager.keep_path``) before freeing the
+  rest. A constrained request, or one whose tree would pass the context, verifies the
+  tree's chain of first children instead.
 * A step that drafts is built with no step in flight: ``draft`` answers ``NEED_SYNC`` when
   a request would draft while one is (its tokens must be on the host, its grammar masks
   made now), and the scheduler answers ``NEED_SYNC`` while the launched step verifies (the
