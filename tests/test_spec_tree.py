@@ -201,13 +201,16 @@ async def plain_then_tree(path, calls, algorithm="treeoracle", **kw):
 async def test_tree_greedy_equals_plain(tiny_models, backend):
     """Trees whose second branch is the right one, with the batch's other requests' trees
     and a prompt chunk beside them: the tokens (and logprobs; under penalties, which count
-    each node's ancestors) equal plain decoding's, the accepted paths off the first child are
-    counted."""
+    each node's ancestors; seeded samples, n = 2, each node drawn with its depth's noise)
+    equal plain decoding's, the accepted paths off the first child are counted."""
     path = tiny_models["llama"]
     kw = {"attention_backend": backend, "dtype": "float32"} if backend == "triton" else {}
     ps = prompts(2, 9, seed=4)
     penalties = {"frequency_penalty": 2.0, "repetition_penalty": 3.0, "presence_penalty": 1.0}
-    calls = [(ps[0], {"max_new_tokens": 12, "logprobs": True}), (ps[1], {"max_new_tokens": 12, **penalties})]
+    calls = [(ps[0], {"max_new_tokens": 12, "logprobs": True}), (ps[1], {"max_new_tokens": 12, **penalties}),
+             (ps[0], {"max_new_tokens": 10, "temperature": 0.8, "top_p": 0.9, "seed": 7, "n": 2})]
+    if backend == "triton":  # (interpreted kernels: the attention paths only)
+        calls = [(p, {**params, "max_new_tokens": 8}) for p, params in calls[:2]]
     plain, spec, st = await plain_then_tree(path, calls, chunked_prefill_size=5, max_prefill_tokens=8, **kw)
     same_outputs(plain, spec)
     assert st["spec_tree_verifies"] > 0 and st["spec_branch_accepted_tokens"] > 0
@@ -246,6 +249,28 @@ async def test_draft_model_trees_equal_plain(tiny_models):
                                             speculative_draft_kv_tokens=256)
     same_outputs(plain, spec)
     assert st["spec_tree_verifies"] > 0 and st["spec_draft_tokens"] > st["spec_verifies"] * 2
+
+
+async def test_constrained_requests_verify_the_first_chain(tiny_models):
+    """A constrained request given a tree verifies its chain of first children, cut by the
+    grammar: the output equals plain decoding's."""
+    from test_speculative import run_constrained
+
+    path = tiny_models["llama"]
+    p = prompts(1, 10, seed=4)[0]
+    params = SamplingParams(max_new_tokens=16, regex="[a-e]{3,8}( [a-e]{2,6}){2,4}\\.", temperature=0.0)
+    results = {}
+    for algorithm in (None, "treeoracle"):
+        eng = tree_engine(path, algorithm, grammar_compile_memory_mb=0)
+        try:
+            results[algorithm] = await run_constrained(eng, p, params)
+            st = eng.stats()
+        finally:
+            await eng.stop()
+        if algorithm is None:
+            TreeOracle.truth = {(tuple(p), 0): results[None][0]}
+    assert results["treeoracle"] == results[None] and results[None][2] == "stop"
+    assert st["spec_verifies"] > 0 and st["spec_tree_verifies"] == 0
 
 
 def test_config_flag_and_window_models(tmp_path):
