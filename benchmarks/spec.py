@@ -4,7 +4,9 @@ CPU (``--device cpu``, the default model SmolLM2-135M-Instruct, greedy, batch 1)
 
 - ``ngram``: the built-in prompt-lookup drafter on copy-heavy prompts (repeating, correcting
   and quoting a passage, editing code) and on chat: tok/s plain and speculative, the ratio,
-  drafted tokens accepted, tokens per verify, and whether the outputs are the same.
+  drafted tokens accepted, tokens per verify, and whether the outputs are the same; with
+  ``--eagle-topk W`` > 1 also the same drafter drafting token trees (``speculative.eagle_topk``),
+  its runs alternating with the other two (``tree_*``, ``tree_vs_chain``).
 
 GPU (``--device cuda``, random bf16 weights in Llama-3-8B's shape, no downloads):
 
@@ -23,6 +25,7 @@ GPU (``--device cuda``, random bf16 weights in Llama-3-8B's shape, no downloads)
   acceptance near 1 at the price of a second model's weight reads per draft.
 
     python -m benchmarks.spec --device cpu --out benchmarks/results/spec
+    python -m benchmarks.spec --device cpu --eagle-topk 3 --out DIR   (and n-gram trees)
     python -m benchmarks.spec --device cuda --out DIR          (one H200)
     python -m benchmarks.spec --quick --out DIR                (every section, tiny, CPU)
 """
@@ -190,6 +193,8 @@ def section_cpu_ngram(ctx) -> dict:
     loop, new = ctx["loop"], ctx["new"]
     res = {}
     engines = {"plain": make_cpu_engine(ctx, None), "spec": make_cpu_engine(ctx, "ngram")}
+    if ctx.get("topk", 1) > 1:
+        engines["tree"] = make_cpu_engine(ctx, "ngram", speculative_eagle_topk=ctx["topk"])
     try:
         sets = prompt_sets(engines["plain"])
         for eng in engines.values():
@@ -197,8 +202,9 @@ def section_cpu_ngram(ctx) -> dict:
         for name, prompts in sets.items():
             wall = dict.fromkeys(engines, 0.0)
             cpu = dict.fromkeys(engines, 0.0)
-            tokens = same = 0
-            before = spec_counts(engines["spec"])
+            tokens = 0
+            same = dict.fromkeys(engines, 0)
+            before = {key: spec_counts(eng) for key, eng in engines.items() if key != "plain"}
             for p in prompts:
                 last = {}
                 for _ in range(ctx["rounds"]):
@@ -209,16 +215,23 @@ def section_cpu_ngram(ctx) -> dict:
                         wall[key] += secs
                         last[key] = got[0]
                 tokens += ctx["rounds"] * len(last["spec"])
-                same += last["plain"] == last["spec"]
-            after = spec_counts(engines["spec"])
-            r = {"prompts": len(prompts), "tokens_each_mode": tokens,
-                 "plain_tok_s": round(tokens / wall["plain"], 2), "spec_tok_s": round(tokens / wall["spec"], 2),
-                 "speedup": round(wall["plain"] / wall["spec"], 3),
-                 "speedup_cpu_time": round(cpu["plain"] / cpu["spec"], 3)}
-            d = {k: after[k] - before[k] for k in ("verifies", "drafted", "accepted")}
-            r["accepted_of_drafted"] = round(d["accepted"] / d["drafted"], 3) if d["drafted"] else 0.0
-            r["tokens_per_verify"] = round((d["accepted"] + d["verifies"]) / d["verifies"], 3) if d["verifies"] else 0.0
-            r["same_outputs"] = same
+                for key in engines:
+                    same[key] += last["plain"] == last[key]
+            r = {"prompts": len(prompts), "tokens_each_mode": tokens, "plain_tok_s": round(tokens / wall["plain"], 2)}
+            for key, pre in before.items():  # "spec": chains; "tree": token trees
+                tag = "" if key == "spec" else "tree_"
+                after = spec_counts(engines[key])
+                d = {k: after[k] - pre[k] for k in ("verifies", "drafted", "accepted")}
+                r |= {f"{tag or 'spec_'}tok_s": round(tokens / wall[key], 2),
+                      f"{tag}speedup": round(wall["plain"] / wall[key], 3),
+                      f"{tag}speedup_cpu_time": round(cpu["plain"] / cpu[key], 3),
+                      f"{tag}accepted_of_drafted": round(d["accepted"] / d["drafted"], 3) if d["drafted"] else 0.0,
+                      f"{tag}tokens_per_verify": round((d["accepted"] + d["verifies"]) / d["verifies"], 3)
+                      if d["verifies"] else 0.0,
+                      f"{tag}same_outputs": same[key]}
+            if "tree" in engines:
+                r["tree_vs_chain"] = round(wall["spec"] / wall["tree"], 3)
+                r["tree_vs_chain_cpu_time"] = round(cpu["spec"] / cpu["tree"], 3)
             res[name] = r
             ctx["log"](f"cpu ngram {name}: {r}")
     finally:
@@ -240,8 +253,8 @@ def prompt_sets(eng: Engine) -> dict[str, list[list[int]]]:
             "chat": [[rng.randrange(100, 500) for _ in range(48)] for _ in CHAT_PROMPTS]}
 
 
-def make_cpu_engine(ctx, algorithm: str | None) -> Engine:
-    kw = dict(CPU_ENGINE, kv_cache_tokens=16384, speculative_num_draft_tokens=ctx["k"])
+def make_cpu_engine(ctx, algorithm: str | None, **extra) -> Engine:
+    kw = dict(CPU_ENGINE, kv_cache_tokens=16384, speculative_num_draft_tokens=ctx["k"], **extra)
     if algorithm:
         kw["speculative_algorithm"] = algorithm
     if ctx.get("random_weights"):
@@ -420,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
                     "on cuda")
     ap.add_argument("--new", type=int, default=0, help="tokens per request (default 64 cpu, 256 cuda, 12 quick)")
     ap.add_argument("--prompts", type=int, default=0, help="cuda: prompts per batch-1 run (default 4, quick 2)")
+    ap.add_argument("--eagle-topk", type=int, default=1, help="cpu: also n-gram token trees of this width (> 1)")
+    ap.add_argument("--rounds", type=int, default=1, help="cpu: runs of each prompt per engine, alternating")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda" and not args.quick
     args.sections = [s for s in (args.sections or ("verify,accept,ngram,batch,standalone" if cuda or args.quick
@@ -427,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                                  ).split(",") if s]
     args.prompts = args.prompts or (2 if args.quick else 4)
     ctx = {"loop": asyncio.new_event_loop(), "log": Log(Path(args.out) / "spec.log"), "k": K_DEFAULT,
-           "rounds": 1,
+           "rounds": args.rounds, "topk": args.eagle_topk,
            "max_batch": 2 if args.quick else 8, "ks": (1, 4, 8) if args.quick else range(1, 9),
            "rates": (0.5, 1.0) if args.quick else RATES,
            "new": args.new or (12 if args.quick else 256 if cuda else 64), "batch": 4 if args.quick else 64}

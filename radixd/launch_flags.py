@@ -151,6 +151,7 @@ FLAGS: tuple[Flag, ...] = (
          "model) or a plugin's drafter", _drafter),
     Flag("--speculative-draft-model-path", "speculative.draft_model_path", str, "STANDALONE: the draft checkpoint"),
     Flag("--speculative-num-draft-tokens", "speculative.num_draft_tokens", int, "most tokens drafted per step"),
+    Flag("--speculative-eagle-topk", "speculative.eagle_topk", int, "continuations per drafted node (token trees)"),
     Flag("--speculative-ngram-min-match-window-size", "speculative.ngram_min_match_window", int,
          "shortest suffix NGRAM looks up"),
     Flag("--speculative-ngram-max-match-window-size", "speculative.ngram_max_match_window", int,

@@ -62,6 +62,10 @@ class ModelSetup:
         cfg = read_config(path, config.quantization)
         tokenizer = None if config.tokenizer == "none" else load_tokenizer(config.tokenizer or path)
         check_parallel(config, cfg, device)
+        if config.speculative_eagle_topk > 1 and any(cfg.layer_windows):
+            # (the tree mask is applied by table position; a window counts RoPE positions)
+            raise ConfigError("speculative_eagle_topk", config.speculative_eagle_topk,
+                              "1 on a model with sliding-window layers (token trees need full attention)")
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "torch"

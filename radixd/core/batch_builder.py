@@ -61,7 +61,7 @@ class BatchBuilder:
         pool_pos: list[int] = []
         pool_row: list[int] = []
         pool_reqs: list[tuple[Request, int, bool]] = []
-        offsets: list[int] | None = None  # sampled rows' token index past len(output_ids) (verify rows)
+        layout = None  # verify entries' rows (speculator.VerifyLayout)
         if decoding:  # the plan starts with them: one token each, the last of their sequence
             dec = [r for r, _ in plan[:decoding]]
             kvs = [r.kv for r in dec]
@@ -69,9 +69,9 @@ class BatchBuilder:
                    for r in dec]
             pos = [kv.length for kv in kvs]
             if drafts:
-                offsets = verify_rows(dec, drafts, ids, pos)
+                layout = verify_rows(dec, drafts, ids, pos)
             rows = [kv.row for kv in kvs]
-            prefix_lens = pos.copy()
+            prefix_lens = layout.prefix_lens if layout is not None else pos.copy()
             extend_lens = [1] * decoding
             sampled_idx = list(range(decoding))
             for i, (r, kv, slot) in enumerate(zip(dec, kvs, flat_slots, strict=False)):  # (then prefills)
@@ -134,8 +134,12 @@ class BatchBuilder:
         self.stats.decode_tokens += len(flat_slots) - prefill_tokens
         reqs = [r for r, _ in plan]
         sampled = [reqs[i] for i in sampled_idx]
-        if offsets is not None and len(sampled) > decoding:
-            offsets += [0] * (len(sampled) - decoding)  # (prefills' picks)
+        offsets = paths = None
+        if layout is not None:
+            offsets, paths = layout.offsets, layout.paths
+            if len(sampled) > decoding:  # (prefills' picks)
+                offsets = offsets + [0] * (len(sampled) - decoding)
+                paths = paths + [[]] * (len(sampled) - decoding)
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(pos, dtype=torch.int64),
@@ -146,7 +150,7 @@ class BatchBuilder:
             table_writes=writes,
             write_new_slots=True,
             sample_indices=sampled_idx,
-            sampling=self.sampling_batch(sampled, offsets, drafts) if sampled else None,
+            sampling=self.sampling_batch(sampled, offsets, paths) if sampled else None,
             prompt_lp_pos=lp_pos,
             prompt_lp_target=lp_target,
             prompt_lp_top=lp_top,
@@ -154,6 +158,7 @@ class BatchBuilder:
             pool_pos=pool_pos,
             pool_row=pool_row,
             pool_rows=len(pool_reqs),
+            trees=layout.trees if layout is not None else None,
         )
         if cascade_members and decoding == len(plan) >= 2 and not drafts:
             batch.shared = self.shared_prefixes(reqs, rows, cascade_members)
@@ -181,10 +186,10 @@ class BatchBuilder:
         return shared
 
     def sampling_batch(self, reqs: list[Request], offsets: list[int] | None = None,
-                       drafts: dict[Request, list[int]] | None = None) -> SamplingBatch:
+                       paths: list[list[int]] | None = None) -> SamplingBatch:
         """The sampling inputs of ``reqs`` (the requests picking a token, in batch order;
         ``offsets``: each row's token index past ``len(output_ids)``, for verify rows, whose
-        penalties count the ``drafts`` before them)."""
+        penalties count the drafted tokens before them, ``paths``)."""
         # The requests' constant inputs (each computed once per request, see
         # Request.sampling_row) are batched once and reused while the same requests sample in
         # the same order, as they do step after step while decoding; only the token index of
@@ -214,7 +219,7 @@ class BatchBuilder:
             sb.presence_penalty = torch.tensor([p.presence_penalty for p in ps], dtype=f32)
             out_rows, out_toks, rep_rows, rep_toks = [], [], [], []
             for i, r in enumerate(reqs):
-                out = r.output_ids if not offsets or not offsets[i] else r.output_ids + drafts[r][: offsets[i]]
+                out = r.output_ids if not paths or not paths[i] else r.output_ids + paths[i]
                 out_rows += [i] * len(out)
                 out_toks += out
                 if r.params.repetition_penalty != 1.0:

@@ -103,7 +103,8 @@ class DecodeGraphs:
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (batch.batch_size <= self.buckets[-1] and all(e == 1 for e in batch.extend_lens)
-                and not batch.prompt_lp_pos and not batch.pool_rows)
+                and not batch.prompt_lp_pos and not batch.pool_rows
+                and batch.trees is None)
 
     def run(self, batch: ForwardBatch, prev, stager) -> torch.Tensor:
         """Replay the bucket's graph for a decode batch (``can_run``) whose new slots go into

@@ -49,6 +49,27 @@ class SamplingBatch:
 
 
 @dataclass
+class TokenTrees:
+    """Token trees verified in a batch (``radixd.core.speculative.tree``): tree t is the
+    ``sizes[t]`` one-token rows from batch row ``first[t]`` (its root; decode rows come first,
+    so that is also its flat token index), of one request's table row at the table positions
+    following the root's; ``masks[t]`` [size, size] bool: the rows each row's query sees
+    besides the prefix (its ancestors and itself). Their ``positions`` are RoPE positions
+    (the root's plus the depth), not table positions."""
+
+    first: list[int]
+    sizes: list[int]
+    masks: list[torch.Tensor]
+
+    def table_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """``positions`` with each tree's rows at their table positions."""
+        cols = positions.clone()
+        for f, n in zip(self.first, self.sizes, strict=True):
+            cols[f : f + n] = cols[f] + torch.arange(n)
+        return cols
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor          # [T] int64
     positions: torch.Tensor          # [T] int64
@@ -87,6 +108,8 @@ class ForwardBatch:
     # A decode batch's requests that share a cached prefix (radixd.core.cascade.SharedPrefixes):
     # a backend decoding in cascade reads that KV once per item; None: every request alone.
     shared: object | None = None
+    # Token trees verified here (their rows attend through a tree mask); None: none.
+    trees: TokenTrees | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -248,6 +248,21 @@ class KVManager:
         kv.slots = slots[:length]
         kv.length = length
 
+    def keep_path(self, r: Request, start: int, nodes: list[int]) -> None:
+        """A verified token tree's accepted ``nodes`` (its node indices; node i's KV at
+        position ``start + i``) move to the positions from ``start`` on, in order, the other
+        nodes' after them (for ``truncate``); the table row is rewritten before its next step."""
+        kv = r.kv
+        n = kv.length - start
+        if nodes == list(range(len(nodes))):
+            return  # already in place
+        slots = kv.slots
+        tail = slots[start:]
+        kept = set(nodes)
+        rest = [i for i in range(n) if i not in kept]
+        kv.slots = torch.cat((slots[:start], tail[nodes + rest]))
+        kv.table_writes.append((start, kv.slots[start : start + len(nodes)]))
+
     def rollback(self, step: ScheduledStep) -> None:
         """A launched step failed: forget the KV it would have computed.
 

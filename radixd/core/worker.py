@@ -179,7 +179,7 @@ class ModelWorker:
             if len(batch.extend_lens) != batch.num_tokens:  # not one token per request
                 r = r.repeat_interleave(torch.tensor(batch.extend_lens, dtype=torch.int64))
             rows.append(r)
-            cols.append(batch.positions)
+            cols.append(batch.positions if batch.trees is None else batch.trees.table_positions(batch.positions))
             vals.append(batch.out_cache_loc)
         for row, start, slots in batch.table_writes:
             n = slots.numel()

@@ -55,6 +55,10 @@ SPEC_COUNTERS = (
     ("spec_verifies", "radixd_spec_verifies", "Verify entries run: a request checking its drafts in a step."),
     ("spec_draft_tokens", "radixd_spec_draft_tokens", "Drafted tokens verified."),
     ("spec_accepted_tokens", "radixd_spec_accepted_tokens", "Drafted tokens accepted."),
+    # token trees (speculative.eagle_topk > 1)
+    ("spec_tree_verifies", "radixd_spec_tree_verifies", "Verify entries of a token tree that branches."),
+    ("spec_branch_accepted_tokens", "radixd_spec_branch_accepted_tokens",
+     "Accepted tree nodes that were not their parent's first child (a chain would have missed them)."),
 )
 
 
@@ -62,6 +66,8 @@ def _spec_metrics(st: dict):
     """Speculative decoding's counters, and since start: the share of drafted tokens accepted
     and the tokens a verify entry yields on average (its accepted drafts and the model's own)."""
     for key, name, doc in SPEC_COUNTERS:
+        if key not in st:
+            continue
         c = CounterMetricFamily(name, doc)
         c.add_metric([], float(st[key]))
         yield c

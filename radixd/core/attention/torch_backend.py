@@ -1,7 +1,8 @@
 """Reference attention: gather each request's KV through the table, then SDPA.
 
 Decode requests (one new token) are padded into one batched SDPA call; extend requests run
-one SDPA each with a causal mask offset by their cached prefix. A layer's sliding window
+one SDPA each with a causal mask offset by their cached prefix, and so does each token tree's
+rows (``ForwardBatch.trees``), with the tree's mask over its own rows. A layer's sliding window
 narrows the mask; a score soft-cap (which SDPA cannot apply) takes the explicit
 softmax(cap * tanh(q.k * scale / cap)) path. K and V are read through the pool (``KVPool.read``:
 dequantized from an fp8 pool). With a window region in the pool (``swa_pool``) a window
@@ -47,6 +48,10 @@ class TorchAttention:
             starts.append(starts[-1] + e)
         table = self.pool.req_to_token
         decode = [i for i, e in enumerate(batch.extend_lens) if e == 1]
+        trees = batch.trees
+        if trees is not None:  # a tree's rows attend as one extend, through its mask
+            in_tree = {i for f, n in zip(trees.first, trees.sizes, strict=True) for i in range(f, f + n)}
+            decode = [i for i in decode if i not in in_tree]
         windows = set(self.windows)
         to_window = self.pool.to_window
         mapped = to_window.__getitem__ if to_window is not None else lambda idx: idx
@@ -61,6 +66,11 @@ class TorchAttention:
             kv_pos = torch.arange(p + e, device=device)[None, :]
             masks = {w: (kv_pos <= q_pos) & (kv_pos > q_pos - w if w else True) for w in windows}
             self.extends.append((starts[i], e, kv_idx, mapped(kv_idx), masks))
+        for f, n, tree_mask in zip(trees.first, trees.sizes, trees.masks, strict=True) if trees is not None else ():
+            p = batch.prefix_lens[f]
+            kv_idx = table[batch.rows[f], : p + n]
+            mask = torch.cat((torch.ones((n, p), dtype=torch.bool), tree_mask), 1).to(device)
+            self.extends.append((starts[f], n, kv_idx, kv_idx, dict.fromkeys(windows, mask)))
         self.decode_tok = None
         self.decode_runs = None
         self.decode_lens = None

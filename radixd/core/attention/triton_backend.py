@@ -104,19 +104,49 @@ class TritonAttention:
         rows = stage(batch.rows)
         seq_lens = stage(batch.seq_lens)
         loc = stage(batch.out_cache_loc)
-        if all(e == 1 for e in batch.extend_lens):
+        if batch.trees is None and all(e == 1 for e in batch.extend_lens):
             self.set_decode(rows, seq_lens, loc, self._stage_shared(batch, stage))
             return
         self.decode = False
-        self.rows, self.out_cache_loc = rows, loc
+        self.out_cache_loc = loc
         self._window_loc = None
-        self.prefix_lens = stage(batch.prefix_lens)
-        self.extend_lens = stage(batch.extend_lens)
+        self.tree_mask = self.tree_offsets = None
         starts = [0]
         for e in batch.extend_lens[:-1]:
             starts.append(starts[-1] + e)
+        if batch.trees is not None:
+            self._begin_trees(batch, starts, stage)
+            return
+        self.rows = rows
+        self.prefix_lens = stage(batch.prefix_lens)
+        self.extend_lens = stage(batch.extend_lens)
         self.q_starts = stage(starts)
         self.max_extend = max(batch.extend_lens)
+
+    def _begin_trees(self, batch: ForwardBatch, starts: list[int], stage) -> None:
+        """The extend kernel's inputs for a batch with token trees: each tree's rows are one
+        extend of its request (from the root's table position), with its mask."""
+        trees = batch.trees
+        at = dict(zip(trees.first, range(len(trees.first)), strict=True))
+        rows, prefix, extend, q_starts, offsets, masks = [], [], [], [], [], []
+        off = i = 0
+        while i < len(batch.rows):
+            t = at.get(i)
+            n = batch.extend_lens[i] if t is None else trees.sizes[t]
+            rows.append(batch.rows[i])
+            prefix.append(batch.prefix_lens[i])
+            extend.append(n)
+            q_starts.append(starts[i])
+            offsets.append(-1 if t is None else off)
+            if t is not None:
+                masks.append(trees.masks[t].reshape(-1))
+                off += n * n
+            i += 1 if t is None else n
+        self.rows, self.prefix_lens, self.extend_lens = stage(rows), stage(prefix), stage(extend)
+        self.q_starts = stage(q_starts)
+        self.max_extend = max(extend)
+        self.tree_offsets = stage(offsets)
+        self.tree_mask = torch.cat(masks).to(torch.int8).to(self.pool.device)
 
     def item_rows(self, sh) -> tuple[list[int], list[int], list[int], list[int]]:
         """The kernel's per-request and per-item inputs of ``sh`` (a ``SharedPrefixes``):
@@ -140,7 +170,8 @@ class TritonAttention:
         return extend_attention(q, k_buf, v_buf, self.pool.req_to_token, self.rows, self.prefix_lens,
                                 self.extend_lens, self.q_starts, self.max_extend, self.scale,
                                 window=self.windows[layer], softcap=self.softcap, k_scale=scales[0],
-                                v_scale=scales[1], slot_map=self._map(layer))
+                                v_scale=scales[1], slot_map=self._map(layer), tree_mask=self.tree_mask,
+                                tree_offsets=self.tree_offsets)
 
     def _scales(self, layer: int) -> tuple[float, float]:
         """The layer's K and V scales (an fp8 pool's; 1.0 otherwise)."""

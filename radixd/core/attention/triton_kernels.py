@@ -348,10 +348,13 @@ def cascade_decode_attention(
 def _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, lo, hi, qk_scale,
                   stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, K_ROWS: tl.constexpr,
-                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MAPPED: tl.constexpr):
+                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MAPPED: tl.constexpr,
+                  TreeMask, tree_off, prefix, ext, offs_m, TREE: tl.constexpr):
     """Online softmax of one query tile over keys ``[lo, hi)``; ``MASKED`` adds the bounds
-    and causal masks (needed only on the diagonal and the ragged end), and the window's.
-    Scores are in log2 units (``qk_scale`` has log2(e) in it), ``SOFTCAP`` too."""
+    and causal masks (needed only on the diagonal and the ragged end), and the window's;
+    ``TREE`` (with MASKED) the request's tree mask over its new tokens (``tree_off`` >= 0:
+    where its [ext, ext] mask starts in ``TreeMask``). Scores are in log2 units
+    (``qk_scale`` has log2(e) in it), ``SOFTCAP`` too."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
@@ -379,6 +382,12 @@ def _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, lo, hi
             visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
             if WINDOW > 0:
                 visible = visible & (offs_n[None, :] > q_pos[:, None] - WINDOW)
+            if TREE:  # (keys before the new tokens, and requests without a tree, read as seen)
+                new = offs_n - prefix
+                lim = tl.where(tree_off >= 0, ext, 0)  # (0: no tree, nothing read)
+                in_tree = (offs_m[:, None] < lim) & (new[None, :] >= 0) & (new[None, :] < lim)
+                seen = tl.load(TreeMask + tree_off + offs_m[:, None] * ext + new[None, :], mask=in_tree, other=1)
+                visible = visible & (seen != 0)
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -392,11 +401,11 @@ def _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, lo, hi
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, Out, Table, SlotMap, Rows, PrefixLens, ExtendLens, QStarts, qk_scale, v_scale,
+    Q, K, V, Out, Table, SlotMap, Rows, PrefixLens, ExtendLens, QStarts, TreeMask, TreeOffsets, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh, stride_tr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, K_ROWS: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MAPPED: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MAPPED: tl.constexpr, TREE: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -418,20 +427,28 @@ def _extend_kernel(
         m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         lsum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        tree_off = -1
+        if TREE:
+            tree_off = tl.load(TreeOffsets + r)
         if WINDOW > 0:  # from the tile of the first query's oldest key in the window, all masked
             lo = (tl.maximum(prefix + mb * BLOCK_M - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
             m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, lo, end, qk_scale,
                                          stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                                         BLOCK_N, True, K_ROWS, WINDOW, SOFTCAP, MAPPED)
+                                         BLOCK_N, True, K_ROWS, WINDOW, SOFTCAP, MAPPED,
+                                         TreeMask, tree_off, prefix, ext, offs_m, TREE)
         else:
             # every key before the tile's first query is visible to all its queries: no masks there
             full = ((prefix + mb * BLOCK_M) // BLOCK_N) * BLOCK_N
+            if TREE:  # a tree's new tokens are not all visible to later ones: masked from there
+                full = tl.where(tree_off >= 0, tl.minimum(full, (prefix // BLOCK_N) * BLOCK_N), full)
             m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, 0, full, qk_scale,
                                          stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                                         BLOCK_N, False, K_ROWS, 0, SOFTCAP, MAPPED)
+                                         BLOCK_N, False, K_ROWS, 0, SOFTCAP, MAPPED,
+                                         TreeMask, tree_off, prefix, ext, offs_m, False)
             m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, full, end, qk_scale,
                                          stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                                         BLOCK_N, True, K_ROWS, 0, SOFTCAP, MAPPED)
+                                         BLOCK_N, True, K_ROWS, 0, SOFTCAP, MAPPED,
+                                         TreeMask, tree_off, prefix, ext, offs_m, TREE)
         out = acc * (v_scale / tl.where(lsum > 0, lsum, 1.0))[:, None]
         tl.store(Out + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -458,12 +475,16 @@ def extend_attention(
     max_extend: int, scale: float, out: torch.Tensor | None = None,
     config: tuple[int, int, int, int, bool] | None = None, window: int = 0, softcap: float = 0.0,
     k_scale: float = 1.0, v_scale: float = 1.0, slot_map: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None, tree_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q`` [T, H, D]: the new tokens of R requests laid back to back (request r's start in
     ``q_starts``) -> [T, H, D]. ``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages, K_ROWS).
     ``window`` > 0: a query at position p sees keys ``(p - window, p]``; ``softcap`` > 0:
     scores soft-capped (``softcap * tanh(score / softcap)``); ``k_scale``/``v_scale``: the
-    layer's scales of an fp8 pool; ``slot_map``: as ``decode_attention``'s."""
+    layer's scales of an fp8 pool; ``slot_map``: as ``decode_attention``'s. ``tree_mask``
+    (flat bool) and ``tree_offsets`` [R]: a request r with ``tree_offsets[r]`` >= 0 has its
+    new tokens' mask ([extend_len, extend_len], row-major: which of them each sees, causal
+    and no window) from there; its prefix is seen whole."""
     T, H, D = q.shape
     Hkv = k_buf.shape[1]
     if out is None:
@@ -474,11 +495,13 @@ def extend_attention(
     grid = (R, H, triton.cdiv(max_extend, block_m))
     _extend_kernel[grid](
         q, k_buf, v_buf, out, table, table if slot_map is None else slot_map, rows, prefix_lens, extend_lens,
-        q_starts, scale * k_scale * _LOG2E, v_scale,
+        q_starts, tree_mask if tree_mask is not None else q_starts, tree_offsets if tree_offsets is not None
+        else q_starts, scale * k_scale * _LOG2E, v_scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), table.stride(0),
         GROUP=H // Hkv, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, BLOCK_D=block_d,
-        K_ROWS=k_rows, WINDOW=window, SOFTCAP=softcap * _LOG2E, MAPPED=slot_map is not None, num_warps=warps,
+        K_ROWS=k_rows, WINDOW=window, SOFTCAP=softcap * _LOG2E, MAPPED=slot_map is not None,
+        TREE=tree_offsets is not None, num_warps=warps,
         num_stages=stages,
     )
     return out

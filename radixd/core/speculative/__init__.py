@@ -16,7 +16,13 @@ the first pick that differs is kept as the bonus token. For a draft that is a po
 rejection sampling: accept d with probability p(d), else draw from (p - q)+ normalised, which
 is p without d; so greedy and seeded sampled output equal plain decoding's token for token.
 
-Modules: ``drafter`` (the interface plugins implement), ``speculator`` (per replica: which
-requests draft, how far, what a verify step leaves, acceptance counters), ``draft_model``
-(the ``standalone`` drafter: a smaller checkpoint on a KV region of its own).
+Token trees (``tree``): a drafter may propose several continuations sharing their first
+tokens; their nodes run as the decode rows of one table row as a chain's do, each at RoPE
+position root + depth, attending through a tree mask to the prefix and its own ancestors, and
+the accepted path is the one that follows the picks.
+
+Modules: ``drafter`` (the interface plugins implement), ``tree`` (token trees: shape, mask,
+acceptance), ``speculator`` (per replica: which requests draft, how far, what a verify step
+leaves, acceptance counters), ``draft_model`` (the ``standalone`` drafter: a smaller
+checkpoint on a KV region of its own).
 """

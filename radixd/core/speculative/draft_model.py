@@ -17,6 +17,9 @@ Contract
 * A request's row and slots go back at the first call after it left the running set (its
   state WAITING or FINISHED). With the draft pool or its rows full a request drafts nothing.
 * Drafts are greedy: point proposals, so the target's verification keeps its output exact.
+  With ``speculative_eagle_topk`` = w > 1 a draft is a token tree: the greedy chain and the
+  first step's w - 1 next likeliest tokens beside its first (their logits are computed
+  anyway: no more draft forwards).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from radixd.core.kv_pool import RowAllocator, SlotAllocator
 from radixd.core.model_loader import read_config, resolve_model
 from radixd.core.radix_cache import RadixCache
 from radixd.core.request import Request, State
+from radixd.core.speculative.tree import from_continuations
 from radixd.core.worker import ModelWorker, on_device
 
 
@@ -69,6 +73,7 @@ class DraftModel:
         self.allocator = SlotAllocator(slots)
         self.rows = RowAllocator(config.max_running_requests)
         self.states: dict[Request, _State] = {}
+        self.width = config.speculative_eagle_topk
 
     def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
         self._collect()
@@ -88,12 +93,14 @@ class DraftModel:
             self._truncate(st, keep)
             runs.append((r, st, seq[keep:], keep))
         drafts = {r: [] for r in reqs}
-        first = self._step([(st, toks, start) for _, st, toks, start in runs])
+        others: dict[Request, list[int]] = {}  # the first step's next likeliest tokens
+        first = self._step([(st, toks, start) for _, st, toks, start in runs], self.width)
         live = []
-        for (r, st, _, _), tok in zip(runs, first, strict=True):
-            if tok is not None:
+        for (r, st, _, _), top in zip(runs, first, strict=True):
+            if top is not None:
                 st.tokens = r.seq
-                drafts[r].append(tok)
+                drafts[r].append(top[0])
+                others[r] = top[1:]
                 live.append((r, st))
         want = dict(zip(reqs, ks, strict=True))
         for _ in range(max(ks, default=0) - 1):
@@ -101,17 +108,20 @@ class DraftModel:
             if not live:
                 break
             nxt = self._step([(st, [drafts[r][-1]], len(st.tokens)) for r, st in live])
-            for (r, st), tok in zip(live, nxt, strict=True):
-                if tok is not None:
+            for (r, st), top in zip(live, nxt, strict=True):
+                if top is not None:
                     st.tokens.append(drafts[r][-1])
-                    drafts[r].append(tok)
-            live = [(r, st) for (r, st), tok in zip(live, nxt, strict=True) if tok is not None]
+                    drafts[r].append(top[0])
+            live = [(r, st) for (r, st), top in zip(live, nxt, strict=True) if top is not None]
+        if self.width > 1:
+            return [from_continuations([drafts[r]] + [[t] for t in others.get(r, ())]) for r in reqs]
         return [drafts[r] for r in reqs]
 
-    def _step(self, runs: list[tuple[_State, list[int], int]]) -> list[int | None]:
-        """One forward: each state runs its tokens from position ``start``; the greedy next
-        token of each (None where the pool had no slots for it: it ran nothing)."""
-        got: list[int | None] = [None] * len(runs)
+    def _step(self, runs: list[tuple[_State, list[int], int]], top: int = 1) -> list[list[int] | None]:
+        """One forward: each state runs its tokens from position ``start``; the ``top``
+        likeliest next tokens of each, the greedy one first (None where the pool had no
+        slots for it: it ran nothing)."""
+        got: list[list[int] | None] = [None] * len(runs)
         ids, pos, rows, prefix, extend, slots, which = [], [], [], [], [], [], []
         for i, (st, toks, start) in enumerate(runs):
             new = self.allocator.alloc(len(toks))
@@ -132,7 +142,8 @@ class DraftModel:
                              rows=rows, prefix_lens=prefix, extend_lens=extend, write_new_slots=True,
                              sample_indices=list(range(len(which))))
         with on_device(self.worker.device):
-            picks = self.worker.forward(batch).argmax(dim=-1).tolist()
+            logits = self.worker.forward(batch)
+            picks = (logits.argmax(dim=-1)[:, None] if top == 1 else logits.topk(top, dim=-1).indices).tolist()
         for i, tok in zip(which, picks, strict=True):
             got[i] = tok
         return got

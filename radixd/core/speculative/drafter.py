@@ -12,6 +12,9 @@ Contract
   guess). A guess is a point proposal: the verify step accepts it with the target's
   probability of that token (see ``radixd.core.speculative``), so no drafter can change what
   is generated, only how fast.
+* Instead of a list, a drafter may return a ``TokenTree`` (``radixd.core.speculative.tree``):
+  several guesses sharing their first tokens, at most ``ks[i]`` deep, verified together (a
+  drafter that branches reads ``speculative_eagle_topk``, the most children of a node).
 """
 
 from __future__ import annotations
@@ -25,6 +28,6 @@ if TYPE_CHECKING:
 class Drafter(Protocol):
     name: str
 
-    def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:  # (or TokenTree)
         """Per request, up to ``ks[i]`` guessed next tokens (see the contract)."""
         ...

@@ -11,6 +11,13 @@ Contract
   ``step.sampled``. ``accept`` cuts each entry at its first rejected draft
   (picks, placeholders and the rejected positions' KV, freed at once through the KV manager)
   so that the scheduler's usual loop sees only picks that count, in order.
+* A draft that is a ``TokenTree`` (its n nodes, pruned to the request's draft length k) is
+  such an entry of 1 + n rows, laid out by ``verify_rows`` (table positions in node order,
+  RoPE positions by depth, the tree's mask in ``ForwardBatch.trees``); ``accept`` keeps the
+  picks of the root and of the accepted path (``tree.walk``), as the next token indices in
+  order, and moves the path's KV into place (``KVManager.keep_path``) before freeing the
+  rest. A constrained request, or one whose tree would pass the context, verifies the
+  tree's chain of first children instead.
 * A step that drafts is built with no step in flight: ``draft`` answers ``NEED_SYNC`` when
   a request would draft while one is (its tokens must be on the host, its grammar masks
   made now), and the scheduler answers ``NEED_SYNC`` while the launched step verifies (the
@@ -31,17 +38,19 @@ Contract
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from radixd.core.config import EngineConfig
 from radixd.core.constraints import Constraints, Forks
-from radixd.core.forward_batch import StepOutput
+from radixd.core.forward_batch import StepOutput, TokenTrees
 from radixd.core.kv_manager import KVManager
 from radixd.core.request import Request
 from radixd.core.scheduler_interface import NEED_SYNC, ScheduledStep
 from radixd.core.speculative.drafter import Drafter
+from radixd.core.speculative.tree import TokenTree, as_draft, depth_and_path, walk
 
 
 @dataclass
@@ -49,11 +58,20 @@ class SpecStats:
     verifies: int = 0         # verify entries run (a request verifying its drafts in a step)
     draft_tokens: int = 0     # tokens drafted and verified
     accepted_tokens: int = 0  # of those, accepted
+    # token trees (speculative_eagle_topk > 1): verify entries that branched, and accepted
+    # nodes that were not their parent's first child (a chain would have missed them)
+    trees: bool = False
+    tree_verifies: int = 0
+    branch_accepted_tokens: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """The counters as the replica's stats report them (summed over replicas)."""
-        return {"spec_verifies": self.verifies, "spec_draft_tokens": self.draft_tokens,
-                "spec_accepted_tokens": self.accepted_tokens}
+        out = {"spec_verifies": self.verifies, "spec_draft_tokens": self.draft_tokens,
+               "spec_accepted_tokens": self.accepted_tokens}
+        if self.trees:
+            out |= {"spec_tree_verifies": self.tree_verifies,
+                    "spec_branch_accepted_tokens": self.branch_accepted_tokens}
+        return out
 
 
 # Steps a request decodes plainly after its drafter had no guess for it: a step that drafts
@@ -73,7 +91,7 @@ class Speculator:
         self.adaptive = config.speculative_adaptive
         self.max_batch = config.speculative_max_batch
         self.context_len = context_len
-        self.stats = SpecStats()
+        self.stats = SpecStats(trees=config.speculative_eagle_topk > 1)
 
     def draft(self, decoding: list[Request], inflight: bool) -> dict[Request, list[int]] | object:
         """The drafts of this step's decoding requests (those without one decode plainly),
@@ -93,7 +111,13 @@ class Speculator:
             return {}
         drafts = {}
         for r, k, d in zip(want, ks, self.drafter.propose(want, ks), strict=True):
-            d = list(d[:k])
+            if isinstance(d, TokenTree):
+                d = d.pruned(k)
+                # (a constrained request's drafts are walked on one fork: its preferred chain;
+                # and a tree's rows must fit the table row, whose columns are the context's)
+                d = d.first_path() if r.matcher is not None or len(d) > self.context_len - r.seq_len else as_draft(d)
+            else:
+                d = list(d[:k])
             if d and r.matcher is not None:
                 d = self._fit_grammar(r, d)
             if d:
@@ -155,60 +179,92 @@ class Speculator:
         drafts = step.drafts
         sampled, toks = step.sampled, out.next_tokens
         keep: list[int] = []
+        picks: list[int] = []  # the kept rows' token indices (a tree's accepted rows: the next ones)
         i = 0
         while i < len(sampled):
             r = sampled[i]
             d = drafts.get(r)
             if d is None:
                 keep.append(i)
+                picks.append(step.pick_index[i])
                 i += 1
                 continue
             k = len(d)
-            a = 0
-            while a < k and toks[i + a] == d[a]:
-                a += 1
-            keep.extend(range(i, i + a + 1))
+            if isinstance(d, TokenTree):
+                path, branches = walk(d, toks[i : i + k + 1])
+                a = len(path)
+                keep.extend([i] + [i + 1 + n for n in path])
+                self.kv.keep_path(r, r.kv.length - k, path)
+                self.stats.tree_verifies += 1
+                self.stats.branch_accepted_tokens += branches
+                depth = max(d.depths)
+            else:
+                a = 0
+                while a < k and toks[i + a] == d[a]:
+                    a += 1
+                keep.extend(range(i, i + a + 1))
+                depth = k
+            picks.extend(range(step.pick_index[i], step.pick_index[i] + a + 1))
             rejected = k - a
             if rejected:  # the last placeholders are the rejected picks' (the step was synchronous)
                 del r.output_ids[len(r.output_ids) - rejected :]
                 r.unresolved -= rejected
                 self.kv.truncate(r, r.kv.length - rejected)
-            self._learn(r, k, a)
+            self._learn(r, depth, a, k)
             i += k + 1
         if len(keep) == len(sampled):
             return
         step.sampled = [sampled[j] for j in keep]
-        step.pick_index = [step.pick_index[j] for j in keep]
+        step.pick_index = picks
         out.next_tokens = [toks[j] for j in keep]
         if out.logprobs is not None:
             out.logprobs = [out.logprobs[j] for j in keep]
         if out.top_logprobs is not None:
             out.top_logprobs = [out.top_logprobs[j] for j in keep]
 
-    def _learn(self, r: Request, k: int, accepted: int) -> None:
-        """Count a verify entry; adapt ``r``'s draft length: two more after a fully accepted
-        draft, one less after a rejection (at least one)."""
+    def _learn(self, r: Request, k: int, accepted: int, drafted: int | None = None) -> None:
+        """Count a verify entry (``drafted`` tokens, default ``k``, of a draft ``k`` deep);
+        adapt ``r``'s draft length: two more after a fully accepted draft, one less after a
+        rejection (at least one)."""
         st = self.stats
         st.verifies += 1
-        st.draft_tokens += k
+        st.draft_tokens += k if drafted is None else drafted
         st.accepted_tokens += accepted
         if self.adaptive:
             r.draft_len = min(self.max_k, k + 2) if accepted == k else max(1, k - 1)
 
 
-def verify_rows(dec: list[Request], drafts: dict[Request, list[int]], ids: list[int], pos: list[int]) -> list[int]:
+class VerifyLayout(NamedTuple):
+    offsets: list[int]            # each row's token index past len(output_ids) (its depth)
+    paths: list[list[int]]        # the drafted tokens before each row's pick (penalties)
+    prefix_lens: list[int]        # each row's table position
+    trees: TokenTrees | None      # the tree entries' rows and masks
+
+
+def verify_rows(dec: list[Request], drafts: dict[Request, list[int]], ids: list[int], pos: list[int]) -> VerifyLayout:
     """Lay out a decode batch's verify entries in place: the j-th row of a verifying request
-    (its rows follow one another) runs ``drafts[r][j - 1]`` at ``pos + j`` (row 0: its last
-    token). Each row's offset j, the token index it samples past ``len(output_ids)``."""
+    (its rows follow one another) runs ``drafts[r][j - 1]`` (row 0: its last token) at table
+    position ``pos + j``, and at RoPE position ``pos + depth`` (a chain's: j; ``ids`` and
+    ``pos`` are rewritten to those)."""
     offsets = [0] * len(dec)
+    paths: list[list[int]] = [[]] * len(dec)
+    table = pos.copy()
+    first, sizes, masks = [], [], []
     j = 0
     for i, r in enumerate(dec):
         d = drafts.get(r)
         if d is None:
             continue
         j = j + 1 if i and dec[i - 1] is r else 0
-        if j:
-            ids[i] = d[j - 1]
-            pos[i] += j
-            offsets[i] = j
-    return offsets
+        if not j:
+            root = pos[i]
+            if isinstance(d, TokenTree):
+                first.append(i)
+                sizes.append(len(d) + 1)
+                masks.append(d.mask())
+            continue
+        ids[i] = d[j - 1]
+        offsets[i], paths[i] = depth_and_path(d, j)
+        pos[i] = root + offsets[i]
+        table[i] = root + j
+    return VerifyLayout(offsets, paths, table, TokenTrees(first, sizes, masks) if first else None)
