@@ -6,9 +6,12 @@ The default model (SmolLM2-135M-Instruct) decodes a batch of ``--batch`` request
 ``random`` layout each reads its own. One run prints and writes JSON:
 
 - ``step_ms``: the wall and process time of one forward step (median of ``--steps``);
-- ``profile``: CPU time per op kind (``torch.profiler``) of one step, top entries first.
+- ``profile``: CPU time per op kind (``torch.profiler``) of one step, top entries first;
+- with ``--kernels-ab N``: ``kernels_ab``, the step with radixd's C kernels (``cpu_kernels``)
+  and with torch's paths only, alternated N times in this process (medians, ratio).
 
     python -m benchmarks.cpu_decode --layout shared --batch 8 --out benchmarks/results/cpu_decode.json
+    python -m benchmarks.cpu_decode --layout random --batch 1 --gguf-weights native --kernels-ab 6
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from radixd.core import cpu_kernels
 from radixd.core.assembly import pick_dtype
 from radixd.core.attention import make_backend
 from radixd.core.cascade import chain, plan
@@ -74,6 +78,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     ap.add_argument("--gguf-weights", choices=("fp32", "native"), default="fp32",
                     help="the GGUF converted (fp32) or served as shipped (native)")
+    ap.add_argument("--kernels-ab", type=int, default=0, metavar="N",
+                    help="also time the step with and without radixd's C kernels, alternated N times")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.threads:
@@ -95,7 +101,7 @@ def main() -> None:
     def step() -> None:
         attn.begin(fb)
         if args.gather:
-            attn.decode_runs = None
+            attn.decode_runs = attn.decode_lens = None
         model(fb.input_ids, fb.positions, attn, idx)
 
     for _ in range(3):
@@ -115,6 +121,9 @@ def main() -> None:
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "dtype": str(dtype),
               "threads": torch.get_num_threads(), "step_ms": 1e3 * statistics.median(wall),
               "step_cpu_ms": 1e3 * statistics.median(cpu), "profiled_self_cpu_ms": total / 1e3, "profile": top}
+    if args.kernels_ab:
+        result["kernels_ab"] = kernels_ab(step, args.kernels_ab)
+        print(f"  C kernels: {result['kernels_ab']}")
     print(f"{args.layout} batch {args.batch} {dtype} {args.backend}{' gather' * args.gather}: step {result['step_ms']:.1f} ms wall, "
           f"{result['step_cpu_ms']:.1f} ms cpu ({torch.get_num_threads()} threads)")
     for t in top:
@@ -122,6 +131,29 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def kernels_ab(step, rounds: int) -> dict:
+    """Median step (ms) with radixd's C kernels and with torch's paths only, alternated."""
+    real = cpu_kernels.library, cpu_kernels.int4pack_readable
+    off = (lambda: None), (lambda: False)
+    times: dict[str, list[float]] = {"kernels": [], "torch": []}
+    try:
+        for _ in range(rounds):
+            for mode, fns in (("kernels", real), ("torch", off)):
+                cpu_kernels.library, cpu_kernels.int4pack_readable = fns
+                step()
+                t = []
+                for _ in range(4):
+                    t0 = time.perf_counter()
+                    step()
+                    t.append(time.perf_counter() - t0)
+                times[mode].append(1e3 * statistics.median(t))
+    finally:
+        cpu_kernels.library, cpu_kernels.int4pack_readable = real
+    med = {m: statistics.median(v) for m, v in times.items()}
+    return {"kernels_ms": med["kernels"], "torch_ms": med["torch"], "speedup": med["torch"] / med["kernels"],
+            "rounds": times}
 
 
 if __name__ == "__main__":
