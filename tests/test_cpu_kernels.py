@@ -127,3 +127,28 @@ def test_library_is_built_once_and_optional(tmp_path, monkeypatch, caplog):
         assert not list((tmp_path / "other" / "kernels").glob("*.so"))  # no half-written library left
     finally:
         cpu_kernels.library.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_rotary_equal_torchs_paths(dtype, monkeypatch):
+    from radixd.core.models.layers import Rotary
+    from radixd.core.triton_ops import add_rmsnorm
+
+    g = torch.Generator().manual_seed(7)
+    x, res, w = (torch.randn(*s, generator=g).to(dtype) for s in ((5, 96), (5, 96), (96,)))
+    rot = Rotary(32, 512, 10000.0, None)
+    qkv = torch.randn(5, 7, 32, generator=g).to(dtype)  # q, k: views of one projection, as the layers make them
+    q, k = qkv[:, :4], qkv[:, 4:6]
+    pos = torch.tensor([0, 3, 100, 511, 7])
+    ours_res = res.clone()
+    ours = add_rmsnorm(x, w, 1e-6, ours_res)[0], add_rmsnorm(x, w, 1e-6)[0], *rot(pos, q, k)
+    monkeypatch.setattr(cpu_kernels, "library", lambda: None)  # torch's paths
+    torch_res = res.clone()
+    theirs = add_rmsnorm(x, w, 1e-6, torch_res)[0], add_rmsnorm(x, w, 1e-6)[0], *rot(pos, q, k)
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 0, "rtol": 0}
+    torch.testing.assert_close(ours_res, torch_res, **tol)  # the sum, written in place
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+    monkeypatch.undo()
+    with pytest.raises(IndexError, match="past the table"):
+        rot(torch.tensor([512, 0, 0, 0, 0]), q, k)

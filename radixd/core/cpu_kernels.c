@@ -191,3 +191,59 @@ int int8g_mm(const float *x, const int8_t *q, const uint16_t *s, float *y, int64
     }
     return 0;
 }
+
+/* RMSNorm of x + residual, the sum written into the residual (in its dtype) first, as torch's
+ * path of triton_ops.add_rmsnorm rounds it: y = round(round(s * rsqrt(mean(s^2) + eps)) * w).
+ * res NULL: RMSNorm(x). Rows of N, strides in elements. */
+#define DEFINE_NORM(NAME, T, LOAD, STORE)                                                        \
+void NAME(const T *x, int64_t sx, T *res, int64_t sr, const T *w, T *out, int64_t so,            \
+          int64_t R, int64_t N, float eps) {                                                     \
+    for (int64_t r = 0; r < R; r++) {                                                            \
+        const T *xr = x + r * sx;                                                                \
+        T *o = out + r * so;                                                                     \
+        float acc = 0.f;                                                                         \
+        if (res) {                                                                               \
+            T *rr = res + r * sr;                                                                \
+            _Pragma("omp simd reduction(+:acc)")                                                 \
+            for (int64_t i = 0; i < N; i++) {                                                    \
+                const T s = STORE(LOAD(rr[i]) + LOAD(xr[i]));                                    \
+                rr[i] = s;                                                                       \
+                acc += LOAD(s) * LOAD(s);                                                        \
+            }                                                                                    \
+            xr = rr;                                                                             \
+        } else {                                                                                 \
+            _Pragma("omp simd reduction(+:acc)")                                                 \
+            for (int64_t i = 0; i < N; i++) acc += LOAD(xr[i]) * LOAD(xr[i]);                    \
+        }                                                                                        \
+        const float rs = 1.f / sqrtf(acc / (float)N + eps);                                      \
+        _Pragma("omp simd")                                                                      \
+        for (int64_t i = 0; i < N; i++) o[i] = STORE(LOAD(STORE(LOAD(xr[i]) * rs)) * LOAD(w[i])); \
+    }                                                                                            \
+}
+
+/* Neox rotary (rotate halves) of x [Tn, H, D] (token stride sx elements, heads contiguous)
+ * at positions pos, into out [Tn, H, D]: out = x * cos + rotate_half(x) * sin in float32,
+ * with cos / sin [positions, D / 2] float32 tables. */
+#define DEFINE_ROTARY(NAME, T, LOAD, STORE)                                                      \
+void NAME(const T *x, int64_t sx, int64_t Tn, int64_t H, int64_t D, const float *cos,            \
+          const float *sin, const int64_t *pos, T *out) {                                        \
+    const int64_t half = D / 2;                                                                  \
+    for (int64_t t = 0; t < Tn; t++) {                                                           \
+        const float *c = cos + pos[t] * half, *s = sin + pos[t] * half;                          \
+        for (int64_t h = 0; h < H; h++) {                                                        \
+            const T *xr = x + t * sx + h * D;                                                    \
+            T *o = out + (t * H + h) * D;                                                        \
+            _Pragma("omp simd")                                                                  \
+            for (int64_t i = 0; i < half; i++) {                                                 \
+                const float a = LOAD(xr[i]), b = LOAD(xr[i + half]);                             \
+                o[i] = STORE(a * c[i] - b * s[i]);                                               \
+                o[i + half] = STORE(b * c[i] + a * s[i]);                                        \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+}
+
+DEFINE_NORM(add_rmsnorm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_NORM(add_rmsnorm_f32, float, IDENT, IDENT)
+DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_ROTARY(rotary_f32, float, IDENT, IDENT)

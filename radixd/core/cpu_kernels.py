@@ -5,6 +5,8 @@ compiler on first use, kept in radixd's cache, called through ``ctypes``.
   keys), for which torch's attention kernels pay more in setting up each call than in
   arithmetic; this reads every request's keys and values through its slots in the pool, all
   requests of a layer in one call.
+- ``add_rmsnorm`` and ``rotary``: a layer's small elementwise steps in one call each, where
+  torch's path costs 25-50 us of op overhead a call (a decode step makes 90 of them).
 - ``int8_matmul``: x @ W.T for a grouped int8 weight (Q8_0's blocks of 32), few rows: each
   weight read once for up to 8 rows, where torch's int8 kernel takes one group per call and
   adds the partial products up in memory (an LM head of 49k rows at 8 rows: 4x).
@@ -47,6 +49,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared")
 ENV = "RADIXD_CPU_KERNELS"
 _FUNCS = {torch.bfloat16: "decode_bf16", torch.float32: "decode_f32"}
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _MAX_GROUP, _MAX_DIM = 16, 256  # (cpu_kernels.c: MAX_G, MAX_D)
 
 
@@ -99,6 +102,13 @@ def library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p]
+    for name in ("add_rmsnorm_bf16", "add_rmsnorm_f32"):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
+                                       + [ctypes.c_int64] * 3 + [ctypes.c_float])
+    for name in ("rotary_bf16", "rotary_f32"):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 4
     lib.int8g_mm.restype = ctypes.c_int
     lib.int8g_mm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     lib.int4pack_to_bf16_t.restype = None
@@ -169,3 +179,39 @@ def int8_matmul(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
     if lib.int8g_mm(xf.data_ptr(), q.data_ptr(), scales.data_ptr(), y.data_ptr(), x.shape[0], n, groups * group, group):
         raise ValueError(f"cpu_kernels.int8_matmul: group {group} out of range")
     return y
+
+
+def rows_take(*tensors: Tensor) -> bool:
+    """Whether ``add_rmsnorm`` / ``rotary`` serve these CPU tensors (one dtype, bf16 or
+    float32, last dimension contiguous) and the library is there."""
+    dtype = tensors[0].dtype
+    return (dtype in _SUFFIX and all(t.device.type == "cpu" and t.dtype == dtype and t.stride(-1) == 1 for t in tensors)
+            and library() is not None)
+
+
+def add_rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None) -> Tensor:
+    """RMSNorm(x + residual) * weight for x [R, N] (rows_take checked), the sum written into
+    ``residual`` [R, N] in place first; without ``residual``, RMSNorm(x) * weight."""
+    lib = library()
+    rows, n = x.shape
+    out = torch.empty((rows, n), dtype=x.dtype)
+    weight = weight.contiguous()
+    res_ptr, res_stride = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
+    getattr(lib, "add_rmsnorm_" + _SUFFIX[x.dtype])(x.data_ptr(), x.stride(0), res_ptr, res_stride, weight.data_ptr(),
+                                                     out.data_ptr(), n, rows, n, eps)
+    return out
+
+
+def rotary(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor) -> Tensor:
+    """Neox rotary of x [T, H, D] (heads contiguous within a token) at ``positions`` [T]
+    (int64) with the float32 tables ``cos``/``sin`` [positions, D / 2] -> a new [T, H, D]."""
+    lib = library()
+    t, heads, dim = x.shape
+    assert x.stride(1) == dim and cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+    if t and int(positions.max()) >= cos.shape[0]:
+        raise IndexError(f"rotary: position {int(positions.max())} past the table's {cos.shape[0]}")
+    positions = positions.contiguous()
+    out = torch.empty((t, heads, dim), dtype=x.dtype)
+    getattr(lib, "rotary_" + _SUFFIX[x.dtype])(x.data_ptr(), x.stride(0), t, heads, dim, cos.data_ptr(), sin.data_ptr(),
+                                                positions.data_ptr(), out.data_ptr())
+    return out

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixd.core import cpu_kernels
 from radixd.core.kv_quant import MANTISSA_BITS
 
 
@@ -72,6 +73,9 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if not (x.is_cuda if use_triton is None else use_triton):
+        r2 = _rows_view(residual, shape[-1]) if residual is not None else None
+        if (residual is None or r2 is not None) and cpu_kernels.rows_take(x2, weight, *([r2] if r2 is not None else [])):
+            return cpu_kernels.add_rmsnorm(x2, weight, eps, r2).reshape(shape), (residual if residual is not None else x)
         if residual is not None:
             residual.add_(x)
             x2 = residual.reshape(-1, shape[-1])
@@ -86,6 +90,15 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8,
     )
     return out.reshape(shape), (residual if residual is not None else x)
+
+
+def _rows_view(t: torch.Tensor, n: int) -> torch.Tensor | None:
+    """``t`` as rows of ``n`` without a copy (None where it is not one view: an in-place
+    write must land in ``t``)."""
+    try:
+        return t.view(-1, n)
+    except RuntimeError:
+        return None
 
 
 def fp8_format(buf: torch.Tensor) -> dict[str, float | int]:

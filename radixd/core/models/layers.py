@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixd.core import cpu_kernels
 from radixd.core.attention import AttentionBackend
 from radixd.core.models.rope import rope_tables
 from radixd.core.triton_ops import ALL_KERNELS, KernelChoice, add_rmsnorm, gate_up_silu, linear
@@ -36,6 +37,10 @@ class Rotary(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if (q.device.type == "cpu" and positions.dtype == torch.int64 and 2 * self.cos.shape[-1] == q.shape[-1]
+                and q.stride(1) == q.shape[-1] and k.stride(1) == k.shape[-1] and cpu_kernels.rows_take(q, k)):
+            return (cpu_kernels.rotary(q, self.cos, self.sin, positions),
+                    cpu_kernels.rotary(k, self.cos, self.sin, positions))
         cos = self.cos[positions][:, None, :]
         sin = self.sin[positions][:, None, :]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
