@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         if s != "radixd" and not getattr(a, f"{s}_python"):
             ap.error(f"--servers {s} needs --{s}-python")
 
-    from radixd.core.model_loader import cache_root, fetch_default_gguf, resolve_model
+    from radixd.core.cache_dir import cache_root
+    from radixd.core.model_loader import fetch_default_gguf, resolve_model
 
     model_dir = resolve_model("default")
     gguf = fetch_default_gguf(cache_root())

@@ -24,7 +24,7 @@ def toml(model, **over) -> str:
     def table(name, d):
         return f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in d.items())
 
-    return (table("model", {"path": str(model)}) + table("server", server) + table("memory", {"kv_cache_tokens": 4096})
+    return (table("model", {"path": str(model), **over.pop("model_keys", {})}) + table("server", server) + table("memory", {"kv_cache_tokens": 4096})
             + table("scheduler", sched) + (table("limits", limits) if limits else ""))
 
 

@@ -219,7 +219,7 @@ def test_lang_default_model(tmp_path):
     from radixd.core.model_loader import resolve_model
 
     path = resolve_model("default", progress=False)
-    d = Daemon(tmp_path, toml("default"))
+    d = Daemon(tmp_path, toml("default", model_keys={"gguf_weights": "fp32"}))  # (the weights transformers scores)
     rt = RuntimeEndpoint(d.url)
     try:
         @function

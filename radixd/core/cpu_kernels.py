@@ -43,10 +43,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from radixd.core.cache_dir import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC")  # compile only: see _build
 ENV = "RADIXD_CPU_KERNELS"
 _FUNCS = {torch.bfloat16: "decode_bf16", torch.float32: "decode_f32"}
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -67,13 +69,19 @@ def _build(cc: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         part = Path(tmp.name)
+    obj = part.with_suffix(".o")
+    # Compiled with -ffast-math, linked without it: linking a library with it adds gcc's
+    # crtfastmath, which on load sets flush-to-zero for the whole process (every float op of
+    # torch and numpy after it would lose subnormals).
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", str(part), str(SOURCE), "-lm"], capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{cc} exited with {done.returncode}: {done.stderr.strip()[-1500:]}")
+        for cmd in ([cc, *FLAGS, "-c", "-o", str(obj), str(SOURCE)], [cc, "-shared", "-o", str(part), str(obj), "-lm"]):
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"{cc} exited with {done.returncode}: {done.stderr.strip()[-1500:]}")
         part.rename(target)
     finally:
         part.unlink(missing_ok=True)
+        obj.unlink(missing_ok=True)
 
 
 @functools.cache
@@ -86,8 +94,6 @@ def library() -> ctypes.CDLL | None:
     if not cc:
         log.warning("no C compiler (cc, or $CC): decode attention on the CPU runs through torch, slower")
         return None
-    from radixd.core.model_loader import cache_root
-
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_key()]).encode())
     target = cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"

