@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_engine import assert_idle, prompts
-from test_speculative import run_calls, same_outputs
+from test_speculative import Oracle, run_calls, same_outputs
 
 from radixd import Engine, SamplingParams
 from radixd.core.attention.triton_kernels import extend_attention
@@ -133,7 +133,7 @@ def test_tree_mask_in_the_extend_kernel_at_an_8b_shape(config):
     check_tree_extend(32, 8, 128, torch.bfloat16, config, 2e-2, prefix=(300, 2047, 4100))
 
 
-class TreeOracle:
+class TreeOracle(Oracle):
     """Drafts a tree around the plain run's tokens (``truth``): at the root a wrong first
     child (with a child of its own) before the right one, about half the time; below the
     right token the rest of the truth, each replaced by a wrong one with probability 0.2."""
@@ -141,14 +141,10 @@ class TreeOracle:
     name = "treeoracle"
     truth: dict[tuple, list[int]] = {}
 
-    def __init__(self, config, cache):
-        self.rng = random.Random(0)
-
     def propose(self, reqs, ks):
         out = []
         for r, k in zip(reqs, ks, strict=True):
-            done = len(r.output_ids)
-            right = self.truth.get((tuple(r.prompt_ids), r.index), [])[done : done + k]
+            right = self.right(r, k)
             if not right:
                 out.append([])
                 continue

@@ -35,14 +35,14 @@ class Oracle:
     def __init__(self, config: EngineConfig, cache):
         self.rng = random.Random(0)
 
+    def right(self, r, k: int) -> list[int]:
+        """The plain run's next ``k`` tokens for request ``r``."""
+        done = len(r.output_ids)
+        return self.truth.get((tuple(r.prompt_ids), r.index), [])[done : done + k]
+
     def propose(self, reqs, ks):
-        out = []
-        for r, k in zip(reqs, ks, strict=True):
-            done = len(r.output_ids)
-            right = self.truth.get((tuple(r.prompt_ids), r.index), [])[done : done + k]
-            out.append([t if self.rng.random() >= self.wrong else (t + 1 + self.rng.randrange(50)) % 256
-                        for t in right])
-        return out
+        return [[t if self.rng.random() >= self.wrong else (t + 1 + self.rng.randrange(50)) % 256
+                 for t in self.right(r, k)] for r, k in zip(reqs, ks, strict=True)]
 
 
 class OraclePlugin:
