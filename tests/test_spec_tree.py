@@ -120,13 +120,14 @@ def check_tree_extend(heads, kv_heads, dim, dtype, config, tol, prefix=(5, 37, 7
             assert float((plain - ref).norm() / ref.norm()) > 10 * tol
 
 
-@pytest.mark.parametrize("config", [None, (16, 16, 4, 2, True)], ids=str)
+@pytest.mark.parametrize("config", [None, (16, 16, 4, 2, True), (16, 16, 4, 2, False, 2)], ids=str)
 def test_tree_mask_in_the_extend_kernel(config):
     check_tree_extend(4, 2, 32, torch.float32, config, 1e-5)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, (64, 64, 4, 3, True), (16, 32, 4, 2, False)], ids=str)
+@pytest.mark.parametrize("config", [None, (64, 64, 4, 3, True), (16, 32, 4, 2, False), (64, 64, 4, 3, True, 4)],
+                         ids=str)
 def test_tree_mask_in_the_extend_kernel_at_an_8b_shape(config):
     """Llama-3.1-8B's attention shape in bf16 on one GPU, with short and long prefixes."""
     check_tree_extend(32, 8, 128, torch.bfloat16, config, 2e-2)

@@ -195,6 +195,25 @@ def test_extend_matches_reference(heads, kv_heads, dim, seq_lens, config):
     check_extend(heads, kv_heads, dim, seq_lens, config)
 
 
+# Query heads packed into a program's rows (PACK): a group of 4 on the CPU, the 8B shape's on the GPU
+PACKED_TILES = [(16, 16, 4, 2, True, 2), (16, 16, 4, 2, False, 4)] + (
+    [c for c in triton_kernels.EXTEND_CONFIGS if len(c) > 5 and c[5] > 1] if GPU else [])
+
+
+@pytest.mark.parametrize("config", PACKED_TILES, ids=str)
+def test_extend_with_packed_heads_matches_reference(config):
+    check_extend(*(REAL[0] if GPU else (8, 2, 32, [1, 7, 64, 65, 130])), config)
+
+
+def test_extend_refuses_a_pack_that_does_not_divide_the_group():
+    q = torch.zeros(4, 6, 16, device=DEV)
+    kb = torch.zeros(8, 2, 16, device=DEV)
+    one = torch.ones(1, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="pack of 2 query heads must divide the group"):
+        extend_attention(q, kb, kb, torch.zeros(1, 8, dtype=torch.int64, device=DEV), one * 0, one * 0, one * 4,
+                         one * 0, 4, 0.25, config=(16, 16, 4, 2, True, 2))
+
+
 @pytest.mark.parametrize("config,kv", [(None, "fp8_e5m2"), ((16, 16, 4, 2, True), "fp8_e4m3")], ids=str)
 def test_extend_reads_an_fp8_pool(config, kv):
     check_extend(*(REAL if GPU else SMALL)[0], config, kv)

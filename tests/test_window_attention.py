@@ -49,7 +49,7 @@ def test_decode_window_softcap_matches_reference(window, softcap, splits):
 
 
 @pytest.mark.parametrize("window,softcap", CASES)
-@pytest.mark.parametrize("config", [None, (16, 16, 4, 2, True)], ids=str)
+@pytest.mark.parametrize("config", [None, (16, 16, 4, 2, True), (16, 16, 4, 2, True, 2)], ids=str)
 def test_extend_window_softcap_matches_reference(window, softcap, config):
     heads, kv_heads, dim, seq_lens = (REAL if GPU else SMALL)[0]
     dtype = torch.bfloat16 if GPU else torch.float32

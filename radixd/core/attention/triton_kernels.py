@@ -369,15 +369,17 @@ def _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, lo, hi
         if K_ROWS:  # K tile read as rows (each slot's head contiguous), transposed for the dot
             k = tl.load(K + slots[:, None] * stride_kn + kvh * stride_kh + offs_d[None, :], mask=mask_nd,
                         other=0.0).to(q.dtype)
-            qk = tl.dot(q, tl.trans(k)) * qk_scale
+            qk = tl.dot(q, tl.trans(k))
         else:  # K tile gathered straight into [D, N]
             k = tl.load(K + slots[None, :] * stride_kn + kvh * stride_kh + offs_d[:, None],
                         mask=tl.trans(mask_nd), other=0.0).to(q.dtype)
-            qk = tl.dot(q, k) * qk_scale
+            qk = tl.dot(q, k)
         v = tl.load(V + slots[:, None] * stride_vn + kvh * stride_vh + offs_d[None, :], mask=mask_nd,
                     other=0.0).to(q.dtype)
+        scale = qk_scale  # (applied with the running max's subtraction, in one multiply-add)
         if SOFTCAP > 0:
-            qk = SOFTCAP * _tanh(qk / SOFTCAP)
+            qk = SOFTCAP * _tanh(qk * qk_scale / SOFTCAP)
+            scale = 1.0
         if MASKED:
             visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
             if WINDOW > 0:
@@ -389,12 +391,14 @@ def _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, lo, hi
                 seen = tl.load(TreeMask + tree_off + offs_m[:, None] * ext + new[None, :], mask=in_tree, other=1)
                 visible = visible & (seen != 0)
             qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_safe[:, None])
-        alpha = tl.math.exp2(m - m_safe)
+        m_new = tl.maximum(m, tl.max(qk, 1) * scale)
+        m_use = m_new
+        if MASKED:  # (a row may have seen no key yet: its max stays -inf, 0 is subtracted)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk * scale - m_use[:, None])
+        alpha = tl.math.exp2(m - m_use)
         lsum = lsum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+        acc = tl.dot(p.to(q.dtype), v, acc * alpha[:, None])
         m = m_new
     return m, lsum, acc
 
@@ -404,26 +408,32 @@ def _extend_kernel(
     Q, K, V, Out, Table, SlotMap, Rows, PrefixLens, ExtendLens, QStarts, TreeMask, TreeOffsets, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh, stride_tr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, K_ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, K_ROWS: tl.constexpr, PACK: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MAPPED: tl.constexpr, TREE: tl.constexpr,
 ):
+    # A program's BLOCK_M rows are BLOCK_M // PACK new tokens times PACK query heads of one KV
+    # head's group (row i: token i // PACK, head i % PACK of the pack): PACK > 1 reads each K/V
+    # tile once for PACK heads.
+    TOKENS: tl.constexpr = BLOCK_M // PACK
     r = tl.program_id(0)
-    h = tl.program_id(1)
+    hp = tl.program_id(1)  # which pack of query heads
     mb = tl.num_programs(2) - 1 - tl.program_id(2)  # the longest (last) tiles start first
     ext = tl.load(ExtendLens + r)
-    if mb * BLOCK_M < ext:
+    if mb * TOKENS < ext:
         prefix = tl.load(PrefixLens + r)
         row = tl.load(Rows + r)
         q0 = tl.load(QStarts + r)
-        kvh = h // GROUP
-        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        kvh = (hp * PACK) // GROUP
+        offs_i = tl.arange(0, BLOCK_M)
+        offs_m = mb * TOKENS + offs_i // PACK  # each row's new token
+        heads = hp * PACK + offs_i % PACK
         mask_m = offs_m < ext
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
-        q = tl.load(Q + (q0 + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        q = tl.load(Q + (q0 + offs_m)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_m[:, None] & mask_d[None, :], other=0.0)
         q_pos = prefix + offs_m
-        end = tl.minimum(prefix + ext, prefix + (mb + 1) * BLOCK_M)
+        end = tl.minimum(prefix + ext, prefix + (mb + 1) * TOKENS)
         m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         lsum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -431,14 +441,14 @@ def _extend_kernel(
         if TREE:
             tree_off = tl.load(TreeOffsets + r)
         if WINDOW > 0:  # from the tile of the first query's oldest key in the window, all masked
-            lo = (tl.maximum(prefix + mb * BLOCK_M - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+            lo = (tl.maximum(prefix + mb * TOKENS - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
             m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, lo, end, qk_scale,
                                          stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
                                          BLOCK_N, True, K_ROWS, WINDOW, SOFTCAP, MAPPED,
                                          TreeMask, tree_off, prefix, ext, offs_m, TREE)
         else:
             # every key before the tile's first query is visible to all its queries: no masks there
-            full = ((prefix + mb * BLOCK_M) // BLOCK_N) * BLOCK_N
+            full = ((prefix + mb * TOKENS) // BLOCK_N) * BLOCK_N
             if TREE:  # a tree's new tokens are not all visible to later ones: masked from there
                 full = tl.where(tree_off >= 0, tl.minimum(full, (prefix // BLOCK_N) * BLOCK_N), full)
             m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, 0, full, qk_scale,
@@ -450,7 +460,7 @@ def _extend_kernel(
                                          BLOCK_N, True, K_ROWS, 0, SOFTCAP, MAPPED,
                                          TreeMask, tree_off, prefix, ext, offs_m, TREE)
         out = acc * (v_scale / tl.where(lsum > 0, lsum, 1.0))[:, None]
-        tl.store(Out + (q0 + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        tl.store(Out + (q0 + offs_m)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
@@ -459,7 +469,8 @@ def _extend_kernel(
 # the first eight without K_ROWS, and with K_ROWS 8% faster again.
 EXTEND_CONFIGS = [(64, 64, 4, 3, False), (64, 64, 4, 3, True), (128, 64, 8, 3, False), (128, 64, 8, 3, True),
                   (64, 64, 4, 4, True), (128, 64, 4, 3, True), (64, 32, 4, 3, True), (128, 128, 8, 3, True),
-                  (64, 128, 4, 3, True), (128, 32, 4, 3, False)]
+                  (64, 128, 4, 3, True), (128, 32, 4, 3, False), (64, 64, 4, 3, True, 4), (128, 64, 8, 3, True, 4),
+                  (32, 64, 4, 2, False, 4)]
 _LOG2E = 1.4426950408889634
 
 
@@ -478,7 +489,8 @@ def extend_attention(
     tree_mask: torch.Tensor | None = None, tree_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q`` [T, H, D]: the new tokens of R requests laid back to back (request r's start in
-    ``q_starts``) -> [T, H, D]. ``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages, K_ROWS).
+    ``q_starts``) -> [T, H, D]. ``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages, K_ROWS[,
+    PACK]): PACK query heads of a KV head's group share a program's BLOCK_M rows (1 by default).
     ``window`` > 0: a query at position p sees keys ``(p - window, p]``; ``softcap`` > 0:
     scores soft-capped (``softcap * tanh(score / softcap)``); ``k_scale``/``v_scale``: the
     layer's scales of an fp8 pool; ``slot_map``: as ``decode_attention``'s. ``tree_mask``
@@ -490,17 +502,22 @@ def extend_attention(
     if out is None:
         out = torch.empty_like(q)
     R = rows.numel()
-    block_m, block_n, warps, stages, k_rows = config or _extend_config(D, max_extend)
+    block_m, block_n, warps, stages, k_rows, *pack = config or _extend_config(D, max_extend)
+    pack = pack[0] if pack else 1
+    group = H // Hkv
+    if group % pack or block_m % pack:
+        raise ValueError(f"extend_attention: a pack of {pack} query heads must divide the group ({group}) "
+                         f"and BLOCK_M ({block_m})")
     block_d = triton.next_power_of_2(D)
-    grid = (R, H, triton.cdiv(max_extend, block_m))
+    grid = (R, H // pack, triton.cdiv(max_extend, block_m // pack))
     _extend_kernel[grid](
         q, k_buf, v_buf, out, table, table if slot_map is None else slot_map, rows, prefix_lens, extend_lens,
         q_starts, tree_mask if tree_mask is not None else q_starts, tree_offsets if tree_offsets is not None
         else q_starts, scale * k_scale * _LOG2E, v_scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), table.stride(0),
-        GROUP=H // Hkv, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, BLOCK_D=block_d,
-        K_ROWS=k_rows, WINDOW=window, SOFTCAP=softcap * _LOG2E, MAPPED=slot_map is not None,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, BLOCK_D=block_d,
+        K_ROWS=k_rows, PACK=pack, WINDOW=window, SOFTCAP=softcap * _LOG2E, MAPPED=slot_map is not None,
         TREE=tree_offsets is not None, num_warps=warps,
         num_stages=stages,
     )

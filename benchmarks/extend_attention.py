@@ -1,0 +1,130 @@
+"""The extend-attention kernel's tile configurations on a CUDA GPU, at the 8B shape (32 query
+heads, 8 KV heads, head dim 128, bf16), against torch's SDPA and the bf16 matmul rate:
+
+  prefill_8x2048   8 prompts of 2048 tokens, no prefix, slots in order (gpu_bench's row)
+  permuted_8x2048  the same with the slots shuffled (a pool after churn)
+  chunk_32k        one 8192-token chunk after a 24576-token prefix (a 32k prompt's last chunk)
+  verify_64x5      64 requests, 5 new tokens each after 2048 cached (a speculative verify step)
+
+Every configuration's output is checked against SDPA's (relative error) before it is timed.
+
+  python -m benchmarks.extend_attention --out OUT [--configs "(64,64,4,3,True,4);..."]
+      [--baseline FILE.py]   (another revision's triton_kernels.py, timed with its default)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import math
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import cuda_median_s, environment, write_json
+from radixd.core.attention import triton_kernels as tk
+
+H, HKV, D = 32, 8, 128
+BIG = [(64, 64, 4, 3, True, 1), (128, 64, 8, 3, True, 1), (128, 128, 8, 3, True, 1),
+       (64, 64, 4, 3, True, 4), (128, 64, 8, 3, True, 4), (128, 64, 4, 3, True, 4), (128, 128, 8, 3, True, 4),
+       (128, 128, 8, 2, True, 4), (64, 128, 4, 3, True, 4), (128, 64, 8, 4, True, 4), (128, 64, 8, 3, False, 4),
+       (128, 64, 8, 3, True, 2), (256, 64, 8, 3, True, 4)]
+SMALL = [(16, 32, 4, 2, False, 1), (16, 64, 4, 2, False, 1), (16, 32, 4, 2, False, 4), (32, 32, 4, 2, False, 4),
+         (32, 64, 4, 2, False, 4), (32, 64, 4, 3, True, 4), (64, 64, 4, 2, False, 4)]
+
+
+def case(name: str, reqs: int, prefix: int, ext: int, permute: bool) -> dict:
+    slots = reqs * (prefix + ext) + 1
+    g = torch.Generator(device="cuda").manual_seed(reqs + prefix + ext)
+    kb = torch.randn(slots, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    vb = torch.randn(slots, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    order = torch.randperm(slots - 1, device="cuda", generator=g) if permute else torch.arange(slots - 1, device="cuda")
+    table = (order + 1).view(reqs, prefix + ext)
+    q = torch.randn(reqs * ext, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    i64 = dict(dtype=torch.int64, device="cuda")
+    args = (q, kb, vb, table, torch.arange(reqs, **i64), torch.full((reqs,), prefix, **i64),
+            torch.full((reqs,), ext, **i64), torch.arange(reqs, **i64) * ext, ext, D**-0.5)
+    # the reference: SDPA over each request's keys in order, bottom-right causal
+    keys = table.reshape(-1)
+    ks = kb[keys].view(reqs, prefix + ext, HKV, D).transpose(1, 2)
+    vs = vb[keys].view(reqs, prefix + ext, HKV, D).transpose(1, 2)
+    qs = q.view(reqs, ext, H, D).transpose(1, 2)
+    if prefix == 0:
+        sdpa = lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)  # noqa: E731
+    else:
+        pos = torch.arange(prefix, prefix + ext, device="cuda")
+        mask = torch.arange(prefix + ext, device="cuda")[None, :] <= pos[:, None]
+        sdpa = lambda: F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)  # noqa: E731
+    ref = sdpa().transpose(1, 2).reshape(reqs * ext, H, D).float()
+    flops = reqs * 4 * H * D * ext * (prefix + (ext + 1) / 2)
+    return dict(name=name, args=args, sdpa=sdpa, ref=ref, flops=flops, causal_sdpa=prefix == 0)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b).norm() / b.norm())
+
+
+def run(c: dict, fn) -> dict:
+    out = torch.full_like(c["args"][0], float("nan"))
+    fn(out)
+    err = rel(out, c["ref"])
+    if not math.isfinite(err) or err > 2e-2:
+        return {"error": f"relative error {err:.3g}"}
+    t = cuda_median_s(lambda: fn(out), reps=30)
+    return {"us": round(t * 1e6, 1), "TFLOPs": round(c["flops"] / t / 1e12, 1), "rel_err": round(err, 5)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--configs", default="", help="';'-separated tuples in place of the built-in lists")
+    ap.add_argument("--baseline", default="", help="another triton_kernels.py, timed with its own default config")
+    args = ap.parse_args()
+    base = None
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("baseline_kernels", args.baseline)
+        base = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm = 2 * 8192**3 / cuda_median_s(lambda: a @ a)
+    res = {"env": environment(), "matmul_TFLOPs": round(mm / 1e12, 1), "cases": {}}
+    cases = [case("prefill_8x2048", 8, 0, 2048, False), case("permuted_8x2048", 8, 0, 2048, True),
+             case("chunk_32k", 1, 24576, 8192, False), case("verify_64x5", 64, 2048, 5, False)]
+    given = [ast.literal_eval(x) for x in args.configs.split(";") if x.strip()]
+    for c in cases:
+        row = res["cases"][c["name"]] = {}
+        t = cuda_median_s(c["sdpa"], reps=30)
+        row["sdpa"] = {"us": round(t * 1e6, 1), "TFLOPs": round(c["flops"] / t / 1e12, 1),
+                       "kind": "is_causal" if c["causal_sdpa"] else "boolean mask"}
+        if c["causal_sdpa"]:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                             ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+                try:
+                    with sdpa_kernel(be):
+                        tb = cuda_median_s(c["sdpa"], reps=30)
+                    row[f"sdpa_{name}"] = {"us": round(tb * 1e6, 1), "TFLOPs": round(c["flops"] / tb / 1e12, 1)}
+                except Exception as exc:  # (a backend that does not take this shape)
+                    row[f"sdpa_{name}"] = {"error": repr(exc)[:160]}
+        row["default"] = run(c, lambda o, c=c: tk.extend_attention(*c["args"], out=o))
+        if base is not None:
+            row["baseline_default"] = run(c, lambda o, c=c: base.extend_attention(*c["args"], out=o))
+        configs = given or (SMALL if c["name"].startswith("verify") else BIG)
+        for cfg in configs:
+            try:
+                row[str(cfg)] = run(c, lambda o, c=c, cfg=cfg: tk.extend_attention(*c["args"], out=o, config=cfg))
+            except Exception as exc:  # (a tile that does not compile: too many registers or shared memory)
+                row[str(cfg)] = {"error": repr(exc)[:160]}
+        sd = row["sdpa"]["us"]
+        print(f"== {c['name']}: sdpa {sd} us {row['sdpa']['TFLOPs']} TFLOP/s (matmul {res['matmul_TFLOPs']})")
+        for k, v in row.items():
+            if k != "sdpa":
+                extra = f"  sdpa/this {sd / v['us']:.3f}" if "us" in v else ""
+                print(f"   {k:28s} {v}{extra}")
+    write_json(f"{args.out}/extend_attention.json", res)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
