@@ -8,7 +8,7 @@ heads, 8 KV heads, head dim 128, bf16), against torch's SDPA and the bf16 matmul
 
 Every configuration's output is checked against SDPA's (relative error) before it is timed.
 
-  python -m benchmarks.extend_attention --out OUT [--configs "(64,64,4,3,True,4);..."]
+  python -m benchmarks.extend_attention --out OUT [--configs "(64,64,4,3,True,4);..."] [--small-configs ...]
       [--baseline FILE.py]   (another revision's triton_kernels.py, timed with its default)
 """
 
@@ -18,6 +18,7 @@ import argparse
 import ast
 import importlib.util
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -78,9 +79,11 @@ def run(c: dict, fn) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--configs", default="", help="';'-separated tuples in place of the built-in lists")
+    ap.add_argument("--configs", default="", help="';'-separated tuples in place of the built-in list for long extends")
+    ap.add_argument("--small-configs", default="", help="the same for the verify case")
     ap.add_argument("--baseline", default="", help="another triton_kernels.py, timed with its own default config")
     args = ap.parse_args()
+    warnings.filterwarnings("ignore", message=".*(kernel not used|runtime disabled|same num_heads)")
     base = None
     if args.baseline:
         spec = importlib.util.spec_from_file_location("baseline_kernels", args.baseline)
@@ -92,6 +95,7 @@ def main() -> int:
     cases = [case("prefill_8x2048", 8, 0, 2048, False), case("permuted_8x2048", 8, 0, 2048, True),
              case("chunk_32k", 1, 24576, 8192, False), case("verify_64x5", 64, 2048, 5, False)]
     given = [ast.literal_eval(x) for x in args.configs.split(";") if x.strip()]
+    given_small = [ast.literal_eval(x) for x in args.small_configs.split(";") if x.strip()]
     for c in cases:
         row = res["cases"][c["name"]] = {}
         t = cuda_median_s(c["sdpa"], reps=30)
@@ -110,7 +114,7 @@ def main() -> int:
         row["default"] = run(c, lambda o, c=c: tk.extend_attention(*c["args"], out=o))
         if base is not None:
             row["baseline_default"] = run(c, lambda o, c=c: base.extend_attention(*c["args"], out=o))
-        configs = given or (SMALL if c["name"].startswith("verify") else BIG)
+        configs = (given_small or SMALL) if c["name"].startswith("verify") else (given or BIG)
         for cfg in configs:
             try:
                 row[str(cfg)] = run(c, lambda o, c=c, cfg=cfg: tk.extend_attention(*c["args"], out=o, config=cfg))
