@@ -122,7 +122,7 @@ def check_tree_extend(heads, kv_heads, dim, dtype, config, tol, prefix=(5, 37, 7
 
 @pytest.mark.parametrize("config", [None, (16, 16, 4, 2, True), (16, 16, 4, 2, False, 2)], ids=str)
 def test_tree_mask_in_the_extend_kernel(config):
-    check_tree_extend(4, 2, 32, torch.float32, config, 1e-5)
+    check_tree_extend(4, 2, 32, torch.float32, config, 2e-3 if GPU else 1e-5)  # (float32 products in tf32 on GPUs)
 
 
 @pytest.mark.gpu

@@ -349,14 +349,13 @@ def _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, lo, hi
                   stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, K_ROWS: tl.constexpr,
                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MAPPED: tl.constexpr,
-                  TreeMask, tree_off, prefix, ext, offs_m, TREE: tl.constexpr, WS: tl.constexpr):
+                  TreeMask, tree_off, prefix, ext, offs_m, TREE: tl.constexpr):
     """Online softmax of one query tile over keys ``[lo, hi)``; ``MASKED`` adds the bounds
     and causal masks (needed only on the diagonal and the ragged end), and the window's;
     ``TREE`` (with MASKED) the request's tree mask over its new tokens (``tree_off`` >= 0:
     where its [ext, ext] mask starts in ``TreeMask``). Scores are in log2 units
-    (``qk_scale`` has log2(e) in it), ``SOFTCAP`` too. ``WS``: the loop warp-specialized
-    (loads and products in separate warps, on GPUs whose compiler does it)."""
-    for n0 in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+    (``qk_scale`` has log2(e) in it), ``SOFTCAP`` too."""
+    for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         if MASKED:
@@ -409,7 +408,7 @@ def _extend_kernel(
     Q, K, V, Out, Table, SlotMap, Rows, PrefixLens, ExtendLens, QStarts, TreeMask, TreeOffsets, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot, stride_oh, stride_tr,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, K_ROWS: tl.constexpr, PACK: tl.constexpr, WS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, K_ROWS: tl.constexpr, PACK: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MAPPED: tl.constexpr, TREE: tl.constexpr,
 ):
     # A program's BLOCK_M rows are BLOCK_M // PACK new tokens times PACK query heads of one KV
@@ -446,7 +445,7 @@ def _extend_kernel(
             m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, lo, end, qk_scale,
                                          stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
                                          BLOCK_N, True, K_ROWS, WINDOW, SOFTCAP, MAPPED,
-                                         TreeMask, tree_off, prefix, ext, offs_m, TREE, False)
+                                         TreeMask, tree_off, prefix, ext, offs_m, TREE)
         else:
             # every key before the tile's first query is visible to all its queries: no masks there
             full = ((prefix + mb * TOKENS) // BLOCK_N) * BLOCK_N
@@ -455,30 +454,41 @@ def _extend_kernel(
             m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, 0, full, qk_scale,
                                          stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
                                          BLOCK_N, False, K_ROWS, 0, SOFTCAP, MAPPED,
-                                         TreeMask, tree_off, prefix, ext, offs_m, False, WS)
+                                         TreeMask, tree_off, prefix, ext, offs_m, False)
             m, lsum, acc = _extend_block(q, m, lsum, acc, K, V, Table, SlotMap, row, kvh, q_pos, full, end, qk_scale,
                                          stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
                                          BLOCK_N, True, K_ROWS, 0, SOFTCAP, MAPPED,
-                                         TreeMask, tree_off, prefix, ext, offs_m, TREE, False)
+                                         TreeMask, tree_off, prefix, ext, offs_m, TREE)
         out = acc * (v_scale / tl.where(lsum > 0, lsum, 1.0))[:, None]
         tl.store(Out + (q0 + offs_m)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-# Tile configurations (BLOCK_M, BLOCK_N, num_warps, num_stages, K_ROWS) swept by
-# benchmarks/decode_profile.py; on an H200 (head dim 128, 8 x 2048) (64, 64, 4, 3) measured best of
-# the first eight without K_ROWS, and with K_ROWS 8% faster again.
+# Tile configurations (BLOCK_M, BLOCK_N, num_warps, num_stages, K_ROWS[, PACK]) swept by
+# benchmarks/extend_attention.py (and decode_profile.py's extend section).
 EXTEND_CONFIGS = [(64, 64, 4, 3, False), (64, 64, 4, 3, True), (128, 64, 8, 3, False), (128, 64, 8, 3, True),
                   (64, 64, 4, 4, True), (128, 64, 4, 3, True), (64, 32, 4, 3, True), (128, 128, 8, 3, True),
                   (64, 128, 4, 3, True), (128, 32, 4, 3, False), (64, 64, 4, 3, True, 4), (128, 64, 8, 3, True, 4),
-                  (32, 64, 4, 2, False, 4)]
+                  (32, 64, 4, 2, False, 4), (256, 64, 16, 3, True, 4), (32, 64, 2, 3, True, 4)]
 _LOG2E = 1.4426950408889634
 
 
-def _extend_config(head_dim: int, max_extend: int) -> tuple[int, int, int, int, bool]:
+def _extend_config(head_dim: int, max_extend: int, group: int) -> tuple:
+    """The default tile. With head dim 128 and a GQA group of a multiple of 4, 4 query heads
+    share each program (each K/V tile read once for them); on an H200 (8B shape):
+
+    ==================  =====================  =============================  ==========
+    extend              per-head (64, 64, 4)   packed (256, 64, 16, 3, 4)     SDPA
+    ==================  =====================  =============================  ==========
+    8 x 2048            264 TFLOP/s            314 TFLOP/s                    495 (cuDNN)
+    8192 after 24576    335 TFLOP/s            416 TFLOP/s                    279 (mask)
+    64 x 5 after 2048   576 us (16, 32, 4)     176 us (32, 64, 2, 3, 4)       1341 us
+    ==================  =====================  =============================  ==========
+    """
+    packed = head_dim == 128 and group % 4 == 0
     if max_extend <= 32:
-        return (16, 64 if head_dim <= 64 else 32, 4, 2, False)
-    return (64, 64, 4, 3, True)
+        return (32, 64, 2, 3, True, 4) if packed else (16, 64 if head_dim <= 64 else 32, 4, 2, False)
+    return (256, 64, 16, 3, True, 4) if packed else (64, 64, 4, 3, True)
 
 
 def extend_attention(
@@ -491,8 +501,8 @@ def extend_attention(
 ) -> torch.Tensor:
     """``q`` [T, H, D]: the new tokens of R requests laid back to back (request r's start in
     ``q_starts``) -> [T, H, D]. ``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages, K_ROWS[,
-    PACK[, WS]]): PACK query heads of a KV head's group share a program's BLOCK_M rows (1 by
-    default); WS warp-specializes the loop over keys before the diagonal (False by default).
+    PACK]): PACK query heads of a KV head's group share a program's BLOCK_M rows (1 if left
+    out).
     ``window`` > 0: a query at position p sees keys ``(p - window, p]``; ``softcap`` > 0:
     scores soft-capped (``softcap * tanh(score / softcap)``); ``k_scale``/``v_scale``: the
     layer's scales of an fp8 pool; ``slot_map``: as ``decode_attention``'s. ``tree_mask``
@@ -504,8 +514,8 @@ def extend_attention(
     if out is None:
         out = torch.empty_like(q)
     R = rows.numel()
-    block_m, block_n, warps, stages, k_rows, *more = config or _extend_config(D, max_extend)
-    pack, ws = (*more, 1, False)[:2]
+    block_m, block_n, warps, stages, k_rows, *pack = config or _extend_config(D, max_extend, H // Hkv)
+    pack = pack[0] if pack else 1
     group = H // Hkv
     if group % pack or block_m % pack:
         raise ValueError(f"extend_attention: a pack of {pack} query heads must divide the group ({group}) "
@@ -519,7 +529,7 @@ def extend_attention(
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), table.stride(0),
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=D, BLOCK_D=block_d,
-        K_ROWS=k_rows, PACK=pack, WS=ws, WINDOW=window, SOFTCAP=softcap * _LOG2E, MAPPED=slot_map is not None,
+        K_ROWS=k_rows, PACK=pack, WINDOW=window, SOFTCAP=softcap * _LOG2E, MAPPED=slot_map is not None,
         TREE=tree_offsets is not None, num_warps=warps,
         num_stages=stages,
     )
