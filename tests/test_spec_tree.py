@@ -115,9 +115,9 @@ def check_tree_extend(heads, kv_heads, dim, dtype, config, tol, prefix=(5, 37, 7
         ref = tree_reference(q[starts[i] : starts[i] + e], kb, vb, idx, mask, dim**-0.5)
         err = float((out[starts[i] : starts[i] + e].double() - ref).norm() / ref.norm())
         assert err < tol, (i, err)
-        if i in trees and p < 100:  # (and the mask mattered: plain causal attention differs)
+        if i in trees and p < 100:  # (and the mask mattered: plain causal attention is far off)
             plain = tree_reference(q[starts[i] : starts[i] + e], kb, vb, idx, causal, dim**-0.5)
-            assert float((plain - ref).norm() / ref.norm()) > 10 * tol
+            assert float((plain - ref).norm() / ref.norm()) > max(10 * err, 1e-2)
 
 
 @pytest.mark.parametrize("config", [None, (16, 16, 4, 2, True), (16, 16, 4, 2, False, 2)], ids=str)
@@ -209,7 +209,8 @@ async def test_tree_greedy_equals_plain(tiny_models, backend):
     if backend == "triton":  # (interpreted kernels: the attention paths only)
         calls = [(p, {**params, "max_new_tokens": 8}) for p, params in calls[:2]]
     plain, spec, st = await plain_then_tree(path, calls, chunked_prefill_size=5, max_prefill_tokens=8, **kw)
-    same_outputs(plain, spec)
+    # (on a GPU the triton kernels' float32 products are tf32: verify rows and decode rows round apart)
+    same_outputs(plain, spec, logprob_tol=1e-3 if backend == "triton" and torch.cuda.is_available() else 1e-4)
     assert st["spec_tree_verifies"] > 0 and st["spec_branch_accepted_tokens"] > 0
     assert st["spec_accepted_tokens"] > st["spec_verifies"]
 
