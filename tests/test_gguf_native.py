@@ -210,3 +210,75 @@ def test_gguf_native_benchmark_quick(tmp_path):
     held = doc["weight_bytes"]
     assert held["native"] * 4 < held["fp32"]  # Q4_1 layers and a Q8_0 embedding against fp32
     assert all(doc["decode_tok_s"][m]["1"] > 0 for m in ("native", "fp32"))
+
+
+@pytest.mark.parametrize("mode", ["fp32", "native"])
+def test_threads_converting_one_gguf_into_a_fresh_cache_build_it_once(tmp_path, caplog, mode):
+    """Several threads (one daemon's replicas, or a test suite's engines) resolve the same GGUF
+    at once into an empty cache: each gets the same whole checkpoint, built by one of them."""
+    import logging
+    import threading
+
+    from safetensors.torch import load_file
+
+    from radixd.core.model_loader import read_config, resolve_model
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", seed=2)
+    cache = tmp_path / "cache"
+    n = 6
+    start = threading.Barrier(n)
+    got: list[object] = [None] * n
+
+    def resolve(i: int) -> None:
+        start.wait()
+        try:
+            got[i] = resolve_model(str(path), str(cache), progress=False, gguf_weights=mode)
+        except BaseException as e:  # (asserted below: every thread returned a path)
+            got[i] = e
+
+    with caplog.at_level(logging.INFO, logger="radixd.core.model_loader"):
+        threads = [threading.Thread(target=resolve, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert all(not isinstance(g, BaseException) for g in got), got
+    assert len(set(got)) == 1, got
+    target = got[0]
+    # one entry in the cache, no staging directories left beside it (the lock file may stay)
+    assert [p.name for p in (cache / "models").iterdir() if not p.name.endswith(".lock")] == [target.name]
+    assert read_config(target).num_layers == L
+    if mode == "fp32":
+        assert [r.getMessage() for r in caplog.records].count(f"converting {path} into {target}") == 1
+        state = load_file(str(target / "model.safetensors"))
+        assert state["model.layers.1.mlp.up_proj.weight"].shape == (FF, H)
+    else:
+        assert native.source(target) == path.resolve()
+    # and the entry serves: the same greedy tokens as transformers on the file
+    tokens, _ = asyncio.run(_greedy(str(path), str(cache), mode, n=4))
+    assert tokens == _hf_greedy(path, len(tokens))
+
+
+def test_a_failed_or_killed_build_leaves_no_entry_and_is_redone(tmp_path):
+    from radixd.core.cache_dir import build_once, is_checkpoint
+
+    target = tmp_path / "models" / "m"
+
+    def fails(staging):
+        staging.mkdir()
+        (staging / "config.json").write_text("{}")
+        raise RuntimeError("out of disk")
+
+    with pytest.raises(RuntimeError, match="out of disk"):
+        build_once(target, fails, is_checkpoint)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["m.lock"]
+    target.mkdir()  # a builder killed mid-way in an older layout: a directory without config.json
+    (target / "model.safetensors").write_bytes(b"partial")
+
+    def builds(staging):
+        staging.mkdir()
+        (staging / "config.json").write_text('{"ok": true}')
+
+    assert build_once(target, builds, is_checkpoint) == target
+    assert sorted(p.name for p in target.iterdir()) == ["config.json"]
+    assert build_once(target, fails, is_checkpoint) == target  # done: not rebuilt

@@ -22,6 +22,7 @@ from radixd.core import gguf
 from radixd.core.config import EngineConfig
 from radixd.core.cpu_setup import auto_dtype, set_threads
 from radixd.core.errors import ConfigError
+from radixd.core.hf_names import hf_names
 from radixd.core.kv_manager import FREE_EVERY
 from radixd.core.kv_pool import kv_bytes_per_token
 from radixd.core.kv_quant import KVFormat, is_scale_name, kv_format
@@ -178,8 +179,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_tokenizer(path):
-    from transformers import AutoTokenizer
-
+    (AutoTokenizer,) = hf_names("AutoTokenizer")
     return AutoTokenizer.from_pretrained(str(path))
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from radixd.core.hf_names import hf_names
+
 CONTEXT_TOKENS = 4  # prompt tokens decoded ahead of the output so word-initial spaces survive
 
 
@@ -92,7 +94,7 @@ def _backend_decoder(tokenizer):
     is just that call, else None. It skips transformers' per-call argument handling, which
     costs more than the decoding itself; two decodes run per generated token."""
     try:
-        from transformers import PreTrainedTokenizerFast
+        (PreTrainedTokenizerFast,) = hf_names("PreTrainedTokenizerFast")
     except ImportError:  # pragma: no cover - transformers is a dependency
         return None
     backend = getattr(tokenizer, "_tokenizer", None)

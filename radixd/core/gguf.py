@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,8 +36,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from radixd.core.cache_dir import build_once, is_checkpoint
 from radixd.core.config import GGUF_WEIGHTS
 from radixd.core.errors import ConfigError
+from radixd.core.hf_names import hf_names
 from radixd.core.models.config import ModelConfig
 from radixd.core.models.weights import target_module
 from radixd.core.quant.formats import IntLayout, QuantFormatError
@@ -81,21 +82,19 @@ def choose(option: str, device: torch.device, tp_size: int) -> str:
 
 def prepare(gguf: Path, target: Path) -> Path:
     """``target`` as a checkpoint directory whose weights are ``gguf``'s (module docstring)."""
-    from transformers import AutoConfig, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    AutoConfig, AutoTokenizer = hf_names("AutoConfig", "AutoTokenizer")
+    (causal_lm_names,) = hf_names("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", module="transformers.models.auto.modeling_auto")
 
     _reader(gguf)  # (refuses an architecture or a ggml type before anything is written)
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    cfg = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    cfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[cfg.model_type]]
-    cfg.save_pretrained(str(tmp))
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
-    (tmp / SOURCE).write_text(json.dumps({"file": str(gguf.resolve())}))
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
+    def build(staging: Path) -> None:
+        staging.mkdir()
+        cfg = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        cfg.architectures = [causal_lm_names[cfg.model_type]]
+        cfg.save_pretrained(str(staging))
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(staging))
+        (staging / SOURCE).write_text(json.dumps({"file": str(gguf.resolve())}))
+
+    return build_once(target, build, is_checkpoint)
 
 
 def source(path: Path) -> Path | None:

