@@ -3,18 +3,27 @@ llmcompressor's ``oneshot`` (FP8_DYNAMIC; W4A16's scheme, round-to-nearest, in g
 because the model's width 576 is not a multiple of the preset's 128). Perplexity on a fixed
 public-domain text (tests/data: the opening of Pride and Prejudice, 464 tokens) from
 radixd's prompt logprobs: within 3% (fp8) / 10% (int4) of the unquantized model's, and
-within 1% of transformers' on the same quantized checkpoint."""
+within 1% of transformers' on the same quantized checkpoint.
+
+fp8 activations make one perplexity a draw, not a figure: rounding each activation to 3
+mantissa bits turns a last-bit difference of float arithmetic (another summation order) into
+different fp8 values, which grow through 30 layers. Measured here on this text: transformers
+on checkpoints whose embeddings differ by 1e-7 relative gave 16.50-16.66 (eight draws),
+radixd 16.46-16.66 (six). So FP8_DYNAMIC is compared by the medians of both over the same
+five such twins of the checkpoint (a single draw each missed 1% by 0.2% once)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
 import torch
 from quant_checkpoints import decompressed_twin, oneshot_checkpoint
+from safetensors.torch import load_file, save_file
 from test_engine import make_engine
 from test_prompt_logprobs import prompt_lp
 
@@ -68,6 +77,26 @@ def hf_ppl(path: Path, ids: list[int]) -> float:
         return math.exp(float(model(torch.tensor([ids]), labels=torch.tensor([ids])).loss))
 
 
+def jittered_twins(path: Path, dst: Path, n: int) -> list[Path]:
+    """``path`` and ``n - 1`` copies whose (float) embedding table is multiplied by
+    ``1 + 1e-7 * N(0, 1)``, seeded: the same model up to the last bits of float arithmetic."""
+    state = load_file(path / "model.safetensors")
+    emb = state["model.embed_tokens.weight"]
+    assert emb.dtype == torch.float32
+    gen = torch.Generator().manual_seed(0)
+    twins = [path]
+    for i in range(1, n):
+        twin = dst / f"twin{i}"
+        twin.mkdir(parents=True)
+        for f in path.iterdir():
+            if f.name != "model.safetensors":
+                (twin / f.name).symlink_to(f)
+        state["model.embed_tokens.weight"] = emb * (1 + 1e-7 * torch.randn(emb.shape, generator=gen))
+        save_file(state, twin / "model.safetensors", metadata={"format": "pt"})
+        twins.append(twin)
+    return twins
+
+
 @pytest.fixture(scope="module")
 def plain_ppl(smol_quantized):
     base, _ = smol_quantized
@@ -84,8 +113,14 @@ async def test_quantized_perplexity(smol_quantized, plain_ppl, tmp_path, scheme)
     base, quantized = smol_quantized
     ids, plain = plain_ppl
     path = quantized[scheme]
-    ours = await radixd_ppl(path, ids)
-    theirs = hf_ppl(path if scheme == "FP8_DYNAMIC" else decompressed_twin(path, base, tmp_path / "dense"), ids)
+    if scheme == "FP8_DYNAMIC":
+        twins = jittered_twins(path, tmp_path / "jitter", 5)
+        ours = statistics.median([await radixd_ppl(t, ids) for t in twins])
+        theirs = statistics.median([hf_ppl(t, ids) for t in twins])
+    else:
+        ours = await radixd_ppl(path, ids)
+        theirs = hf_ppl(decompressed_twin(path, base, tmp_path / "dense"), ids)
+    print(f"{scheme}: radixd {ours:.3f}, transformers {theirs:.3f}, unquantized {plain:.3f}")
     assert abs(ours - theirs) / theirs < 0.01, (ours, theirs)
     assert ours != plain  # (the quantized weights were read, not the plain ones)
     if scheme == "W4A16" and abs(ours - plain) / plain >= SCHEMES[scheme][1]:
