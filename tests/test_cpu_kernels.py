@@ -1,9 +1,14 @@
 """radixd's C kernels for the CPU (``cpu_kernels``): decode attention over the pool equals an
 explicit softmax(q.k) v over each request's slots, for the head groups and head sizes the
-dispatcher specializes and for others; the int4 weight read back from torch's packing equals
+dispatcher specializes and for others, with the AVX512-BF16 kernel and without
+(``RADIXD_CPU_ISA=baseline``); the int4 weight read back from torch's packing equals
 the weight torch's int4 kernel multiplies by; the grouped int8 matmul equals its definition,
-across its 8-row chunks; the library is built once into the cache, and without a compiler
-(or switched off) it is None and the callers keep torch's paths."""
+across its 8-row chunks; the VNNI integer kernels (int4 / int8 weights, int8 activations per
+block of 32) equal a float reference on the same quantized activations at 1-16 rows and odd
+column counts, and stay within a stated distance of the float product; under
+``RADIXD_CPU_ISA=baseline`` weights are packed for torch's kernels instead; the library is
+built once into the cache, and without a compiler (or switched off) it is None and the callers
+keep torch's paths."""
 
 from __future__ import annotations
 
@@ -13,7 +18,28 @@ import pytest
 import torch
 
 from radixd.core import cpu_kernels
-from radixd.core.quant.cpu_int import DEQUANT_ROWS, CpuIntWeight, cpu_int_linear, pack_cpu
+from radixd.core.quant.cpu_int import (
+    DEQUANT_ROWS,
+    VNNI_GEMM_ROWS,
+    CpuIntWeight,
+    cpu_int_linear,
+    pack_cpu,
+    pack_vnni,
+    rows,
+)
+from radixd.core.quant.ops import pack_int4
+
+needs_vnni = pytest.mark.skipif(not cpu_kernels.vnni(), reason="this CPU has no AVX512-VNNI (the fallback is tested)")
+
+
+@pytest.fixture
+def baseline(monkeypatch):
+    """The kernels that need no CPU extension only (what a CPU without VNNI / BF16 runs)."""
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "baseline")
+    cpu_kernels.reset()
+    yield
+    monkeypatch.undo()
+    cpu_kernels.reset()
 
 
 def reference_decode(q, k_buf, v_buf, slots, lens, scale):
@@ -28,9 +54,12 @@ def reference_decode(q, k_buf, v_buf, slots, lens, scale):
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("isa", ["native", "baseline"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 64), (8, 2, 128), (6, 2, 48), (16, 1, 32)])
-def test_decode_matches_softmax_attention(dtype, heads, kv_heads, dim):
+def test_decode_matches_softmax_attention(dtype, heads, kv_heads, dim, isa, request):
+    if isa == "baseline":
+        request.getfixturevalue("baseline")
     g = torch.Generator().manual_seed(heads * dim)
     k_buf = torch.randn(400, kv_heads, dim, generator=g).to(dtype)
     v_buf = torch.randn(400, kv_heads, dim, generator=g).to(dtype)
@@ -59,7 +88,7 @@ def test_decode_refuses_what_it_does_not_take():
     assert cpu_kernels.takes(torch.float32, k, 4)
 
 
-def test_int4_weight_read_back_is_what_the_int4_kernel_multiplies():
+def test_int4_weight_read_back_is_what_the_int4_kernel_multiplies(baseline):
     assert cpu_kernels.int4pack_readable()
     g = torch.Generator().manual_seed(1)
     n, k, group = 192, 256, 64
@@ -70,6 +99,7 @@ def test_int4_weight_read_back_is_what_the_int4_kernel_multiplies():
     scales = torch.rand(n, k // group, generator=g) + 0.5
     zeros = torch.randint(0, 16, (n, k // group), generator=g).float()
     w = pack_cpu(qw, scales, zeros, 4, group)
+    assert w.kind == "torch"  # (baseline: torch's packing)
     dense = cpu_kernels.int4pack_to_bf16(w.q, w.scales, n, k, group)  # [k, n]
     assert dense.shape == (k, n) and dense.dtype == torch.bfloat16
     unpacked = torch.stack([(q >> (4 * i)) & 15 for i in range(8)], -1).reshape(n, k).float()
@@ -154,3 +184,102 @@ def test_norm_and_rotary_equal_torchs_paths(dtype, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(IndexError, match="past the table"):
         rot(torch.tensor([512, 0, 0, 0, 0]), q, k)
+
+
+def q8_reference(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the VNNI kernels see it: per row and block of 32, round(x / d) * d with
+    d = max|x| / 127 (llama.cpp's Q8 activations)."""
+    m, k = x.shape
+    xb = x.float().view(m, k // 32, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    return (torch.where(d > 0, (xb / d).round(), 0) * d).view(m, k)
+
+
+def random_q(bits: int, n: int, k: int, g: torch.Generator):
+    """A q4 (w = d * q + m) or q8 (w = d * (u - 128)) weight: (q, d, m or None, float w)."""
+    if bits == 4:
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+        d = (torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+        m = (-torch.rand(n, k // 32, generator=g) * 0.8).half().float()
+        return q, d, m, q.float() * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
+    q = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
+    d = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
+    return q, d, None, (q.float() - 128) * d.repeat_interleave(32, 1)
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("n", "k"), [(37, 64), (96, 160), (301, 576)])
+def test_vnni_matmul_matches_a_float_reference(bits, n, k):
+    g = torch.Generator().manual_seed(bits * n + k)
+    q, d, m, w = random_q(bits, n, k, g)
+    rec = pack_vnni(q, d, m)
+    assert rec.shape == ((n + 15) // 16, k // 32, 320 if bits == 4 else 544)
+    for rows_ in (*range(1, 17), 20):  # (the kernel takes rows 8 at a time)
+        x = torch.randn(rows_, k, generator=g)
+        x[0, :32] = 0  # a block of zeros: d = 0
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            got = cpu_kernels.qmm(xd, rec, bits, n, k)
+            assert got.shape == (rows_, n) and got.dtype == dtype
+            want = q8_reference(xd) @ w.t()
+            scale = want.abs().max().item()
+            # the same quantized activations: int32 sums exact, float32 scaling; an activation
+            # rounding the other way at a .5 tie moves a sum by one step; bf16 output rounding
+            tol = 1e-4 if dtype == torch.float32 else 2**-8
+            torch.testing.assert_close(got.float(), want, atol=tol * scale, rtol=0)
+            # against the float product: Q8 activations cost about 1/254 of a block's largest
+            torch.testing.assert_close(got.float(), xd.float() @ w.t(), atol=2e-2 * scale, rtol=0)
+    gate_up = torch.randn(5, 2 * k, generator=g).to(torch.bfloat16)  # SiLU(gate) * up in the kernel
+    h = torch.nn.functional.silu(gate_up[:, :k].float()) * gate_up[:, k:].float()
+    torch.testing.assert_close(cpu_kernels.qmm(gate_up, rec, bits, n, k, silu=True).float(), q8_reference(h) @ w.t(),
+                               atol=2**-8 * (h @ w.t()).abs().max().item(), rtol=0)
+    dense = cpu_kernels.qdequant_bf16(rec, bits, n, k)  # [k, n], for prefill's GEMM
+    torch.testing.assert_close(dense.float(), w.t(), atol=0, rtol=2**-8)
+    with pytest.raises(ValueError, match="columns"):
+        cpu_kernels.qmm(torch.randn(2, k + 32), rec, bits, n, k)
+
+
+@needs_vnni
+@pytest.mark.parametrize(("bits", "group", "symmetric"), [(4, 32, False), (4, 64, False), (4, 128, True), (8, 32, True)])
+def test_packed_linear_takes_vnni_and_its_rows_and_many_rows_agree(bits, group, symmetric):
+    from radixd.core.quant.ops import dequantize_int, quantize_int
+
+    g = torch.Generator().manual_seed(group)
+    n, k = 80, 256
+    wf = torch.randn(n, k, generator=g)
+    qw, s, z = quantize_int(wf, bits, group, symmetric)
+    w = pack_cpu(qw, s, z, bits, group)
+    assert w.kind == "vnni" and w.q.dtype == torch.uint8
+    dense = dequantize_int(qw, s, z, bits, group)
+    x = torch.randn(VNNI_GEMM_ROWS + 3, k, generator=g).to(torch.bfloat16)
+    few = torch.cat([cpu_int_linear(x[i : i + VNNI_GEMM_ROWS], w) for i in range(0, x.shape[0], VNNI_GEMM_ROWS)])
+    many = cpu_int_linear(x, w)  # int4: dequantized + bf16 GEMM; int8: the kernel
+    scale = (x.float() @ dense.t()).abs().max().item()
+    torch.testing.assert_close(few.float(), q8_reference(x) @ dense.t(), atol=2**-7 * scale, rtol=0)
+    torch.testing.assert_close(many.float(), x.float() @ dense.t(), atol=2e-2 * scale, rtol=0)
+    if bits == 8:  # an int8 table's rows (an embedding lookup) read back from the records
+        ids = torch.tensor([[0, 79, 17], [16, 15, 64]])
+        torch.testing.assert_close(rows(w, ids, torch.float32), dense[ids], atol=0, rtol=2**-11)  # (fp16 scales)
+
+
+def test_without_vnni_weights_are_packed_for_torchs_kernels(baseline):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (48, 64), dtype=torch.uint8, generator=g)
+    s = torch.rand(48, 2, generator=g)
+    assert not cpu_kernels.vnni() and not cpu_kernels.bf16dp()
+    w4 = pack_cpu(pack_int4(q), s, torch.full_like(s, 8.0), 4, 32)
+    w8 = pack_cpu(q + 100, s, None, 8, 32)
+    assert (w4.kind, w8.kind) == ("torch", "torch") and w8.q.dtype == torch.int8
+    x = torch.randn(3, 64, generator=g)
+    dense = (q.float() - 8) * s.repeat_interleave(32, 1)
+    want = x @ dense.t()
+    torch.testing.assert_close(cpu_int_linear(x, w4), want, atol=2**-7 * want.abs().max().item(), rtol=0)  # (bf16)
+
+
+@needs_vnni
+def test_scales_fp16_cannot_hold_keep_torchs_packing():
+    q = torch.randint(0, 16, (32, 64), dtype=torch.uint8)
+    tiny = torch.full((32, 2), 1e-6)  # below fp16's normal range
+    assert pack_cpu(pack_int4(q), tiny, torch.full_like(tiny, 8.0), 4, 32).kind == "torch"
+    assert pack_cpu(pack_int4(q), tiny * 1e4, torch.full_like(tiny, 8.0), 4, 32).kind == "vnni"

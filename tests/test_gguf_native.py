@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from radixd import Engine, SamplingParams
+from radixd.core import cpu_kernels
 from radixd.core import gguf as native
 from radixd.core.errors import ConfigError
 from radixd.core.quant.formats import IntLayout
@@ -23,6 +24,22 @@ H, FF, L, NH, KV, V = 64, 128, 2, 4, 2, 256
 PROMPT = [1, 17, 93, 200, 45, 8, 150]
 # bf16 activations and bf16 outputs in the int kernels: about 2**-8 of a result's scale
 BF16 = 2.0**-7
+# int8 activations per block of 32 (the VNNI kernels, as llama.cpp): about 1/254 of a block's largest
+Q8 = 2.0**-5
+
+
+@pytest.fixture(params=["native", "baseline"])
+def isa(request, monkeypatch):
+    """The CPU's integer kernels (int8 activations, where it has AVX512-VNNI) or, "baseline",
+    torch's int kernels (bf16 activations) as on a CPU without."""
+    if request.param == "native" and not cpu_kernels.vnni():
+        pytest.skip("this CPU has no AVX512-VNNI")
+    if request.param == "baseline":
+        monkeypatch.setenv(cpu_kernels.ISA_ENV, "baseline")
+    cpu_kernels.reset()
+    yield request.param
+    monkeypatch.undo()
+    cpu_kernels.reset()
 
 
 def write_tiny_gguf(path, seed: int = 0, untied: bool = False):
@@ -105,7 +122,7 @@ def test_header_and_canonical_layout_are_the_files(tiny_gguf):
 
 @pytest.mark.parametrize("bits,symmetric", [(4, False), (4, True), (8, True)])
 @pytest.mark.parametrize("rows", [1, 8])
-def test_cpu_kernels_match_the_dequantized_weight(bits, symmetric, rows):
+def test_cpu_kernels_match_the_dequantized_weight(bits, symmetric, rows, isa):
     torch.manual_seed(0)
     n, k = 96, 160
     w = torch.randn(n, k)
@@ -122,7 +139,8 @@ def test_cpu_kernels_match_the_dequantized_weight(bits, symmetric, rows):
     assert layer.pack_for_cpu() and not hasattr(layer, "weight")
     got = layer(x)
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got, want, rtol=0, atol=BF16 * want.abs().max().item())
+    assert layer.cpu.kind == ("vnni" if isa == "native" else "torch")
+    torch.testing.assert_close(got, want, rtol=0, atol=(Q8 if isa == "native" else BF16) * want.abs().max().item())
 
 
 def test_gguf_weights_choice():
@@ -160,12 +178,13 @@ def _hf_greedy(path, n: int) -> list[int]:
                        pad_token_id=0)[0, len(PROMPT):].tolist()
 
 
-def test_tiny_gguf_native_matches_fp32_and_transformers(tiny_gguf, tmp_path):
+def test_tiny_gguf_native_matches_fp32_and_transformers(tiny_gguf, tmp_path, isa):
     got, got_lp = asyncio.run(_greedy(str(tiny_gguf), str(tmp_path), "native"))
     ref, ref_lp = asyncio.run(_greedy(str(tiny_gguf), str(tmp_path), "fp32"))
     assert (tmp_path / "models").is_dir() and any(p.name.endswith("-gguf") for p in (tmp_path / "models").iterdir())
-    # the kernels' bf16 activations: about 2**-8 of each layer's output; the logits here are ~40
-    np.testing.assert_allclose(got_lp, ref_lp, rtol=2e-2, atol=0.05)
+    # the kernels' bf16 activations: about 2**-8 of each layer's output; the logits here are ~40;
+    # int8 activations per block of 32 (llama.cpp's Q8, "native" on a VNNI CPU) about twice that
+    np.testing.assert_allclose(got_lp, ref_lp, rtol=2e-2 if isa == "baseline" else 4e-2, atol=0.05)
     want = _hf_greedy(tiny_gguf, len(got))
     assert ref == want
     assert got == want
@@ -254,8 +273,9 @@ def test_threads_converting_one_gguf_into_a_fresh_cache_build_it_once(tmp_path, 
         assert state["model.layers.1.mlp.up_proj.weight"].shape == (FF, H)
     else:
         assert native.source(target) == path.resolve()
-    # and the entry serves: the same greedy tokens as transformers on the file
-    tokens, _ = asyncio.run(_greedy(str(path), str(cache), mode, n=4))
+    # and the entry serves: the same greedy tokens as transformers on the file (three: its
+    # fourth is a near-tie, 17.521 against 17.469, that int8 activations may turn)
+    tokens, _ = asyncio.run(_greedy(str(path), str(cache), mode, n=3))
     assert tokens == _hf_greedy(path, len(tokens))
 
 

@@ -247,3 +247,414 @@ DEFINE_NORM(add_rmsnorm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_NORM(add_rmsnorm_f32, float, IDENT, IDENT)
 DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_ROTARY(rotary_f32, float, IDENT, IDENT)
+
+/* ---- Integer dot products for few rows: int4 / int8 weights in blocks of 32, activations
+ * quantized to int8 per block of 32 (llama.cpp's Q8 activations), AVX512-VNNI.
+ *
+ * Weights, repacked once at load (cpu_int.pack_cpu), per group c of 16 output columns and
+ * block b of 32 input columns, one record after another (c major, then b):
+ *   q4 (320 bytes): 4 x 64 bytes of nibbles, then d[16], m[16] as fp16: w = d * q + m.
+ *       Chunk j, lane l (column 16c + l), byte i: low nibble w[.., 32b + 8j + i],
+ *       high nibble w[.., 32b + 8j + 4 + i] (q 0..15).
+ *   q8 (544 bytes): 8 x 64 bytes, chunk j lane l byte i = w[.., 32b + 4j + i] + 128 (uint8),
+ *       then d[16] fp16: w = d * (u - 128).
+ * The 4 bytes of one lane are what vpdpbusd multiplies by 4 activation bytes and sums into
+ * that lane's int32: 16 columns at once, a column's sum never crosses lanes, and each
+ * weight vector is loaded once for all rows. Per (row, block) the int32 sum becomes float
+ * once: y += d_w * d_x * sum(q_w * q_x) + m_w * (d_x * sum(q_x))  (q4)
+ *        y += d_w * d_x * (sum(u_w * q_x) - 128 * sum(q_x))      (q8).
+ *
+ * Activations: x [M, K] (float32 or bf16, row stride ldx) quantized per row and block of 32:
+ * d_x = max|x| / 127, q_x = round(x / d_x) (to nearest even); with act = 1 the input is
+ * [M, 2K] gate | up and the quantized row is SiLU(gate) * up (in float32).
+ * Output y [M, N] float32 or bf16 (row stride ldy). */
+
+#include <immintrin.h>
+#include <stdlib.h>
+
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")))
+#define Q4_REC 320
+#define Q8_REC 544
+
+typedef struct {
+    int8_t *q;      /* [M][K] */
+    float *d;       /* [M][B] activation scale */
+    float *s;       /* [M][B] d * sum(q)  (q4's min term) */
+    int32_t *neg;   /* [M][B] -128 * sum(q) (q8's offset) */
+} act_t;
+
+static inline float silu_f(float g) { return g / (1.f + expf(-g)); }
+
+/* One row of K floats quantized into act rows r. */
+static void quantize_row(const float *xf, int64_t K, int8_t *q, float *d, float *s, int32_t *neg) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float *xb = xf + b * 32;
+        float amax = 0.f;
+        _Pragma("omp simd reduction(max:amax)")
+        for (int i = 0; i < 32; i++) { const float a = fabsf(xb[i]); amax = a > amax ? a : amax; }
+        const float db = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t sum = 0;
+        _Pragma("omp simd reduction(+:sum)")
+        for (int i = 0; i < 32; i++) {
+            const int32_t v = (int32_t)nearbyintf(xb[i] * id);
+            q[b * 32 + i] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = db;
+        s[b] = db * (float)sum;
+        neg[b] = -128 * sum;
+    }
+}
+
+/* x rows to float (and SiLU(gate) * up), then quantized; tmp holds one row of K floats. */
+static void quantize_act(const void *x, int x_bf16, int64_t ldx, int act, int64_t M, int64_t K, act_t *a,
+                         float *tmp) {
+    const int64_t B = K / 32;
+    for (int64_t r = 0; r < M; r++) {
+        if (x_bf16) {
+            const uint16_t *xr = (const uint16_t *)x + r * ldx;
+            if (act) {
+                _Pragma("omp simd")
+                for (int64_t i = 0; i < K; i++) {
+                    const float g = bf16_to_f32(xr[i]);
+                    tmp[i] = silu_f(g) * bf16_to_f32(xr[K + i]);
+                }
+            } else {
+                _Pragma("omp simd")
+                for (int64_t i = 0; i < K; i++) tmp[i] = bf16_to_f32(xr[i]);
+            }
+        } else {
+            const float *xr = (const float *)x + r * ldx;
+            if (act) {
+                _Pragma("omp simd")
+                for (int64_t i = 0; i < K; i++) tmp[i] = silu_f(xr[i]) * xr[K + i];
+            } else {
+                memcpy(tmp, xr, K * sizeof(float));
+            }
+        }
+        quantize_row(tmp, K, a->q + r * K, a->d + r * B, a->s + r * B, a->neg + r * B);
+    }
+}
+
+static inline int32_t load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+VNNI_TARGET static inline void store_rows(const __m512 *acc, int R, void *y, int y_bf16, int64_t ldy, int64_t n0,
+                                          int64_t N) {
+    const __mmask16 mask = N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1u);
+    for (int r = 0; r < R; r++) {
+        if (y_bf16) {
+            /* round to nearest even, as f32_to_bf16 */
+            __m512i u = _mm512_castps_si512(acc[r]);
+            __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+            __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+            _mm256_mask_storeu_epi16((uint16_t *)y + r * ldy + n0, mask, h);
+        } else {
+            _mm512_mask_storeu_ps((float *)y + r * ldy + n0, mask, acc[r]);
+        }
+    }
+}
+
+/* 16 columns (one record stream wc) times R rows of activations. */
+VNNI_TARGET static inline __attribute__((always_inline)) void q4_cols(
+        const uint8_t *wc, int64_t B, const act_t *a, int64_t K, int64_t r0, const int R,
+        void *y, int y_bf16, int64_t ldy, int64_t n0, int64_t N) {
+    __m512 acc[8];
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < B; b++) {
+        const uint8_t *rec = wc + b * Q4_REC;
+        __m512i dot[8];
+        for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m512i w = _mm512_loadu_si512(rec + 64 * j);
+            const __m512i lo = _mm512_and_si512(w, low);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+            for (int r = 0; r < R; r++) {
+                const int8_t *xq = a->q + (r0 + r) * K + b * 32 + 8 * j;
+                dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(load_i32(xq)));
+                dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(load_i32(xq + 4)));
+            }
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 256)));
+        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288)));
+        for (int r = 0; r < R; r++) {
+            const int64_t i = (r0 + r) * B + b;
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(dw, _mm512_set1_ps(a->d[i])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->s[i]), acc[r]);
+        }
+    }
+    store_rows(acc, R, (char *)y + r0 * ldy * (y_bf16 ? 2 : 4), y_bf16, ldy, n0, N);
+}
+
+VNNI_TARGET static inline __attribute__((always_inline)) void q8_cols(
+        const uint8_t *wc, int64_t B, const act_t *a, int64_t K, int64_t r0, const int R,
+        void *y, int y_bf16, int64_t ldy, int64_t n0, int64_t N) {
+    __m512 acc[8];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < B; b++) {
+        const uint8_t *rec = wc + b * Q8_REC;
+        __m512i dot[8];
+        for (int r = 0; r < R; r++) dot[r] = _mm512_set1_epi32(a->neg[(r0 + r) * B + b]);
+        for (int j = 0; j < 8; j++) {
+            const __m512i w = _mm512_loadu_si512(rec + 64 * j);
+            for (int r = 0; r < R; r++)
+                dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(load_i32(a->q + (r0 + r) * K + b * 32 + 4 * j)));
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 512)));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(dw, _mm512_set1_ps(a->d[(r0 + r) * B + b])),
+                                     acc[r]);
+    }
+    store_rows(acc, R, (char *)y + r0 * ldy * (y_bf16 ? 2 : 4), y_bf16, ldy, n0, N);
+}
+
+#define COLS_CASE(FN, R) case R: FN(wc, B, &a, K, r0, R, y, y_bf16, ldy, n0, N); break;
+#define DEFINE_QMM(NAME, FN, REC)                                                                 \
+VNNI_TARGET static void NAME##_range(const uint8_t *w, const act_t *ap, int64_t M, int64_t N, int64_t K, \
+                                     void *y, int y_bf16, int64_t ldy, int64_t c0, int64_t c1) {  \
+    const act_t a = *ap;                                                                          \
+    const int64_t B = K / 32;                                                                     \
+    for (int64_t c = c0; c < c1; c++) {                                                           \
+        const uint8_t *wc = w + c * B * REC;                                                      \
+        const int64_t n0 = c * 16;                                                                \
+        for (int64_t r0 = 0; r0 < M; r0 += 8) {                                                   \
+            switch (M - r0 < 8 ? M - r0 : 8) {                                                   \
+                COLS_CASE(FN, 1) COLS_CASE(FN, 2) COLS_CASE(FN, 3) COLS_CASE(FN, 4)               \
+                COLS_CASE(FN, 5) COLS_CASE(FN, 6) COLS_CASE(FN, 7) COLS_CASE(FN, 8)               \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+}
+DEFINE_QMM(q4mm, q4_cols, Q4_REC)
+DEFINE_QMM(q8mm, q8_cols, Q8_REC)
+
+/* 1 where this CPU (and its OS) runs the VNNI kernels. */
+int vnni_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
+/* The activation buffers of M rows of K: act_t's arrays and one float row, in mem. */
+static size_t act_bytes(int64_t M, int64_t K) {
+    return M * K + M * (K / 32) * (2 * sizeof(float) + sizeof(int32_t)) + K * sizeof(float);
+}
+
+static float *act_init(act_t *a, char *mem, int64_t M, int64_t K) {
+    const int64_t B = K / 32;
+    a->q = (int8_t *)mem;
+    a->d = (float *)(mem + M * K);
+    a->s = a->d + M * B;
+    a->neg = (int32_t *)(a->s + M * B);
+    return (float *)(a->neg + M * B);
+}
+
+VNNI_TARGET static void qmm_run(int bits, const void *x, int x_bf16, int64_t ldx, int act, const uint8_t *w, void *y,
+                                int y_bf16, int64_t ldy, int64_t M, int64_t N, int64_t K, char *mem) {
+    act_t a;
+    float *tmp = act_init(&a, mem, M, K);
+    quantize_act(x, x_bf16, ldx, act, M, K, &a, tmp);
+    const int64_t C = (N + 15) / 16;
+    if (bits == 4) q4mm_range(w, &a, M, N, K, y, y_bf16, ldy, 0, C);
+    else q8mm_range(w, &a, M, N, K, y, y_bf16, ldy, 0, C);
+}
+
+/* y [M, N] = x [M, K] @ W.T for a q4 (bits 4) or q8 (bits 8) weight; K a multiple of 32; x
+ * float32 or bf16 (x_bf16), y likewise; act 1: x is [M, 2K] gate | up, multiplied as
+ * SiLU(gate) * up. Any M: each column group's weights are read once from memory for all rows
+ * (kept in L1 across the row chunks of 8). Returns 0, or -1 (shape out of range), -2 (no
+ * memory). The caller checked vnni_supported(). */
+int qmm_vnni(int bits, const void *x, int x_bf16, int64_t ldx, int act, const uint8_t *w, void *y, int y_bf16,
+             int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    if (M < 1 || K % 32 || (bits != 4 && bits != 8)) return -1;
+    char *mem = malloc(act_bytes(M, K));
+    if (!mem) return -2;
+    qmm_run(bits, x, x_bf16, ldx, act, w, y, y_bf16, ldy, M, N, K, mem);
+    free(mem);
+    return 0;
+}
+
+/* A q4 / q8 weight dequantized to bf16 and transposed, out [K, N] (x @ out is x @ W.T), for
+ * the GEMMs of many rows. A chunk's 16 lanes x 4 bytes are transposed to 4 x 16 bytes (one
+ * byte shuffle within 128-bit lanes, one dword permute), so that each output row's 16 columns
+ * are 16 consecutive bytes. */
+VNNI_TARGET static inline void row16_bf16(__m128i bytes, __m512 d, __m512 m, uint16_t *o, __mmask16 mask) {
+    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), d, m);
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    _mm256_mask_storeu_epi16(o, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
+VNNI_TARGET void qdequant_bf16_t(int bits, const uint8_t *w, uint16_t *out, int64_t N, int64_t K) {
+    const int64_t B = K / 32, C = (N + 15) / 16, rec_bytes = bits == 4 ? Q4_REC : Q8_REC;
+    /* within each 128-bit lane: 4 lanes x 4 bytes -> 4 bytes i x 4 lanes */
+    const __m512i tr = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+    const __m512i gather = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t c = 0; c < C; c++) {
+        const int64_t n0 = c * 16;
+        const __mmask16 mask = N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1u);
+        for (int64_t b = 0; b < B; b++) {
+            const uint8_t *rec = w + (c * B + b) * rec_bytes;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + (bits == 4 ? 256 : 512))));
+            const __m512 m = bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288)))
+                                       : _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
+            for (int j = 0; j < (bits == 4 ? 4 : 8); j++) {
+                /* bytes [i][l]: 16 columns of row i of this chunk in each 128-bit quarter */
+                const __m512i t = _mm512_permutexvar_epi32(gather, _mm512_shuffle_epi8(_mm512_loadu_si512(rec + 64 * j), tr));
+                if (bits == 4) {
+                    const __m512i lo = _mm512_and_si512(t, low), hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
+                    uint16_t *o = out + (b * 32 + 8 * j) * N + n0;
+                    row16_bf16(_mm512_extracti32x4_epi32(lo, 0), d, m, o, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(lo, 1), d, m, o + N, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(lo, 2), d, m, o + 2 * N, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(lo, 3), d, m, o + 3 * N, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(hi, 0), d, m, o + 4 * N, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(hi, 1), d, m, o + 5 * N, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(hi, 2), d, m, o + 6 * N, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(hi, 3), d, m, o + 7 * N, mask);
+                } else {
+                    uint16_t *o = out + (b * 32 + 4 * j) * N + n0;
+                    row16_bf16(_mm512_extracti32x4_epi32(t, 0), d, m, o, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(t, 1), d, m, o + N, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(t, 2), d, m, o + 2 * N, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(t, 3), d, m, o + 3 * N, mask);
+                }
+            }
+        }
+    }
+}
+
+/* ---- Decode attention with AVX512-BF16 dot products (bf16 pool; same contract as decode_bf16).
+ * Scores: vdpbf16ps of the query head and the key (the products exact, summed in float32),
+ * four keys at once reduced to four scores in one shuffle tree; the scale is applied to the
+ * score. Softmax and the values' weighted sum in float32 as decode_bf16. */
+
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+int bf16dp_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16");
+}
+
+/* Four float32 vectors to their four sums, in lanes 0, 4, 8, 12 of the result. */
+BF16_TARGET static inline __m512 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    const __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));
+    return _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
+}
+
+BF16_TARGET static inline __m512 bf16x16_to_f32(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* One request, every head: keys and values in tiles of TILE slots, each tile read once for
+ * all KV heads (a slot's heads lie together in the pool). */
+#define TILE 32
+#define DP_MAX_HD 8192
+BF16_TARGET static inline __attribute__((always_inline)) void req_bf16dp(
+        const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *row, int64_t n, uint16_t *out,
+        int64_t Hkv, float scale, float *scratch, const int64_t G, const int64_t D) {
+    const int64_t C = D / 32, Hq = Hkv * G, slot = Hkv * D;
+    const __m512i pick = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < n; j0 += TILE) {
+        const int64_t j1 = j0 + TILE < n ? j0 + TILE : n;
+        for (int64_t h = 0; h < Hkv; h++) {
+            __m512bh qv[MAX_G][MAX_D / 32];
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t c = 0; c < C; c++) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + (h * G + g) * D + c * 32);
+            int64_t j = j0;
+            for (; j + 4 <= j1; j += 4) {
+                const uint16_t *kr[4];
+                for (int t = 0; t < 4; t++) kr[t] = k + row[j + t] * slot + h * D;
+                for (int64_t g = 0; g < G; g++) {
+                    __m512 acc[4];
+                    for (int t = 0; t < 4; t++) {
+                        acc[t] = _mm512_setzero_ps();
+                        for (int64_t c = 0; c < C; c++)
+                            acc[t] = _mm512_dpbf16_ps(acc[t], qv[g][c], (__m512bh)_mm512_loadu_si512(kr[t] + c * 32));
+                    }
+                    const __m512 s4 = _mm512_permutexvar_ps(pick, sum4(acc[0], acc[1], acc[2], acc[3]));
+                    _mm_storeu_ps(scratch + (h * G + g) * n + j, _mm512_castps512_ps128(_mm512_mul_ps(s4, vscale)));
+                }
+            }
+            for (; j < j1; j++) {
+                const uint16_t *kr = k + row[j] * slot + h * D;
+                for (int64_t g = 0; g < G; g++) {
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int64_t c = 0; c < C; c++)
+                        acc = _mm512_dpbf16_ps(acc, qv[g][c], (__m512bh)_mm512_loadu_si512(kr + c * 32));
+                    scratch[(h * G + g) * n + j] = _mm512_reduce_add_ps(acc) * scale;
+                }
+            }
+        }
+    }
+    float sum[DP_MAX_HD / 32];
+    for (int64_t e = 0; e < Hq; e++) {
+        float *sc = scratch + e * n, t = -FLT_MAX, z = 0.f;
+        _Pragma("omp simd reduction(max:t)")
+        for (int64_t i = 0; i < n; i++) t = sc[i] > t ? sc[i] : t;
+        _Pragma("omp simd reduction(+:z)")
+        for (int64_t i = 0; i < n; i++) { sc[i] = expf(sc[i] - t); z += sc[i]; }
+        sum[e] = z;
+    }
+    float accm[DP_MAX_HD / 16][16] __attribute__((aligned(64)));  /* the heads' sums between tiles */
+    memset(accm, 0, Hq * D * sizeof(float));
+    for (int64_t j0 = 0; j0 < n; j0 += TILE) {
+        const int64_t j1 = j0 + TILE < n ? j0 + TILE : n;
+        for (int64_t h = 0; h < Hkv; h++) {
+            __m512 acc[MAX_G][MAX_D / 16];
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t c = 0; c < D / 16; c++) acc[g][c] = _mm512_load_ps(accm[(h * G + g) * D / 16 + c]);
+            for (int64_t i = j0; i < j1; i++) {
+                const uint16_t *vr = v + row[i] * slot + h * D;
+                __m512 vf[MAX_D / 16];
+                for (int64_t c = 0; c < D / 16; c++) vf[c] = bf16x16_to_f32(vr + c * 16);
+                for (int64_t g = 0; g < G; g++) {
+                    const __m512 p = _mm512_set1_ps(scratch[(h * G + g) * n + i]);
+                    for (int64_t c = 0; c < D / 16; c++) acc[g][c] = _mm512_fmadd_ps(p, vf[c], acc[g][c]);
+                }
+            }
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t c = 0; c < D / 16; c++) _mm512_store_ps(accm[(h * G + g) * D / 16 + c], acc[g][c]);
+        }
+    }
+    for (int64_t e = 0; e < Hq; e++) {
+        const __m512 inv = _mm512_set1_ps(1.f / sum[e]);
+        for (int64_t c = 0; c < D / 16; c++) {
+            __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(accm[e * D / 16 + c]), inv));
+            const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+            _mm256_storeu_si256((__m256i *)(out + e * D + c * 16), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+        }
+    }
+}
+
+#define CASE_DP(GG, DD) case GG * 1000 + DD: req_bf16dp(qb, k, v, row, n, ob, Hkv, scale, scratch, GG, DD); break;
+
+/* scratch: float [Hq * L] (the scores of one request). Hq * D at most DP_MAX_HD. */
+BF16_TARGET int decode_bf16_dp(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *slots,
+                               const int64_t *lens, uint16_t *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                               int64_t L, float scale, float *scratch) {
+    const int64_t G = Hq / Hkv;
+    if (G > MAX_G || D > MAX_D || D % 32 || G * Hkv != Hq || Hq * D > DP_MAX_HD) return -1;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = lens[b], *row = slots + b * L;
+        const uint16_t *qb = q + b * Hq * D;
+        uint16_t *ob = out + b * Hq * D;
+        switch (G * 1000 + D) {
+            CASE_DP(1, 64) CASE_DP(2, 64) CASE_DP(3, 64) CASE_DP(4, 64)
+            CASE_DP(5, 64) CASE_DP(6, 64) CASE_DP(7, 64) CASE_DP(8, 64)
+            CASE_DP(1, 128) CASE_DP(2, 128) CASE_DP(4, 128) CASE_DP(8, 128)
+            default: req_bf16dp(qb, k, v, row, n, ob, Hkv, scale, scratch, G, D);
+        }
+    }
+    return 0;
+}

@@ -48,11 +48,13 @@ from radixd.core.cache_dir import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC")  # compile only: see _build
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp-simd", "-fPIC")  # compile only: see _build
 ENV = "RADIXD_CPU_KERNELS"
+ISA_ENV = "RADIXD_CPU_ISA"  # "baseline": none of the kernels that need a CPU extension (tests force it)
 _FUNCS = {torch.bfloat16: "decode_bf16", torch.float32: "decode_f32"}
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _MAX_GROUP, _MAX_DIM = 16, 256  # (cpu_kernels.c: MAX_G, MAX_D)
+_DP_MAX_HD = 8192  # (cpu_kernels.c: DP_MAX_HD) query heads x head_dim of decode_bf16_dp
 
 
 def _cpu_key() -> str:
@@ -104,7 +106,7 @@ def library() -> ctypes.CDLL | None:
             log.warning("building the CPU kernels failed, decode attention runs through torch: %s", e)
             return None
     lib = ctypes.CDLL(str(target))
-    for name in _FUNCS.values():
+    for name in (*_FUNCS.values(), "decode_bf16_dp"):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p]
@@ -119,7 +121,69 @@ def library() -> ctypes.CDLL | None:
     lib.int8g_mm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     lib.int4pack_to_bf16_t.restype = None
     lib.int4pack_to_bf16_t.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    for name in ("vnni_supported", "bf16dp_supported"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = []
+    lib.qmm_vnni.restype = ctypes.c_int
+    lib.qmm_vnni.argtypes = ([ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                              ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 4)
+    lib.qdequant_bf16_t.restype = None
+    lib.qdequant_bf16_t.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     return lib
+
+
+def _extension(probe: str) -> bool:
+    lib = library()
+    if lib is None or os.environ.get(ISA_ENV, "").lower() == "baseline":
+        return False
+    return bool(getattr(lib, probe)())
+
+
+@functools.cache
+def vnni() -> bool:
+    """Whether the integer dot-product kernels (``qmm``) run here: the library is built, this
+    CPU has AVX512-VNNI (checked at run time, whatever the compiler targeted) and
+    ``RADIXD_CPU_ISA`` is not ``baseline``."""
+    return _extension("vnni_supported")
+
+
+@functools.cache
+def bf16dp() -> bool:
+    """Whether decode attention over a bf16 pool takes its AVX512-BF16 kernel (as ``vnni``)."""
+    return _extension("bf16dp_supported")
+
+
+def qmm(x: Tensor, w: Tensor, bits: int, n: int, k: int, *, silu: bool = False) -> Tensor:
+    """``x`` [M, K] (float32 or bf16) times the repacked ``bits`` weight ``w`` (``cpu_int``'s
+    q4 / q8 records) transposed: [M, n] in x's dtype. ``silu``: x is [M, 2K] (gate | up) and
+    the rows multiplied are SiLU(gate) * up."""
+    lib = library()
+    assert lib is not None and x.dtype in _SUFFIX and x.stride(-1) == 1 and w.dtype == torch.uint8
+    rows = x.shape[0]
+    if x.shape[1] != (2 * k if silu else k):
+        raise ValueError(f"qmm: x has {x.shape[1]} columns, the weight {k}{' (x2: SiLU)' * silu}")
+    y = torch.empty((rows, n), dtype=x.dtype)
+    bf16 = int(x.dtype == torch.bfloat16)
+    rc = lib.qmm_vnni(bits, x.data_ptr(), bf16, x.stride(0), int(silu), w.data_ptr(), y.data_ptr(), bf16, n, rows, n, k)
+    if rc:
+        raise ValueError(f"cpu_kernels.qmm: K {k} out of range (rc {rc})")
+    return y
+
+
+def qdequant_bf16(w: Tensor, bits: int, n: int, k: int) -> Tensor:
+    """The repacked ``bits`` weight ``w`` in bf16, transposed: [k, n]."""
+    lib = library()
+    assert lib is not None and w.dtype == torch.uint8 and w.is_contiguous()
+    out = torch.empty((k, n), dtype=torch.bfloat16)
+    lib.qdequant_bf16_t(bits, w.data_ptr(), out.data_ptr(), n, k)
+    return out
+
+
+def reset() -> None:
+    """Forget what was probed (the library, the CPU's extensions): the environment is read
+    again at the next use (tests switching ``RADIXD_CPU_ISA`` or ``RADIXD_CPU_KERNELS``)."""
+    for fn in (library, vnni, bf16dp, int4pack_readable):
+        fn.cache_clear()
 
 
 def takes(q_dtype: torch.dtype, k_buf: Tensor, num_heads: int) -> bool:
@@ -140,8 +204,10 @@ def decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, slots: Tensor, lens: Tensor,
     b, heads, dim = q.shape
     kv_heads, width = k_buf.shape[1], slots.shape[1]
     out = torch.empty_like(q)
-    scratch = torch.empty((heads // kv_heads) * width, dtype=torch.float32)
-    rc = getattr(lib, _FUNCS[q.dtype])(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), slots.data_ptr(),
+    dp = q.dtype == torch.bfloat16 and dim % 32 == 0 and heads * dim <= _DP_MAX_HD and bf16dp()
+    scratch = torch.empty((heads if dp else heads // kv_heads) * width, dtype=torch.float32)
+    name = "decode_bf16_dp" if dp else _FUNCS[q.dtype]
+    rc = getattr(lib, name)(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), slots.data_ptr(),
                                        lens.data_ptr(), out.data_ptr(), b, heads, kv_heads, dim, width, scale,
                                        scratch.data_ptr())
     if rc:

@@ -9,7 +9,14 @@ from torch import nn
 from radixd.core import cpu_kernels
 from radixd.core.attention import AttentionBackend
 from radixd.core.models.rope import rope_tables
-from radixd.core.triton_ops import ALL_KERNELS, KernelChoice, add_rmsnorm, gate_up_silu, linear
+from radixd.core.triton_ops import (
+    ALL_KERNELS,
+    KernelChoice,
+    add_rmsnorm,
+    gate_up_silu,
+    linear,
+    silu_mul,
+)
 
 
 class RMSNorm(nn.Module):
@@ -68,6 +75,11 @@ class GatedMLP(nn.Module):
         if self.gelu:
             gate, up = linear(x, self.gate_up_proj, self.kernels).chunk(2, dim=-1)
             h = F.gelu(gate, approximate="tanh") * up
+        elif not x.is_cuda and (down := getattr(self.down_proj, "forward_of_silu", None)) is not None:
+            # (CPU: SiLU(gate) * up formed inside the down projection's int kernel, where it has one)
+            gate_up = linear(x, self.gate_up_proj, self.kernels)
+            y = down(gate_up)
+            return y if y is not None else linear(silu_mul(gate_up), self.down_proj, self.kernels)
         else:
             h = gate_up_silu(x, self.gate_up_proj, self.kernels)
         return linear(h, self.down_proj, self.kernels)

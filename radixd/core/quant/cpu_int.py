@@ -32,19 +32,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from radixd.core import cpu_kernels
 
 INT4_GROUPS = (32, 64, 128, 256)  # what the int4 kernel takes
 DEQUANT_ROWS = 16  # int4 matmuls of more rows dequantize and run a bf16 GEMM; int8 ones of as many take the C kernel
+VNNI_GEMM_ROWS = 64  # "vnni" int4 weights: more rows dequantize and run a bf16 GEMM (int8 ones: the kernel always)
 ACT = torch.bfloat16
 
 
 @dataclass(frozen=True)
 class CpuIntWeight:
-    """A weight [N, K] packed for the CPU kernels: int4 ``q`` (the kernel's packed uint8) with
-    ``scales`` [G, N, 2] (scale, zero); int8 ``q`` int8 [G, N, group] with ``scales`` [G, N]."""
+    """A weight [N, K] packed for the CPU kernels. ``kind`` "torch": int4 ``q`` (torch's packed
+    uint8) with ``scales`` [G, N, 2] (scale, zero); int8 ``q`` int8 [G, N, group] with
+    ``scales`` [G, N]. ``kind`` "vnni": ``q`` uint8 [ceil(N / 16), K / 32, record] (radixd's
+    q4 / q8 records, ``cpu_kernels.c``: nibbles or bytes with their fp16 scales inline),
+    ``scales`` empty."""
 
     bits: int
     n: int
@@ -52,6 +57,7 @@ class CpuIntWeight:
     group_size: int
     q: Tensor
     scales: Tensor
+    kind: str = "torch"
 
     @property
     def nbytes(self) -> int:
@@ -69,6 +75,10 @@ def pack_cpu(qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int, g
     if k % g or (bits == 4 and (n % 16 or g not in INT4_GROUPS)):
         return None
     s = scales.float()
+    if cpu_kernels.vnni():
+        packed = _pack_vnni_weight(qweight, s, None if zeros is None else zeros.float(), bits, g, n, k)
+        if packed is not None:
+            return packed
     if bits == 4:
         z = zeros.float() if zeros is not None else torch.full_like(s, 8.0)
         q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(qweight).to(torch.int32).contiguous(), 1)
@@ -80,8 +90,58 @@ def pack_cpu(qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int, g
     return CpuIntWeight(8, n, k, g, q, s.t().contiguous().to(ACT))
 
 
+def _fp16_exact_enough(t: Tensor) -> bool:
+    """Whether fp16 holds ``t`` to its own precision (finite, no value in fp16's subnormals)."""
+    h = t.half().float()
+    return bool(torch.isfinite(h).all() and ((h - t).abs() <= t.abs() * 2.0**-11).all())
+
+
+def pack_vnni(q: Tensor, d: Tensor, m: Tensor | None) -> Tensor:
+    """Records of ``cpu_kernels.qmm`` from q uint8 [N, K] (int4: 0..15, w = d * q + m; int8:
+    u = w / d + 128, ``m`` None) and per-block (32 columns) d, m float [N, K / 32]: uint8
+    [ceil(N / 16), K / 32, 320 or 544], columns past N zero."""
+    n, k = q.shape
+    pad = -n % 16
+    if pad:
+        q = torch.cat((q, torch.zeros(pad, k, dtype=q.dtype)))
+        d = torch.cat((d, torch.zeros(pad, d.shape[1], dtype=d.dtype)))
+        m = None if m is None else torch.cat((m, torch.zeros(pad, m.shape[1], dtype=m.dtype)))
+    c, b = q.shape[0] // 16, k // 32
+
+    def half(t: Tensor) -> Tensor:  # [N, B] -> [C, B, 32] bytes: a record's 16 fp16 values
+        return t.view(c, 16, b).permute(0, 2, 1).contiguous().half().view(torch.uint8)
+
+    if m is not None:  # chunk j, lane l, byte i: k = 32b + 8j + 4h + i, h the nibble
+        v = q.view(c, 16, b, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        qs = (v[..., 0] | (v[..., 1] << 4)).reshape(c, b, 256)
+        return torch.cat((qs, half(d), half(m)), -1).contiguous()
+    qs = q.view(c, 16, b, 8, 4).permute(0, 2, 3, 1, 4).reshape(c, b, 512)  # k = 32b + 4j + i
+    return torch.cat((qs, half(d)), -1).contiguous()
+
+
+def _pack_vnni_weight(qweight: Tensor, s: Tensor, z: Tensor | None, bits: int, g: int, n: int, k: int
+                      ) -> CpuIntWeight | None:
+    from radixd.core.quant.ops import unpack_int4
+
+    if g % 32 or k % 32:
+        return None
+    d = s.repeat_interleave(g // 32, 1)
+    if bits == 4:
+        m = (-(z if z is not None else torch.full_like(s, 8.0)) * s).repeat_interleave(g // 32, 1)
+        if not (_fp16_exact_enough(d) and _fp16_exact_enough(m)):
+            return None
+        return CpuIntWeight(4, n, k, g, pack_vnni(unpack_int4(qweight), d, m), torch.empty(0), "vnni")
+    if z is not None or not _fp16_exact_enough(d):
+        return None
+    return CpuIntWeight(8, n, k, g, pack_vnni(qweight.view(torch.uint8), d, None), torch.empty(0), "vnni")
+
+
 def cpu_int_linear(x: Tensor, w: CpuIntWeight, bias: Tensor | None = None) -> Tensor:
-    """``x @ W.T + bias`` for x [M, K] (any float dtype; computed in bf16, returned in x's)."""
+    """``x @ W.T + bias`` for x [M, K] (any float dtype; computed in bf16 or, for a "vnni"
+    weight, in int8 x int8 / int4 dot products; returned in x's dtype)."""
+    if w.kind == "vnni":
+        y = vnni_linear(x, w)
+        return y if bias is None else y + bias
     xa = x.to(ACT).contiguous()
     if w.bits == 4 and xa.shape[0] > DEQUANT_ROWS and w.n % 64 == 0 and cpu_kernels.int4pack_readable():
         y = xa @ cpu_kernels.int4pack_to_bf16(w.q, w.scales, w.n, w.k, w.group_size)
@@ -102,10 +162,32 @@ def cpu_int_linear(x: Tensor, w: CpuIntWeight, bias: Tensor | None = None) -> Te
     return y if bias is None else y + bias
 
 
+def vnni_linear(x: Tensor, w: CpuIntWeight, silu: bool = False) -> Tensor:
+    """``x @ W.T`` for a "vnni" weight (``silu``: of SiLU(gate) * up, x [M, 2K] gate | up)."""
+    xa = x if x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1 else x.float().contiguous()
+    if w.bits == 4 and xa.shape[0] > VNNI_GEMM_ROWS:  # many rows (a prefill): dequantized, one bf16 GEMM
+        if silu:
+            gate, up = xa.chunk(2, dim=-1)
+            xa = F.silu(gate) * up
+        y = xa.to(ACT) @ cpu_kernels.qdequant_bf16(w.q, w.bits, w.n, w.k)
+    else:
+        y = cpu_kernels.qmm(xa, w.q, w.bits, w.n, w.k, silu=silu)
+    return y.to(x.dtype)
+
+
 def rows(w: CpuIntWeight, ids: Tensor, dtype: torch.dtype) -> Tensor:
     """Rows ``ids`` of an int8 ``w`` dequantized (an embedding lookup: only these rows are read)."""
     if w.bits != 8:
         raise ValueError("rows: only int8 weights keep their rows readable (int4 is in the kernel's tile order)")
     flat = ids.reshape(-1)
+    if w.kind == "vnni":  # row n: lane n % 16 of record group n // 16, in every block
+        blocks, rec = w.q.shape[1], w.q.shape[2]
+        lane = flat % 16
+        start = (flat // 16 * blocks)[:, None] * rec + torch.arange(blocks) * rec  # [T, B]: the records
+        qi = (start + 4 * lane[:, None])[:, :, None, None] + (torch.arange(8) * 64)[:, None] + torch.arange(4)
+        di = (start + 512) // 2 + lane[:, None]  # fp16 d in the records' halves
+        flat_q = w.q.view(-1)
+        q = (flat_q[qi].reshape(-1, blocks, 32).float() - 128) * flat_q.view(torch.float16)[di].float()[..., None]
+        return q.reshape(*ids.shape, w.k).to(dtype)
     q = w.q[:, flat].float() * w.scales[:, flat, None].float()  # [G, T, group]
     return q.transpose(0, 1).reshape(*ids.shape, w.k).to(dtype)

@@ -29,7 +29,7 @@ from torch import nn
 
 from radixd.core.errors import ConfigError
 from radixd.core.quant import ops
-from radixd.core.quant.cpu_int import CpuIntWeight, cpu_int_linear, pack_cpu, rows
+from radixd.core.quant.cpu_int import CpuIntWeight, cpu_int_linear, pack_cpu, rows, vnni_linear
 from radixd.core.quant.formats import Fp8Layout, IntLayout, Layout, QuantFormatError
 from radixd.core.quant.gemv import RopeStore, fp8_gemv, int_gemv
 
@@ -90,6 +90,15 @@ class QuantLinear(nn.Module):
             y = ops.int_weight_linear(flat, self.weight, self.weight_scale, self.weight_zeros, bits=lay.bits,
                                       group_size=lay.group_of(self.in_features), perm=self.weight_perm, bias=self.bias)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def forward_of_silu(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """This projection of SiLU(gate) * up, the product formed as the CPU kernel quantizes
+        its input (``cpu_kernels.qmm``); None where that path does not apply (not a "vnni"
+        CPU weight, a bias)."""
+        flat = gate_up.reshape(-1, 2 * self.in_features)
+        if self.cpu is None or self.cpu.kind != "vnni" or self.bias is not None:
+            return None
+        return vnni_linear(flat, self.cpu, silu=True).view(*gate_up.shape[:-1], self.out_features)
 
     def forward_silu(self, x: torch.Tensor) -> torch.Tensor | None:
         """SiLU(gate) * up of this (gate | up) projection of one CUDA row in one GEMV kernel,
