@@ -7,17 +7,25 @@ The default model (SmolLM2-135M-Instruct) decodes a batch of ``--batch`` request
 
 - ``step_ms``: the wall and process time of one forward step (median of ``--steps``);
 - ``profile``: CPU time per op kind (``torch.profiler``) of one step, top entries first;
-- with ``--kernels-ab N``: ``kernels_ab``, the step with radixd's C kernels (``cpu_kernels``)
-  and with torch's paths only, alternated N times in this process (medians, ratio).
+- with ``--ab N``: ``ab``, the step under each ``--variant`` (environment settings, e.g.
+  ``RADIXD_CPU_ISA=baseline``; ``""`` is radixd as shipped), alternated N times in this
+  process: one model per variant, loaded under its settings (weights are packed for the
+  kernels the settings allow), each step run under them (min and median of each turn's 4
+  steps, ratios to the first variant). Without ``--variant``: as shipped against
+  ``RADIXD_CPU_KERNELS=off`` (torch's paths only).
 
     python -m benchmarks.cpu_decode --layout shared --batch 8 --out benchmarks/results/cpu_decode.json
-    python -m benchmarks.cpu_decode --layout random --batch 1 --gguf-weights native --kernels-ab 6
+    python -m benchmarks.cpu_decode --layout random --batch 1 --gguf-weights native --ab 6
+    python -m benchmarks.cpu_decode --layout random --batch 8 --gguf-weights native --ab 6 \
+        --variant "" --variant RADIXD_CPU_FUSED=off --variant RADIXD_CPU_ISA=baseline
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -78,32 +86,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     ap.add_argument("--gguf-weights", choices=("fp32", "native"), default="fp32",
                     help="the GGUF converted (fp32) or served as shipped (native)")
-    ap.add_argument("--kernels-ab", type=int, default=0, metavar="N",
-                    help="also time the step with and without radixd's C kernels, alternated N times")
+    ap.add_argument("--ab", type=int, default=0, metavar="N",
+                    help="also time the step under each --variant, alternated N times")
+    ap.add_argument("--variant", action="append", metavar="ENV",
+                    help='environment settings of one side of --ab ("K=V K2=V2"; "" as shipped); repeatable')
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    dtype = pick_dtype(args.dtype, torch.device("cpu"))
     path = resolve_model("default", progress=False, gguf_weights=args.gguf_weights)
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    device = torch.device("cpu")
-    dtype = pick_dtype(args.dtype, device)
-    model = load_model(path, cfg, dtype, device)
-    slots = args.batch * (args.context + 1) + args.shared + 2
-    pool = KVPool(num_layers=cfg.num_layers, num_slots=slots, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                  max_rows=args.batch, max_context_len=args.context + 1, dtype=dtype, device=device)
-    attn = make_backend(args.backend, pool, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-                        scale=cfg.attention_scale, cascade=True)
-    fb = decode_batch(pool, cfg, args.layout, args.batch, args.context, args.shared, attn.cascade_members)
-    idx = fb.logits_indices()
-
-    @torch.inference_mode()
-    def step() -> None:
-        attn.begin(fb)
-        if args.gather:
-            attn.decode_runs = attn.decode_lens = None
-        model(fb.input_ids, fb.positions, attn, idx)
-
+    step = make_step(args, path, cfg)
     for _ in range(3):
         step()
     wall, cpu = [], []
@@ -121,9 +115,12 @@ def main() -> None:
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "dtype": str(dtype),
               "threads": torch.get_num_threads(), "step_ms": 1e3 * statistics.median(wall),
               "step_cpu_ms": 1e3 * statistics.median(cpu), "profiled_self_cpu_ms": total / 1e3, "profile": top}
-    if args.kernels_ab:
-        result["kernels_ab"] = kernels_ab(step, args.kernels_ab)
-        print(f"  C kernels: {result['kernels_ab']}")
+    if args.ab:
+        variants = args.variant or ["", f"{cpu_kernels.ENV}=off"]
+        result["ab"] = ab(args, path, cfg, variants, args.ab)
+        for v, r in result["ab"].items():
+            print(f"  {v or '(as shipped)':<40} min {r['min_ms']:7.2f} ms  median {r['median_ms']:7.2f} ms  "
+                  f"x{r['median_vs_first']:.2f} of the first's median")
     print(f"{args.layout} batch {args.batch} {dtype} {args.backend}{' gather' * args.gather}: step {result['step_ms']:.1f} ms wall, "
           f"{result['step_cpu_ms']:.1f} ms cpu ({torch.get_num_threads()} threads)")
     for t in top:
@@ -133,27 +130,68 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
-def kernels_ab(step, rounds: int) -> dict:
-    """Median step (ms) with radixd's C kernels and with torch's paths only, alternated."""
-    real = cpu_kernels.library, cpu_kernels.int4pack_readable
-    off = (lambda: None), (lambda: False)
-    times: dict[str, list[float]] = {"kernels": [], "torch": []}
+def make_step(args, path: Path, cfg: ModelConfig):
+    """A model, pool and decode batch as ``args`` say; returns the step (one forward)."""
+    device = torch.device("cpu")
+    dtype = pick_dtype(args.dtype, device)
+    model = load_model(path, cfg, dtype, device)
+    slots = args.batch * (args.context + 1) + args.shared + 2
+    pool = KVPool(num_layers=cfg.num_layers, num_slots=slots, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                  max_rows=args.batch, max_context_len=args.context + 1, dtype=dtype, device=device)
+    attn = make_backend(args.backend, pool, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                        scale=cfg.attention_scale, cascade=True)
+    fb = decode_batch(pool, cfg, args.layout, args.batch, args.context, args.shared, attn.cascade_members)
+    idx = fb.logits_indices()
+
+    @torch.inference_mode()
+    def step() -> None:
+        attn.begin(fb)
+        if args.gather:
+            attn.decode_runs = attn.decode_lens = None
+            attn.decode_all = False
+        model(fb.input_ids, fb.positions, attn, idx)
+
+    return step
+
+
+@contextlib.contextmanager
+def environment(variant: str):
+    """``variant``'s settings ("K=V K2=V2") in os.environ (radixd's probes forgotten before and
+    after, so that they read them)."""
+    pairs = dict(kv.split("=", 1) for kv in variant.split())
+    saved = {k: os.environ.get(k) for k in pairs}
+    os.environ.update(pairs)
+    cpu_kernels.reset()
     try:
-        for _ in range(rounds):
-            for mode, fns in (("kernels", real), ("torch", off)):
-                cpu_kernels.library, cpu_kernels.int4pack_readable = fns
-                step()
-                t = []
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        cpu_kernels.reset()
+
+
+def ab(args, path: Path, cfg: ModelConfig, variants: list[str], rounds: int) -> dict:
+    """The step under each variant, alternated ``rounds`` times (module docstring)."""
+    steps = {}
+    for v in variants:
+        with environment(v):
+            steps[v] = make_step(args, path, cfg)
+            steps[v]()
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(rounds):
+        for v in variants:
+            with environment(v):
+                steps[v]()
                 for _ in range(4):
                     t0 = time.perf_counter()
-                    step()
-                    t.append(time.perf_counter() - t0)
-                times[mode].append(1e3 * statistics.median(t))
-    finally:
-        cpu_kernels.library, cpu_kernels.int4pack_readable = real
-    med = {m: statistics.median(v) for m, v in times.items()}
-    return {"kernels_ms": med["kernels"], "torch_ms": med["torch"], "speedup": med["torch"] / med["kernels"],
-            "rounds": times}
+                    steps[v]()
+                    times[v].append(1e3 * (time.perf_counter() - t0))
+    first = statistics.median(times[variants[0]])
+    return {v: {"min_ms": min(t), "median_ms": statistics.median(t), "median_vs_first": statistics.median(t) / first,
+                "steps_ms": t} for v, t in times.items()}
 
 
 if __name__ == "__main__":

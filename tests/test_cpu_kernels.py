@@ -283,3 +283,71 @@ def test_scales_fp16_cannot_hold_keep_torchs_packing():
     tiny = torch.full((32, 2), 1e-6)  # below fp16's normal range
     assert pack_cpu(pack_int4(q), tiny, torch.full_like(tiny, 8.0), 4, 32).kind == "torch"
     assert pack_cpu(pack_int4(q), tiny * 1e4, torch.full_like(tiny, 8.0), 4, 32).kind == "vnni"
+
+
+def _tiny_int_llama(rows: int):
+    """A random 2-layer Llama (head_dim 32) with int4 projections packed for the CPU, a bf16
+    pool and a decode step of ``rows`` requests (cpu_decode's contract)."""
+    from benchmarks.cpu_decode import decode_batch
+    from radixd.core.attention import make_backend
+    from radixd.core.kv_pool import KVPool
+    from radixd.core.models.config import ModelConfig
+    from radixd.core.models.llama import LlamaForCausalLM
+    from radixd.core.quant.formats import IntLayout
+    from radixd.core.quant.linear import pack_cpu_projections, quantize_projections
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(architecture="LlamaForCausalLM", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=32, intermediate_size=96, vocab_size=100, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      rope_scaling=None, max_position_embeddings=256, tie_word_embeddings=False, attention_bias=False,
+                      eos_token_ids=(2,))
+    model = LlamaForCausalLM(cfg)
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    model = model.to(torch.bfloat16)
+    model.rotary = model.make_rotary(cfg)  # (float32 tables, as the loader rebuilds them)
+    quantize_projections(model, IntLayout(4, 32, symmetric=False))
+    assert pack_cpu_projections(model) == 8
+    ctx = 40
+    pool = KVPool(num_layers=2, num_slots=rows * (ctx + 1) + 34, num_kv_heads=2, head_dim=32, max_rows=rows,
+                  max_context_len=ctx + 1, dtype=torch.bfloat16, device=torch.device("cpu"))
+    attn = make_backend("torch", pool, num_heads=4, head_dim=32, scale=32**-0.5)
+    return model, pool, attn, decode_batch(pool, cfg, "shared", rows, ctx, 32, 0)
+
+
+@needs_vnni
+@pytest.mark.skipif(not cpu_kernels.bf16dp(), reason="this CPU has no AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 5, 19])
+def test_fused_decode_layers_equal_the_layer_loop(rows, monkeypatch):
+    from radixd.core import cpu_decode
+
+    model, pool, attn, fb = _tiny_int_llama(rows)
+    calls = []
+    run = cpu_decode._run
+    monkeypatch.setattr(cpu_decode, "_run", lambda *a: calls.append(1) or run(*a))
+    got = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv(cpu_decode.ENV, mode)
+        for k in pool.k_buffers + pool.v_buffers:
+            k[fb.out_cache_loc] = 0
+        with torch.inference_mode():
+            attn.begin(fb)
+            assert attn.decode_all
+            logits = model(fb.input_ids, fb.positions, attn, fb.logits_indices())
+        got[mode] = logits, [b[fb.out_cache_loc].clone() for b in pool.k_buffers + pool.v_buffers]
+    assert calls == [1]  # the fused path ran once, with "on"
+    assert torch.equal(got["on"][0], got["off"][0])  # the same kernels in the same order: bit for bit
+    for a, b in zip(got["on"][1], got["off"][1], strict=True):
+        assert torch.equal(a, b) and a.abs().sum() > 0  # the new tokens' K and V, stored alike
+    with pytest.raises(IndexError, match="past the table"):
+        with torch.inference_mode():
+            attn.begin(fb)
+            model(fb.input_ids, torch.full_like(fb.positions, 256), attn, fb.logits_indices())
+
+
+def test_fused_decode_declines_what_it_does_not_serve(baseline):
+    from radixd.core import cpu_decode
+
+    model, _, attn, fb = _tiny_int_llama(2)  # (baseline: torch's int4 packing, no VNNI records)
+    attn.begin(fb)
+    assert cpu_decode.runner(model, attn, torch.zeros(2, 128, dtype=torch.bfloat16)) is None

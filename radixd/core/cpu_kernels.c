@@ -658,3 +658,70 @@ BF16_TARGET int decode_bf16_dp(const uint16_t *q, const uint16_t *k, const uint1
     }
     return 0;
 }
+
+/* ---- A decode step's decoder layers in one call (Llama's block: pre-norms, fused q/k/v and
+ * gate/up projections, neox rotary, SiLU), every kernel as the layer-by-layer path calls it
+ * (the same functions, the same bf16 roundings between them: bit for bit its result). */
+
+typedef struct {
+    const uint8_t *qkv, *o, *gate_up, *down;     /* q4 / q8 records */
+    int64_t qkv_bits, o_bits, gate_up_bits, down_bits;
+    const uint16_t *norm_in, *norm_post;         /* bf16 [hidden] */
+    uint16_t *k_buf, *v_buf;                     /* the pool's buffers of this layer [slots, Hkv, D] */
+    float eps_in, eps_post;
+} dlayer_t;
+
+typedef struct {
+    int64_t hidden, inter, hq, hkv, dim, layers, max_pos;
+    float scale;
+    const float *cos, *sin;                      /* [max_pos, dim / 2] */
+} dmodel_t;
+
+typedef struct {
+    int64_t rows;                                /* tokens, one per request */
+    const int64_t *pos, *loc;                    /* [rows]: positions, new slots */
+    const int64_t *slots, *lens;                 /* [rows, width], [rows]: the requests' KV slots */
+    int64_t width;
+} dstep_t;
+
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* x [rows, hidden] bf16: the embeddings in, the residual stream after (written in place);
+ * out [rows, hidden]: the last layer's MLP output (the model adds it to x in its final norm).
+ * Returns 0, -1 (shapes), -2 (no memory), -3 (a position past the rotary table). */
+VNNI_TARGET int decode_layers_bf16(const dmodel_t *m, const dlayer_t *ls, const dstep_t *st, uint16_t *x, uint16_t *out) {
+    const int64_t M = st->rows, H = m->hidden, I = m->inter, D = m->dim, Hq = m->hq, Hkv = m->hkv;
+    const int64_t Nqkv = (Hq + 2 * Hkv) * D, slot = Hkv * D;
+    if (M < 1 || H % 32 || I % 32 || (Hq * D) % 32 || D % 2) return -1;
+    for (int64_t t = 0; t < M; t++)
+        if (st->pos[t] < 0 || st->pos[t] >= m->max_pos) return -3;
+    const int64_t kmax = max64(max64(H, I), Hq * D);
+    const size_t bf = sizeof(uint16_t);
+    const size_t bytes = M * H * bf + M * Nqkv * bf + 2 * M * Hq * D * bf + M * H * bf + M * 2 * I * bf
+                         + Hq * st->width * sizeof(float) + act_bytes(M, kmax) + 64;
+    char *mem = malloc(bytes);
+    if (!mem) return -2;
+    uint16_t *h = (uint16_t *)mem, *qkv = h + M * H, *q = qkv + M * Nqkv, *att = q + M * Hq * D, *o = att + M * Hq * D,
+             *gu = o + M * H;
+    float *scores = (float *)(gu + M * 2 * I);
+    char *act = (char *)(scores + Hq * st->width);
+    int rc = 0;
+    for (int64_t l = 0; l < m->layers && !rc; l++) {
+        const dlayer_t *L = &ls[l];
+        if (l == 0) add_rmsnorm_bf16(x, H, NULL, 0, L->norm_in, h, H, M, H, L->eps_in);
+        else add_rmsnorm_bf16(out, H, x, H, L->norm_in, h, H, M, H, L->eps_in);
+        qmm_run((int)L->qkv_bits, h, 1, H, 0, L->qkv, qkv, 1, Nqkv, M, Nqkv, H, act);
+        rotary_bf16(qkv, Nqkv, M, Hq, D, m->cos, m->sin, st->pos, q);
+        for (int64_t t = 0; t < M; t++) {  /* k rotated into its slot, v copied */
+            rotary_bf16(qkv + t * Nqkv + Hq * D, Nqkv, 1, Hkv, D, m->cos, m->sin, st->pos + t, L->k_buf + st->loc[t] * slot);
+            memcpy(L->v_buf + st->loc[t] * slot, qkv + t * Nqkv + (Hq + Hkv) * D, slot * bf);
+        }
+        rc = decode_bf16_dp(q, L->k_buf, L->v_buf, st->slots, st->lens, att, M, Hq, Hkv, D, st->width, m->scale, scores);
+        qmm_run((int)L->o_bits, att, 1, Hq * D, 0, L->o, o, 1, H, M, H, Hq * D, act);
+        add_rmsnorm_bf16(o, H, x, H, L->norm_post, h, H, M, H, L->eps_post);
+        qmm_run((int)L->gate_up_bits, h, 1, H, 0, L->gate_up, gu, 1, 2 * I, M, 2 * I, H, act);
+        qmm_run((int)L->down_bits, gu, 1, 2 * I, 1, L->down, out, 1, H, M, H, I, act);
+    }
+    free(mem);
+    return rc;
+}

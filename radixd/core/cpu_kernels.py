@@ -127,6 +127,8 @@ def library() -> ctypes.CDLL | None:
     lib.qmm_vnni.restype = ctypes.c_int
     lib.qmm_vnni.argtypes = ([ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
                               ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 4)
+    lib.decode_layers_bf16.restype = ctypes.c_int
+    lib.decode_layers_bf16.argtypes = [ctypes.c_void_p] * 5
     lib.qdequant_bf16_t.restype = None
     lib.qdequant_bf16_t.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     return lib
@@ -194,6 +196,12 @@ def takes(q_dtype: torch.dtype, k_buf: Tensor, num_heads: int) -> bool:
             and library() is not None)
 
 
+def fused_attention_takes(heads: int, kv_heads: int, dim: int) -> bool:
+    """Whether ``decode_bf16_dp`` (the AVX512-BF16 decode attention) takes these head shapes."""
+    return (heads % kv_heads == 0 and heads // kv_heads <= _MAX_GROUP and dim % 32 == 0 and dim <= _MAX_DIM
+            and heads * dim <= _DP_MAX_HD)
+
+
 def decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, slots: Tensor, lens: Tensor, scale: float) -> Tensor:
     """Attention of ``q`` [B, H, D] (request b's one query) over the pool's ``k_buf``/``v_buf``
     [slots, Hkv, D] at ``slots[b, :lens[b]]`` (int64 [B, L], [B]) -> [B, H, D]."""
@@ -204,7 +212,7 @@ def decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, slots: Tensor, lens: Tensor,
     b, heads, dim = q.shape
     kv_heads, width = k_buf.shape[1], slots.shape[1]
     out = torch.empty_like(q)
-    dp = q.dtype == torch.bfloat16 and dim % 32 == 0 and heads * dim <= _DP_MAX_HD and bf16dp()
+    dp = q.dtype == torch.bfloat16 and fused_attention_takes(heads, kv_heads, dim) and bf16dp()
     scratch = torch.empty((heads if dp else heads // kv_heads) * width, dtype=torch.float32)
     name = "decode_bf16_dp" if dp else _FUNCS[q.dtype]
     rc = getattr(lib, name)(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), slots.data_ptr(),

@@ -74,6 +74,7 @@ class TorchAttention:
         self.decode_tok = None
         self.decode_runs = None
         self.decode_lens = None
+        self.decode_all = False  # every token a request's one new token, attended by the C kernel
         if decode:
             lens = torch.tensor([batch.prefix_lens[i] + 1 for i in decode], device=device)
             max_len = int(lens.max())
@@ -86,6 +87,7 @@ class TorchAttention:
             if device.type == "cpu" and not self.pool.quantized and not self.softcap:
                 if cpu_kernels.takes(self.pool.dtype, self.pool.k_buffers[0], self.num_heads):
                     self.decode_lens = lens
+                    self.decode_all = not self.extends and len(decode) == len(batch.extend_lens)
                 else:
                     self.decode_runs = run_plan(kv_idx, lens.tolist(), self.pool.dtype)
             self.decode_kv_idx = kv_idx

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from radixd.core import cpu_decode
 from radixd.core.attention import AttentionBackend
 from radixd.core.models.config import ModelConfig
 from radixd.core.models.layers import DecoderLayer, RMSNorm, Rotary
@@ -49,9 +50,13 @@ class LlamaForCausalLM(nn.Module):
         ``hidden_indices`` (embeddings) also the final hidden states there, after the last norm:
         ``(logits or None when there are none, hidden)``."""
         x = self.embed(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.rotary, attn)
+        fused = cpu_decode.runner(self, attn, x) if x.device.type == "cpu" else None
+        if fused is not None:  # a CPU decode step: all layers in one C call
+            x, residual = fused(x, positions)
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual, positions, self.rotary, attn)
         idx = logits_indices if hidden_indices is None else torch.cat((logits_indices, hidden_indices))
         x, _ = self.layers[-1].add_norm(x[idx], residual[idx], self.norm)
         if hidden_indices is None:
