@@ -234,6 +234,7 @@ def test_vnni_matmul_matches_a_float_reference(bits, n, k):
     h = torch.nn.functional.silu(gate_up[:, :k].float()) * gate_up[:, k:].float()
     torch.testing.assert_close(cpu_kernels.qmm(gate_up, rec, bits, n, k, silu=True).float(), q8_reference(h) @ w.t(),
                                atol=2**-8 * (h @ w.t()).abs().max().item(), rtol=0)
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up).float(), h, atol=0, rtol=2**-8)  # (prefill's)
     dense = cpu_kernels.qdequant_bf16(rec, bits, n, k)  # [k, n], for prefill's GEMM
     torch.testing.assert_close(dense.float(), w.t(), atol=0, rtol=2**-8)
     with pytest.raises(ValueError, match="columns"):
@@ -351,3 +352,44 @@ def test_fused_decode_declines_what_it_does_not_serve(baseline):
     model, _, attn, fb = _tiny_int_llama(2)  # (baseline: torch's int4 packing, no VNNI records)
     attn.begin(fb)
     assert cpu_decode.runner(model, attn, torch.zeros(2, 128, dtype=torch.bfloat16)) is None
+
+
+@needs_vnni
+@pytest.mark.parametrize("delay_us", [0, 300])
+def test_two_threads_give_one_threads_results(delay_us):
+    """The helper thread's units equal the caller's bit for bit, in the int matmuls and the
+    fused decode step; with the helper held up in every unit (as if preempted) the caller takes
+    its units back and the results are still the same."""
+    from radixd.core import cpu_decode
+
+    lib = cpu_kernels.library()
+    g = torch.Generator().manual_seed(11)
+    q, d, m, _ = random_q(4, 1000, 256, g)
+    rec = pack_vnni(q, d, m)
+    x = torch.randn(8, 256, generator=g).to(torch.bfloat16)
+    model, pool, attn, fb = _tiny_int_llama(6)
+
+    def run():
+        with torch.inference_mode():
+            attn.begin(fb)
+            logits = model(fb.input_ids, fb.positions, attn, fb.logits_indices())
+        return cpu_kernels.qmm(x, rec, 4, 1000, 256), logits, cpu_kernels.qdequant_bf16(rec, 4, 1000, 256)
+
+    assert cpu_kernels.set_threads(1) == 1
+    want = run()
+    assert cpu_decode.runner(model, attn, torch.zeros(6, 128, dtype=torch.bfloat16)) is not None
+    before = cpu_kernels.thread_stats()
+    try:
+        assert cpu_kernels.set_threads(2) == 2
+        lib.set_helper_delay(delay_us)
+        for _ in range(30):
+            got = run()
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    finally:
+        lib.set_helper_delay(0)
+        cpu_kernels.set_threads(1)
+    after = cpu_kernels.thread_stats()
+    if delay_us:  # every unit the helper took was taken back
+        assert after["stolen"] > before["stolen"]
+    else:
+        assert after["helper_units"] > before["helper_units"]

@@ -306,6 +306,17 @@ static void quantize_row(const float *xf, int64_t K, int8_t *q, float *d, float 
     }
 }
 
+/* SiLU(gate) * up of x [M, 2K] (gate | up, row stride ldx) into out [M, K], bf16, in float32
+ * (one rounding; for prefill's GEMM path). */
+void silu_mul_bf16(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t M, int64_t K) {
+    for (int64_t r = 0; r < M; r++) {
+        const uint16_t *xr = x + r * ldx;
+        uint16_t *o = out + r * K;
+        _Pragma("omp simd")
+        for (int64_t i = 0; i < K; i++) o[i] = f32_to_bf16(silu_f(bf16_to_f32(xr[i])) * bf16_to_f32(xr[K + i]));
+    }
+}
+
 /* x rows to float (and SiLU(gate) * up), then quantized; tmp holds one row of K floats. */
 static void quantize_act(const void *x, int x_bf16, int64_t ldx, int act, int64_t M, int64_t K, act_t *a,
                          float *tmp) {
@@ -451,31 +462,6 @@ static float *act_init(act_t *a, char *mem, int64_t M, int64_t K) {
     return (float *)(a->neg + M * B);
 }
 
-VNNI_TARGET static void qmm_run(int bits, const void *x, int x_bf16, int64_t ldx, int act, const uint8_t *w, void *y,
-                                int y_bf16, int64_t ldy, int64_t M, int64_t N, int64_t K, char *mem) {
-    act_t a;
-    float *tmp = act_init(&a, mem, M, K);
-    quantize_act(x, x_bf16, ldx, act, M, K, &a, tmp);
-    const int64_t C = (N + 15) / 16;
-    if (bits == 4) q4mm_range(w, &a, M, N, K, y, y_bf16, ldy, 0, C);
-    else q8mm_range(w, &a, M, N, K, y, y_bf16, ldy, 0, C);
-}
-
-/* y [M, N] = x [M, K] @ W.T for a q4 (bits 4) or q8 (bits 8) weight; K a multiple of 32; x
- * float32 or bf16 (x_bf16), y likewise; act 1: x is [M, 2K] gate | up, multiplied as
- * SiLU(gate) * up. Any M: each column group's weights are read once from memory for all rows
- * (kept in L1 across the row chunks of 8). Returns 0, or -1 (shape out of range), -2 (no
- * memory). The caller checked vnni_supported(). */
-int qmm_vnni(int bits, const void *x, int x_bf16, int64_t ldx, int act, const uint8_t *w, void *y, int y_bf16,
-             int64_t ldy, int64_t M, int64_t N, int64_t K) {
-    if (M < 1 || K % 32 || (bits != 4 && bits != 8)) return -1;
-    char *mem = malloc(act_bytes(M, K));
-    if (!mem) return -2;
-    qmm_run(bits, x, x_bf16, ldx, act, w, y, y_bf16, ldy, M, N, K, mem);
-    free(mem);
-    return 0;
-}
-
 /* A q4 / q8 weight dequantized to bf16 and transposed, out [K, N] (x @ out is x @ W.T), for
  * the GEMMs of many rows. A chunk's 16 lanes x 4 bytes are transposed to 4 x 16 bytes (one
  * byte shuffle within 128-bit lanes, one dword permute), so that each output row's 16 columns
@@ -488,13 +474,17 @@ VNNI_TARGET static inline void row16_bf16(__m128i bytes, __m512 d, __m512 m, uin
     _mm256_mask_storeu_epi16(o, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 }
 
-VNNI_TARGET void qdequant_bf16_t(int bits, const uint8_t *w, uint16_t *out, int64_t N, int64_t K) {
-    const int64_t B = K / 32, C = (N + 15) / 16, rec_bytes = bits == 4 ? Q4_REC : Q8_REC;
+/* Columns n0 .. n1 - 1 (n0 a multiple of 16) of the weight, transposed: out [K, n1 - n0]
+ * with row stride ldo (a panel for one GEMM: the dense weight need not exist whole). */
+VNNI_TARGET static void qdequant_cols_bf16_t(int bits, const uint8_t *w, uint16_t *out, int64_t N, int64_t K, int64_t n0_,
+                                      int64_t n1_, int64_t ldo) {
+    const int64_t B = K / 32, rec_bytes = bits == 4 ? Q4_REC : Q8_REC;
+    N = n1_ < N ? n1_ : N;
     /* within each 128-bit lane: 4 lanes x 4 bytes -> 4 bytes i x 4 lanes */
     const __m512i tr = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
     const __m512i gather = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int64_t c = 0; c < C; c++) {
+    for (int64_t c = n0_ / 16; c < (N + 15) / 16; c++) {
         const int64_t n0 = c * 16;
         const __mmask16 mask = N - n0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1u);
         for (int64_t b = 0; b < B; b++) {
@@ -507,26 +497,28 @@ VNNI_TARGET void qdequant_bf16_t(int bits, const uint8_t *w, uint16_t *out, int6
                 const __m512i t = _mm512_permutexvar_epi32(gather, _mm512_shuffle_epi8(_mm512_loadu_si512(rec + 64 * j), tr));
                 if (bits == 4) {
                     const __m512i lo = _mm512_and_si512(t, low), hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
-                    uint16_t *o = out + (b * 32 + 8 * j) * N + n0;
+                    uint16_t *o = out + (b * 32 + 8 * j) * ldo + (n0 - n0_);
                     row16_bf16(_mm512_extracti32x4_epi32(lo, 0), d, m, o, mask);
-                    row16_bf16(_mm512_extracti32x4_epi32(lo, 1), d, m, o + N, mask);
-                    row16_bf16(_mm512_extracti32x4_epi32(lo, 2), d, m, o + 2 * N, mask);
-                    row16_bf16(_mm512_extracti32x4_epi32(lo, 3), d, m, o + 3 * N, mask);
-                    row16_bf16(_mm512_extracti32x4_epi32(hi, 0), d, m, o + 4 * N, mask);
-                    row16_bf16(_mm512_extracti32x4_epi32(hi, 1), d, m, o + 5 * N, mask);
-                    row16_bf16(_mm512_extracti32x4_epi32(hi, 2), d, m, o + 6 * N, mask);
-                    row16_bf16(_mm512_extracti32x4_epi32(hi, 3), d, m, o + 7 * N, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(lo, 1), d, m, o + ldo, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(lo, 2), d, m, o + 2 * ldo, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(lo, 3), d, m, o + 3 * ldo, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(hi, 0), d, m, o + 4 * ldo, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(hi, 1), d, m, o + 5 * ldo, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(hi, 2), d, m, o + 6 * ldo, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(hi, 3), d, m, o + 7 * ldo, mask);
                 } else {
-                    uint16_t *o = out + (b * 32 + 4 * j) * N + n0;
+                    uint16_t *o = out + (b * 32 + 4 * j) * ldo + (n0 - n0_);
                     row16_bf16(_mm512_extracti32x4_epi32(t, 0), d, m, o, mask);
-                    row16_bf16(_mm512_extracti32x4_epi32(t, 1), d, m, o + N, mask);
-                    row16_bf16(_mm512_extracti32x4_epi32(t, 2), d, m, o + 2 * N, mask);
-                    row16_bf16(_mm512_extracti32x4_epi32(t, 3), d, m, o + 3 * N, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(t, 1), d, m, o + ldo, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(t, 2), d, m, o + 2 * ldo, mask);
+                    row16_bf16(_mm512_extracti32x4_epi32(t, 3), d, m, o + 3 * ldo, mask);
                 }
             }
         }
     }
 }
+
+
 
 /* ---- Decode attention with AVX512-BF16 dot products (bf16 pool; same contract as decode_bf16).
  * Scores: vdpbf16ps of the query head and the key (the products exact, summed in float32),
@@ -560,13 +552,13 @@ BF16_TARGET static inline __m512 bf16x16_to_f32(const uint16_t *p) {
 #define DP_MAX_HD 8192
 BF16_TARGET static inline __attribute__((always_inline)) void req_bf16dp(
         const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *row, int64_t n, uint16_t *out,
-        int64_t Hkv, float scale, float *scratch, const int64_t G, const int64_t D) {
-    const int64_t C = D / 32, Hq = Hkv * G, slot = Hkv * D;
+        int64_t Hkv, int64_t h0, int64_t h1, float scale, float *scratch, const int64_t G, const int64_t D) {
+    const int64_t C = D / 32, slot = Hkv * D;
     const __m512i pick = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t j0 = 0; j0 < n; j0 += TILE) {
         const int64_t j1 = j0 + TILE < n ? j0 + TILE : n;
-        for (int64_t h = 0; h < Hkv; h++) {
+        for (int64_t h = h0; h < h1; h++) {
             __m512bh qv[MAX_G][MAX_D / 32];
             for (int64_t g = 0; g < G; g++)
                 for (int64_t c = 0; c < C; c++) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + (h * G + g) * D + c * 32);
@@ -597,7 +589,7 @@ BF16_TARGET static inline __attribute__((always_inline)) void req_bf16dp(
         }
     }
     float sum[DP_MAX_HD / 32];
-    for (int64_t e = 0; e < Hq; e++) {
+    for (int64_t e = h0 * G; e < h1 * G; e++) {
         float *sc = scratch + e * n, t = -FLT_MAX, z = 0.f;
         _Pragma("omp simd reduction(max:t)")
         for (int64_t i = 0; i < n; i++) t = sc[i] > t ? sc[i] : t;
@@ -606,10 +598,10 @@ BF16_TARGET static inline __attribute__((always_inline)) void req_bf16dp(
         sum[e] = z;
     }
     float accm[DP_MAX_HD / 16][16] __attribute__((aligned(64)));  /* the heads' sums between tiles */
-    memset(accm, 0, Hq * D * sizeof(float));
+    memset(accm[h0 * G * D / 16], 0, (h1 - h0) * G * D * sizeof(float));
     for (int64_t j0 = 0; j0 < n; j0 += TILE) {
         const int64_t j1 = j0 + TILE < n ? j0 + TILE : n;
-        for (int64_t h = 0; h < Hkv; h++) {
+        for (int64_t h = h0; h < h1; h++) {
             __m512 acc[MAX_G][MAX_D / 16];
             for (int64_t g = 0; g < G; g++)
                 for (int64_t c = 0; c < D / 16; c++) acc[g][c] = _mm512_load_ps(accm[(h * G + g) * D / 16 + c]);
@@ -626,7 +618,7 @@ BF16_TARGET static inline __attribute__((always_inline)) void req_bf16dp(
                 for (int64_t c = 0; c < D / 16; c++) _mm512_store_ps(accm[(h * G + g) * D / 16 + c], acc[g][c]);
         }
     }
-    for (int64_t e = 0; e < Hq; e++) {
+    for (int64_t e = h0 * G; e < h1 * G; e++) {
         const __m512 inv = _mm512_set1_ps(1.f / sum[e]);
         for (int64_t c = 0; c < D / 16; c++) {
             __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(accm[e * D / 16 + c]), inv));
@@ -637,26 +629,332 @@ BF16_TARGET static inline __attribute__((always_inline)) void req_bf16dp(
     }
 }
 
-#define CASE_DP(GG, DD) case GG * 1000 + DD: req_bf16dp(qb, k, v, row, n, ob, Hkv, scale, scratch, GG, DD); break;
+#define CASE_DP(GG, DD) case GG * 1000 + DD: req_bf16dp(qb, k, v, row, n, ob, Hkv, h0, h1, scale, scratch, GG, DD); break;
+
+/* Request b's KV heads h0 .. h1 - 1 (the query heads they serve): scratch float [Hq * L]. */
+BF16_TARGET static void attend_bf16dp(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *slots,
+                                      const int64_t *lens, uint16_t *out, int64_t b, int64_t h0, int64_t h1, int64_t Hq,
+                                      int64_t Hkv, int64_t D, int64_t L, float scale, float *scratch) {
+    const int64_t G = Hq / Hkv, n = lens[b], *row = slots + b * L;
+    const uint16_t *qb = q + b * Hq * D;
+    uint16_t *ob = out + b * Hq * D;
+    switch (G * 1000 + D) {
+        CASE_DP(1, 64) CASE_DP(2, 64) CASE_DP(3, 64) CASE_DP(4, 64)
+        CASE_DP(5, 64) CASE_DP(6, 64) CASE_DP(7, 64) CASE_DP(8, 64)
+        CASE_DP(1, 128) CASE_DP(2, 128) CASE_DP(4, 128) CASE_DP(8, 128)
+        default: req_bf16dp(qb, k, v, row, n, ob, Hkv, h0, h1, scale, scratch, G, D);
+    }
+}
+
+static int dp_takes(int64_t Hq, int64_t Hkv, int64_t D) {
+    const int64_t G = Hq / Hkv;
+    return G <= MAX_G && D <= MAX_D && D % 32 == 0 && G * Hkv == Hq && Hq * D <= DP_MAX_HD;
+}
 
 /* scratch: float [Hq * L] (the scores of one request). Hq * D at most DP_MAX_HD. */
 BF16_TARGET int decode_bf16_dp(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *slots,
                                const int64_t *lens, uint16_t *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                                int64_t L, float scale, float *scratch) {
-    const int64_t G = Hq / Hkv;
-    if (G > MAX_G || D > MAX_D || D % 32 || G * Hkv != Hq || Hq * D > DP_MAX_HD) return -1;
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t n = lens[b], *row = slots + b * L;
-        const uint16_t *qb = q + b * Hq * D;
-        uint16_t *ob = out + b * Hq * D;
-        switch (G * 1000 + D) {
-            CASE_DP(1, 64) CASE_DP(2, 64) CASE_DP(3, 64) CASE_DP(4, 64)
-            CASE_DP(5, 64) CASE_DP(6, 64) CASE_DP(7, 64) CASE_DP(8, 64)
-            CASE_DP(1, 128) CASE_DP(2, 128) CASE_DP(4, 128) CASE_DP(8, 128)
-            default: req_bf16dp(qb, k, v, row, n, ob, Hkv, scale, scratch, G, D);
+    if (!dp_takes(Hq, Hkv, D)) return -1;
+    for (int64_t b = 0; b < B; b++) attend_bf16dp(q, k, v, slots, lens, out, b, 0, Hkv, Hq, Hkv, D, L, scale, scratch);
+    return 0;
+}
+
+/* ---- A second thread for the int matmuls and decode attention.
+ *
+ * A helper thread (started on first use, where set_threads(2) allows it) shares the units of
+ * a job with the calling thread: each unit is claimed by a compare-and-swap on its state word
+ * (job number << 3 | owner), so that whichever thread is free takes the next one. The helper
+ * writes its units into a shadow buffer; the caller copies the ones the helper finished. The
+ * caller never waits long for a helper that the OS has preempted (another process, the event
+ * loop, a client on the same cores: docs/benchmarks/cpu_spread.md): past a deadline it takes
+ * the helper's unit over ("stolen": the caller computes it into the result; the helper's
+ * copy, if it ever finishes, is dropped). Everything a late helper may still read stays
+ * allocated (the arena below is only ever grown, the job's description is copied by value),
+ * and it writes only into its shadow buffer. One caller at a time: a second concurrent
+ * caller runs on its own thread, without the helper. */
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_UNITS 128
+#define CTX_BYTES 256
+#define SPIN_NS 50000  /* the helper spins this long for the next job, then sleeps */
+enum { U_MAIN = 1, U_HELPER = 2, U_DONE = 3, U_STOLEN = 4 };
+
+typedef void (*unit_fn)(const void *ctx, int64_t unit, int helper);
+typedef void (*copy_fn)(const void *ctx, int64_t unit);
+
+typedef struct {
+    unit_fn fn;
+    int64_t n;
+    uint64_t job;
+    int steal;                               /* 0: no shadow, the caller waits (parallel_for) */
+    _Alignas(64) char ctx[CTX_BYTES];
+} job_t;
+
+static struct {
+    pthread_mutex_t lock;                    /* held by the caller of a parallel step */
+    int want, started;                       /* threads wanted (1 or 2), helper running */
+    _Atomic uint64_t seq;                    /* job description seqlock (odd while written) */
+    job_t job;
+    _Atomic uint32_t wake;                   /* futex word: bumped at each job */
+    _Atomic int sleeping;
+    _Atomic uint64_t state[MAX_UNITS];
+    uint64_t next_job;
+    char *arena, *shadow, *hscratch;         /* grown, never freed (a late helper may read them) */
+    size_t arena_bytes, shadow_bytes, hscratch_bytes;
+    _Atomic int64_t stolen, helper_units;    /* counters (stats) */
+    _Atomic int delay_us;                    /* tests: the helper sleeps this long in each unit */
+} P = {.lock = PTHREAD_MUTEX_INITIALIZER, .want = 1};
+
+static inline uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + t.tv_nsec;
+}
+
+static inline void cpu_relax(void) { __builtin_ia32_pause(); }
+
+static void run_claims(const job_t *j, int helper) {
+    for (int64_t u = 0; u < j->n; u++) {
+        uint64_t v = atomic_load_explicit(&P.state[u], memory_order_acquire);
+        if ((v >> 3) >= j->job) continue;
+        if (!atomic_compare_exchange_strong(&P.state[u], &v, (j->job << 3) | (helper ? U_HELPER : U_MAIN))) continue;
+        if (helper && atomic_load_explicit(&P.delay_us, memory_order_relaxed)) usleep(atomic_load(&P.delay_us));
+        j->fn(j->ctx, u, helper && j->steal);
+        if (helper) {
+            uint64_t mine = (j->job << 3) | U_HELPER;
+            if (atomic_compare_exchange_strong(&P.state[u], &mine, (j->job << 3) | U_DONE))
+                atomic_fetch_add_explicit(&P.helper_units, 1, memory_order_relaxed);
         }
     }
-    return 0;
+}
+
+static void *helper_main(void *unused) {
+    (void)unused;
+    uint64_t seen = 0;
+    for (;;) {
+        /* wait for a job newer than the last one seen: spin SPIN_NS, then sleep on the futex */
+        job_t j;
+        uint64_t spin_from = now_ns();
+        for (;;) {
+            const uint64_t s1 = atomic_load_explicit(&P.seq, memory_order_acquire);
+            if (!(s1 & 1) && s1 / 2 > seen) {
+                memcpy(&j, &P.job, sizeof j);
+                atomic_thread_fence(memory_order_acquire);
+                if (atomic_load_explicit(&P.seq, memory_order_relaxed) == s1) break;
+                continue;
+            }
+            if (now_ns() - spin_from < SPIN_NS) { cpu_relax(); continue; }
+            const uint32_t w = atomic_load(&P.wake);
+            atomic_store(&P.sleeping, 1);
+            if (atomic_load(&P.seq) / 2 <= seen) syscall(SYS_futex, &P.wake, FUTEX_WAIT_PRIVATE, w, NULL, NULL, 0);
+            atomic_store(&P.sleeping, 0);
+            spin_from = now_ns();
+        }
+        seen = j.job;
+        run_claims(&j, 1);
+    }
+    return NULL;
+}
+
+/* Run units 0 .. n-1 of fn on this thread and, where it is running, the helper; copy the
+ * helper's finished units with copy. copy NULL: the helper writes where the caller would
+ * (fn's helper flag 0 for both) and the caller waits for the helper's units however long
+ * they take (as an OpenMP barrier does; for prefill's long regions, whose outputs need no
+ * shadow). Called with P.lock held. */
+static void parallel_for(unit_fn fn, copy_fn copy, const void *ctx, size_t ctx_bytes, int64_t n) {
+    if (!P.started || n < 2 || n > MAX_UNITS || ctx_bytes > CTX_BYTES) {
+        for (int64_t u = 0; u < n; u++) fn(ctx, u, 0);
+        return;
+    }
+    const uint64_t job = ++P.next_job;
+    atomic_fetch_add_explicit(&P.seq, 1, memory_order_acq_rel);  /* odd: being written */
+    P.job.fn = fn;
+    P.job.n = n;
+    P.job.job = job;
+    P.job.steal = copy != NULL;
+    memcpy(P.job.ctx, ctx, ctx_bytes);
+    atomic_fetch_add_explicit(&P.seq, 1, memory_order_release);  /* even: seq / 2 == job */
+    atomic_fetch_add(&P.wake, 1);
+    if (atomic_load(&P.sleeping)) syscall(SYS_futex, &P.wake, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+    const job_t *j = &P.job;
+    const uint64_t t0 = now_ns();
+    run_claims(j, 0);
+    /* the helper's units still running: wait a while (a unit's time, at least 20 us), then take them over */
+    int64_t mine = 0;
+    for (int64_t u = 0; u < n; u++) mine += (atomic_load(&P.state[u]) & 7) == U_MAIN;
+    const uint64_t per = mine ? (now_ns() - t0) / mine : 0, deadline = now_ns() + (per > 20000 ? per : 20000);
+    for (int64_t u = 0; u < n; u++) {
+        for (;;) {
+            uint64_t v = atomic_load_explicit(&P.state[u], memory_order_acquire);
+            if ((v & 7) == U_DONE) {
+                if (copy) copy(ctx, u);
+                break;
+            }
+            if ((v & 7) != U_HELPER) break;  /* (U_MAIN: done here) */
+            if (copy && now_ns() > deadline && atomic_compare_exchange_strong(&P.state[u], &v, (job << 3) | U_STOLEN)) {
+                fn(ctx, u, 0);
+                atomic_fetch_add_explicit(&P.stolen, 1, memory_order_relaxed);
+                break;
+            }
+            cpu_relax();
+        }
+    }
+}
+
+/* The helper on (threads 2) or off (1), from radixd's thread setting; returns the threads in use. */
+int set_threads(int threads) {
+    pthread_mutex_lock(&P.lock);
+    P.want = threads > 1 ? 2 : 1;
+    if (P.want == 2 && !P.started) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&t, &attr, helper_main, NULL) == 0) P.started = 1;
+        pthread_attr_destroy(&attr);
+    }
+    /* (a started helper stays; with want 1 parallel_for no longer hands it work) */
+    const int out = P.want == 2 && P.started ? 2 : 1;
+    pthread_mutex_unlock(&P.lock);
+    return out;
+}
+
+/* Tests: the helper sleeps delay_us in each unit it takes (as if preempted there). */
+void set_helper_delay(int delay_us) { atomic_store(&P.delay_us, delay_us); }
+
+/* Units run by the helper and units taken back from it, since the start. */
+void thread_stats(int64_t *out) {
+    out[0] = atomic_load(&P.helper_units);
+    out[1] = atomic_load(&P.stolen);
+}
+
+static char *grow(char **buf, size_t *have, size_t need) {
+    if (need > *have) {
+        char *b = aligned_alloc(64, (need + 63) / 64 * 64);  /* the old one stays: a late helper may use it */
+        if (!b) return NULL;
+        *buf = b;
+        *have = need;
+    }
+    return *buf;
+}
+
+/* The parallel step's buffers: the arena (inputs the units read), the shadow (the helper's
+ * outputs) and the helper's scratch; NULL where memory ran out (the caller runs alone). */
+static int pool_begin(size_t arena, size_t shadow, size_t hscratch) {
+    if (pthread_mutex_trylock(&P.lock)) return 0;
+    if (!(P.want == 2 && P.started) || !grow(&P.arena, &P.arena_bytes, arena) || !grow(&P.shadow, &P.shadow_bytes, shadow)
+        || !grow(&P.hscratch, &P.hscratch_bytes, hscratch)) {
+        pthread_mutex_unlock(&P.lock);
+        return 0;
+    }
+    return 1;
+}
+
+static void pool_end(void) { pthread_mutex_unlock(&P.lock); }
+
+/* qmm's units: column-group ranges, every row. */
+typedef struct {
+    const uint8_t *w;
+    act_t a;
+    void *y, *shadow;
+    int64_t M, N, K, ldy, per, bits;
+    int y_bf16;
+} qmm_ctx;
+
+VNNI_TARGET static void qmm_unit(const void *p, int64_t u, int helper) {
+    const qmm_ctx *c = p;
+    const int64_t C = (c->N + 15) / 16, c0 = u * c->per, c1 = c0 + c->per < C ? c0 + c->per : C;
+    void *y = helper ? c->shadow : c->y;
+    if (c->bits == 4) q4mm_range(c->w, &c->a, c->M, c->N, c->K, y, c->y_bf16, c->ldy, c0, c1);
+    else q8mm_range(c->w, &c->a, c->M, c->N, c->K, y, c->y_bf16, c->ldy, c0, c1);
+}
+
+static void qmm_copy(const void *p, int64_t u) {
+    const qmm_ctx *c = p;
+    const int64_t C = (c->N + 15) / 16, c0 = u * c->per, c1 = c0 + c->per < C ? c0 + c->per : C;
+    const int64_t n0 = c0 * 16, n1 = c1 * 16 < c->N ? c1 * 16 : c->N, e = c->y_bf16 ? 2 : 4;
+    for (int64_t m = 0; m < c->M; m++)
+        memcpy((char *)c->y + (m * c->ldy + n0) * e, (char *)c->shadow + (m * c->ldy + n0) * e, (n1 - n0) * e);
+}
+
+/* qmm_run's matmul (activations already quantized into a) on both threads where allowed. */
+VNNI_TARGET static void qmm_par(int bits, const act_t *a, const uint8_t *w, void *y, int y_bf16, int64_t ldy, int64_t M,
+                                int64_t N, int64_t K, void *shadow) {
+    const int64_t C = (N + 15) / 16;
+    /* units of 1-2 % of the work, at least 2 column groups each */
+    int64_t per = (C + 47) / 48;
+    per = per < 2 ? 2 : per;
+    qmm_ctx c = {w, *a, y, shadow, M, N, K, ldy, per, bits, y_bf16};
+    if (!shadow) {  /* alone: one unit */
+        c.per = C;
+        qmm_unit(&c, 0, 0);
+        return;
+    }
+    parallel_for(qmm_unit, qmm_copy, &c, sizeof c, (C + per - 1) / per);
+}
+
+/* decode attention's units: (request, KV head range). */
+typedef struct {
+    const uint16_t *q, *k, *v;
+    const int64_t *slots, *lens;
+    uint16_t *out, *shadow;
+    float *scratch, *hscratch;
+    int64_t Hq, Hkv, D, L, split;
+    float scale;
+} att_ctx;
+
+BF16_TARGET static void att_unit(const void *p, int64_t u, int helper) {
+    const att_ctx *c = p;
+    const int64_t b = u / c->split, part = u % c->split, per = (c->Hkv + c->split - 1) / c->split;
+    const int64_t h0 = part * per, h1 = h0 + per < c->Hkv ? h0 + per : c->Hkv;
+    if (h0 >= h1) return;
+    attend_bf16dp(c->q, c->k, c->v, c->slots, c->lens, helper ? c->shadow : c->out, b, h0, h1, c->Hq, c->Hkv, c->D, c->L,
+                  c->scale, helper ? c->hscratch : c->scratch);
+}
+
+static void att_copy(const void *p, int64_t u) {
+    const att_ctx *c = p;
+    const int64_t b = u / c->split, part = u % c->split, per = (c->Hkv + c->split - 1) / c->split, G = c->Hq / c->Hkv;
+    const int64_t h0 = part * per, h1 = h0 + per < c->Hkv ? h0 + per : c->Hkv;
+    if (h0 >= h1) return;
+    const int64_t off = b * c->Hq * c->D + h0 * G * c->D;
+    memcpy(c->out + off, c->shadow + off, (h1 - h0) * G * c->D * sizeof(uint16_t));
+}
+
+/* The dequantization for prefill's GEMMs: column ranges on both threads (no shadow: the
+ * caller waits for the helper, as for a torch GEMM's OpenMP threads in the same step). */
+typedef struct {
+    const uint8_t *w;
+    uint16_t *out;
+    int64_t N, K, per, bits;
+} deq_ctx;
+
+VNNI_TARGET static void deq_unit(const void *p, int64_t u, int helper) {
+    (void)helper;
+    const deq_ctx *c = p;
+    const int64_t n0 = u * c->per * 16, n1 = n0 + c->per * 16;
+    qdequant_cols_bf16_t((int)c->bits, c->w, c->out + n0, c->N, c->K, n0, n1 < c->N ? n1 : c->N, c->N);
+}
+
+/* A q4 / q8 weight dequantized to bf16 and transposed, out [K, N] (x @ out is x @ W.T), for
+ * the GEMMs of many rows. */
+VNNI_TARGET void qdequant_bf16_t(int bits, const uint8_t *w, uint16_t *out, int64_t N, int64_t K) {
+    const int64_t C = (N + 15) / 16, per = (C + 15) / 16;
+    deq_ctx c = {w, out, N, K, per, bits};
+    if (pool_begin(0, 0, 0)) {
+        parallel_for(deq_unit, NULL, &c, sizeof c, (C + per - 1) / per);
+        pool_end();
+    } else {
+        c.per = C;
+        deq_unit(&c, 0, 0);
+    }
 }
 
 /* ---- A decode step's decoder layers in one call (Llama's block: pre-norms, fused q/k/v and
@@ -686,42 +984,85 @@ typedef struct {
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
+/* y [M, N] = x [M, K] @ W.T for a q4 (bits 4) or q8 (bits 8) weight; K a multiple of 32; x
+ * float32 or bf16 (x_bf16), y likewise; act 1: x is [M, 2K] gate | up, multiplied as
+ * SiLU(gate) * up. Any M: each column group's weights are read once from memory for all rows
+ * (kept in L1 across the row chunks of 8). On both threads where the helper runs. Returns 0,
+ * or -1 (shape out of range), -2 (no memory). The caller checked vnni_supported(). */
+VNNI_TARGET int qmm_vnni(int bits, const void *x, int x_bf16, int64_t ldx, int act, const uint8_t *w, void *y,
+                         int y_bf16, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    if (M < 1 || K % 32 || (bits != 4 && bits != 8)) return -1;
+    const size_t abytes = act_bytes(M, K), ybytes = M * ldy * (y_bf16 ? 2 : 4);
+    const int par = pool_begin(abytes, ybytes, 0);
+    char *mem = par ? P.arena : malloc(abytes);
+    if (!mem) return -2;
+    act_t a;
+    float *tmp = act_init(&a, mem, M, K);
+    quantize_act(x, x_bf16, ldx, act, M, K, &a, tmp);
+    qmm_par(bits, &a, w, y, y_bf16, ldy, M, N, K, par ? P.shadow : NULL);
+    if (par) pool_end();
+    else free(mem);
+    return 0;
+}
+
 /* x [rows, hidden] bf16: the embeddings in, the residual stream after (written in place);
  * out [rows, hidden]: the last layer's MLP output (the model adds it to x in its final norm).
  * Returns 0, -1 (shapes), -2 (no memory), -3 (a position past the rotary table). */
 VNNI_TARGET int decode_layers_bf16(const dmodel_t *m, const dlayer_t *ls, const dstep_t *st, uint16_t *x, uint16_t *out) {
-    const int64_t M = st->rows, H = m->hidden, I = m->inter, D = m->dim, Hq = m->hq, Hkv = m->hkv;
+    const int64_t M = st->rows, H = m->hidden, I = m->inter, D = m->dim, Hq = m->hq, Hkv = m->hkv, W = st->width;
     const int64_t Nqkv = (Hq + 2 * Hkv) * D, slot = Hkv * D;
-    if (M < 1 || H % 32 || I % 32 || (Hq * D) % 32 || D % 2) return -1;
+    if (M < 1 || H % 32 || I % 32 || (Hq * D) % 32 || D % 2 || !dp_takes(Hq, Hkv, D)) return -1;
     for (int64_t t = 0; t < M; t++)
         if (st->pos[t] < 0 || st->pos[t] >= m->max_pos) return -3;
-    const int64_t kmax = max64(max64(H, I), Hq * D);
+    const int64_t kmax = max64(max64(H, I), Hq * D), nmax = max64(max64(Nqkv, 2 * I), max64(H, Hq * D));
     const size_t bf = sizeof(uint16_t);
-    const size_t bytes = M * H * bf + M * Nqkv * bf + 2 * M * Hq * D * bf + M * H * bf + M * 2 * I * bf
-                         + Hq * st->width * sizeof(float) + act_bytes(M, kmax) + 64;
-    char *mem = malloc(bytes);
+    const size_t bytes = (M * H + M * Nqkv + 2 * M * Hq * D + M * H + M * 2 * I) * bf + Hq * W * sizeof(float)
+                         + M * (W + 1) * sizeof(int64_t) + act_bytes(M, kmax) + 256;
+    const int par = pool_begin(bytes, M * nmax * bf, Hq * W * sizeof(float));
+    char *mem = par ? P.arena : malloc(bytes);
     if (!mem) return -2;
     uint16_t *h = (uint16_t *)mem, *qkv = h + M * H, *q = qkv + M * Nqkv, *att = q + M * Hq * D, *o = att + M * Hq * D,
              *gu = o + M * H;
     float *scores = (float *)(gu + M * 2 * I);
-    char *act = (char *)(scores + Hq * st->width);
-    int rc = 0;
-    for (int64_t l = 0; l < m->layers && !rc; l++) {
+    int64_t *slots = (int64_t *)(scores + Hq * W), *lens = slots + M * W;  /* (copies: a late helper reads them) */
+    char *actmem = (char *)(lens + M);
+    memcpy(slots, st->slots, M * W * sizeof(int64_t));
+    memcpy(lens, st->lens, M * sizeof(int64_t));
+    void *shadow = par ? P.shadow : NULL;
+    /* attention units: a request each, or its KV heads one by one where requests are few */
+    const int64_t split = M >= 4 || Hkv == 1 ? 1 : Hkv;
+    att_ctx ac = {q, NULL, NULL, slots, lens, att, (uint16_t *)shadow, scores, (float *)(par ? P.hscratch : NULL),
+                  Hq, Hkv, D, W, split, m->scale};
+    act_t a;
+    float *tmp;
+    for (int64_t l = 0; l < m->layers; l++) {
         const dlayer_t *L = &ls[l];
         if (l == 0) add_rmsnorm_bf16(x, H, NULL, 0, L->norm_in, h, H, M, H, L->eps_in);
         else add_rmsnorm_bf16(out, H, x, H, L->norm_in, h, H, M, H, L->eps_in);
-        qmm_run((int)L->qkv_bits, h, 1, H, 0, L->qkv, qkv, 1, Nqkv, M, Nqkv, H, act);
+        tmp = act_init(&a, actmem, M, H);
+        quantize_act(h, 1, H, 0, M, H, &a, tmp);
+        qmm_par((int)L->qkv_bits, &a, L->qkv, qkv, 1, Nqkv, M, Nqkv, H, shadow);
         rotary_bf16(qkv, Nqkv, M, Hq, D, m->cos, m->sin, st->pos, q);
         for (int64_t t = 0; t < M; t++) {  /* k rotated into its slot, v copied */
             rotary_bf16(qkv + t * Nqkv + Hq * D, Nqkv, 1, Hkv, D, m->cos, m->sin, st->pos + t, L->k_buf + st->loc[t] * slot);
             memcpy(L->v_buf + st->loc[t] * slot, qkv + t * Nqkv + (Hq + Hkv) * D, slot * bf);
         }
-        rc = decode_bf16_dp(q, L->k_buf, L->v_buf, st->slots, st->lens, att, M, Hq, Hkv, D, st->width, m->scale, scores);
-        qmm_run((int)L->o_bits, att, 1, Hq * D, 0, L->o, o, 1, H, M, H, Hq * D, act);
+        ac.k = L->k_buf;
+        ac.v = L->v_buf;
+        if (shadow) parallel_for(att_unit, att_copy, &ac, sizeof ac, M * split);
+        else for (int64_t u = 0; u < M * split; u++) att_unit(&ac, u, 0);
+        tmp = act_init(&a, actmem, M, Hq * D);
+        quantize_act(att, 1, Hq * D, 0, M, Hq * D, &a, tmp);
+        qmm_par((int)L->o_bits, &a, L->o, o, 1, H, M, H, Hq * D, shadow);
         add_rmsnorm_bf16(o, H, x, H, L->norm_post, h, H, M, H, L->eps_post);
-        qmm_run((int)L->gate_up_bits, h, 1, H, 0, L->gate_up, gu, 1, 2 * I, M, 2 * I, H, act);
-        qmm_run((int)L->down_bits, gu, 1, 2 * I, 1, L->down, out, 1, H, M, H, I, act);
+        tmp = act_init(&a, actmem, M, H);
+        quantize_act(h, 1, H, 0, M, H, &a, tmp);
+        qmm_par((int)L->gate_up_bits, &a, L->gate_up, gu, 1, 2 * I, M, 2 * I, H, shadow);
+        tmp = act_init(&a, actmem, M, I);
+        quantize_act(gu, 1, 2 * I, 1, M, I, &a, tmp);
+        qmm_par((int)L->down_bits, &a, L->down, out, 1, H, M, H, I, shadow);
     }
-    free(mem);
-    return rc;
+    if (par) pool_end();
+    else free(mem);
+    return 0;
 }

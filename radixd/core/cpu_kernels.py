@@ -127,8 +127,16 @@ def library() -> ctypes.CDLL | None:
     lib.qmm_vnni.restype = ctypes.c_int
     lib.qmm_vnni.argtypes = ([ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
                               ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 4)
+    lib.set_threads.restype = ctypes.c_int
+    lib.set_threads.argtypes = [ctypes.c_int]
+    lib.set_helper_delay.restype = None
+    lib.set_helper_delay.argtypes = [ctypes.c_int]
+    lib.thread_stats.restype = None
+    lib.thread_stats.argtypes = [ctypes.c_void_p]
     lib.decode_layers_bf16.restype = ctypes.c_int
     lib.decode_layers_bf16.argtypes = [ctypes.c_void_p] * 5
+    lib.silu_mul_bf16.restype = None
+    lib.silu_mul_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     lib.qdequant_bf16_t.restype = None
     lib.qdequant_bf16_t.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     return lib
@@ -172,13 +180,44 @@ def qmm(x: Tensor, w: Tensor, bits: int, n: int, k: int, *, silu: bool = False) 
     return y
 
 
+def silu_mul(x: Tensor) -> Tensor:
+    """SiLU(gate) * up of a bf16 x [M, 2K] (gate | up, last dimension contiguous): [M, K] bf16,
+    computed in float32 and rounded once."""
+    lib = library()
+    assert lib is not None and x.dtype == torch.bfloat16 and x.stride(-1) == 1
+    rows, k = x.shape[0], x.shape[1] // 2
+    out = torch.empty((rows, k), dtype=torch.bfloat16)
+    lib.silu_mul_bf16(x.data_ptr(), x.stride(0), out.data_ptr(), rows, k)
+    return out
+
+
 def qdequant_bf16(w: Tensor, bits: int, n: int, k: int) -> Tensor:
-    """The repacked ``bits`` weight ``w`` in bf16, transposed: [k, n]."""
+    """The repacked ``bits`` weight ``w`` in bf16, transposed: [k, n] (on both threads where
+    the kernels' helper runs)."""
     lib = library()
     assert lib is not None and w.dtype == torch.uint8 and w.is_contiguous()
     out = torch.empty((k, n), dtype=torch.bfloat16)
     lib.qdequant_bf16_t(bits, w.data_ptr(), out.data_ptr(), n, k)
     return out
+
+
+def set_threads(threads: int) -> int:
+    """The kernels' threads: 2 starts (or keeps using) their helper thread, 1 stops handing it
+    work (``cpu_kernels.c``: the int matmuls, the int4 dequantization and the fused decode
+    step's attention); returns the threads in use (1 without the library)."""
+    lib = library()
+    return lib.set_threads(threads) if lib is not None else 1
+
+
+def thread_stats() -> dict[str, int]:
+    """Units the helper thread ran and units the calling thread took back from it (it was
+    preempted), since the process started."""
+    lib = library()
+    if lib is None:
+        return {"helper_units": 0, "stolen": 0}
+    out = (ctypes.c_int64 * 2)()
+    lib.thread_stats(out)
+    return {"helper_units": out[0], "stolen": out[1]}
 
 
 def reset() -> None:

@@ -20,6 +20,12 @@ thread's runs spread less and served more on that shared machine
 allowed core: its GEMMs are compute-bound and long, so a thread preempted now and then
 delays a region by its own share only (``docs/benchmarks/cpu_kernels.md``); decode steps,
 short regions bound by memory, stay on the cores less one. Not where the user chose (``OMP_NUM_THREADS``).
+
+``kernel_threads``: radixd's own C kernels (the int matmuls, the fused decode step's
+attention: ``cpu_kernels``) take a second core where there is one, through a helper thread
+whose units the calling thread takes back when the helper is preempted, so that a busy core
+costs a unit's wait at most, not a barrier's (``docs/benchmarks/cpu_kernels.md``).
+``RADIXD_CPU_KERNEL_THREADS`` (1 or 2) replaces the choice; ``OMP_NUM_THREADS=1`` means one.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import os
 import torch
 
 AUTO_DTYPE_ENV = "RADIXD_CPU_AUTO_DTYPE"
+KERNEL_THREADS_ENV = "RADIXD_CPU_KERNEL_THREADS"
 PREFILL_TOKENS = 64  # a step of this many tokens or more runs on every allowed core
 _AUTO_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -52,12 +59,27 @@ def allowed_cores() -> int:
 
 def set_threads() -> int:
     """Set torch's thread count to the allowed cores less one (at least one) unless
-    ``OMP_NUM_THREADS`` is set; returns the count in use."""
+    ``OMP_NUM_THREADS`` is set, and radixd's kernels' to ``kernel_threads()``; returns
+    torch's count in use."""
+    from radixd.core import cpu_kernels
+
     if "OMP_NUM_THREADS" not in os.environ:
         n = max(1, allowed_cores() - 1)
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
+    cpu_kernels.set_threads(kernel_threads())
     return torch.get_num_threads()
+
+
+def kernel_threads() -> int:
+    """Threads for radixd's C kernels (module docstring): 2 where two cores are allowed."""
+    for name in (KERNEL_THREADS_ENV, "OMP_NUM_THREADS"):
+        if os.environ.get(name):
+            try:
+                return 2 if int(os.environ[name]) > 1 else 1
+            except ValueError:
+                raise ValueError(f"{name}={os.environ[name]!r}: expected a whole number") from None
+    return 2 if allowed_cores() > 1 else 1
 
 
 def step_threads(num_tokens: int) -> None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from radixd.core import cpu_kernels
@@ -167,8 +166,7 @@ def vnni_linear(x: Tensor, w: CpuIntWeight, silu: bool = False) -> Tensor:
     xa = x if x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1 else x.float().contiguous()
     if w.bits == 4 and xa.shape[0] > VNNI_GEMM_ROWS:  # many rows (a prefill): dequantized, one bf16 GEMM
         if silu:
-            gate, up = xa.chunk(2, dim=-1)
-            xa = F.silu(gate) * up
+            xa = cpu_kernels.silu_mul(xa.to(ACT))
         y = xa.to(ACT) @ cpu_kernels.qdequant_bf16(w.q, w.bits, w.n, w.k)
     else:
         y = cpu_kernels.qmm(xa, w.q, w.bits, w.n, w.k, silu=silu)
