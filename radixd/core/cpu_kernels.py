@@ -4,16 +4,35 @@ compiler on first use, kept in radixd's cache, called through ``ctypes``.
 - ``decode``: decode attention. A small problem per request (one query row, a few hundred
   keys), for which torch's attention kernels pay more in setting up each call than in
   arithmetic; this reads every request's keys and values through its slots in the pool, all
-  requests of a layer in one call.
+  requests of a layer in one call. Over a bf16 pool on a CPU with AVX512-BF16 (``bf16dp``)
+  the scores are ``vdpbf16ps`` dot products, four keys reduced at once, and the slots are read
+  in tiles of 32, every head of a slot together.
 - ``add_rmsnorm`` and ``rotary``: a layer's small elementwise steps in one call each, where
   torch's path costs 25-50 us of op overhead a call (a decode step makes 90 of them).
+- ``qmm`` (AVX512-VNNI, ``vnni``): x @ W.T for int4 / int8 weights in ``cpu_int``'s records,
+  the activations quantized to int8 per block of 32 (llama.cpp's Q8), ``vpdpbusd`` dot
+  products, each weight vector loaded once for all rows; SiLU(gate) * up formed while
+  quantizing the down projection's input. ``qdequant_bf16``: such a weight in bf16 for
+  prefill's GEMMs. ``decode_layers_bf16``: a whole decode step's decoder layers in one call
+  (``cpu_decode``).
 - ``int8_matmul``: x @ W.T for a grouped int8 weight (Q8_0's blocks of 32), few rows: each
   weight read once for up to 8 rows, where torch's int8 kernel takes one group per call and
-  adds the partial products up in memory (an LM head of 49k rows at 8 rows: 4x).
+  adds the partial products up in memory (an LM head of 49k rows at 8 rows: 4x). (CPUs
+  without VNNI.)
 - ``int4pack_to_bf16``: an int4 weight in torch's CPU packing, dequantized for a matmul of
   many rows (prefill), where a bf16 GEMM runs 2-3x faster than torch's int4 kernel; decode
   steps keep the int4 kernel, which reads a quarter of the bytes. ``int4pack_readable``
-  checks once that torch packs as the kernel reads.
+  checks once that torch packs as the kernel reads. (CPUs without VNNI.)
+
+Threads (``set_threads``): with 2, a helper thread shares the units of ``qmm``, of the fused
+step's attention and of ``qdequant_bf16`` with the calling thread; a helper the OS preempted
+has its units taken back past a deadline (``cpu_kernels.c``: the helper writes into a shadow
+buffer), so that a core taken by something else costs a unit's wait, not a barrier's.
+
+The kernels that need a CPU extension (AVX512-VNNI, AVX512-BF16) are compiled with
+``target`` attributes whatever ``-march=native`` allows and called only where the CPU has
+the extension (``__builtin_cpu_supports``, at run time); ``RADIXD_CPU_ISA=baseline`` keeps
+them out (the tests run both ways).
 
 The library is compiled for this CPU
 (``-march=native``), once per source, compiler and CPU (the file name carries a hash of
@@ -23,8 +42,11 @@ their own file and rename it into place.
 Without a C compiler (``$CC``, else ``cc``), or with ``RADIXD_CPU_KERNELS=off``, ``library()``
 is None and the callers keep torch's path; why is logged once.
 
-Contract: the kernels only read their inputs and write their results; ``takes`` and
-``int4pack_readable`` say where they apply (the callers fall back to torch elsewhere).
+Contract: the kernels only read their inputs and write their results (``decode_layers_bf16``:
+the residual stream in place and the step's K/V into the pool); ``takes``,
+``fused_attention_takes`` and ``int4pack_readable`` say where they apply (the callers fall
+back to torch elsewhere). The helper thread's buffers are grown, never freed, for the
+process's life.
 """
 
 from __future__ import annotations
@@ -48,7 +70,7 @@ from radixd.core.cache_dir import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp-simd", "-fPIC")  # compile only: see _build
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp-simd", "-fPIC", "-pthread")  # compile only: see _build
 ENV = "RADIXD_CPU_KERNELS"
 ISA_ENV = "RADIXD_CPU_ISA"  # "baseline": none of the kernels that need a CPU extension (tests force it)
 _FUNCS = {torch.bfloat16: "decode_bf16", torch.float32: "decode_f32"}
@@ -76,7 +98,7 @@ def _build(cc: str, target: Path) -> None:
     # crtfastmath, which on load sets flush-to-zero for the whole process (every float op of
     # torch and numpy after it would lose subnormals).
     try:
-        for cmd in ([cc, *FLAGS, "-c", "-o", str(obj), str(SOURCE)], [cc, "-shared", "-o", str(part), str(obj), "-lm"]):
+        for cmd in ([cc, *FLAGS, "-c", "-o", str(obj), str(SOURCE)], [cc, "-shared", "-pthread", "-o", str(part), str(obj), "-lm"]):
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode:
                 raise RuntimeError(f"{cc} exited with {done.returncode}: {done.stderr.strip()[-1500:]}")

@@ -1,30 +1,49 @@
-"""The CPU kernels of ``int_weight_linear``'s int4/int8 weights: torch's packed weight-only
-matmuls, the weight kept quantized and dequantized inside the kernel, never as a whole.
+"""The CPU kernels of ``int_weight_linear``'s int4/int8 weights, the weight kept quantized
+and dequantized inside the kernel, never as a whole (but for prefill's GEMMs).
 
 ``pack_cpu(qweight, scales, zeros, bits, group_size)`` turns a weight in the ops' canonical
 layout (``ops``' module docstring) into a ``CpuIntWeight`` once, at load; ``cpu_int_linear``
 multiplies by it every step. ``None`` from ``pack_cpu``: a shape the kernels do not take (the
-reference path serves it).
+reference path serves it). Two families, chosen at load by the CPU:
 
-* int4 (asymmetric or symmetric): ``aten._weight_int4pack_mm_for_cpu``, which dequantizes
-  ``(q - 8) * scale + zero`` per group of 32/64/128/256 columns; canonical ``(q - z) * s``
-  is ``scale = s``, ``zero = (8 - z) * s``. Its packed weight is in the CPU's own tile order.
-  It is a kernel for few rows (it reads a quarter of bf16's bytes, but its cost grows with
-  the rows as a GEMM's does not): more than ``DEQUANT_ROWS`` rows (a prefill) dequantize the
-  weight to bf16 with radixd's C kernel (``cpu_kernels.int4pack_to_bf16``, where it reads
-  this torch's packing) and multiply in a bf16 GEMM.
-* int8 symmetric: ``aten._weight_int8pack_mm`` takes one scale per row, so a grouped weight is
-  held as ``[G, N, group]`` and multiplied group by group (G calls of [M, group] x [group, N],
-  summed in fp32): each reads its slice of the weight once, as a per-channel one would. Up to
-  ``DEQUANT_ROWS`` rows take radixd's C kernel instead (``cpu_kernels.int8_matmul``: all
-  groups in one pass, 2x at 8 rows).
+* "vnni" (a CPU with AVX512-VNNI, checked at run time: ``cpu_kernels.vnni``): radixd's own
+  integer kernels (``cpu_kernels.qmm``), llama.cpp's way on x86. The weight is repacked into
+  records of 16 output columns by 32 input columns (``pack_vnni``): int4 as unsigned nibbles
+  with fp16 ``d`` and ``m`` (``w = d * q + m``: Q4_1 as shipped; canonical ``(q - z) * s`` is
+  ``d = s``, ``m = -z * s``, a group of 64..256 repeated per block of 32), int8 as ``w / d +
+  128`` bytes with fp16 ``d`` (Q8_0). The activations are quantized per row and block of 32
+  to int8 (``d_x = max|x| / 127``, rounded to nearest), and each block's dot product is
+  ``vpdpbusd``'s exact int32 sum, scaled once in float32: ``d_w d_x sum(q_w q_x) + m_w d_x
+  sum(q_x)``. **Numerics**: int8 activations are coarser than bf16's (about 1/254 of a block's
+  largest value against 2**-9 of each value): what llama.cpp computes on these weights; a
+  tiny random model's prompt log-probabilities moved by up to 2.5% against the fp32
+  conversion (bf16 activations: up to 1%), the default model's greedy tokens stayed the same
+  (tests/test_gguf_native.py). Scales that fp16 does not hold (its subnormals, beyond 65504)
+  keep the torch family. More than ``VNNI_GEMM_ROWS`` rows of an int4 weight (a prefill)
+  dequantize it to bf16 (``cpu_kernels.qdequant_bf16``) for one bf16 GEMM (AMX where the CPU
+  has it); int8 weights take the kernel at any row count.
+* "torch" (every other CPU, or ``RADIXD_CPU_ISA=baseline``): torch's packed weight-only
+  matmuls on bf16 activations.
 
-Both kernels are fast only in bf16 (their fp32 and fp16 paths are scalar): activations, scales
-and zeros are bf16, the result is cast back to ``x``'s dtype. bf16 activations are finer than
-llama.cpp's, which quantizes them to 8 bits for its Q4_1 / Q8_0 dot products.
+  * int4 (asymmetric or symmetric): ``aten._weight_int4pack_mm_for_cpu``, which dequantizes
+    ``(q - 8) * scale + zero`` per group of 32/64/128/256 columns; canonical ``(q - z) * s``
+    is ``scale = s``, ``zero = (8 - z) * s``. Its packed weight is in the CPU's own tile order.
+    It is a kernel for few rows (it reads a quarter of bf16's bytes, but its cost grows with
+    the rows as a GEMM's does not): more than ``DEQUANT_ROWS`` rows (a prefill) dequantize the
+    weight to bf16 with radixd's C kernel (``cpu_kernels.int4pack_to_bf16``, where it reads
+    this torch's packing) and multiply in a bf16 GEMM.
+  * int8 symmetric: ``aten._weight_int8pack_mm`` takes one scale per row, so a grouped weight
+    is held as ``[G, N, group]`` and multiplied group by group (G calls of [M, group] x
+    [group, N], summed in fp32): each reads its slice of the weight once, as a per-channel one
+    would. Up to ``DEQUANT_ROWS`` rows take radixd's C kernel instead
+    (``cpu_kernels.int8_matmul``: all groups in one pass, 2x at 8 rows).
+
+  Both are fast only in bf16 (their fp32 and fp16 paths are scalar): activations, scales and
+  zeros are bf16, the result is cast back to ``x``'s dtype.
 
 Contract: a ``CpuIntWeight`` is built once and never mutated; ``rows`` (embedding lookups of
-a tied int8 table) reads it too.
+a tied int8 table) reads it too; a "vnni" weight is only ever multiplied where
+``cpu_kernels.vnni()`` held when it was packed (the process's CPU).
 """
 
 from __future__ import annotations
