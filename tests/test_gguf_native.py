@@ -154,9 +154,9 @@ def test_gguf_weights_choice():
 
 
 async def _greedy(model: str, cache_dir: str | None, mode: str, prompt: list[int] | str = PROMPT,
-                  n: int = 10) -> tuple[list[int], list[float]]:
+                  n: int = 10, **engine) -> tuple[list[int], list[float]]:
     """Greedy tokens and the prompt's logprobs; a str ``prompt`` is a user message."""
-    eng = Engine(model=model, cache_dir=cache_dir, gguf_weights=mode, kv_cache_tokens=256)
+    eng = Engine(model=model, cache_dir=cache_dir, gguf_weights=mode, kv_cache_tokens=256, **engine)
     try:
         toks, prompt_lp = [], None
         ids = eng.apply_chat_template([{"role": "user", "content": prompt}]) if isinstance(prompt, str) else prompt
@@ -196,6 +196,43 @@ def test_default_model_native_greedy_equals_fp32():
     got, _ = asyncio.run(_greedy("default", None, "native", "What is the capital of France?", n=8))
     want, _ = asyncio.run(_greedy("default", None, "fp32", "What is the capital of France?", n=8))
     assert got == want
+
+
+@pytest.mark.slow
+def test_default_model_bf16_decode_steps_in_one_call_equal_the_layer_loop(monkeypatch):
+    """The default model served as the daemon serves it on this CPU (bf16, native weights):
+    decode steps through ``cpu_decode`` (one C call for all layers) give the layer loop's
+    tokens and log-probabilities exactly, and the answer is still right."""
+    from radixd.core import cpu_decode
+
+    if not (cpu_kernels.vnni() and cpu_kernels.bf16dp()):
+        pytest.skip("this CPU has no AVX512-VNNI / AVX512-BF16: no fused decode step")
+    calls = []
+    run = cpu_decode._run
+    monkeypatch.setattr(cpu_decode, "_run", lambda *a: calls.append(1) or run(*a))
+    question = "What is the capital of France? Answer in one word."
+
+    async def decode(mode: str):
+        monkeypatch.setenv(cpu_decode.ENV, mode)
+        eng = Engine(model="default", gguf_weights="native", dtype="bfloat16", kv_cache_tokens=256)
+        try:
+            ids = eng.apply_chat_template([{"role": "user", "content": question}])
+            toks, lps, text = [], [], ""
+            params = SamplingParams(max_new_tokens=12, min_new_tokens=12, temperature=0, logprobs=True)
+            async for out in eng.generate(input_ids=ids, params=params):
+                toks += out.token_ids
+                lps += [lp.logprob for lp in out.logprobs or []]
+                text += out.text
+            return toks, lps, text
+        finally:
+            await eng.stop()
+
+    on = asyncio.run(decode("on"))
+    n = len(calls)
+    off = asyncio.run(decode("off"))
+    assert n >= 11 and len(calls) == n  # every decode step of the first run, none of the second
+    assert on == off and len(on[1]) == 12  # tokens, log-probabilities (bit for bit), text
+    assert "Paris" in on[2]
 
 
 def test_untied_q4_1_head_and_embedding_generate_as_transformers(tmp_path):
