@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from radixd.core import cpu_kernels
+from radixd.core import cpu_kernels, cpu_setup
 from radixd.core.assembly import pick_dtype
 from radixd.core.attention import make_backend
 from radixd.core.cascade import chain, plan
@@ -83,7 +83,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--gather", action="store_true", help="decode attention by gathering each request's KV")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads (default: torch's); radixd's kernels' as an engine's (RADIXD_CPU_KERNEL_THREADS)")
     ap.add_argument("--gguf-weights", choices=("fp32", "native"), default="fp32",
                     help="the GGUF converted (fp32) or served as shipped (native)")
     ap.add_argument("--ab", type=int, default=0, metavar="N",
@@ -94,6 +95,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    cpu_kernels.set_threads(cpu_setup.kernel_threads())  # (as an engine on the CPU does)
     dtype = pick_dtype(args.dtype, torch.device("cpu"))
     path = resolve_model("default", progress=False, gguf_weights=args.gguf_weights)
     cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
@@ -113,8 +115,8 @@ def main() -> None:
     top = [{"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
             "share": e.self_cpu_time_total / total} for e in events[: args.top]]
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "dtype": str(dtype),
-              "threads": torch.get_num_threads(), "step_ms": 1e3 * statistics.median(wall),
-              "step_cpu_ms": 1e3 * statistics.median(cpu), "profiled_self_cpu_ms": total / 1e3, "profile": top}
+              "threads": torch.get_num_threads(), "kernel_threads": cpu_setup.kernel_threads(),
+              "step_ms": 1e3 * statistics.median(wall), "step_cpu_ms": 1e3 * statistics.median(cpu), "profiled_self_cpu_ms": total / 1e3, "profile": top}
     if args.ab:
         variants = args.variant or ["", f"{cpu_kernels.ENV}=off"]
         result["ab"] = ab(args, path, cfg, variants, args.ab)
@@ -122,7 +124,8 @@ def main() -> None:
             print(f"  {v or '(as shipped)':<40} min {r['min_ms']:7.2f} ms  median {r['median_ms']:7.2f} ms  "
                   f"x{r['median_vs_first']:.2f} of the first's median")
     print(f"{args.layout} batch {args.batch} {dtype} {args.backend}{' gather' * args.gather}: step {result['step_ms']:.1f} ms wall, "
-          f"{result['step_cpu_ms']:.1f} ms cpu ({torch.get_num_threads()} threads)")
+          f"{result['step_cpu_ms']:.1f} ms cpu ({torch.get_num_threads()} torch threads, "
+          f"{result['kernel_threads']} for radixd's kernels)")
     for t in top:
         print(f"  {t['op']:<40} {t['calls']:>6} {t['self_cpu_ms']:9.2f} ms {100 * t['share']:5.1f}%")
     if args.out:
@@ -162,6 +165,7 @@ def environment(variant: str):
     saved = {k: os.environ.get(k) for k in pairs}
     os.environ.update(pairs)
     cpu_kernels.reset()
+    cpu_kernels.set_threads(cpu_setup.kernel_threads())
     try:
         yield
     finally:
@@ -171,6 +175,7 @@ def environment(variant: str):
             else:
                 os.environ[k] = v
         cpu_kernels.reset()
+        cpu_kernels.set_threads(cpu_setup.kernel_threads())
 
 
 def ab(args, path: Path, cfg: ModelConfig, variants: list[str], rounds: int) -> dict:
