@@ -60,6 +60,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -68,6 +69,7 @@ from torch import Tensor
 from radixd.core.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
+_local = threading.local()  # per thread: qdequant_bf16's scratch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp-simd", "-fPIC", "-pthread")  # compile only: see _build
@@ -213,12 +215,21 @@ def silu_mul(x: Tensor) -> Tensor:
     return out
 
 
-def qdequant_bf16(w: Tensor, bits: int, n: int, k: int) -> Tensor:
+def qdequant_bf16(w: Tensor, bits: int, n: int, k: int, *, scratch: bool = False) -> Tensor:
     """The repacked ``bits`` weight ``w`` in bf16, transposed: [k, n] (on both threads where
-    the kernels' helper runs)."""
+    the kernels' helper runs). ``scratch``: in this thread's reused buffer (valid until its
+    next such call): a prefill dequantizes every weight of the model, and fresh pages for each
+    (a 3.5 MB tensor, given back to the OS when freed) cost the kernel's page faults more than
+    the dequantization itself."""
     lib = library()
     assert lib is not None and w.dtype == torch.uint8 and w.is_contiguous()
-    out = torch.empty((k, n), dtype=torch.bfloat16)
+    if scratch:
+        buf = getattr(_local, "dense", None)
+        if buf is None or buf.numel() < k * n:
+            buf = _local.dense = torch.empty(k * n, dtype=torch.bfloat16)
+        out = buf[: k * n].view(k, n)
+    else:
+        out = torch.empty((k, n), dtype=torch.bfloat16)
     lib.qdequant_bf16_t(bits, w.data_ptr(), out.data_ptr(), n, k)
     return out
 

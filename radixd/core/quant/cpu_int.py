@@ -186,7 +186,7 @@ def vnni_linear(x: Tensor, w: CpuIntWeight, silu: bool = False) -> Tensor:
     if w.bits == 4 and xa.shape[0] > VNNI_GEMM_ROWS:  # many rows (a prefill): dequantized, one bf16 GEMM
         if silu:
             xa = cpu_kernels.silu_mul(xa.to(ACT))
-        y = xa.to(ACT) @ cpu_kernels.qdequant_bf16(w.q, w.bits, w.n, w.k)
+        y = xa.to(ACT) @ cpu_kernels.qdequant_bf16(w.q, w.bits, w.n, w.k, scratch=True)
     else:
         y = cpu_kernels.qmm(xa, w.q, w.bits, w.n, w.k, silu=silu)
     return y.to(x.dtype)
