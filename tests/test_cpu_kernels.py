@@ -382,9 +382,11 @@ def test_two_threads_give_one_threads_results(delay_us):
     try:
         assert cpu_kernels.set_threads(2) == 2
         lib.set_helper_delay(delay_us)
-        for _ in range(30):
+        for i in range(30):
             got = run()
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+            # calls of other shapes between (a late helper then reads buffers laid out anew)
+            assert torch.equal(cpu_kernels.qmm(x[: 1 + i % 8], rec, 4, 1000, 256), want[0][: 1 + i % 8])
     finally:
         lib.set_helper_delay(0)
         cpu_kernels.set_threads(1)

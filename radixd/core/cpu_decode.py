@@ -50,7 +50,7 @@ class _Model(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("rows", I64), ("pos", P), ("loc", P), ("slots", P), ("lens", P), ("width", I64)]
+    _fields_ = [("rows", I64), ("pos", P), ("loc", P), ("slots", P), ("lens", P), ("width", I64), ("pool_slots", I64)]
 
 
 class _Plan:
@@ -143,11 +143,14 @@ def _run(plan: _Plan, attn, x: Tensor, positions: Tensor) -> tuple[Tensor, Tenso
     if not (slots.dtype == lens.dtype == torch.int64 and pos.shape[0] == loc.shape[0] == lens.shape[0] == rows):
         raise ValueError("cpu_decode: the step's positions, slots and tables disagree")
     out = torch.empty_like(x)
-    step = _Step(rows, pos.data_ptr(), loc.data_ptr(), slots.data_ptr(), lens.data_ptr(), slots.shape[1])
+    step = _Step(rows, pos.data_ptr(), loc.data_ptr(), slots.data_ptr(), lens.data_ptr(), slots.shape[1],
+                 attn.pool.k_buffers[0].shape[0])
     rc = cpu_kernels.library().decode_layers_bf16(ctypes.byref(plan.model), plan.layers, ctypes.byref(step),
                                                    x.data_ptr(), out.data_ptr())
     if rc == -3:
         raise IndexError(f"rotary: a position past the table's {plan.model.max_pos}")
+    if rc == -4:
+        raise IndexError("cpu_decode: a KV slot outside the pool, or a length outside the table")
     if rc:
         raise RuntimeError(f"cpu_kernels.decode_layers_bf16 failed ({rc})")
     return out, x

@@ -632,12 +632,14 @@ BF16_TARGET static inline __attribute__((always_inline)) void req_bf16dp(
 #define CASE_DP(GG, DD) case GG * 1000 + DD: req_bf16dp(qb, k, v, row, n, ob, Hkv, h0, h1, scale, scratch, GG, DD); break;
 
 /* Request b's KV heads h0 .. h1 - 1 (the query heads they serve): scratch float [Hq * L]. */
-BF16_TARGET static void attend_bf16dp(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *slots,
-                                      const int64_t *lens, uint16_t *out, int64_t b, int64_t h0, int64_t h1, int64_t Hq,
-                                      int64_t Hkv, int64_t D, int64_t L, float scale, float *scratch) {
-    const int64_t G = Hq / Hkv, n = lens[b], *row = slots + b * L;
-    const uint16_t *qb = q + b * Hq * D;
-    uint16_t *ob = out + b * Hq * D;
+/* One request's KV heads h0 .. h1 - 1 (the query heads they serve): its query heads q, output
+ * out [Hq, D], n slots row; scratch float [Hq * n]. */
+BF16_TARGET static void attend_bf16dp(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *row,
+                                      int64_t n, uint16_t *out, int64_t h0, int64_t h1, int64_t Hq, int64_t Hkv,
+                                      int64_t D, float scale, float *scratch) {
+    const int64_t G = Hq / Hkv;
+    const uint16_t *qb = q;
+    uint16_t *ob = out;
     switch (G * 1000 + D) {
         CASE_DP(1, 64) CASE_DP(2, 64) CASE_DP(3, 64) CASE_DP(4, 64)
         CASE_DP(5, 64) CASE_DP(6, 64) CASE_DP(7, 64) CASE_DP(8, 64)
@@ -656,7 +658,8 @@ BF16_TARGET int decode_bf16_dp(const uint16_t *q, const uint16_t *k, const uint1
                                const int64_t *lens, uint16_t *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                                int64_t L, float scale, float *scratch) {
     if (!dp_takes(Hq, Hkv, D)) return -1;
-    for (int64_t b = 0; b < B; b++) attend_bf16dp(q, k, v, slots, lens, out, b, 0, Hkv, Hq, Hkv, D, L, scale, scratch);
+    for (int64_t b = 0; b < B; b++)
+        attend_bf16dp(q + b * Hq * D, k, v, slots + b * L, lens[b], out + b * Hq * D, 0, Hkv, Hq, Hkv, D, scale, scratch);
     return 0;
 }
 
@@ -906,7 +909,7 @@ typedef struct {
     const int64_t *slots, *lens;
     uint16_t *out, *shadow;
     float *scratch, *hscratch;
-    int64_t Hq, Hkv, D, L, split;
+    int64_t Hq, Hkv, D, L, split, S;
     float scale;
 } att_ctx;
 
@@ -915,8 +918,24 @@ BF16_TARGET static void att_unit(const void *p, int64_t u, int helper) {
     const int64_t b = u / c->split, part = u % c->split, per = (c->Hkv + c->split - 1) / c->split;
     const int64_t h0 = part * per, h1 = h0 + per < c->Hkv ? h0 + per : c->Hkv;
     if (h0 >= h1) return;
-    attend_bf16dp(c->q, c->k, c->v, c->slots, c->lens, helper ? c->shadow : c->out, b, h0, h1, c->Hq, c->Hkv, c->D, c->L,
-                  c->scale, helper ? c->hscratch : c->scratch);
+    const int64_t n = __atomic_load_n(&c->lens[b], __ATOMIC_RELAXED);  /* (read once: see below) */
+    const int64_t *row = c->slots + b * c->L;
+    if (helper) {
+        /* A helper still running a unit the caller took back reads the caller's buffers as
+         * they are by then (another step's, reused for other data): it works on its own copy
+         * of the slots, checked to lie inside the pool and its scratch, or it would read and
+         * write out of bounds. (The caller's own were checked before the step.) */
+        if (n < 1 || n > c->L) return;
+        int64_t *mine = (int64_t *)(c->hscratch + c->Hq * c->L);
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t s = __atomic_load_n(&row[j], __ATOMIC_RELAXED);
+            if ((uint64_t)s >= (uint64_t)c->S) return;
+            mine[j] = s;
+        }
+        row = mine;
+    }
+    attend_bf16dp(c->q + b * c->Hq * c->D, c->k, c->v, row, n, (helper ? c->shadow : c->out) + b * c->Hq * c->D, h0, h1,
+                  c->Hq, c->Hkv, c->D, c->scale, helper ? c->hscratch : c->scratch);
 }
 
 static void att_copy(const void *p, int64_t u) {
@@ -979,7 +998,7 @@ typedef struct {
     int64_t rows;                                /* tokens, one per request */
     const int64_t *pos, *loc;                    /* [rows]: positions, new slots */
     const int64_t *slots, *lens;                 /* [rows, width], [rows]: the requests' KV slots */
-    int64_t width;
+    int64_t width, pool_slots;                   /* (pool_slots: the buffers' first dimension) */
 } dstep_t;
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -1007,18 +1026,23 @@ VNNI_TARGET int qmm_vnni(int bits, const void *x, int x_bf16, int64_t ldx, int a
 
 /* x [rows, hidden] bf16: the embeddings in, the residual stream after (written in place);
  * out [rows, hidden]: the last layer's MLP output (the model adds it to x in its final norm).
- * Returns 0, -1 (shapes), -2 (no memory), -3 (a position past the rotary table). */
+ * Returns 0, -1 (shapes), -2 (no memory), -3 (a position past the rotary table), -4 (a slot
+ * outside the pool or a length outside the table). */
 VNNI_TARGET int decode_layers_bf16(const dmodel_t *m, const dlayer_t *ls, const dstep_t *st, uint16_t *x, uint16_t *out) {
     const int64_t M = st->rows, H = m->hidden, I = m->inter, D = m->dim, Hq = m->hq, Hkv = m->hkv, W = st->width;
     const int64_t Nqkv = (Hq + 2 * Hkv) * D, slot = Hkv * D;
     if (M < 1 || H % 32 || I % 32 || (Hq * D) % 32 || D % 2 || !dp_takes(Hq, Hkv, D)) return -1;
-    for (int64_t t = 0; t < M; t++)
+    for (int64_t t = 0; t < M; t++) {
         if (st->pos[t] < 0 || st->pos[t] >= m->max_pos) return -3;
+        if (st->lens[t] < 1 || st->lens[t] > W || st->loc[t] < 0 || st->loc[t] >= st->pool_slots) return -4;
+        for (int64_t j = 0; j < st->lens[t]; j++)
+            if (st->slots[t * W + j] < 0 || st->slots[t * W + j] >= st->pool_slots) return -4;
+    }
     const int64_t kmax = max64(max64(H, I), Hq * D), nmax = max64(max64(Nqkv, 2 * I), max64(H, Hq * D));
     const size_t bf = sizeof(uint16_t);
     const size_t bytes = (M * H + M * Nqkv + 2 * M * Hq * D + M * H + M * 2 * I) * bf + Hq * W * sizeof(float)
                          + M * (W + 1) * sizeof(int64_t) + act_bytes(M, kmax) + 256;
-    const int par = pool_begin(bytes, M * nmax * bf, Hq * W * sizeof(float));
+    const int par = pool_begin(bytes, M * nmax * bf, Hq * W * sizeof(float) + W * sizeof(int64_t));
     char *mem = par ? P.arena : malloc(bytes);
     if (!mem) return -2;
     uint16_t *h = (uint16_t *)mem, *qkv = h + M * H, *q = qkv + M * Nqkv, *att = q + M * Hq * D, *o = att + M * Hq * D,
@@ -1032,7 +1056,7 @@ VNNI_TARGET int decode_layers_bf16(const dmodel_t *m, const dlayer_t *ls, const 
     /* attention units: a request each, or its KV heads one by one where requests are few */
     const int64_t split = M >= 4 || Hkv == 1 ? 1 : Hkv;
     att_ctx ac = {q, NULL, NULL, slots, lens, att, (uint16_t *)shadow, scores, (float *)(par ? P.hscratch : NULL),
-                  Hq, Hkv, D, W, split, m->scale};
+                  Hq, Hkv, D, W, split, st->pool_slots, m->scale};
     act_t a;
     float *tmp;
     for (int64_t l = 0; l < m->layers; l++) {
