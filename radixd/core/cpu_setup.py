@@ -22,10 +22,12 @@ delays a region by its own share only (``docs/benchmarks/cpu_kernels.md``); deco
 short regions bound by memory, stay on the cores less one. Not where the user chose (``OMP_NUM_THREADS``).
 
 ``kernel_threads``: radixd's own C kernels (the int matmuls, the fused decode step's
-attention: ``cpu_kernels``) take a second core where there is one, through a helper thread
-whose units the calling thread takes back when the helper is preempted, so that a busy core
-costs a unit's wait at most, not a barrier's (``docs/benchmarks/cpu_kernels.md``).
-``RADIXD_CPU_KERNEL_THREADS`` (1 or 2) replaces the choice; ``OMP_NUM_THREADS=1`` means one.
+attention: ``cpu_kernels``) can take a second core, through a helper thread whose units the
+calling thread takes back when the helper is preempted, so that a busy core costs a unit's
+wait at most, not a barrier's. Opt-in (``RADIXD_CPU_KERNEL_THREADS=2``, where two cores are
+allowed): on the shared 2-core machine it was measured on, with other processes keeping both
+cores busy, two threads got one core's time between them and decode steps took 10-20% longer
+than on one (``docs/benchmarks/cpu_kernels.md``); on an idle second core it is untested.
 """
 
 from __future__ import annotations
@@ -72,14 +74,16 @@ def set_threads() -> int:
 
 
 def kernel_threads() -> int:
-    """Threads for radixd's C kernels (module docstring): 2 where two cores are allowed."""
-    for name in (KERNEL_THREADS_ENV, "OMP_NUM_THREADS"):
-        if os.environ.get(name):
-            try:
-                return 2 if int(os.environ[name]) > 1 else 1
-            except ValueError:
-                raise ValueError(f"{name}={os.environ[name]!r}: expected a whole number") from None
-    return 2 if allowed_cores() > 1 else 1
+    """Threads for radixd's C kernels (module docstring): ``RADIXD_CPU_KERNEL_THREADS`` (2:
+    where two cores are allowed), else 1."""
+    value = os.environ.get(KERNEL_THREADS_ENV)
+    if not value:
+        return 1
+    try:
+        wanted = int(value)
+    except ValueError:
+        raise ValueError(f"{KERNEL_THREADS_ENV}={value!r}: expected 1 or 2") from None
+    return 2 if wanted > 1 and allowed_cores() > 1 else 1
 
 
 def step_threads(num_tokens: int) -> None:
