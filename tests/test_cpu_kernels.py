@@ -186,13 +186,29 @@ def test_norm_and_rotary_equal_torchs_paths(dtype, monkeypatch):
         rot(torch.tensor([512, 0, 0, 0, 0]), q, k)
 
 
-def q8_reference(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the VNNI kernels see it: per row and block of 32, round(x / d) * d with
-    d = max|x| / 127 (llama.cpp's Q8 activations)."""
+def q8_reference(x: torch.Tensor, planes: int | None = None) -> torch.Tensor:
+    """x [M, K] as the VNNI kernels see it: per row and block of 32, q = round(x / d) with
+    d = max|x| / 127 (llama.cpp's Q8 activations), and with two planes q2 = round(254 (x / d
+    - q)) as well: d (q + q2 / 254). ``planes`` None: as the kernels are set now."""
+    planes = planes or cpu_kernels.act_planes()
     m, k = x.shape
     xb = x.float().view(m, k // 32, 32)
     d = xb.abs().amax(-1, keepdim=True) / 127
-    return (torch.where(d > 0, (xb / d).round(), 0) * d).view(m, k)
+    t = torch.where(d > 0, xb * (127 / xb.abs().amax(-1, keepdim=True)), 0)
+    q = t.round()
+    if planes == 2:
+        q = q + ((t - q) * 254).round() / 254
+    return (q * d).view(m, k)
+
+
+@pytest.fixture(params=[2, 1], ids=["16-bit", "8-bit"])
+def act_planes(request, monkeypatch):
+    """qmm's activations in two int8 planes (the default) or one (RADIXD_CPU_ACT_BITS=8)."""
+    monkeypatch.setenv(cpu_kernels.ACT_ENV, "16" if request.param == 2 else "8")
+    cpu_kernels.reset()
+    yield request.param
+    monkeypatch.undo()
+    cpu_kernels.reset()
 
 
 def random_q(bits: int, n: int, k: int, g: torch.Generator):
@@ -210,7 +226,7 @@ def random_q(bits: int, n: int, k: int, g: torch.Generator):
 @needs_vnni
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(("n", "k"), [(37, 64), (96, 160), (301, 576)])
-def test_vnni_matmul_matches_a_float_reference(bits, n, k):
+def test_vnni_matmul_matches_a_float_reference(bits, n, k, act_planes):
     g = torch.Generator().manual_seed(bits * n + k)
     q, d, m, w = random_q(bits, n, k, g)
     rec = pack_vnni(q, d, m)
@@ -228,8 +244,11 @@ def test_vnni_matmul_matches_a_float_reference(bits, n, k):
             # rounding the other way at a .5 tie moves a sum by one step; bf16 output rounding
             tol = 1e-4 if dtype == torch.float32 else 2**-8
             torch.testing.assert_close(got.float(), want, atol=tol * scale, rtol=0)
-            # against the float product: Q8 activations cost about 1/254 of a block's largest
-            torch.testing.assert_close(got.float(), xd.float() @ w.t(), atol=2e-2 * scale, rtol=0)
+            # against the float product: one plane costs about 1/254 of a block's largest value,
+            # two about 1/254 of that
+            exact = xd.float() @ w.t()
+            plane_tol = 2e-2 if act_planes == 1 else 2e-4
+            torch.testing.assert_close(got.float(), exact, atol=max(plane_tol, tol) * scale, rtol=0)
     gate_up = torch.randn(5, 2 * k, generator=g).to(torch.bfloat16)  # SiLU(gate) * up in the kernel
     h = torch.nn.functional.silu(gate_up[:, :k].float()) * gate_up[:, k:].float()
     torch.testing.assert_close(cpu_kernels.qmm(gate_up, rec, bits, n, k, silu=True).float(), q8_reference(h) @ w.t(),

@@ -249,7 +249,8 @@ DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_ROTARY(rotary_f32, float, IDENT, IDENT)
 
 /* ---- Integer dot products for few rows: int4 / int8 weights in blocks of 32, activations
- * quantized to int8 per block of 32 (llama.cpp's Q8 activations), AVX512-VNNI.
+ * quantized per block of 32 into int8 (llama.cpp's Q8 activations) or two int8 planes (see
+ * PLANE2 below), AVX512-VNNI.
  *
  * Weights, repacked once at load (cpu_int.pack_cpu), per group c of 16 output columns and
  * block b of 32 input columns, one record after another (c major, then b):
@@ -265,7 +266,8 @@ DEFINE_ROTARY(rotary_f32, float, IDENT, IDENT)
  *        y += d_w * d_x * (sum(u_w * q_x) - 128 * sum(q_x))      (q8).
  *
  * Activations: x [M, K] (float32 or bf16, row stride ldx) quantized per row and block of 32:
- * d_x = max|x| / 127, q_x = round(x / d_x) (to nearest even); with act = 1 the input is
+ * d_x = max|x| / 127, q_x = round(x / d_x) (to nearest even; with two planes the remainder as
+ * well, each plane's dot products summed as 254 q + q2); with act = 1 the input is
  * [M, 2K] gate | up and the quantized row is SiLU(gate) * up (in float32).
  * Output y [M, N] float32 or bf16 (row stride ldy). */
 
@@ -278,15 +280,22 @@ DEFINE_ROTARY(rotary_f32, float, IDENT, IDENT)
 
 typedef struct {
     int8_t *q;      /* [M][K] */
+    int8_t *q2;     /* [M][K] the second plane (NULL: one) */
     float *d;       /* [M][B] activation scale */
     float *s;       /* [M][B] d * sum(q)  (q4's min term) */
     int32_t *neg;   /* [M][B] -128 * sum(q) (q8's offset) */
 } act_t;
 
+/* Two planes: x / d = q + r (|r| <= 1/2) with q2 = round(254 r) as well, so that x is
+ * d (q + q2 / 254) to 1/(2 * 254 * 127) of the block's largest value (about 15 bits): the
+ * dot products are 254 sum(w q) + sum(w q2), exact in int32, and d, s, neg are stated for
+ * the combined 254 q + q2 (d / 254). One plane: llama.cpp's Q8 activations. */
+#define PLANE2 254
+
 static inline float silu_f(float g) { return g / (1.f + expf(-g)); }
 
-/* One row of K floats quantized into act rows r. */
-static void quantize_row(const float *xf, int64_t K, int8_t *q, float *d, float *s, int32_t *neg) {
+/* One row of K floats quantized into act rows r (q2 NULL: one plane). */
+static void quantize_row(const float *xf, int64_t K, int8_t *q, int8_t *q2, float *d, float *s, int32_t *neg) {
     for (int64_t b = 0; b < K / 32; b++) {
         const float *xb = xf + b * 32;
         float amax = 0.f;
@@ -294,14 +303,26 @@ static void quantize_row(const float *xf, int64_t K, int8_t *q, float *d, float 
         for (int i = 0; i < 32; i++) { const float a = fabsf(xb[i]); amax = a > amax ? a : amax; }
         const float db = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
         int32_t sum = 0;
-        _Pragma("omp simd reduction(+:sum)")
-        for (int i = 0; i < 32; i++) {
-            const int32_t v = (int32_t)nearbyintf(xb[i] * id);
-            q[b * 32 + i] = (int8_t)v;
-            sum += v;
+        if (q2) {
+            _Pragma("omp simd reduction(+:sum)")
+            for (int i = 0; i < 32; i++) {
+                const float t = xb[i] * id;
+                const float hi = nearbyintf(t), lo = nearbyintf((t - hi) * (float)PLANE2);
+                q[b * 32 + i] = (int8_t)hi;
+                q2[b * 32 + i] = (int8_t)lo;
+                sum += PLANE2 * (int32_t)hi + (int32_t)lo;
+            }
+            d[b] = db / (float)PLANE2;
+        } else {
+            _Pragma("omp simd reduction(+:sum)")
+            for (int i = 0; i < 32; i++) {
+                const int32_t v = (int32_t)nearbyintf(xb[i] * id);
+                q[b * 32 + i] = (int8_t)v;
+                sum += v;
+            }
+            d[b] = db;
         }
-        d[b] = db;
-        s[b] = db * (float)sum;
+        s[b] = d[b] * (float)sum;
         neg[b] = -128 * sum;
     }
 }
@@ -343,7 +364,7 @@ static void quantize_act(const void *x, int x_bf16, int64_t ldx, int act, int64_
                 memcpy(tmp, xr, K * sizeof(float));
             }
         }
-        quantize_row(tmp, K, a->q + r * K, a->d + r * B, a->s + r * B, a->neg + r * B);
+        quantize_row(tmp, K, a->q + r * K, a->q2 ? a->q2 + r * K : NULL, a->d + r * B, a->s + r * B, a->neg + r * B);
     }
 }
 
@@ -366,31 +387,36 @@ VNNI_TARGET static inline void store_rows(const __m512 *acc, int R, void *y, int
     }
 }
 
-/* 16 columns (one record stream wc) times R rows of activations. */
+/* 16 columns (one record stream wc) times R rows of activations in P planes. */
 VNNI_TARGET static inline __attribute__((always_inline)) void q4_cols(
-        const uint8_t *wc, int64_t B, const act_t *a, int64_t K, int64_t r0, const int R,
+        const uint8_t *wc, int64_t B, const act_t *a, int64_t K, int64_t r0, const int R, const int P,
         void *y, int y_bf16, int64_t ldy, int64_t n0, int64_t N) {
     __m512 acc[8];
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < B; b++) {
         const uint8_t *rec = wc + b * Q4_REC;
-        __m512i dot[8];
-        for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
+        __m512i dot[8], dot2[8];
+        for (int r = 0; r < R; r++) dot[r] = dot2[r] = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) {
             const __m512i w = _mm512_loadu_si512(rec + 64 * j);
             const __m512i lo = _mm512_and_si512(w, low);
             const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
             for (int r = 0; r < R; r++) {
-                const int8_t *xq = a->q + (r0 + r) * K + b * 32 + 8 * j;
-                dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(load_i32(xq)));
-                dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(load_i32(xq + 4)));
+                const int64_t off = (r0 + r) * K + b * 32 + 8 * j;
+                dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(load_i32(a->q + off)));
+                dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(load_i32(a->q + off + 4)));
+                if (P == 2) {
+                    dot2[r] = _mm512_dpbusd_epi32(dot2[r], lo, _mm512_set1_epi32(load_i32(a->q2 + off)));
+                    dot2[r] = _mm512_dpbusd_epi32(dot2[r], hi, _mm512_set1_epi32(load_i32(a->q2 + off + 4)));
+                }
             }
         }
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 256)));
         const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288)));
         for (int r = 0; r < R; r++) {
             const int64_t i = (r0 + r) * B + b;
+            if (P == 2) dot[r] = _mm512_add_epi32(_mm512_mullo_epi32(dot[r], _mm512_set1_epi32(PLANE2)), dot2[r]);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(dw, _mm512_set1_ps(a->d[i])), acc[r]);
             acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->s[i]), acc[r]);
         }
@@ -399,28 +425,38 @@ VNNI_TARGET static inline __attribute__((always_inline)) void q4_cols(
 }
 
 VNNI_TARGET static inline __attribute__((always_inline)) void q8_cols(
-        const uint8_t *wc, int64_t B, const act_t *a, int64_t K, int64_t r0, const int R,
+        const uint8_t *wc, int64_t B, const act_t *a, int64_t K, int64_t r0, const int R, const int P,
         void *y, int y_bf16, int64_t ldy, int64_t n0, int64_t N) {
     __m512 acc[8];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < B; b++) {
         const uint8_t *rec = wc + b * Q8_REC;
-        __m512i dot[8];
-        for (int r = 0; r < R; r++) dot[r] = _mm512_set1_epi32(a->neg[(r0 + r) * B + b]);
+        __m512i dot[8], dot2[8];
+        for (int r = 0; r < R; r++) {
+            dot[r] = P == 2 ? _mm512_setzero_si512() : _mm512_set1_epi32(a->neg[(r0 + r) * B + b]);
+            dot2[r] = _mm512_setzero_si512();
+        }
         for (int j = 0; j < 8; j++) {
             const __m512i w = _mm512_loadu_si512(rec + 64 * j);
-            for (int r = 0; r < R; r++)
-                dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(load_i32(a->q + (r0 + r) * K + b * 32 + 4 * j)));
+            for (int r = 0; r < R; r++) {
+                const int64_t off = (r0 + r) * K + b * 32 + 4 * j;
+                dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(load_i32(a->q + off)));
+                if (P == 2) dot2[r] = _mm512_dpbusd_epi32(dot2[r], w, _mm512_set1_epi32(load_i32(a->q2 + off)));
+            }
         }
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 512)));
-        for (int r = 0; r < R; r++)
+        for (int r = 0; r < R; r++) {
+            if (P == 2)
+                dot[r] = _mm512_add_epi32(_mm512_add_epi32(_mm512_mullo_epi32(dot[r], _mm512_set1_epi32(PLANE2)), dot2[r]),
+                                          _mm512_set1_epi32(a->neg[(r0 + r) * B + b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(dw, _mm512_set1_ps(a->d[(r0 + r) * B + b])),
                                      acc[r]);
+        }
     }
     store_rows(acc, R, (char *)y + r0 * ldy * (y_bf16 ? 2 : 4), y_bf16, ldy, n0, N);
 }
 
-#define COLS_CASE(FN, R) case R: FN(wc, B, &a, K, r0, R, y, y_bf16, ldy, n0, N); break;
+#define COLS_CASE(FN, R, P) case R: FN(wc, B, &a, K, r0, R, P, y, y_bf16, ldy, n0, N); break;
 #define DEFINE_QMM(NAME, FN, REC)                                                                 \
 VNNI_TARGET static void NAME##_range(const uint8_t *w, const act_t *ap, int64_t M, int64_t N, int64_t K, \
                                      void *y, int y_bf16, int64_t ldy, int64_t c0, int64_t c1) {  \
@@ -429,10 +465,18 @@ VNNI_TARGET static void NAME##_range(const uint8_t *w, const act_t *ap, int64_t 
     for (int64_t c = c0; c < c1; c++) {                                                           \
         const uint8_t *wc = w + c * B * REC;                                                      \
         const int64_t n0 = c * 16;                                                                \
+        if (a.q2) {  /* two planes: 4 rows at a time (registers) */                               \
+            for (int64_t r0 = 0; r0 < M; r0 += 4) {                                               \
+                switch (M - r0 < 4 ? M - r0 : 4) {                                               \
+                    COLS_CASE(FN, 1, 2) COLS_CASE(FN, 2, 2) COLS_CASE(FN, 3, 2) COLS_CASE(FN, 4, 2) \
+                }                                                                                 \
+            }                                                                                     \
+            continue;                                                                             \
+        }                                                                                         \
         for (int64_t r0 = 0; r0 < M; r0 += 8) {                                                   \
             switch (M - r0 < 8 ? M - r0 : 8) {                                                   \
-                COLS_CASE(FN, 1) COLS_CASE(FN, 2) COLS_CASE(FN, 3) COLS_CASE(FN, 4)               \
-                COLS_CASE(FN, 5) COLS_CASE(FN, 6) COLS_CASE(FN, 7) COLS_CASE(FN, 8)               \
+                COLS_CASE(FN, 1, 1) COLS_CASE(FN, 2, 1) COLS_CASE(FN, 3, 1) COLS_CASE(FN, 4, 1)   \
+                COLS_CASE(FN, 5, 1) COLS_CASE(FN, 6, 1) COLS_CASE(FN, 7, 1) COLS_CASE(FN, 8, 1)   \
             }                                                                                     \
         }                                                                                         \
     }                                                                                             \
@@ -448,15 +492,25 @@ int vnni_supported(void) {
            __builtin_cpu_supports("avx512vnni");
 }
 
+/* Activation planes (1 or 2): set_act_planes. */
+static int act_planes = 2;
+
+/* 1: int8 activations (llama.cpp's Q8); 2: two int8 planes (about 15 bits). Returns the setting. */
+int set_act_planes(int planes) {
+    if (planes == 1 || planes == 2) __atomic_store_n(&act_planes, planes, __ATOMIC_RELAXED);
+    return __atomic_load_n(&act_planes, __ATOMIC_RELAXED);
+}
+
 /* The activation buffers of M rows of K: act_t's arrays and one float row, in mem. */
 static size_t act_bytes(int64_t M, int64_t K) {
-    return M * K + M * (K / 32) * (2 * sizeof(float) + sizeof(int32_t)) + K * sizeof(float);
+    return 2 * M * K + M * (K / 32) * (2 * sizeof(float) + sizeof(int32_t)) + K * sizeof(float);
 }
 
 static float *act_init(act_t *a, char *mem, int64_t M, int64_t K) {
     const int64_t B = K / 32;
     a->q = (int8_t *)mem;
-    a->d = (float *)(mem + M * K);
+    a->q2 = __atomic_load_n(&act_planes, __ATOMIC_RELAXED) == 2 ? a->q + M * K : NULL;
+    a->d = (float *)(mem + 2 * M * K);
     a->s = a->d + M * B;
     a->neg = (int32_t *)(a->s + M * B);
     return (float *)(a->neg + M * B);

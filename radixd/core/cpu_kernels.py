@@ -10,9 +10,10 @@ compiler on first use, kept in radixd's cache, called through ``ctypes``.
 - ``add_rmsnorm`` and ``rotary``: a layer's small elementwise steps in one call each, where
   torch's path costs 25-50 us of op overhead a call (a decode step makes 90 of them).
 - ``qmm`` (AVX512-VNNI, ``vnni``): x @ W.T for int4 / int8 weights in ``cpu_int``'s records,
-  the activations quantized to int8 per block of 32 (llama.cpp's Q8), ``vpdpbusd`` dot
-  products, each weight vector loaded once for all rows; SiLU(gate) * up formed while
-  quantizing the down projection's input. ``qdequant_bf16``: such a weight in bf16 for
+  the activations quantized per block of 32 into two int8 planes (about 15 bits; one with
+  ``RADIXD_CPU_ACT_BITS=8``: llama.cpp's Q8), ``vpdpbusd`` dot products, each weight vector
+  loaded once for all rows; SiLU(gate) * up formed while quantizing the down projection's
+  input. ``qdequant_bf16``: such a weight in bf16 for
   prefill's GEMMs. ``decode_layers_bf16``: a whole decode step's decoder layers in one call
   (``cpu_decode``).
 - ``int8_matmul``: x @ W.T for a grouped int8 weight (Q8_0's blocks of 32), few rows: each
@@ -75,6 +76,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp-simd", "-fPIC", "-pthread")  # compile only: see _build
 ENV = "RADIXD_CPU_KERNELS"
 ISA_ENV = "RADIXD_CPU_ISA"  # "baseline": none of the kernels that need a CPU extension (tests force it)
+ACT_ENV = "RADIXD_CPU_ACT_BITS"  # "8": qmm's activations in one int8 plane (llama.cpp's); "16" (default): two
 _FUNCS = {torch.bfloat16: "decode_bf16", torch.float32: "decode_f32"}
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _MAX_GROUP, _MAX_DIM = 16, 256  # (cpu_kernels.c: MAX_G, MAX_D)
@@ -151,6 +153,9 @@ def library() -> ctypes.CDLL | None:
     lib.qmm_vnni.restype = ctypes.c_int
     lib.qmm_vnni.argtypes = ([ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
                               ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 4)
+    lib.set_act_planes.restype = ctypes.c_int
+    lib.set_act_planes.argtypes = [ctypes.c_int]
+    lib.set_act_planes(act_planes())
     lib.set_threads.restype = ctypes.c_int
     lib.set_threads.argtypes = [ctypes.c_int]
     lib.set_helper_delay.restype = None
@@ -164,6 +169,16 @@ def library() -> ctypes.CDLL | None:
     lib.qdequant_bf16_t.restype = None
     lib.qdequant_bf16_t.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     return lib
+
+
+def act_planes() -> int:
+    """int8 planes of ``qmm``'s activations: 2 (about 15 bits: the products' results stay within
+    bf16 activations' distance of float32's), or 1 with ``RADIXD_CPU_ACT_BITS=8`` (llama.cpp's
+    Q8 activations: faster at 8 rows and more, coarser)."""
+    value = os.environ.get(ACT_ENV, "16")
+    if value not in ("8", "16"):
+        raise ValueError(f"{ACT_ENV}={value!r}: expected 8 or 16")
+    return 1 if value == "8" else 2
 
 
 def _extension(probe: str) -> bool:

@@ -12,16 +12,18 @@ reference path serves it). Two families, chosen at load by the CPU:
   with fp16 ``d`` and ``m`` (``w = d * q + m``: Q4_1 as shipped; canonical ``(q - z) * s`` is
   ``d = s``, ``m = -z * s``, a group of 64..256 repeated per block of 32), int8 as ``w / d +
   128`` bytes with fp16 ``d`` (Q8_0). The activations are quantized per row and block of 32
-  to int8 (``d_x = max|x| / 127``, rounded to nearest), and each block's dot product is
+  (``d_x = max|x| / 127``, rounded to nearest) into int8, and each block's dot product is
   ``vpdpbusd``'s exact int32 sum, scaled once in float32: ``d_w d_x sum(q_w q_x) + m_w d_x
-  sum(q_x)``. **Numerics**: int8 activations are coarser than bf16's (about 1/254 of a block's
-  largest value against 2**-9 of each value): what llama.cpp computes on these weights; a
-  tiny random model's prompt log-probabilities moved by up to 2.5% against the fp32
-  conversion (bf16 activations: up to 1%), the default model's greedy tokens stayed the same
-  (tests/test_gguf_native.py). Scales that fp16 does not hold (its subnormals, beyond 65504)
-  keep the torch family. More than ``VNNI_GEMM_ROWS`` rows of an int4 weight (a prefill)
-  dequantize it to bf16 (``cpu_kernels.qdequant_bf16``) for one bf16 GEMM (AMX where the CPU
-  has it); int8 weights take the kernel at any row count.
+  sum(q_x)``. **Numerics**: as shipped the activations take two int8 planes, ``x / d_x = q +
+  q2 / 254`` (``q2`` the rounded remainder: about 15 bits, twice the dot products): the
+  default model's log-probabilities then stay within 0.001 of the fp32 conversion's on a
+  55-token text, where bf16 activations (torch's int kernels) were 0.02 off on average and one
+  int8 plane 0.06 (``RADIXD_CPU_ACT_BITS=8``: llama.cpp's Q8 activations, 10-20% faster decode
+  steps at 8 requests; it turned the default model's near-tied first answer token, 0.08 apart in
+  fp32, from "The capital of France is Paris." to "L'Étoile, ..."). Scales that fp16 does not
+  hold (its subnormals, beyond 65504) keep the torch family. More than ``VNNI_GEMM_ROWS`` rows
+  of an int4 weight (a prefill) dequantize it to bf16 (``cpu_kernels.qdequant_bf16``) for one
+  bf16 GEMM (AMX where the CPU has it); int8 weights take the kernel at any row count.
 * "torch" (every other CPU, or ``RADIXD_CPU_ISA=baseline``): torch's packed weight-only
   matmuls on bf16 activations.
 
