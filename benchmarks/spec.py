@@ -22,7 +22,10 @@ GPU (``--device cuda``, random bf16 weights in Llama-3-8B's shape, no downloads)
 - ``batch``: 64 requests at once, plain against p = 0.7 (speculation steps aside past
   ``speculative_max_batch``) and against p = 0.7 forced to draft (``max_batch`` 0);
 - ``standalone``: batch 1 with a draft model identical to the target (the same checkpoint):
-  acceptance near 1 at the price of a second model's weight reads per draft.
+  acceptance near 1 at the price of a second model's weight reads per draft;
+- ``tree``: token trees (``speculative.eagle_topk``): the verify step's cost for trees of
+  ``w`` random, always-wrong branches of depth 4 sharing only the root (w = 2, 3, 4: 8, 12,
+  16 nodes), relative to a decode step, as ``verify`` does for chains.
 
     python -m benchmarks.spec --device cpu --out benchmarks/results/spec
     python -m benchmarks.spec --device cpu --eagle-topk 3 --out DIR   (and n-gram trees)
@@ -53,6 +56,7 @@ from benchmarks.common import (
     write_json,
 )
 from radixd import Engine, SamplingParams
+from radixd.core.speculative.tree import from_continuations
 from radixd.plugins import hookimpl
 
 PASSAGE = ("The lighthouse stood at the end of the harbour wall for two hundred years. Every night the keeper "
@@ -133,10 +137,23 @@ class forced_acceptance:  # noqa: N801 (a context manager, named for the with-st
         del self.spec.accept  # (the instance attribute goes; the class's method is back)
 
 
+class AtRateTree(AtRate):
+    """Drafts ``width`` random branches of ``k`` tokens each, sharing only the root: a token
+    tree of ``width * k`` nodes (the speculator verifies what ``k`` leaves of it)."""
+
+    name = "at-rate-tree"
+    width = 2
+
+    def propose(self, reqs, ks):
+        cls = type(self)
+        return [from_continuations([[cls.rng.randrange(cls.vocab) for _ in range(k)] for _ in range(cls.width)])
+                for k in ks]
+
+
 class AtRatePlugin:
     @hookimpl
     def radixd_drafters(self):
-        return {"at-rate": AtRate}
+        return {"at-rate": AtRate, "at-rate-tree": AtRateTree}
 
 
 async def generate(eng: Engine, prompts: list[list[int]], new: int, *, concurrent: bool = False) -> tuple[list, float]:
@@ -366,8 +383,34 @@ def section_standalone(ctx) -> dict:
     return res
 
 
+def section_tree(ctx) -> dict:
+    """Median decode step time with random token trees of ``w`` branches of depth
+    ``K_DEFAULT`` (w = 2..4), against plain decode steps."""
+    loop, prompts, new = ctx["loop"], ctx["prompts"][:1], ctx["new"]
+    res = {"plain_step_ms": ctx["plain_step_ms"], "depth": K_DEFAULT}
+    widths = (2, 4) if ctx["quick"] else (2, 3, 4)
+    eng = gpu_bench.engine(ctx["path"], plugin_manager=builtin_plugins(extra=[AtRatePlugin()]),
+                           speculative_algorithm="at-rate-tree", speculative_eagle_topk=max(widths),
+                           speculative_num_draft_tokens=K_DEFAULT, speculative_adaptive=False, **ctx["engine_kw"])
+    try:
+        loop.run_until_complete(generate(eng, prompts, 8))  # warm up
+        for w in widths:
+            AtRateTree.width = w
+            before = eng.stats().get("spec_tree_verifies", 0)
+            steps = Steps(eng)
+            loop.run_until_complete(generate(eng, prompts, new))
+            ms = steps.median()
+            res[f"w{w}"] = {"nodes": w * K_DEFAULT, "step_ms": ms,
+                            "vs_decode": round(ms / ctx["plain_step_ms"], 3) if ctx["plain_step_ms"] else 0.0,
+                            "tree_verifies": eng.stats().get("spec_tree_verifies", 0) - before}
+            ctx["log"](f"tree w={w}: {res[f'w{w}']}")
+    finally:
+        loop.run_until_complete(eng.stop())
+    return res
+
+
 GPU_SECTIONS = {"verify": section_verify, "accept": section_accept, "ngram": section_ngram, "batch": section_batch,
-                "standalone": section_standalone}
+                "standalone": section_standalone, "tree": section_tree}
 
 
 def run_model_sections(args, ctx) -> dict:
@@ -383,7 +426,7 @@ def run_model_sections(args, ctx) -> dict:
         path = gpu_bench.model_dir(args.model)
         kw = dict(kv_cache_tokens=60_000)  # three 8B engines side by side
     kw["max_running_requests"] = max(64, ctx["batch"])
-    ctx["path"], ctx["engine_kw"] = path, kw
+    ctx["path"], ctx["engine_kw"], ctx["quick"] = path, kw, args.quick
     rng = random.Random(1)
     ctx["vocab_hi"] = 500 if args.quick else gpu_bench.VOCAB_HI  # random prompt ids below the vocabulary
     ctx["prompts"] = [[rng.randrange(100, ctx["vocab_hi"]) for _ in range(48 if args.quick else 512)]
@@ -429,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="every section on tiny random models, on the CPU (a smoke run)")
     ap.add_argument("--model", default="llama3-8b", choices=sorted(SHAPES), help="cuda: the shape (random weights)")
     ap.add_argument("--cpu-model", default="default", help="cpu: the checkpoint of the n-gram section")
-    ap.add_argument("--sections", default="", help="default: ngram on cpu; verify,accept,ngram,batch,standalone "
+    ap.add_argument("--sections", default="", help="default: ngram on cpu; verify,accept,ngram,batch,standalone,tree "
                     "on cuda")
     ap.add_argument("--new", type=int, default=0, help="tokens per request (default 64 cpu, 256 cuda, 12 quick)")
     ap.add_argument("--prompts", type=int, default=0, help="cuda: prompts per batch-1 run (default 4, quick 2)")
@@ -437,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="cpu: runs of each prompt per engine, alternating")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda" and not args.quick
-    args.sections = [s for s in (args.sections or ("verify,accept,ngram,batch,standalone" if cuda or args.quick
+    args.sections = [s for s in (args.sections or ("verify,accept,ngram,batch,standalone,tree" if cuda or args.quick
                                                    else "ngram")
                                  ).split(",") if s]
     args.prompts = args.prompts or (2 if args.quick else 4)

@@ -396,6 +396,7 @@ def test_benchmark_runs_quick(tmp_path):
     assert q["batch"]["steps_aside"]["verifies"] == 0 < q["batch"]["forced"]["verifies"]
     assert q["ngram"]["ngram"]["accepted_of_drafted"] > 0
     assert q["standalone"]["same_outputs"] == 2 and q["standalone"]["accepted_of_drafted"] > 0.9
+    assert all(q["tree"][f"w{w}"]["tree_verifies"] > 0 and q["tree"][f"w{w}"]["step_ms"] > 0 for w in (2, 4))
     cpu = doc["cpu_ngram"]
     assert cpu["copy"]["same_outputs"] == len(spec.COPY_PROMPTS) and cpu["copy"]["tokens_per_verify"] > 1
 
