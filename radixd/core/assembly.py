@@ -89,7 +89,8 @@ def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.dev
               cascade_attention=config.cascade_attention,
               kernels=KernelChoice(fuse_one_row=config.fuse_one_row, rows_kernel=config.rows_kernel),
               head=setup.pooling is None, kv_format=setup.kv_format,
-              window_slots=window_region(config, setup))
+              window_slots=window_region(config, setup),
+              tree_graphs=bool(config.speculative_algorithm) and config.speculative_eagle_topk > 1)
     if len(devices) > 1:
         from radixd.core.tensor_parallel import TPWorker
 

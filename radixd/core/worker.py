@@ -79,6 +79,7 @@ class ModelWorker:
         head: bool = True,
         kv_format: KVFormat | None = None,
         window_slots: Callable[[int], int] | None = None,
+        tree_graphs: bool = False,
     ):
         """``model``: already built on ``device`` (a tensor-parallel shard; ``model_cfg`` is
         then the shard's shape); otherwise loaded from ``model_path``. ``kernels``: the
@@ -86,7 +87,8 @@ class ModelWorker:
         which never samples): the checkpoint may lack the LM head. ``kv_format``: what the
         pool stores K/V in (None: ``dtype``). ``window_slots`` (a model with sliding windows):
         the window layers' KV in a region of its own, of ``window_slots(pool slots)`` slots
-        (``swa_pool``); None: no region."""
+        (``swa_pool``); None: no region. ``tree_graphs``: the decode graphs also replay verify
+        steps with token trees (speculative decoding that drafts them)."""
         self.device = device
         self.model_cfg = model_cfg
         prebuilt = model is not None
@@ -127,6 +129,7 @@ class ModelWorker:
         self.cascade_members = self.attn.cascade_members
         self.stager = Stager(device)
         self.graphs = None
+        self.tree_graphs = tree_graphs
         self.max_rows = max_rows
         self.graphs_wanted = cuda_graphs and device.type == "cuda" and attention_backend == "triton"
         if self.graphs_wanted and not prebuilt:  # shards capture together, see TPWorker
@@ -139,7 +142,7 @@ class ModelWorker:
         from radixd.core.cuda_graph import DecodeGraphs
 
         self.graphs = DecodeGraphs(self.model, self.attn, self.pool, max_batch=self.max_rows,
-                                   capture_error_mode=capture_error_mode, deferred=deferred)
+                                   capture_error_mode=capture_error_mode, deferred=deferred, trees=self.tree_graphs)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> torch.Tensor:
