@@ -16,6 +16,10 @@ tree mask rows (``decode_attention``'s ``tree``), so that a verify step with tok
 replays them too: its rows are decode rows at their table positions (``LEN`` = table
 position + 1, ``POS`` the RoPE position), each tree's rows seeing its root's prefix and, past
 the root, only the nodes whose bits are set; a row outside any tree has base = its length.
+
+With ``aux_layers`` (an EAGLE-3 drafter reads the target's streams) each graph also captures
+them, and a replay returns ``(logits, aux)``, ``aux`` copied out of the graph's buffer (the
+drafter reads it after the next step may have replayed the same graph).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ def buckets_up_to(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, attn: GraphAttention, pool, *, max_batch: int, capture_error_mode: str = "global",
-                 deferred: bool = False, trees: bool = False):
+                 deferred: bool = False, trees: bool = False, aux_layers: tuple[int, ...] = ()):
         """``deferred``: only the buffers; the caller runs ``warm_up`` and ``capture`` (tensor-
         parallel shards warm up together, then capture, so no shard's capture, which
         synchronizes and frees cached memory, overlaps another's collective kernels).
@@ -48,6 +52,7 @@ class DecodeGraphs:
         self.capture_error_mode = capture_error_mode
         self.trees = trees
         self.model = model
+        self.aux = {"aux_layers": aux_layers} if aux_layers else {}  # the model's keyword
         self.attn = attn
         self.pool = pool
         self.buckets = buckets_up_to(max_batch)
@@ -94,7 +99,7 @@ class DecodeGraphs:
             for bs, cascade in self._variants():
                 args = self._bucket_args(bs, cascade)
                 for _ in range(2):
-                    self.model(*args)
+                    self.model(*args, **self.aux)
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
 
@@ -109,7 +114,7 @@ class DecodeGraphs:
                 args = self._bucket_args(bs, cascade)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=mempool, stream=stream, capture_error_mode=self.capture_error_mode):
-                    out = self.model(*args)
+                    out = self.model(*args, **self.aux)
                 (self.cascade_graphs if cascade else self.graphs)[bs] = (graph, out)
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
@@ -158,9 +163,18 @@ class DecodeGraphs:
             self.pool.req_to_token[block[ROW, :b], cols] = block[LOC, :b]
         graph, out = (self.cascade_graphs if shared is not None else self.graphs)[bs]
         graph.replay()
+        if self.aux:
+            out, aux = out
+            return self._rows(out, batch, stager), aux[:b].clone()
+        return self._rows(out, batch, stager)
+
+    @staticmethod
+    def _rows(logits: torch.Tensor, batch: ForwardBatch, stager) -> torch.Tensor:
+        """The sampled requests' rows of a replay's logits."""
+        b = batch.batch_size
         if len(batch.sample_indices) == b:
-            return out[:b]
-        return out[:b].index_select(0, stager.to_device(batch.sample_indices))
+            return logits[:b]
+        return logits[:b].index_select(0, stager.to_device(batch.sample_indices))
 
     @staticmethod
     def _stage_trees(staged: torch.Tensor, batch: ForwardBatch) -> None:

@@ -44,16 +44,24 @@ class LlamaForCausalLM(nn.Module):
         attn: AttentionBackend,
         logits_indices: torch.Tensor,
         hidden_indices: torch.Tensor | None = None,
+        aux_layers: tuple[int, ...] = (),
     ) -> torch.Tensor | tuple[torch.Tensor | None, torch.Tensor]:
         """Logits (float32) at ``logits_indices`` of the flat token axis; with
         ``hidden_indices`` (embeddings) also the final hidden states there, after the last norm:
-        ``(logits or None when there are none, hidden)``."""
+        ``(logits or None when there are none, hidden)``; with ``aux_layers`` (an EAGLE-3
+        drafter's, ascending; not with ``hidden_indices``) also the residual stream after each
+        of those layers at every token, side by side: ``(logits, [T, len(aux_layers) * hidden])``."""
         x = self.embed(input_ids)
         residual = None
-        for layer in self.layers:
+        aux = []
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, self.rotary, attn)
+            if i in aux_layers:  # (the stream is x + residual: every layer's contract)
+                aux.append(x + residual)
         idx = logits_indices if hidden_indices is None else torch.cat((logits_indices, hidden_indices))
         x, _ = self.layers[-1].add_norm(x[idx], residual[idx], self.norm)
+        if aux:
+            return self.logits(x), torch.cat(aux, dim=-1)
         if hidden_indices is None:
             return self.logits(x)
         n = logits_indices.numel()
