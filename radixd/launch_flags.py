@@ -29,8 +29,9 @@ METAVARS = {"--mem-fraction-static": "FRACTION", "--chunked-prefill-size": "TOKE
             "--speculative-ngram-min-match-window-size": "TOKENS",
             "--speculative-ngram-max-match-window-size": "TOKENS", "--kv-events-config": "JSON"}
 
-# SGLang's --speculative-algorithm values that need a draft model or draft heads radixd lacks.
-SGLANG_ONLY_DRAFTERS = ("eagle", "eagle3", "nextn")
+# SGLang's --speculative-algorithm values that need draft heads radixd lacks (EAGLE-1/2 heads,
+# DeepSeek's multi-token-prediction layers); EAGLE3 maps to the built-in "eagle3".
+SGLANG_ONLY_DRAFTERS = ("eagle", "nextn")
 
 
 # SGLang's (and vLLM's) KVEventsConfig fields radixd has no counterpart for, at the values
@@ -111,8 +112,8 @@ def _kv_events_config(value: str) -> dict[str, Any]:
 def _drafter(value: str) -> str:
     name = value.lower()  # SGLang spells them in capitals: NGRAM
     if name in SGLANG_ONLY_DRAFTERS:
-        raise ConfigError("--speculative-algorithm", value, "NGRAM, STANDALONE or a plugin's drafter; SGLang's "
-                          "EAGLE, EAGLE3 and NEXTN have no radixd counterpart yet")
+        raise ConfigError("--speculative-algorithm", value, "NGRAM, STANDALONE, EAGLE3 or a plugin's drafter; "
+                          "SGLang's EAGLE and NEXTN have no radixd counterpart yet")
     return name
 
 
@@ -148,8 +149,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--quantization", "model.quantization", str, "the checkpoint's quantization format (compressed-tensors, "
          "fp8, gptq, awq; SGLang's gptq_marlin / awq_marlin name the same formats)", _quantization),
     Flag("--speculative-algorithm", "speculative.algorithm", str, "NGRAM (prompt lookup), STANDALONE (a draft "
-         "model) or a plugin's drafter", _drafter),
-    Flag("--speculative-draft-model-path", "speculative.draft_model_path", str, "STANDALONE: the draft checkpoint"),
+         "model), EAGLE3 (an EAGLE-3 draft head) or a plugin's drafter", _drafter),
+    Flag("--speculative-draft-model-path", "speculative.draft_model_path", str,
+         "STANDALONE: the draft checkpoint; EAGLE3: the head's"),
     Flag("--speculative-num-draft-tokens", "speculative.num_draft_tokens", int, "most tokens drafted per step"),
     Flag("--speculative-eagle-topk", "speculative.eagle_topk", int, "continuations per drafted node (token trees)"),
     Flag("--speculative-ngram-min-match-window-size", "speculative.ngram_min_match_window", int,

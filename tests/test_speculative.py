@@ -307,8 +307,8 @@ def test_sglang_launch_flags():
                  "--speculative-ngram-min-match-window-size", "2", "--speculative-ngram-max-match-window-size", "5") == {
         "speculative.algorithm": "ngram", "speculative.num_draft_tokens": 6,
         "speculative.ngram_min_match_window": 2, "speculative.ngram_max_match_window": 5}
-    with pytest.raises(ConfigError, match="--speculative-algorithm.*EAGLE3"):
-        flags("--speculative-algorithm", "EAGLE3")
+    with pytest.raises(ConfigError, match="--speculative-algorithm.*NEXTN"):  # (EAGLE3: test_eagle3.py)
+        flags("--speculative-algorithm", "NEXTN")
     with pytest.raises(ConfigError, match="--speculative-num-draft-tokens"):
         flags("--speculative-num-draft-tokens", "0")
 
