@@ -397,6 +397,8 @@ def test_benchmark_runs_quick(tmp_path):
     assert q["ngram"]["ngram"]["accepted_of_drafted"] > 0
     assert q["standalone"]["same_outputs"] == 2 and q["standalone"]["accepted_of_drafted"] > 0.9
     assert all(q["tree"][f"w{w}"]["tree_verifies"] > 0 and q["tree"][f"w{w}"]["step_ms"] > 0 for w in (2, 4))
+    e3 = q["eagle3"]  # (a random head: its own drafts miss; forced, the verifier takes them)
+    assert e3["unforced"]["verifies"] > 0 and e3["rates"]["0.7"]["tokens_per_verify"] > 1.5
     cpu = doc["cpu_ngram"]
     assert cpu["copy"]["same_outputs"] == len(spec.COPY_PROMPTS) and cpu["copy"]["tokens_per_verify"] > 1
 
