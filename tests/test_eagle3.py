@@ -239,10 +239,22 @@ async def test_sampled_equals_plain(models, walk):
 
 
 async def test_triton_backend_equals_plain(models, walk):
-    """The Triton attention kernels (interpreted on the CPU) for the target and the head."""
-    calls = [(walk_prompts(walk, 1, seed=4)[0], {"max_new_tokens": 6})]
-    plain, spec, st = await plain_and_eagle(models["noisy"], models["walk_head"], calls, attention_backend="triton")
-    same_outputs(plain, spec)
+    """The Triton attention kernels (interpreted on the CPU: slow, so one short request) for
+    the target and the head give plain decoding's tokens and logprobs (plain on the torch
+    backend: float32 either way)."""
+    calls = [(walk[:4], {"max_new_tokens": 5, "logprobs": True})]
+    eng = engine(models["noisy"], models["walk_head"], attention_backend="triton")
+    try:
+        spec = await run_calls(eng, calls)
+        st = eng.stats()
+        await assert_idle(eng)
+    finally:
+        await eng.stop()
+    plain_eng = engine(models["noisy"])
+    try:
+        same_outputs(await run_calls(plain_eng, calls), spec)
+    finally:
+        await plain_eng.stop()
     assert st["spec_accepted_tokens"] > 0
 
 
@@ -298,6 +310,53 @@ async def test_copy_head_drafts_the_last_pick(models):
     for prompt, out, draft in seen:
         last = out[-1] if out else hf_greedy(models["random"], prompt[:-1], 1)[0][0]
         assert draft == [last] * len(draft)
+
+
+async def test_trees_grow_by_beams(models):
+    """``eagle_topk`` = 3, depth k <= 3: each tree is the 3k best-scored of the beams' candidates,
+    its first depth the head's 3 likeliest tokens best first (for the copying head: the
+    target's after all but the last token, per transformers); deeper nodes branch off other
+    nodes than the first chain (every beam's children are candidates), and a node's score
+    never beats its parent's (children listed after parents, best first)."""
+    from transformers import AutoModelForCausalLM
+
+    from radixd.core.speculative.tree import TokenTree
+
+    eng = engine(models["random"], models["copy"], speculative_eagle_topk=3, speculative_num_draft_tokens=3,
+                 speculative_adaptive=False)
+    d = eng.scheduler.speculator.drafter
+    seen = []
+    orig = d.propose
+
+    def spy(reqs, ks):
+        out = orig(reqs, ks)
+        seen.extend((r.seq, k, o) for r, k, o in zip(reqs, ks, out, strict=True))
+        return out
+
+    d.propose = spy
+    rng = random.Random(12)
+    calls = [([rng.randrange(2, V) for _ in range(10 + 5 * i)], {"max_new_tokens": 8}) for i in range(2)]
+    try:
+        spec = await run_calls(eng, calls)
+        stats = eng.stats()
+    finally:
+        await eng.stop()
+    hf = AutoModelForCausalLM.from_pretrained(models["random"], dtype=torch.float32)
+    off_chain = 0
+    for seq, k, tree in seen:
+        assert isinstance(tree, TokenTree) and len(tree) == 3 * k and max(tree.depths) <= k
+        with torch.no_grad():
+            want = hf(torch.tensor([seq[:-1]])).logits[0, -1].topk(3).indices.tolist()
+        assert [t for t, p in zip(tree, tree.parents, strict=True) if p < 0] == want
+        chain = set(tree.path(len(tree.first_path()) - 1)) if tree.first_path() else set()
+        off_chain += any(dep >= 2 and p not in chain for dep, p in zip(tree.depths, tree.parents, strict=True))
+        assert all(p < i for i, p in enumerate(tree.parents))
+    assert len(seen) >= 4 and any(k == 3 for _, k, _ in seen) and off_chain > 0 and stats["spec_tree_verifies"] > 0
+    plain_eng = engine(models["random"])
+    try:
+        same_outputs(await run_calls(plain_eng, calls), spec)
+    finally:
+        await plain_eng.stop()
 
 
 async def test_walk_head_has_its_first_draft_accepted(models, walk):

@@ -295,8 +295,8 @@ class EngineConfig:
     # the most tokens a request drafts in a step
     speculative_num_draft_tokens: int = option(4, key="speculative.num_draft_tokens", min=1, max=16)
     # token trees: a drafter may propose up to this many continuations of a node, verified
-    # together in one forward (1: one chain; "ngram": distinct continuations, "standalone" and
-    # "eagle3": the first step's likeliest tokens)
+    # together in one forward (1: one chain; "ngram": distinct continuations, "standalone":
+    # the first step's likeliest tokens, "eagle3": beams at every depth, as EAGLE grows them)
     speculative_eagle_topk: int = option(1, key="speculative.eagle_topk", min=1, max=8)
     # each request's draft length follows its acceptance (else always num_draft_tokens)
     speculative_adaptive: bool = option(True, key="speculative.adaptive")

@@ -14,7 +14,7 @@ Contract
   whose pairs (token t + 1, the model's stream at t) the head has run, kept in the row at
   positions from 0 (``base``: the first position the model computed since the request's
   admission; a prefix served from the radix cache is not seen by the head); the head's
-  output stream and likeliest next tokens at position ``end - 1``.
+  output stream and likeliest next tokens (with their log-probabilities) at position ``end - 1``.
 * ``features``, after every step: the head runs the new pairs of all requests in one extend
   (their tokens are known by then), so it follows each sequence as the model computes it,
   drafting or not. A request's positions starting past ``end`` (a gap) or before it (computed
@@ -22,9 +22,15 @@ Contract
 * ``propose``: greedy chains, all requests together: the first draft is the likeliest token
   at ``end - 1``, each next one a decode step of the head on the draft before it and its own
   output stream (in slots given back at the end of the call); the drafts are read from the
-  device once. With ``speculative_eagle_topk`` = w > 1 a draft is a token tree that branches
-  at its first depth only: the chain, and the w - 1 next likeliest first tokens beside it. A
-  request whose state does not end at its last token has no guess.
+  device once. A request whose state does not end at its last token has no guess.
+* With ``speculative_eagle_topk`` = w > 1 a draft of depth k is a token tree, grown as EAGLE
+  grows it: w beams, the w likeliest first tokens; at each further depth every beam's w
+  likeliest next tokens are candidates, scored by the sum of log-probabilities along their
+  path, and the w best become the beams (each on a table row of its own holding the
+  request's pairs and its path; a beam that two candidates follow is copied). The tree is the
+  w * k candidates of all depths with the best scores (a candidate's parent scores at least
+  as well), each node's children best first. At most ``speculative_max_batch`` (else
+  ``max_running_requests``) requests grow trees in a call; the rest draft chains.
 * Drafts are point proposals (greedy), so verification keeps the output exact.
 * ``release`` gives a request's row and slots back (finished, aborted, preempted; a request
   found outside the running set at a ``propose`` too). With the region or the rows full a
@@ -49,13 +55,13 @@ from radixd.core.request import Request, State
 from radixd.core.scheduler_interface import PLACEHOLDER
 from radixd.core.speculative.drafter import Span
 from radixd.core.speculative.eagle3_head import KEY, Eagle3Head, load_head, read_head
-from radixd.core.speculative.tree import from_continuations
+from radixd.core.speculative.tree import TokenTree, as_draft
 from radixd.core.triton_ops import linear
 from radixd.core.worker import ModelWorker, on_device
 
 
 class _State:
-    __slots__ = ("row", "base", "end", "slots", "g", "top")
+    __slots__ = ("row", "base", "end", "slots", "g", "top", "topv")
 
     def __init__(self, row: int, base: int):
         self.row = row
@@ -64,6 +70,7 @@ class _State:
         self.slots = torch.empty(0, dtype=torch.int64)
         self.g: torch.Tensor | None = None    # [H] the head's output stream at end - 1
         self.top: torch.Tensor | None = None  # [w] the likeliest tokens after it (the model's ids)
+        self.topv: torch.Tensor | None = None  # [w] their log-probabilities
 
 
 def head_path(config: EngineConfig) -> Path:
@@ -93,13 +100,17 @@ class Eagle3Drafter:
         dtype = pick_dtype(c.dtype, dev)
         context = target.pool.req_to_token.shape[1]
         slots = c.speculative_draft_kv_tokens + 1
+        # rows past the requests' own: the beams of the requests growing trees in a call
+        self.trees = min(c.speculative_max_batch or c.max_running_requests, c.max_running_requests)
+        self.beams = c.max_running_requests
+        rows = c.max_running_requests + (self.trees * self.width if self.width > 1 else 0)
         backend = c.attention_backend
         if backend == "auto":
             backend = "triton" if dev.type == "cuda" else "torch"
         with on_device(dev):
             self.head = load_head(spec, target.model, dtype, dev, context)
             self.pool = KVPool(num_layers=1, num_slots=slots, num_kv_heads=spec.cfg.num_kv_heads,
-                               head_dim=spec.cfg.head_dim, max_rows=c.max_running_requests,
+                               head_dim=spec.cfg.head_dim, max_rows=rows,
                                max_context_len=context, dtype=dtype, device=dev)
             self.attn = make_backend(backend, self.pool, num_heads=spec.cfg.num_heads, head_dim=spec.cfg.head_dim,
                                      scale=spec.cfg.attention_scale, fuse_one_row=c.fuse_one_row)
@@ -139,12 +150,14 @@ class Eagle3Drafter:
                 aux = aux.index_select(0, torch.tensor(rows, dtype=torch.int64, device=aux.device))
             g = linear(aux, self.head.fc)
             stream, normed = self._run(torch.tensor(ids, dtype=torch.int64), g,
-                                       [(st, st.end, m) for st, _, m in runs], [s for _, s, _ in runs], last=True)
-            top = self.head.to_target(self.head.logits(normed).topk(self.width, dim=-1).indices)
+                                       [(st.row, st.base, st.end, m) for st, _, m in runs], [s for _, s, _ in runs],
+                                       last=True)
+            top = self.head.logits(normed).log_softmax(dim=-1).topk(self.width, dim=-1)
+            ids_out = self.head.to_target(top.indices)
         for i, (st, new, m) in enumerate(runs):
             st.slots = torch.cat((st.slots, new))
             st.end += m
-            st.g, st.top = stream[i], top[i]
+            st.g, st.top, st.topv = stream[i], ids_out[i], top.values[i]
 
     def _state(self, r: Request, start: int) -> _State | None:
         """``r``'s state, ending at ``start`` (made, started over or cut back to it); None
@@ -162,22 +175,22 @@ class Eagle3Drafter:
             self.allocator.free(st.slots[start - st.base :])
             st.slots = st.slots[: start - st.base]
             st.end = start
-            st.g = st.top = None
+            st.g = st.top = st.topv = None
         return st
 
-    def _run(self, ids: torch.Tensor, g: torch.Tensor, runs: list[tuple[_State, int, int]],
+    def _run(self, ids: torch.Tensor, g: torch.Tensor, runs: list[tuple[int, int, int, int]],
              slots: list[torch.Tensor], last: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward of the head: each ``(state, first position, count)`` runs that many
-        positions from its ``end`` (a state's row holds position p at p - base). Returns the
-        output streams and their normed values: each run's last row (``last``), else all."""
+        """One forward of the head: each ``(table row, base, first position, count)`` runs that
+        many positions (the row holds position p at p - base). Returns the output streams and
+        their normed values: each run's last row (``last``), else all."""
         pos: list[int] = []
         cols: list[int] = []
         rows, prefix, extend = [], [], []
-        for st, first, n in runs:
+        for row, base, first, n in runs:
             pos.extend(range(first, first + n))
-            cols.extend(range(first - st.base, first - st.base + n))
-            rows.append(st.row)
-            prefix.append(first - st.base)
+            cols.extend(range(first - base, first - base + n))
+            rows.append(row)
+            prefix.append(first - base)
             extend.append(n)
         loc = torch.cat(slots) if len(slots) > 1 else slots[0]
         batch = ForwardBatch(input_ids=ids, positions=torch.tensor(pos, dtype=torch.int64), out_cache_loc=loc,
@@ -207,38 +220,94 @@ class Eagle3Drafter:
         if not ready:
             return out
         ready.sort(key=lambda x: -x[2])  # (the requests still drafting at each step: a prefix)
-        states = [st for _, st, _ in ready]
-        first = torch.stack([st.top for st in states])  # [B, w]
-        steps = [first[:, 0]]
+        grow = ready[: self.trees] if self.width > 1 else []
+        chained = ready[len(grow) :]
+        for (i, _, _), d in zip(grow, self._trees([st for _, st, _ in grow], [k for _, _, k in grow]), strict=True):
+            out[i] = d
+        for (i, _, _), d in zip(chained, self._chains([st for _, st, _ in chained], [k for _, _, k in chained]),
+                                strict=True):
+            out[i] = d
+        return out
+
+    def _chains(self, states: list[_State], ks: list[int]) -> list[list[int]]:
+        """Greedy chains of ``ks`` tokens (descending) after each state (see the contract)."""
+        if not states:
+            return []
+        first = torch.stack([st.top[0] for st in states])
+        steps = [first]
         temp: list[torch.Tensor] = []
         with torch.inference_mode():
-            tok, g = first[:, 0], torch.stack([st.g for st in states])
-            for j in range(1, ready[0][2]):
-                live = sum(1 for _, _, k in ready if k > j)
+            tok, g = first, torch.stack([st.g for st in states])
+            for j in range(1, ks[0]):
+                live = sum(1 for k in ks if k > j)
                 new = self.allocator.alloc(live)
                 if new is None:
                     break
                 temp.append(new)
-                g, normed = self._run(tok[:live], g[:live], [(st, st.end + j - 1, 1) for st in states[:live]],
-                                      [new], last=False)
+                g, normed = self._run(tok[:live], g[:live], [(st.row, st.base, st.end + j - 1, 1)
+                                                             for st in states[:live]], [new], last=False)
                 tok = self.head.to_target(self.head.logits(normed).argmax(dim=-1))
                 steps.append(tok)
-            flat = torch.cat([first.flatten(), *steps[1:]]).tolist()
+            flat = torch.cat(steps).tolist()
         for slots in temp:
             self.allocator.free(slots)
-        b, w = first.shape
-        tops = [flat[i * w : (i + 1) * w] for i in range(b)]
-        chains = [[t[0]] for t in tops]
-        at = b * w
-        for step in steps[1:]:  # (each step's requests: the first n)
+        chains: list[list[int]] = [[] for _ in states]
+        at = 0
+        for step in steps:  # (each step's requests: the first n)
             n = step.numel()
             for c, t in zip(chains[:n], flat[at : at + n], strict=True):
                 c.append(t)
             at += n
-        for (i, _, k), chain, top in zip(ready, chains, tops, strict=True):
-            chain = chain[:k]
-            out[i] = from_continuations([chain] + [[t] for t in top[1:]]) if self.width > 1 else chain
-        return out
+        return chains
+
+    def _trees(self, states: list[_State], ks: list[int]) -> list[list[int]]:
+        """Token trees of ``ks`` depths (descending) after each state, grown by beams (see the
+        contract); each a ``TokenTree`` (a list where it is a chain)."""
+        if not states:
+            return []
+        w, b, dev = self.width, len(states), self.device
+        table = self.pool.req_to_token
+        beam_rows = torch.arange(self.beams, self.beams + b * w, device=dev).view(b, w)
+        for i, st in enumerate(states):  # each beam's row starts with the request's pairs
+            n = st.end - st.base
+            table[beam_rows[i], :n] = table[st.row, :n]
+        tok = torch.stack([st.top for st in states])      # [b, w] the beams' last tokens
+        score = torch.stack([st.topv for st in states])   # [b, w] their paths' log-probabilities
+        node = torch.arange(w, device=dev).expand(b, w)   # [b, w] the beams' candidates
+        cands = [(tok, score, torch.full((b, w), -1, device=dev))]  # per depth: token, score, parent
+        temp: list[torch.Tensor] = []
+        with torch.inference_mode():
+            g = torch.stack([st.g for st in states])[:, None].expand(b, w, -1)
+            made = w
+            for j in range(1, ks[0]):
+                live = sum(1 for k in ks if k > j)
+                new = self.allocator.alloc(live * w)
+                if new is None:
+                    break
+                temp.append(new)
+                runs = [(int(row), st.base, st.end + j - 1, 1)
+                        for st, rows in zip(states[:live], beam_rows[:live].tolist(), strict=True) for row in rows]
+                stream, normed = self._run(tok[:live].reshape(-1), g[:live].reshape(live * w, -1), runs, [new],
+                                           last=False)
+                top = self.head.logits(normed).log_softmax(dim=-1).topk(w, dim=-1)
+                ids = self.head.to_target(top.indices).view(live, w * w)
+                cum = (score[:live, :, None] + top.values.view(live, w, w)).view(live, w * w)
+                cands.append((ids, cum, node[:live, :, None].expand(live, w, w).reshape(live, w * w)))
+                best = cum.topk(w, dim=-1).indices              # the next beams
+                parent = best // w
+                tok, score, node = ids.gather(1, best), cum.gather(1, best), made + best
+                made += w * w
+                g = stream.view(live, w, -1).gather(1, parent[..., None].expand(live, w, stream.shape[-1]))
+                if j + 1 < ks[0]:  # each new beam's row takes its parent's path so far
+                    ends = torch.tensor([st.end - st.base for st in states[:live]], device=dev)
+                    cols = (ends[:, None] + torch.arange(j, device=dev))[:, None, :]
+                    src = beam_rows[:live].gather(1, parent)
+                    table[beam_rows[:live, :, None], cols] = table[src[..., None], cols]
+            flat = torch.cat([torch.cat([t.flatten(), s.flatten().float(), p.flatten().float()])
+                              for t, s, p in cands]).tolist()
+        for slots in temp:
+            self.allocator.free(slots)
+        return _select(flat, [c[0].shape for c in cands], ks, w)
 
     # ------------------------------------------------------------------ leaving
 
@@ -257,3 +326,32 @@ class Eagle3Drafter:
         this keeps it so)."""
         for r in [r for r in self.states if r.state is not State.RUNNING]:
             self._drop(r)
+
+
+def _select(flat: list, shapes: list[torch.Size], ks: list[int], w: int) -> list[list[int]]:
+    """Per request, the tree of its ``w * k`` best-scored candidates, read from ``flat`` (per
+    depth: tokens, scores, parents of ``shapes[d]`` = [requests, candidates])."""
+    nodes: list[list[tuple[float, int, int, int, int]]] = [[] for _ in ks]  # (-score, depth, id, parent, token)
+    at, made = 0, 0
+    for depth, (n, m) in enumerate(shapes):
+        size = n * m
+        toks, scores, parents = flat[at : at + size], flat[at + size : at + 2 * size], flat[at + 2 * size : at + 3 * size]
+        at += 3 * size
+        for i in range(n):
+            for c in range(m):
+                x = i * m + c
+                nodes[i].append((-scores[x], depth, made + c, int(parents[x]), int(toks[x])))
+        made += m
+    out = []
+    for k, cand in zip(ks, nodes, strict=True):
+        kept: dict[int, tuple] = {}
+        for nd in sorted(cand):  # (best first; a parent before its children on a tie)
+            if nd[3] < 0 or nd[3] in kept:
+                kept[nd[2]] = nd
+                if len(kept) == w * k:
+                    break
+        order = sorted(kept.values(), key=lambda nd: (nd[1], nd[0]))  # by depth, each node's children best first
+        index = {nd[2]: j for j, nd in enumerate(order)}
+        tree = TokenTree([nd[4] for nd in order], [index.get(nd[3], -1) for nd in order])
+        out.append(as_draft(tree))
+    return out
