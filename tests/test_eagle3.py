@@ -412,19 +412,21 @@ async def test_no_kv_left_after_finish_abort_and_preemption(models, walk):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-async def test_on_the_gpu_with_decode_graphs(models, walk, dtype):
-    """On a GPU: the target's verify and decode steps replay its decode graphs, which then
-    hand back the streams too (copied out of the graph's buffers), the head runs on the
-    Triton backend (one-row steps fused); the walk head still has exactly its first draft
-    accepted each verify, and output equals plain decoding's."""
+@pytest.mark.parametrize("dtype,topk", [("float32", 1), ("bfloat16", 1), ("float32", 2)])
+async def test_on_the_gpu_with_decode_graphs(models, walk, dtype, topk):
+    """On a GPU: the target's verify and decode steps replay its decode graphs (tree verify
+    steps too), which then hand back the streams (copied out of the graph's buffers), the
+    head runs on the Triton backend (one-row steps fused); the walk head still has its first
+    draft accepted each verify (exactly that with chains), and output equals plain decoding's."""
     kw = dict(device="cuda", attention_backend="triton", dtype=dtype, cuda_graphs=True, speculative_adaptive=False,
-              speculative_num_draft_tokens=3)
+              speculative_num_draft_tokens=3, speculative_eagle_topk=topk)
     calls = [(walk_prompts(walk, 1, seed=8)[0], {"max_new_tokens": 24}), (walk[3:9], {"max_new_tokens": 16}),
              (walk_prompts(walk, 2, seed=3)[1], {"max_new_tokens": 20})]
     plain, spec, st = await plain_and_eagle(models["walk"], models["walk_head"], calls, **kw)
     same_outputs(plain, spec, logprob_tol=1e-2)
-    assert st["spec_verifies"] > 0 and st["spec_accepted_tokens"] == st["spec_verifies"]
+    assert st["spec_verifies"] > 0 and st["spec_accepted_tokens"] >= st["spec_verifies"]
+    if topk == 1:
+        assert st["spec_accepted_tokens"] == st["spec_verifies"]
     eng = engine(models["walk"], models["walk_head"], **kw)
     graphed = []
     eng.step_hook = lambda step: graphed.append(eng.worker.graphs.can_run(step.batch)) if step.drafts else None
