@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
+if TYPE_CHECKING:
     from radixd.core.config import EngineConfig
     from radixd.core.models.config import ModelConfig
     from radixd.core.request import Request
@@ -80,6 +80,18 @@ class ReadsTarget(Protocol):
     def release(self, reqs: list[Request]) -> None:
         """These requests left the running set: drop what the drafter keeps for them."""
         ...
+
+
+def to_device(t: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
+    """``t`` (int64 where a list) on ``device`` without the host waiting for the device: on
+    CUDA through page-locked memory (whose cached block is not reused before the copy is
+    done), since a copy from pageable memory waits for the step in flight (overlap
+    scheduling: ``radixd.core.staging``)."""
+    if not isinstance(t, torch.Tensor):
+        t = torch.tensor(t, dtype=torch.int64)
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def reads_target(drafter: object) -> bool:

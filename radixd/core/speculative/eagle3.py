@@ -53,7 +53,7 @@ from radixd.core.models.config import ModelConfig
 from radixd.core.radix_cache import RadixCache
 from radixd.core.request import Request, State
 from radixd.core.scheduler_interface import PLACEHOLDER
-from radixd.core.speculative.drafter import Span
+from radixd.core.speculative.drafter import Span, to_device
 from radixd.core.speculative.eagle3_head import KEY, Eagle3Head, load_head, read_head
 from radixd.core.speculative.tree import TokenTree, as_draft
 from radixd.core.triton_ops import linear
@@ -147,7 +147,7 @@ class Eagle3Drafter:
             return
         with torch.inference_mode():
             if len(rows) != aux.shape[0]:
-                aux = aux.index_select(0, torch.tensor(rows, dtype=torch.int64, device=aux.device))
+                aux = aux.index_select(0, to_device(rows, aux.device))
             g = linear(aux, self.head.fc)
             stream, normed = self._run(torch.tensor(ids, dtype=torch.int64), g,
                                        [(st.row, st.base, st.end, m) for st, _, m in runs], [s for _, s, _ in runs],
@@ -197,12 +197,12 @@ class Eagle3Drafter:
                              rows=rows, prefix_lens=prefix, extend_lens=extend)
         dev = self.device
         row_of = torch.tensor(rows, dtype=torch.int64).repeat_interleave(torch.tensor(extend, dtype=torch.int64))
-        self.pool.req_to_token[row_of.to(dev), torch.tensor(cols, dtype=torch.int64).to(dev)] = loc.to(dev)
-        self.attn.begin(batch)
+        self.pool.req_to_token[to_device(row_of, dev), to_device(cols, dev)] = to_device(loc, dev)
+        self.attn.begin(batch, lambda t: to_device(torch.as_tensor(t, dtype=torch.int64), dev))
         at = None
         if last and len(pos) != len(runs):
-            at = (torch.tensor(extend, dtype=torch.int64).cumsum(0) - 1).to(dev)
-        return self.head(ids.to(dev), g, batch.positions.to(dev), self.attn, at)
+            at = to_device(torch.tensor(extend, dtype=torch.int64).cumsum(0) - 1, dev)
+        return self.head(to_device(ids, dev), g, to_device(batch.positions, dev), self.attn, at)
 
     # ------------------------------------------------------------------ drafting
 
@@ -285,8 +285,8 @@ class Eagle3Drafter:
                 if new is None:
                     break
                 temp.append(new)
-                runs = [(int(row), st.base, st.end + j - 1, 1)
-                        for st, rows in zip(states[:live], beam_rows[:live].tolist(), strict=True) for row in rows]
+                runs = [(self.beams + i * w + m, st.base, st.end + j - 1, 1)
+                        for i, st in enumerate(states[:live]) for m in range(w)]
                 stream, normed = self._run(tok[:live].reshape(-1), g[:live].reshape(live * w, -1), runs, [new],
                                            last=False)
                 top = self.head.logits(normed).log_softmax(dim=-1).topk(w, dim=-1)
@@ -299,7 +299,7 @@ class Eagle3Drafter:
                 made += w * w
                 g = stream.view(live, w, -1).gather(1, parent[..., None].expand(live, w, stream.shape[-1]))
                 if j + 1 < ks[0]:  # each new beam's row takes its parent's path so far
-                    ends = torch.tensor([st.end - st.base for st in states[:live]], device=dev)
+                    ends = to_device([st.end - st.base for st in states[:live]], dev)
                     cols = (ends[:, None] + torch.arange(j, device=dev))[:, None, :]
                     src = beam_rows[:live].gather(1, parent)
                     table[beam_rows[:live, :, None], cols] = table[src[..., None], cols]

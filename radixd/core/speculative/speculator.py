@@ -53,7 +53,7 @@ from radixd.core.forward_batch import StepOutput, TokenTrees
 from radixd.core.kv_manager import KVManager
 from radixd.core.request import Request
 from radixd.core.scheduler_interface import NEED_SYNC, ScheduledStep
-from radixd.core.speculative.drafter import Drafter, ReadsTarget, Span
+from radixd.core.speculative.drafter import Drafter, ReadsTarget, Span, to_device
 from radixd.core.speculative.tree import TokenTree, as_draft, depth_and_path, walk
 
 
@@ -257,7 +257,7 @@ class Speculator:
                 i += n
             off += n
         if len(rows) != aux.shape[0]:
-            aux = aux.index_select(0, torch.tensor(rows, dtype=torch.int64, device=aux.device))
+            aux = aux.index_select(0, to_device(rows, aux.device))
         self.drafter.features(spans, aux)
 
     def release(self, reqs: list[Request]) -> None:
