@@ -213,15 +213,17 @@ def walk_prompts(walk: list[int], n: int, seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("topk", [1, 2])
 async def test_greedy_equals_plain(models, walk, topk):
-    """A head right about half the time on a target whose attention and MLPs matter: tokens
-    and logprobs equal plain decoding's, with requests arriving while others verify, prompts
-    chunked 5 tokens at a time, and a prompt served from the cache (the head starts past it)."""
+    """A head whose first draft is right and the rest wrong, on a target whose attention and
+    MLPs matter: tokens and logprobs equal plain decoding's, with requests arriving while
+    others verify, prompts chunked 5 tokens at a time, and a prompt served from the cache (the
+    head starts past it)."""
     ps = walk_prompts(walk, 3, seed=1)
     calls = [(p, {"max_new_tokens": 16, "logprobs": True}) for p in ps] + [(ps[0], {"max_new_tokens": 12})]
     plain, spec, st = await plain_and_eagle(models["noisy"], models["walk_head"], calls, chunked_prefill_size=5,
                                             speculative_eagle_topk=topk)
     same_outputs(plain, spec)
     assert st["spec_verifies"] > 0 and 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"]
+    assert st["cache_hit_tokens"] >= len(ps[0]) - 1
     if topk > 1:
         assert st["spec_tree_verifies"] > 0
 

@@ -206,11 +206,12 @@ class Eagle3Head(nn.Module):
         return self.rotary.cos.shape[0]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return (self.embed_tokens or self._target[0].embed_tokens)(ids)
+        embed = self._target[0].embed_tokens if self.embed_tokens is None else self.embed_tokens
+        return embed(ids)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits over the draft vocabulary."""
-        return linear(x, self.lm_head or self._target[0].lm_head).float()
+        return linear(x, self._target[0].lm_head if self.lm_head is None else self.lm_head).float()
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft vocabulary ids as the target's."""
