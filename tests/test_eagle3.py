@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import _tokenizer, hf_greedy
 from test_engine import assert_idle
-from test_speculative import run_calls, same_outputs
+from test_speculative import run_calls, run_constrained, same_outputs
 
 from radixd import Engine, SamplingParams, launch_flags
 from radixd.cli import build_parser
@@ -117,9 +117,9 @@ def walk() -> list[int]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, walk) -> dict[str, Path]:
-    """Targets (a random one; a walk with noisy attention and MLPs; a pure walk) and heads
-    (random, with a draft vocabulary of 64; one copying the last layer's stream; one
-    predicting the walk two tokens on, over the walk's tokens)."""
+    """Targets (a random one; a walk with noisy attention and MLPs; a pure walk; a walk over
+    the letters a-e) and heads (random, with a draft vocabulary of 64; one copying the last
+    layer's stream; ones predicting a walk two tokens on, over the walk's tokens)."""
     root = tmp_path_factory.mktemp("eagle3")
     out = {"random": make_target(root / "random", 0), "noisy": make_target(root / "noisy", 1, walk, noise=0.01),
            "walk": make_target(root / "walk", 1, walk)}
@@ -131,19 +131,26 @@ def models(tmp_path_factory, walk) -> dict[str, Path]:
     norm = target_weights(out["random"])["model.norm.weight"]
     copy = head_tensors(6, fc=torch.cat((torch.zeros(H, 2 * H), torch.eye(H)), 1), quiet=True)
     out["copy"] = write_head(root / "copy", {**copy, "norm.weight": norm})
-    # walk: fc maps each walk token's embedding onto its successor's (exact: 32 points in 64
-    # dimensions); the LM head over the walk's tokens picks the successor of what it is given
-    e = target_weights(out["walk"])["model.embed_tokens.weight"]
+    out["walk_head"] = walk_head(root / "walk_head", out["walk"], walk)
+    letters = _tokenizer().convert_tokens_to_ids(list("abcde"))  # (a walk a grammar of letters allows)
+    out["letters"] = make_target(root / "letters", 2, letters)
+    out["letters_head"] = walk_head(root / "letters_head", out["letters"], letters)
+    return out
+
+
+def walk_head(path: Path, target: Path, walk: list[int]) -> Path:
+    """A head predicting ``target``'s walk two tokens on: fc maps each walk token's embedding
+    onto its successor's (exact: at most 64 points in 64 dimensions), and its LM head over
+    the walk's tokens (d2t) picks the successor of what it is given."""
+    e = target_weights(target)["model.embed_tokens.weight"]
     nxt = dict(zip(walk, walk[1:] + walk[:1], strict=True))
     prev = {b: a for a, b in nxt.items()}
-    src = e[walk].double()
-    q = torch.linalg.lstsq(src, e[[nxt[t] for t in walk]].double()).solution.T.float()  # q @ e[t] = e[next t]
+    q = torch.linalg.lstsq(e[walk].double(), e[[nxt[t] for t in walk]].double()).solution.T.float()
     draft = torch.tensor(sorted(walk))
     lm = torch.stack([e[prev[int(t)]] for t in draft]) / H**0.5
     fc = torch.cat((q, torch.zeros(H, 2 * H)), 1)
-    out["walk_head"] = write_head(root / "walk_head", head_tensors(7, fc=fc, lm_head=lm, draft_ids=draft, quiet=True),
-                                  {"draft_vocab_size": VD})
-    return out
+    return write_head(path, head_tensors(7, fc=fc, lm_head=lm, draft_ids=draft, quiet=True),
+                      {"draft_vocab_size": len(walk)})
 
 
 def engine(path: Path, head: Path | None = None, **kw) -> Engine:
@@ -238,6 +245,28 @@ async def test_sampled_equals_plain(models, walk):
     plain, spec, st = await plain_and_eagle(models["noisy"], models["walk_head"], calls)
     same_outputs(plain, spec)
     assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"]
+
+
+async def test_grammars_equal_plain(models):
+    """Constrained requests (a regex, greedy; a JSON schema, sampled): the head's drafts are
+    walked on a fork of the matcher and cut where the grammar refuses them; output equals
+    plain decoding's."""
+    rng = random.Random(13)
+    cases = [([rng.randrange(2, V) for _ in range(9)],
+              SamplingParams(max_new_tokens=20, regex="[a-e]{3,8}( [a-e]{2,6}){2,4}\\.", temperature=0.0)),
+             ([rng.randrange(2, V) for _ in range(11)],
+              SamplingParams(max_new_tokens=20, json_schema='{"type": "object", "properties": {"a": '
+                             '{"type": "integer"}}, "required": ["a"]}', temperature=0.9, seed=3))]
+    results = []
+    for head in (None, models["letters_head"]):
+        eng = engine(models["letters"], head, grammar_compile_memory_mb=0)
+        try:
+            results.append([await run_constrained(eng, p, params) for p, params in cases])
+            st = eng.stats()
+        finally:
+            await eng.stop()
+    assert results[1] == results[0] and results[0][0][2] == "stop"
+    assert st["spec_verifies"] > 0 and st["spec_accepted_tokens"] > 0
 
 
 async def test_triton_backend_equals_plain(models, walk):
