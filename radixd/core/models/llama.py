@@ -53,19 +53,31 @@ class LlamaForCausalLM(nn.Module):
         of those layers at every token, side by side: ``(logits, [T, len(aux_layers) * hidden])``."""
         x = self.embed(input_ids)
         residual = None
-        aux = []
-        for i, layer in enumerate(self.layers):
+        if aux_layers:
+            x, residual, aux = self.run_layers_reading(x, positions, attn, aux_layers)
+            x, _ = self.layers[-1].add_norm(x[logits_indices], residual[logits_indices], self.norm)
+            return self.logits(x), aux
+        for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary, attn)
-            if i in aux_layers:  # (the stream is x + residual: every layer's contract)
-                aux.append(x + residual)
         idx = logits_indices if hidden_indices is None else torch.cat((logits_indices, hidden_indices))
         x, _ = self.layers[-1].add_norm(x[idx], residual[idx], self.norm)
-        if aux:
-            return self.logits(x), torch.cat(aux, dim=-1)
         if hidden_indices is None:
             return self.logits(x)
         n = logits_indices.numel()
         return (self.logits(x[:n]) if n else None), x[n:]
+
+    def run_layers_reading(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                           layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decoder layers over the embeddings ``x``, reading the residual stream after
+        ``layers``: ``(x, residual, [T, len(layers) * hidden])`` (the stream is ``x + residual``,
+        every layer's contract; the plain forward's loop, apart so that it checks nothing)."""
+        residual = None
+        read = []
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, positions, self.rotary, attn)
+            if i in layers:
+                read.append(x + residual)
+        return x, residual, torch.cat(read, dim=-1)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The residual stream's start (families that scale their embeddings override this)."""
