@@ -405,6 +405,26 @@ async def test_walk_head_has_its_first_draft_accepted(models, walk):
     assert st["spec_verifies"] > 0 and st["spec_accepted_tokens"] == st["spec_verifies"]
 
 
+async def test_head_steps_aside_with_the_speculation(models, walk, monkeypatch):
+    """Past ``speculative_max_batch`` decoding requests nothing drafts, and the head does not
+    follow their decode rows either (a compute-bound batch pays nothing for it): their states
+    go; once the batch is small again the head starts them over and drafts are accepted.
+    Output equals plain decoding's, and the head holds nothing at the end."""
+    from radixd.core.speculative.eagle3 import Eagle3Drafter
+
+    followed: list[int] = []
+    features = Eagle3Drafter.features
+    monkeypatch.setattr(Eagle3Drafter, "features",
+                        lambda self, spans, aux: followed.append(len(spans)) or features(self, spans, aux))
+    calls = [(walk_prompts(walk, 1, seed=9)[0], {"max_new_tokens": 24}), (walk[2:7], {"max_new_tokens": 6}),
+             (walk[4:9], {"max_new_tokens": 6})]
+    plain, spec, st = await plain_and_eagle(models["walk"], models["walk_head"], calls, speculative_adaptive=False,
+                                            speculative_num_draft_tokens=3, speculative_max_batch=1)
+    same_outputs(plain, spec)
+    assert st["spec_verifies"] > 0 and st["spec_accepted_tokens"] > 0
+    assert 0 < len(followed) < st["steps"]  # (the steps aside followed nothing)
+
+
 async def test_no_kv_left_after_finish_abort_and_preemption(models, walk):
     """The head's slots and rows come back when requests finish, are aborted mid-stream or
     preempted (a pool too small for the batch), as do the target's."""

@@ -238,6 +238,12 @@ class Speculator:
         the contract): ``aux`` holds every token's, in the batch's flat order."""
         b = step.batch
         reqs, drafts, kept = step.reqs, step.drafts, self._kept
+        aside: set[Request] = set()
+        if not drafts and self.max_batch and sum(n == 1 for n in b.extend_lens) > self.max_batch:
+            # speculation stepped aside (a compute-bound batch): the drafter does not follow
+            # decode rows; their states go, and a later step that drafts starts them over
+            aside = {r for r, n in zip(reqs, b.extend_lens, strict=True) if n == 1}
+            self.drafter.release(list(aside))
         spans: list[Span] = []
         rows: list[int] = []
         off = i = 0
@@ -246,8 +252,9 @@ class Speculator:
             d = drafts.get(r)
             if d is None:
                 n = b.extend_lens[i]
-                spans.append(Span(r, b.prefix_lens[i], n))
-                rows.extend(range(off, off + n))
+                if r not in aside:
+                    spans.append(Span(r, b.prefix_lens[i], n))
+                    rows.extend(range(off, off + n))
                 i += 1
             else:  # (one row per position: the rows' flat index is their entry's)
                 path = kept.pop(r, [0])
@@ -256,6 +263,8 @@ class Speculator:
                 n = len(d) + 1
                 i += n
             off += n
+        if not spans:
+            return
         if len(rows) != aux.shape[0]:
             aux = aux.index_select(0, to_device(rows, aux.device))
         self.drafter.features(spans, aux)
