@@ -24,7 +24,7 @@ SGLANG_ONLY_POLICIES = ("random", "dfs-weight", "lof", "routing-key")
 
 METAVARS = {"--mem-fraction-static": "FRACTION", "--chunked-prefill-size": "TOKENS",
             "--max-running-requests": "N", "--context-length": "TOKENS", "--reasoning-parser": "NAME",
-            "--speculative-algorithm": "NAME", "--speculative-num-draft-tokens": "N",
+            "--speculative-algorithm": "NAME", "--speculative-num-draft-tokens": "N", "--speculative-num-steps": "N",
             "--speculative-draft-model-path": "PATH",
             "--speculative-ngram-min-match-window-size": "TOKENS",
             "--speculative-ngram-max-match-window-size": "TOKENS", "--kv-events-config": "JSON"}
@@ -154,6 +154,8 @@ FLAGS: tuple[Flag, ...] = (
          "STANDALONE: the draft checkpoint; EAGLE3: the head's"),
     Flag("--speculative-num-draft-tokens", "speculative.num_draft_tokens", int, "most tokens drafted per step"),
     Flag("--speculative-eagle-topk", "speculative.eagle_topk", int, "continuations per drafted node (token trees)"),
+    Flag("--speculative-num-steps", "speculative.num_draft_tokens", int, "draft depth (SGLang's EAGLE steps; with "
+         "--speculative-num-draft-tokens, that must be steps x topk + 1: every node radixd verifies)"),
     Flag("--speculative-ngram-min-match-window-size", "speculative.ngram_min_match_window", int,
          "shortest suffix NGRAM looks up"),
     Flag("--speculative-ngram-max-match-window-size", "speculative.ngram_max_match_window", int,
@@ -195,6 +197,16 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
             except ConfigError as exc:
                 raise ConfigError(f"{f.name} ({key})", v, exc.allowed) from exc
             out[key] = v
+    steps = getattr(args, "flag_speculative_num_steps", None)
+    tokens = getattr(args, "flag_speculative_num_draft_tokens", None)
+    if steps is not None and tokens is not None:  # (SGLang's EAGLE: the depth, and the nodes verified)
+        topk = getattr(args, "flag_speculative_eagle_topk", None) or 1
+        if tokens != steps * topk + 1:
+            raise ConfigError("--speculative-num-draft-tokens", tokens,
+                              f"{steps * topk + 1} with --speculative-num-steps {steps} and --speculative-eagle-topk "
+                              f"{topk} (radixd verifies every node of a tree that deep and wide, and its root), "
+                              "or no --speculative-num-steps (then it is the depth)")
+        out["speculative.num_draft_tokens"] = steps
     return out
 
 

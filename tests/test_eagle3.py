@@ -564,3 +564,10 @@ def test_launch_flag():
     for name in ("EAGLE", "NEXTN"):
         with pytest.raises(ConfigError, match=f"--speculative-algorithm.*{name}"):
             flags("--speculative-algorithm", name)
+    # SGLang's EAGLE depth and node count: steps 3, topk 1, 4 tokens (the root and 3 drafts)
+    sglang = ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk")
+    assert flags(*sglang, "1", "--speculative-num-draft-tokens", "4")["speculative.num_draft_tokens"] == 3
+    assert flags(*sglang, "4", "--speculative-num-draft-tokens", "13")["speculative.num_draft_tokens"] == 3
+    assert flags("--speculative-num-steps", "5") == {"speculative.num_draft_tokens": 5}
+    with pytest.raises(ConfigError, match="--speculative-num-draft-tokens.*13 with --speculative-num-steps 3"):
+        flags(*sglang, "4", "--speculative-num-draft-tokens", "16")  # (a budget below the tree: not pruned here)
