@@ -27,8 +27,10 @@ statistics of the ratios whose binomial coverage is at least 95%) and a one-side
 bound; ``ci_half_width_pairs_needed`` estimates how many pairs would bring the interval to
 +-1% at the spread seen. Beside wall-clock req/s, each window records the daemon's CPU time
 per request (``/proc/<pid>/stat`` utime + stime, all its threads), its event loop thread's
-alone (where the feed is built, encoded and sent) and the steal time of the machine
-(``/proc/stat``: a virtual machine's CPUs taken by its host). Prints one JSON line per
+alone (where the feed is built, encoded and sent), the steal time of the machine
+(``/proc/stat``: a virtual machine's CPUs taken by its host) and the CPU time of everything
+else on it (``others_cpu_s``: the machine's busy time less the daemon's, the bench client's
+and the viewer's), to tell a quiet run from a disturbed one. Prints one JSON line per
 window, then the figures.
 
 ``--in-process``: the feed's own work, without HTTP: the engine in this process runs the
@@ -156,8 +158,10 @@ def thread_deltas(before: dict[int, float], after: dict[int, float]) -> list[flo
     return sorted((d for tid, t in after.items() if (d := round(t - before.get(tid, 0.0), 2)) >= 0.1), reverse=True)
 
 
-def steal_seconds() -> float:
-    return int(Path("/proc/stat").read_text().split("\n", 1)[0].split()[8]) / TICK
+def machine_seconds() -> tuple[float, float]:
+    """The machine's busy CPU seconds (user, nice, system, irq, softirq) and steal seconds so far."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (f[0] + f[1] + f[2] + f[5] + f[6]) / TICK, f[7] / TICK
 
 
 # ------------------------------------------------------------------ windows over HTTP
@@ -182,11 +186,11 @@ def window(url: str, pid: int, out: Path, open_: bool, nice: int) -> dict:
     """One bench run, with a viewer reading the feed throughout when ``open_``."""
     viewer = Viewer(url, nice) if open_ else contextlib.nullcontext()
     with viewer:
-        cpu0, loop0, steal0, threads0 = cpu_seconds(pid), cpu_seconds(pid, pid), steal_seconds(), thread_seconds(pid)
-        t0 = time.monotonic()
+        cpu0, loop0, threads0 = cpu_seconds(pid), cpu_seconds(pid, pid), thread_seconds(pid)
+        (busy0, steal0), me0, t0 = machine_seconds(), time.process_time(), time.monotonic()
         fig = run_bench(url, out)
-        wall = time.monotonic() - t0
-        cpu1, loop1, steal1, threads1 = cpu_seconds(pid), cpu_seconds(pid, pid), steal_seconds(), thread_seconds(pid)
+        (busy1, steal1), me1, wall = machine_seconds(), time.process_time(), time.monotonic() - t0
+        cpu1, loop1, threads1 = cpu_seconds(pid), cpu_seconds(pid, pid), thread_seconds(pid)
     done = REQUESTS - fig["failed"]
     seen = viewer.result if open_ else {"snapshots": 0, "cpu_s": 0.0, "max_gap_s": None, "bytes": 0}
     return {"dashboard_open": open_, "req_s": fig["request_throughput"], "failed": fig["failed"],
@@ -195,7 +199,10 @@ def window(url: str, pid: int, out: Path, open_: bool, nice: int) -> dict:
             "viewer_lagged": bool(open_ and seen["max_gap_s"] > LAG_GAP_S), "viewer_cpu_s": seen["cpu_s"],
             "viewer_bytes": seen["bytes"],
             "daemon_cpu_s_per_req": (cpu1 - cpu0) / done, "loop_cpu_s_per_req": (loop1 - loop0) / done,
-            "steal_s": round(steal1 - steal0, 2), "threads_cpu_s": thread_deltas(threads0, threads1)}
+            "steal_s": round(steal1 - steal0, 2), "bench_client_cpu_s": round(me1 - me0, 2),
+            # what else ran on the machine meanwhile (not the daemon, this process or the viewer)
+            "others_cpu_s": round((busy1 - busy0) - (cpu1 - cpu0) - (me1 - me0) - seen["cpu_s"], 2),
+            "threads_cpu_s": thread_deltas(threads0, threads1)}
 
 
 def pair_ratios(runs: list[dict], key: str) -> list[float]:
@@ -264,6 +271,8 @@ def figures(runs: list[dict]) -> dict:
         "viewer_cpu_s_per_window": round(median("viewer_cpu_s", True), 3),
         "viewer_snapshots_per_s": round(statistics.median(r["snapshots_read"] / r["window_s"] for r in opened), 2),
         "windows_viewer_lagged": sum(r["viewer_lagged"] for r in opened),
+        "steal_s_per_window_median": round(statistics.median(r["steal_s"] for r in runs), 2),
+        "others_cpu_s_per_window_median": round(statistics.median(r["others_cpu_s"] for r in runs), 2),
         "open_req_s_median": round(median("req_s", True), 4), "closed_req_s_median": round(median("req_s", False), 4),
     }
 
