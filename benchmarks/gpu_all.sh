@@ -24,7 +24,7 @@
 #             memory): cascade off/on, the whole workload and one dp=2 replica's share under
 #             cache-aware routing and under round robin
 #   tests2    the GPU-marked tests of the second wave: quantized weights and kernels, the fp8 KV
-#             cache, sliding windows, speculative verify, the PD copy, MoE
+#             cache, sliding windows, speculative verify and EAGLE-3 heads, the PD copy, MoE
 #   quant fp8kv swa spec pd moe (FP8KV_ARGS=--sweep: the decode kernel's tiles first)
 #             benchmarks/quant.py (bf16, fp8 and int4 engines at the 8B shape), fp8_kv.py (batch
 #             256 x 4k, fp8 vs bf16 KV), swa.py (Gemma-3-12B shape at 8k), spec.py --device cuda,
@@ -83,7 +83,7 @@ for spec in $PARTS; do
     # (a test stuck past 150 s fails with its stack, so the summary still comes)
     $limit python3 -m pytest -q -p no:cacheprovider -rf --tb=short --timeout 150 -m gpu \
         tests/test_quant_gpu.py tests/test_fp8_kv.py tests/test_swa.py tests/test_speculative.py \
-        tests/test_pd_units.py tests/test_quant_kernels.py tests/test_moe.py > "$W/tests2.txt" 2>&1
+        tests/test_eagle3.py tests/test_pd_units.py tests/test_quant_kernels.py tests/test_moe.py > "$W/tests2.txt" 2>&1
     $limit python3 -m pytest -q -p no:cacheprovider -rf -m "gpu or not gpu" tests/test_window_attention.py \
         "tests/test_fp8_kv.py::test_fp8_pool_read_by_a_bf16_query_takes_fp16_products" >> "$W/tests2.txt" 2>&1
     grep -E "passed|failed|error" "$W/tests2.txt" | tail -4 ;;

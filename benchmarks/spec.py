@@ -22,11 +22,21 @@ GPU (``--device cuda``, random bf16 weights in Llama-3-8B's shape, no downloads)
 - ``batch``: 64 requests at once, plain against p = 0.7 (speculation steps aside past
   ``speculative_max_batch``) and against p = 0.7 forced to draft (``max_batch`` 0);
 - ``standalone``: batch 1 with a draft model identical to the target (the same checkpoint):
-  acceptance near 1 at the price of a second model's weight reads per draft.
+  acceptance near 1 at the price of a second model's weight reads per draft;
+- ``tree``: token trees (``speculative.eagle_topk``): the verify step's cost for trees of
+  ``w`` random, always-wrong branches of depth 4 sharing only the root (w = 2, 3, 4: 8, 12,
+  16 nodes), relative to a decode step, as ``verify`` does for chains;
+- ``eagle3``: an EAGLE-3 head of random weights at the target's shape, written here in
+  SGLang's layout (``--eagle3-topk``: its token trees' width): the step period drafting 4
+  tokens (the head's chain steps, its extend over each step's rows, the verify; its random
+  drafts all miss) against plain, batch-1 tok/s with the verifier forced to take its drafts
+  at p = 0.5 / 0.7 / 0.9, and 64 requests at once, where speculation steps aside but the head
+  still follows every request each step, against plain.
 
     python -m benchmarks.spec --device cpu --out benchmarks/results/spec
     python -m benchmarks.spec --device cpu --eagle-topk 3 --out DIR   (and n-gram trees)
     python -m benchmarks.spec --device cuda --out DIR          (one H200)
+    python -m benchmarks.spec --device cuda --sections eagle3 --out DIR   (the EAGLE-3 head alone)
     python -m benchmarks.spec --quick --out DIR                (every section, tiny, CPU)
 """
 
@@ -34,11 +44,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 from benchmarks import gpu_bench
 from benchmarks.common import (
@@ -53,6 +67,7 @@ from benchmarks.common import (
     write_json,
 )
 from radixd import Engine, SamplingParams
+from radixd.core.speculative.tree import from_continuations
 from radixd.plugins import hookimpl
 
 PASSAGE = ("The lighthouse stood at the end of the harbour wall for two hundred years. Every night the keeper "
@@ -133,10 +148,23 @@ class forced_acceptance:  # noqa: N801 (a context manager, named for the with-st
         del self.spec.accept  # (the instance attribute goes; the class's method is back)
 
 
+class AtRateTree(AtRate):
+    """Drafts ``width`` random branches of ``k`` tokens each, sharing only the root: a token
+    tree of ``width * k`` nodes (the speculator verifies what ``k`` leaves of it)."""
+
+    name = "at-rate-tree"
+    width = 2
+
+    def propose(self, reqs, ks):
+        cls = type(self)
+        return [from_continuations([[cls.rng.randrange(cls.vocab) for _ in range(k)] for _ in range(cls.width)])
+                for k in ks]
+
+
 class AtRatePlugin:
     @hookimpl
     def radixd_drafters(self):
-        return {"at-rate": AtRate}
+        return {"at-rate": AtRate, "at-rate-tree": AtRateTree}
 
 
 async def generate(eng: Engine, prompts: list[list[int]], new: int, *, concurrent: bool = False) -> tuple[list, float]:
@@ -366,8 +394,129 @@ def section_standalone(ctx) -> dict:
     return res
 
 
+def section_tree(ctx) -> dict:
+    """Median decode step time with random token trees of ``w`` branches of depth
+    ``K_DEFAULT`` (w = 2..4), against plain decode steps."""
+    loop, prompts, new = ctx["loop"], ctx["prompts"][:1], ctx["new"]
+    res = {"plain_step_ms": ctx["plain_step_ms"], "depth": K_DEFAULT}
+    widths = (2, 4) if ctx["quick"] else (2, 3, 4)
+    eng = gpu_bench.engine(ctx["path"], plugin_manager=builtin_plugins(extra=[AtRatePlugin()]),
+                           speculative_algorithm="at-rate-tree", speculative_eagle_topk=max(widths),
+                           speculative_num_draft_tokens=K_DEFAULT, speculative_adaptive=False, **ctx["engine_kw"])
+    try:
+        loop.run_until_complete(generate(eng, prompts, 8))  # warm up
+        for w in widths:
+            AtRateTree.width = w
+            before = eng.stats().get("spec_tree_verifies", 0)
+            steps = Steps(eng)
+            loop.run_until_complete(generate(eng, prompts, new))
+            ms = steps.median()
+            res[f"w{w}"] = {"nodes": w * K_DEFAULT, "step_ms": ms,
+                            "vs_decode": round(ms / ctx["plain_step_ms"], 3) if ctx["plain_step_ms"] else 0.0,
+                            "tree_verifies": eng.stats().get("spec_tree_verifies", 0) - before}
+            ctx["log"](f"tree w={w}: {res[f'w{w}']}")
+    finally:
+        loop.run_until_complete(eng.stop())
+    return res
+
+
+def eagle3_head_dir(shape: dict, *, draft_vocab: int = 32000, seed: int = 0) -> str:
+    """An EAGLE-3 head for a target of ``shape`` in SGLang's layout (``LlamaForCausalLMEagle3``:
+    fc, midlayer.*, norm, lm_head, d2t, t2d), bf16 weights drawn N(0, 0.02) (norms 1), a
+    random draft vocabulary, in a new temporary directory. A target of fewer than 8 layers
+    gets its layers 0, L/2 and L - 1 (SGLang's default needs more)."""
+    from safetensors.torch import save_file
+
+    h, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    hd, inter = h // heads, shape["intermediate_size"]
+    vd = min(draft_vocab, vocab)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*dims):
+        return (torch.randn(*dims, generator=gen) * 0.02).to(torch.bfloat16)
+
+    ids = torch.randperm(vocab, generator=gen)[:vd].sort().values
+    tensors = {"fc.weight": rand(h, 3 * h), "midlayer.input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+               "midlayer.hidden_norm.weight": torch.ones(h, dtype=torch.bfloat16),
+               "midlayer.self_attn.q_proj.weight": rand(heads * hd, 2 * h),
+               "midlayer.self_attn.k_proj.weight": rand(kv_heads * hd, 2 * h),
+               "midlayer.self_attn.v_proj.weight": rand(kv_heads * hd, 2 * h),
+               "midlayer.self_attn.o_proj.weight": rand(h, heads * hd),
+               "midlayer.post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+               "midlayer.mlp.gate_proj.weight": rand(inter, h), "midlayer.mlp.up_proj.weight": rand(inter, h),
+               "midlayer.mlp.down_proj.weight": rand(h, inter), "norm.weight": torch.ones(h, dtype=torch.bfloat16),
+               "lm_head.weight": rand(vd, h), "d2t": ids - torch.arange(vd),
+               "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True)}
+    d = Path(tempfile.mkdtemp(prefix="radixd-eagle3-head-"))
+    save_file(tensors, str(d / "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+              "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "vocab_size": vocab, "draft_vocab_size": vd, "rms_norm_eps": 1e-5,
+              "max_position_embeddings": shape["max_position_embeddings"], "rope_theta": shape["rope_theta"],
+              "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    if layers < 8:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, layers // 2, layers - 1]}
+    (d / "config.json").write_text(json.dumps(config))
+    return str(d)
+
+
+def section_eagle3(ctx) -> dict:
+    """The ``eagle3`` drafter with a random head (see the module docstring): its drafts miss,
+    so the unforced run measures what drafting and verifying cost per step."""
+    loop, prompts, new, b = ctx["loop"], ctx["prompts"], ctx["new"], ctx["batch"]
+    shape = json.loads((Path(ctx["path"]) / "config.json").read_text())
+    head = eagle3_head_dir(shape)
+    eng = gpu_bench.engine(ctx["path"], plugin_manager=builtin_plugins(), speculative_algorithm="eagle3",
+                           speculative_draft_model_path=head, speculative_draft_kv_tokens=65536,
+                           speculative_num_draft_tokens=K_DEFAULT, speculative_adaptive=False,
+                           speculative_max_batch=ctx["max_batch"], speculative_eagle_topk=ctx["eagle3_topk"],
+                           **ctx["engine_kw"])
+    res: dict = {"topk": ctx["eagle3_topk"], "k": K_DEFAULT}
+    try:
+        loop.run_until_complete(generate(eng, prompts[:1], 8))  # warm up
+        steps = Steps(eng)
+        before = spec_counts(eng)
+        outs, secs = loop.run_until_complete(generate(eng, prompts, new))
+        after = spec_counts(eng)
+        eng.stats_hook = None
+        tok_s = sum(map(len, outs)) / secs
+        v, d, a = (after[k] - before[k] for k in ("verifies", "drafted", "accepted"))
+        res["unforced"] = {"tok_s": round(tok_s, 2), "vs_plain": round(tok_s / ctx["plain_tok_s"], 3),
+                           "step_ms": steps.median(),
+                           "step_vs_decode": round(steps.median() / ctx["plain_step_ms"], 3) if ctx["plain_step_ms"] else 0.0,
+                           "verifies": v, "accepted_of_drafted": round(a / d, 3) if d else 0.0}
+        ctx["log"](f"eagle3 unforced: {res['unforced']}")
+        res["rates"] = {}
+        for p in ctx["eagle3_rates"]:
+            before = spec_counts(eng)
+            with forced_acceptance(eng, p):
+                outs, secs = loop.run_until_complete(generate(eng, prompts, new))
+            after = spec_counts(eng)
+            tok_s = sum(map(len, outs)) / secs
+            v, d, a = (after[k] - before[k] for k in ("verifies", "drafted", "accepted"))
+            res["rates"][str(p)] = {"tok_s": round(tok_s, 2), "speedup": round(tok_s / ctx["plain_tok_s"], 3),
+                                    "tokens_per_verify": round((a + v) / v, 3) if v else 0.0}
+            ctx["log"](f"eagle3 p={p}: {res['rates'][str(p)]}")
+        rng = random.Random(5)
+        many = [[rng.randrange(100, ctx["vocab_hi"]) for _ in range(64)] for _ in range(b)]
+        _, plain_secs = loop.run_until_complete(generate(ctx["plain"], many, new, concurrent=True))
+        before = spec_counts(eng)
+        _, secs = loop.run_until_complete(generate(eng, many, new, concurrent=True))
+        after = spec_counts(eng)
+        res["batch"] = {"batch": b, "plain_tok_s": round(b * new / plain_secs, 1), "tok_s": round(b * new / secs, 1),
+                        "vs_plain": round(plain_secs / secs, 3), "verifies": after["verifies"] - before["verifies"]}
+        ctx["log"](f"eagle3 batch: {res['batch']}")
+    finally:
+        loop.run_until_complete(eng.stop())
+        import shutil
+
+        shutil.rmtree(head, ignore_errors=True)
+    return res
+
+
 GPU_SECTIONS = {"verify": section_verify, "accept": section_accept, "ngram": section_ngram, "batch": section_batch,
-                "standalone": section_standalone}
+                "standalone": section_standalone, "tree": section_tree, "eagle3": section_eagle3}
 
 
 def run_model_sections(args, ctx) -> dict:
@@ -375,7 +524,7 @@ def run_model_sections(args, ctx) -> dict:
     loop = ctx["loop"]
     if args.quick:
         gpu_bench.DEVICE["name"] = "cpu"
-        shape = dict(SHAPES["smollm2-135m"], num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+        shape = dict(SHAPES["smollm2-135m"], num_hidden_layers=4, hidden_size=64, intermediate_size=128,
                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
         path = ctx["tiny"] = checkpoint_dir(shape, prefix="radixd-spec-quick-")
         kw = dict(kv_cache_tokens=8192)
@@ -383,7 +532,7 @@ def run_model_sections(args, ctx) -> dict:
         path = gpu_bench.model_dir(args.model)
         kw = dict(kv_cache_tokens=60_000)  # three 8B engines side by side
     kw["max_running_requests"] = max(64, ctx["batch"])
-    ctx["path"], ctx["engine_kw"] = path, kw
+    ctx["path"], ctx["engine_kw"], ctx["quick"] = path, kw, args.quick
     rng = random.Random(1)
     ctx["vocab_hi"] = 500 if args.quick else gpu_bench.VOCAB_HI  # random prompt ids below the vocabulary
     ctx["prompts"] = [[rng.randrange(100, ctx["vocab_hi"]) for _ in range(48 if args.quick else 512)]
@@ -429,22 +578,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="every section on tiny random models, on the CPU (a smoke run)")
     ap.add_argument("--model", default="llama3-8b", choices=sorted(SHAPES), help="cuda: the shape (random weights)")
     ap.add_argument("--cpu-model", default="default", help="cpu: the checkpoint of the n-gram section")
-    ap.add_argument("--sections", default="", help="default: ngram on cpu; verify,accept,ngram,batch,standalone "
-                    "on cuda")
+    ap.add_argument("--sections", default="", help="default: ngram on cpu; verify,accept,ngram,batch,standalone,tree,"
+                    "eagle3 on cuda")
     ap.add_argument("--new", type=int, default=0, help="tokens per request (default 64 cpu, 256 cuda, 12 quick)")
     ap.add_argument("--prompts", type=int, default=0, help="cuda: prompts per batch-1 run (default 4, quick 2)")
     ap.add_argument("--eagle-topk", type=int, default=1, help="cpu: also n-gram token trees of this width (> 1)")
     ap.add_argument("--rounds", type=int, default=1, help="cpu: runs of each prompt per engine, alternating")
+    ap.add_argument("--eagle3-topk", type=int, default=1, help="eagle3: the head's token trees' width (1: chains)")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda" and not args.quick
-    args.sections = [s for s in (args.sections or ("verify,accept,ngram,batch,standalone" if cuda or args.quick
+    args.sections = [s for s in (args.sections or ("verify,accept,ngram,batch,standalone,tree,eagle3" if cuda or args.quick
                                                    else "ngram")
                                  ).split(",") if s]
     args.prompts = args.prompts or (2 if args.quick else 4)
     ctx = {"loop": asyncio.new_event_loop(), "log": Log(Path(args.out) / "spec.log"), "k": K_DEFAULT,
            "rounds": args.rounds, "topk": args.eagle_topk,
            "max_batch": 2 if args.quick else 8, "ks": (1, 4, 8) if args.quick else range(1, 9),
-           "rates": (0.5, 1.0) if args.quick else RATES,
+           "rates": (0.5, 1.0) if args.quick else RATES, "eagle3_topk": args.eagle3_topk,
+           "eagle3_rates": (0.7,) if args.quick else (0.5, 0.7, 0.9),
            "new": args.new or (12 if args.quick else 256 if cuda else 64), "batch": 4 if args.quick else 64}
     summary: dict = {"environment": environment(), "k": K_DEFAULT}
     if cuda or args.quick:

@@ -24,13 +24,14 @@ SGLANG_ONLY_POLICIES = ("random", "dfs-weight", "lof", "routing-key")
 
 METAVARS = {"--mem-fraction-static": "FRACTION", "--chunked-prefill-size": "TOKENS",
             "--max-running-requests": "N", "--context-length": "TOKENS", "--reasoning-parser": "NAME",
-            "--speculative-algorithm": "NAME", "--speculative-num-draft-tokens": "N",
+            "--speculative-algorithm": "NAME", "--speculative-num-draft-tokens": "N", "--speculative-num-steps": "N",
             "--speculative-draft-model-path": "PATH",
             "--speculative-ngram-min-match-window-size": "TOKENS",
             "--speculative-ngram-max-match-window-size": "TOKENS", "--kv-events-config": "JSON"}
 
-# SGLang's --speculative-algorithm values that need a draft model or draft heads radixd lacks.
-SGLANG_ONLY_DRAFTERS = ("eagle", "eagle3", "nextn")
+# SGLang's --speculative-algorithm values that need draft heads radixd lacks (EAGLE-1/2 heads,
+# DeepSeek's multi-token-prediction layers); EAGLE3 maps to the built-in "eagle3".
+SGLANG_ONLY_DRAFTERS = ("eagle", "nextn")
 
 
 # SGLang's (and vLLM's) KVEventsConfig fields radixd has no counterpart for, at the values
@@ -111,8 +112,8 @@ def _kv_events_config(value: str) -> dict[str, Any]:
 def _drafter(value: str) -> str:
     name = value.lower()  # SGLang spells them in capitals: NGRAM
     if name in SGLANG_ONLY_DRAFTERS:
-        raise ConfigError("--speculative-algorithm", value, "NGRAM, STANDALONE or a plugin's drafter; SGLang's "
-                          "EAGLE, EAGLE3 and NEXTN have no radixd counterpart yet")
+        raise ConfigError("--speculative-algorithm", value, "NGRAM, STANDALONE, EAGLE3 or a plugin's drafter; "
+                          "SGLang's EAGLE and NEXTN have no radixd counterpart yet")
     return name
 
 
@@ -148,10 +149,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--quantization", "model.quantization", str, "the checkpoint's quantization format (compressed-tensors, "
          "fp8, gptq, awq; SGLang's gptq_marlin / awq_marlin name the same formats)", _quantization),
     Flag("--speculative-algorithm", "speculative.algorithm", str, "NGRAM (prompt lookup), STANDALONE (a draft "
-         "model) or a plugin's drafter", _drafter),
-    Flag("--speculative-draft-model-path", "speculative.draft_model_path", str, "STANDALONE: the draft checkpoint"),
+         "model), EAGLE3 (an EAGLE-3 draft head) or a plugin's drafter", _drafter),
+    Flag("--speculative-draft-model-path", "speculative.draft_model_path", str,
+         "STANDALONE: the draft checkpoint; EAGLE3: the head's"),
     Flag("--speculative-num-draft-tokens", "speculative.num_draft_tokens", int, "most tokens drafted per step"),
     Flag("--speculative-eagle-topk", "speculative.eagle_topk", int, "continuations per drafted node (token trees)"),
+    Flag("--speculative-num-steps", "speculative.num_draft_tokens", int, "draft depth (SGLang's EAGLE steps; with "
+         "--speculative-num-draft-tokens, that must be steps x topk + 1: every node radixd verifies)"),
     Flag("--speculative-ngram-min-match-window-size", "speculative.ngram_min_match_window", int,
          "shortest suffix NGRAM looks up"),
     Flag("--speculative-ngram-max-match-window-size", "speculative.ngram_max_match_window", int,
@@ -193,6 +197,16 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
             except ConfigError as exc:
                 raise ConfigError(f"{f.name} ({key})", v, exc.allowed) from exc
             out[key] = v
+    steps = getattr(args, "flag_speculative_num_steps", None)
+    tokens = getattr(args, "flag_speculative_num_draft_tokens", None)
+    if steps is not None and tokens is not None:  # (SGLang's EAGLE: the depth, and the nodes verified)
+        topk = getattr(args, "flag_speculative_eagle_topk", None) or 1
+        if tokens != steps * topk + 1:
+            raise ConfigError("--speculative-num-draft-tokens", tokens,
+                              f"{steps * topk + 1} with --speculative-num-steps {steps} and --speculative-eagle-topk "
+                              f"{topk} (radixd verifies every node of a tree that deep and wide, and its root), "
+                              "or no --speculative-num-steps (then it is the depth)")
+        out["speculative.num_draft_tokens"] = steps
     return out
 
 

@@ -1,13 +1,16 @@
 """The live dashboard over HTTP: off by default (404), the page, its SSE feed moving while a
 shared-prefix workload runs (with each request's TTFT and the worker's idle time before each
-step), the API keys (header or ``?key=``), the tree summary's bound, one panel per replica
-with ``parallel.dp_size = 2``."""
+step), the API keys (header or ``?key=``), the tree summary's bound and its reuse while the
+radix cache is unchanged, one snapshot a tick for all viewers, a feed ending with its
+viewer, one panel per replica with ``parallel.dp_size = 2``."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
+import random
 import re
 import shutil
 import subprocess
@@ -221,8 +224,8 @@ def test_feed_encodes_each_step_once(monkeypatch):
     feed, kept = Feed(), dashboard.STEPS_KEPT
     CountedStep.encoded.clear()
 
-    def step(i: int) -> CountedStep:
-        return CountedStep(i, 0, i, 1, 0, 0.5, 10.0, 1.0, 11.0, 0)
+    def step(i: int) -> CountedStep:  # idle and cycle times that vary, to the nanosecond
+        return CountedStep(i, 0, i, 1, 0, 0.123456789, 10.0 + i / 7, 1.0 + (i % 5) / 3, 11.0 + (i % 3) / 7, 0)
 
     for i in range(kept + 40):
         feed.record(step(i))
@@ -235,7 +238,169 @@ def test_feed_encodes_each_step_once(monkeypatch):
     assert [s["batch_size"] for s in second["steps"]] == list(range(43, kept + 43))
     assert CountedStep.encoded[kept:] == [kept + 40, kept + 41, kept + 42]  # only the new ones
     assert json.loads(feed.snapshot(engine))["steps"] == second["steps"]
-    assert second["idle_fraction"] == pytest.approx(1 / 11, abs=1e-4) and {"stats", "replicas", "time"} <= set(second)
+    assert {"stats", "replicas", "time"} <= set(second)
+    # times to the microsecond; the idle share is the kept steps' own (the dropped ones left the sums)
+    kept = [step(i) for i in range(43, kept + 43)]
+    us = [(round(s.idle_ms * 1000), round(s.cycle_ms * 1000)) for s in kept]
+    assert [(s["idle_ms"], s["cycle_ms"]) for s in second["steps"]] == [(i / 1000, c / 1000) for i, c in us]
+    assert second["steps"][0]["step_ms"] == round(kept[0].step_ms, 3) and second["steps"][0]["kv_usage"] == 0.1235
+    assert second["idle_fraction"] == round(sum(i for i, _ in us) / sum(c for _, c in us), 4)
+    assert second["idle_fraction"] != first["idle_fraction"]
+
+
+def random_tree(rng: random.Random, prompts: int) -> tuple[SlotAllocator, RadixCache]:
+    alloc = SlotAllocator(prompts * 40 + 10)
+    cache = RadixCache(alloc)
+    for _ in range(prompts):
+        key = [rng.randrange(4) for _ in range(rng.randrange(1, 4))] + [rng.randrange(6) for _ in range(rng.randrange(30))]
+        slots = alloc.alloc(len(key))
+        if got := cache.insert(key, slots):
+            alloc.free(slots[:got])
+    return alloc, cache
+
+
+def walk(node) -> list:
+    """``node`` and everything under it, depth first."""
+    out, stack = [], [node]
+    while stack:
+        out.append(stack.pop())
+        stack.extend(out[-1].children.values())
+    return out
+
+
+def subtree_sizes(root) -> dict[int, int]:
+    """Each node's tokens with everything under it, by ``id``, counted the plain way."""
+    return {id(n): sum(len(m.key) for m in walk(n)) for n in walk(root)}
+
+
+def test_tree_summary_shows_the_largest_subtrees_with_their_sizes():
+    """Against a plain recursive count: every node shown has its true own and subtree tokens
+    and its parent shown before it, and no node left out has a larger subtree than one shown."""
+    rng = random.Random(0)
+    for prompts in (0, 1, 3, 20, 150, 400):
+        _, cache = random_tree(rng, prompts)
+        sizes = subtree_sizes(cache.shared_root)
+        total = sizes[id(cache.shared_root)]
+        every = [n for n in walk(cache.shared_root) if n is not cache.shared_root]
+        for limit in (200, 12, 2, 1):
+            s = tree_summary(cache, limit=limit)
+            nodes = s["nodes"]
+            assert len(nodes) == min(limit, len(every) + 1) and s["complete"] and nodes[0][3] == total
+            assert s["hidden"] == total - sum(n[2] for n in nodes)
+            subtree = sorted((sizes[id(n)] for n in every), reverse=True)
+            assert sorted((n[3] for n in nodes[1:]), reverse=True) == subtree[: len(nodes) - 1]
+            assert [n[0] for n in nodes] == list(range(len(nodes)))
+            assert all(n[1] < n[0] and nodes[n[1]][3] >= nodes[n[1]][2] + n[3] for n in nodes[1:])  # parents first
+
+
+def test_radix_cache_version_moves_with_what_the_summary_shows():
+    """Every change the tree summary shows moves the cache's version; reading does not."""
+    alloc = SlotAllocator(200)
+    cache = RadixCache(alloc)
+    seen = [cache.version]
+
+    def moved() -> bool:
+        seen.append(cache.version)
+        return seen[-1] != seen[-2]
+
+    cache.insert([1, 2, 3, 4], alloc.alloc(4))
+    assert moved()
+    assert cache.peek_prefix_len([1, 2, 3, 4]) == 4 and cache.continuation([1, 2]) == [3, 4]
+    cache.match_prefix([1, 2, 3, 4])  # no split
+    assert not moved()
+    m = cache.match_prefix([1, 2, 9])  # splits [1, 2, 3, 4] after 2
+    assert moved()
+    cache.lock(m.node)
+    assert moved()
+    cache.count_hit(m.node)
+    assert moved() and m.node.hits == 1
+    cache.unlock(m.node)
+    assert moved()
+    cache.mark_backed([m.node])
+    assert moved() and m.node.backed
+    assert cache.evict(10) == 4
+    assert moved()
+
+
+def test_feed_reuses_the_tree_summary_while_the_cache_is_unchanged(monkeypatch):
+    monkeypatch.setattr(dashboard, "INTERVAL_S", 0.0)  # every call builds a snapshot
+    alloc, cache = random_tree(random.Random(1), 30)
+    sched = types.SimpleNamespace(waiting=[], running=[], accounting=lambda: {"total": 1})
+    engine = types.SimpleNamespace(replicas=[types.SimpleNamespace(index=0, cache=cache, scheduler=sched)],
+                                   stats=dict, grammars=None)
+    feed = Feed()
+
+    def tree() -> dict:
+        return json.loads(feed.snapshot(engine))["replicas"][0]["tree"]
+
+    first = tree()
+    assert first == tree_summary(cache) and tree() == first and feed.tree_builds == 1 and feed.builds == 2
+    node = cache.match_prefix([0]).node  # (a root child: every key starts with 0-3)
+    cache.lock(node)
+    locked = tree()
+    assert feed.tree_builds == 2 and locked == tree_summary(cache) != first
+    assert any(n[5] for n in locked["nodes"]) and not any(n[5] for n in first["nodes"])
+    cache.unlock(node)
+    cache.insert([7, 7, 7], alloc.alloc(3))
+    assert tree() == tree_summary(cache) and tree()["nodes"][0][3] == first["nodes"][0][3] + 3
+    assert feed.tree_builds == 3
+
+
+def test_viewers_share_one_snapshot_a_tick(monkeypatch):
+    """Two viewers, the second joining mid-interval: after its first snapshot it is on the
+    first one's schedule, and each tick's snapshot is built once for both (the same bytes)."""
+    monkeypatch.setattr(dashboard, "INTERVAL_S", 0.1)
+    engine = types.SimpleNamespace(replicas=[], stats=dict, grammars=None)
+    feed = Feed()
+    got: dict[str, list[bytes]] = {"a": [], "b": []}
+
+    async def read(name: str, delay: float, until: float) -> None:
+        await asyncio.sleep(delay)
+        async for ev in feed.stream(engine, lambda: time.monotonic() > until):
+            got[name].append(ev)
+
+    async def main() -> None:
+        until = time.monotonic() + 1.5
+        await asyncio.gather(read("a", 0.0, until), read("b", 0.06, until))
+
+    asyncio.run(main())
+    a, b = ([json.loads(ev[6:])["time"] for ev in got[k]] for k in "ab")
+    assert len(a) >= 10 and len(b) >= 10
+    assert set(b[1:]) <= set(a)  # b's later snapshots are a's
+    assert feed.builds == len(set(a) | set(b)) <= len(a) + 1  # one build a tick (b's first its own)
+    assert feed.viewers == 0 and json.loads(got["a"][-1][6:])["viewers"] == 2
+
+
+def test_a_feed_ends_when_its_viewer_goes(daemon):
+    """No polling for the disconnect: the stream of a viewer that left is cancelled, and the
+    snapshots others read count it out."""
+    url, headers = daemon.url + "/dashboard/events", {"Authorization": f"Bearer {KEY}"}
+    stop, seen = threading.Event(), []
+
+    def follow() -> None:  # each snapshot into ``seen`` as it comes
+        with httpx.stream("GET", url, headers=headers, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    seen.append(json.loads(line[6:]))
+                    if stop.is_set():
+                        return
+
+    reader = threading.Thread(target=follow)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not (seen and seen[-1]["viewers"] == 1):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert read_events(url, 3, headers)[-1]["viewers"] == 2  # a second viewer, gone after three
+        n = len(seen)
+        while len(seen) < n + 4:
+            assert time.monotonic() < deadline + 10
+            time.sleep(0.05)
+        assert any(s["viewers"] == 2 for s in seen) and seen[-1]["viewers"] == 1
+    finally:
+        stop.set()
+        reader.join(30)
 
 
 def test_check_config_refuses_a_non_boolean(tmp_path):

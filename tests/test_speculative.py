@@ -307,8 +307,8 @@ def test_sglang_launch_flags():
                  "--speculative-ngram-min-match-window-size", "2", "--speculative-ngram-max-match-window-size", "5") == {
         "speculative.algorithm": "ngram", "speculative.num_draft_tokens": 6,
         "speculative.ngram_min_match_window": 2, "speculative.ngram_max_match_window": 5}
-    with pytest.raises(ConfigError, match="--speculative-algorithm.*EAGLE3"):
-        flags("--speculative-algorithm", "EAGLE3")
+    with pytest.raises(ConfigError, match="--speculative-algorithm.*NEXTN"):  # (EAGLE3: test_eagle3.py)
+        flags("--speculative-algorithm", "NEXTN")
     with pytest.raises(ConfigError, match="--speculative-num-draft-tokens"):
         flags("--speculative-num-draft-tokens", "0")
 
@@ -396,6 +396,9 @@ def test_benchmark_runs_quick(tmp_path):
     assert q["batch"]["steps_aside"]["verifies"] == 0 < q["batch"]["forced"]["verifies"]
     assert q["ngram"]["ngram"]["accepted_of_drafted"] > 0
     assert q["standalone"]["same_outputs"] == 2 and q["standalone"]["accepted_of_drafted"] > 0.9
+    assert all(q["tree"][f"w{w}"]["tree_verifies"] > 0 and q["tree"][f"w{w}"]["step_ms"] > 0 for w in (2, 4))
+    e3 = q["eagle3"]  # (a random head: its own drafts miss; forced, the verifier takes them)
+    assert e3["unforced"]["verifies"] > 0 and e3["rates"]["0.7"]["tokens_per_verify"] > 1.5
     cpu = doc["cpu_ngram"]
     assert cpu["copy"]["same_outputs"] == len(spec.COPY_PROMPTS) and cpu["copy"]["tokens_per_verify"] > 1
 

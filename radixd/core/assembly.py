@@ -80,8 +80,11 @@ class ModelSetup:
                    kv_format=kv_format(config.kv_cache_dtype, dtype, cfg.num_layers, scales))
 
 
-def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.device]) -> Worker:
-    """One replica's worker: the model on ``devices[0]``, or split over all of them."""
+def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.device],
+                aux_layers: tuple[int, ...] = ()) -> Worker:
+    """One replica's worker: the model on ``devices[0]``, or split over all of them.
+    ``aux_layers``: the layers whose residual stream its steps hand back (an EAGLE-3
+    drafter's; one device only)."""
     kw = dict(model_path=setup.path, model_cfg=setup.cfg, dtype=setup.dtype, load_format=config.load_format,
               attention_backend=setup.attention_backend, kv_slots=lambda free: kv_slots(config, setup, free),
               max_rows=config.max_running_requests, max_context_len=setup.context_len,
@@ -89,13 +92,17 @@ def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.dev
               cascade_attention=config.cascade_attention,
               kernels=KernelChoice(fuse_one_row=config.fuse_one_row, rows_kernel=config.rows_kernel),
               head=setup.pooling is None, kv_format=setup.kv_format,
-              window_slots=window_region(config, setup))
+              window_slots=window_region(config, setup),
+              tree_graphs=bool(config.speculative_algorithm) and config.speculative_eagle_topk > 1)
     if len(devices) > 1:
         from radixd.core.tensor_parallel import TPWorker
 
+        if aux_layers:  # (a shard's stream is a partial sum until the next layer's all-reduce)
+            raise ConfigError("tp_size", config.tp_size, f"1 with speculative_algorithm "
+                              f"{config.speculative_algorithm!r} (its drafter reads the model's hidden states)")
         return TPWorker(devices=devices, peer_all_reduce=config.peer_all_reduce, **kw)
     with on_device(devices[0]):
-        return ModelWorker(device=devices[0], **kw)
+        return ModelWorker(device=devices[0], aux_layers=aux_layers, **kw)
 
 
 def kv_slots(config: EngineConfig, setup: ModelSetup, free_bytes: int | None) -> int:

@@ -288,14 +288,15 @@ class EngineConfig:
     plugins_block: tuple[str, ...] = option((), key="plugins.block")
 
     # Speculative decoding (radixd.core.speculative).
-    # a drafter from the radixd_drafters hook (built in: "ngram", prompt lookup); "": off
+    # a drafter from the radixd_drafters hook (built in: "ngram", prompt lookup; "standalone", a
+    # draft model; "eagle3", an EAGLE-3 draft head); "": off
     speculative_algorithm: str = option("", key="speculative.algorithm",
                                         allowed='"" (off) or the name of a loaded drafter')
     # the most tokens a request drafts in a step
     speculative_num_draft_tokens: int = option(4, key="speculative.num_draft_tokens", min=1, max=16)
     # token trees: a drafter may propose up to this many continuations of a node, verified
     # together in one forward (1: one chain; "ngram": distinct continuations, "standalone":
-    # the first step's likeliest tokens)
+    # the first step's likeliest tokens, "eagle3": beams at every depth, as EAGLE grows them)
     speculative_eagle_topk: int = option(1, key="speculative.eagle_topk", min=1, max=8)
     # each request's draft length follows its acceptance (else always num_draft_tokens)
     speculative_adaptive: bool = option(True, key="speculative.adaptive")
@@ -305,7 +306,8 @@ class EngineConfig:
     speculative_ngram_max_match_window: int = option(4, key="speculative.ngram_max_match_window", min=1)
     speculative_ngram_min_match_window: int = option(1, key="speculative.ngram_min_match_window", min=1)
     # "standalone": the draft checkpoint (directory, .gguf or "default"; sharing the tokenizer)
-    # and the slots of its KV region
+    # and the slots of its KV region; "eagle3": the head's directory (SGLang's layout) and the
+    # slots of its one-layer KV region (every running request's tokens since admission)
     speculative_draft_model_path: str = option("", key="speculative.draft_model_path")
     speculative_draft_kv_tokens: int = option(65536, key="speculative.draft_kv_tokens", min=16)
 

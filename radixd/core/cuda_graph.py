@@ -1,14 +1,25 @@
 """CUDA graphs of the decode forward pass, one per batch-size bucket.
 
-Each graph reads static device buffers: one int64 block per bucket, [5, bucket] (token ids,
-positions, output slots, table rows, sequence lengths), with cascade attention followed by
-the shared-prefix items' rows (each request's shared length and its item's split count, the
-items' table rows and lengths, their members). A replay fills the block on the host in
+Each graph reads static device buffers: one int64 block per bucket, [7, bucket] (token ids,
+positions, output slots, table rows, sequence lengths, and the token-tree mask's base and
+bits), with cascade attention followed by the shared-prefix items' rows (each request's
+shared length and its item's split count, the items' table rows and lengths, their
+members). A replay fills the block on the host in
 page-locked memory, padding the bucket with dummy requests (row 0, length 1, writing into
 the pool's padding slot 0), copies it with one transfer, writes the new slots into the
 table and the previous step's picks into the token ids from the block on the device, and
 returns the real rows' logits. With cascade attention each bucket (of two or more) has a second graph, replayed
 for batches with shared-prefix items (``ForwardBatch.shared``).
+
+With ``trees`` (speculative decoding drafts token trees) the plain graphs attend through the
+tree mask rows (``decode_attention``'s ``tree``), so that a verify step with token trees
+replays them too: its rows are decode rows at their table positions (``LEN`` = table
+position + 1, ``POS`` the RoPE position), each tree's rows seeing its root's prefix and, past
+the root, only the nodes whose bits are set; a row outside any tree has base = its length.
+
+With ``aux_layers`` (an EAGLE-3 drafter reads the target's streams) each graph also captures
+them, and a replay returns ``(logits, aux)``, ``aux`` copied out of the graph's buffer (the
+drafter reads it after the next step may have replayed the same graph).
 """
 
 from __future__ import annotations
@@ -20,8 +31,9 @@ import torch
 from radixd.core.attention import GraphAttention
 from radixd.core.forward_batch import ForwardBatch
 
-IDS, POS, LOC, ROW, LEN = range(5)  # the rows of a bucket's input block
-SHARE, PARTS, IROW, ILEN, MEM = range(5, 10)  # cascade's rows (MEM: the first of M member rows)
+IDS, POS, LOC, ROW, LEN, TBASE, TBITS = range(7)  # the rows of a bucket's input block
+SHARE, PARTS, IROW, ILEN, MEM = range(7, 12)  # cascade's rows (MEM: the first of M member rows)
+MAX_TREE_ROWS = 63  # a tree's rows (its root and nodes) in one int64 of mask bits
 
 
 def buckets_up_to(max_batch: int) -> list[int]:
@@ -32,22 +44,27 @@ def buckets_up_to(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, attn: GraphAttention, pool, *, max_batch: int, capture_error_mode: str = "global",
-                 deferred: bool = False):
+                 deferred: bool = False, trees: bool = False, aux_layers: tuple[int, ...] = ()):
         """``deferred``: only the buffers; the caller runs ``warm_up`` and ``capture`` (tensor-
         parallel shards warm up together, then capture, so no shard's capture, which
-        synchronizes and frees cached memory, overlaps another's collective kernels)."""
+        synchronizes and frees cached memory, overlaps another's collective kernels).
+        ``trees``: the plain graphs also replay verify steps with token trees."""
         self.capture_error_mode = capture_error_mode
+        self.trees = trees
         self.model = model
+        self.aux = {"aux_layers": aux_layers} if aux_layers else {}  # the model's keyword
         self.attn = attn
         self.pool = pool
         self.buckets = buckets_up_to(max_batch)
         dev = pool.device
         self.members = attn.cascade_members
-        # Per bucket: the rows IDS, POS, LOC, ROW, LEN (and SHARE, PARTS, IROW, ILEN, M x MEM).
-        height = MEM + self.members if self.members else 5
+        # Per bucket: the rows IDS, POS, LOC, ROW, LEN, TBASE, TBITS (and SHARE, PARTS, IROW,
+        # ILEN, M x MEM).
+        height = MEM + self.members if self.members else SHARE
         self.inputs = {bs: torch.zeros(height, bs, dtype=torch.int64, device=dev) for bs in self.buckets}
         for block in self.inputs.values():
             block[LEN].fill_(1)
+            block[TBASE].fill_(1)
             block[MEM:].fill_(-1)
         self.logits_idx = torch.arange(self.buckets[-1], dtype=torch.int64, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -67,7 +84,8 @@ class DecodeGraphs:
     def _bucket_args(self, bs: int, cascade: bool = False) -> tuple:
         block = self.inputs[bs]
         shared = (block[SHARE], block[PARTS], block[IROW], block[ILEN], block[MEM:]) if cascade else None
-        self.attn.set_decode(block[ROW], block[LEN], block[LOC], shared)
+        tree = (block[TBASE], block[TBITS]) if self.trees and not cascade else None
+        self.attn.set_decode(block[ROW], block[LEN], block[LOC], shared, tree)
         return (block[IDS], block[POS], self.attn, self.logits_idx[:bs])
 
     @torch.inference_mode()
@@ -81,7 +99,7 @@ class DecodeGraphs:
             for bs, cascade in self._variants():
                 args = self._bucket_args(bs, cascade)
                 for _ in range(2):
-                    self.model(*args)
+                    self.model(*args, **self.aux)
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
 
@@ -96,7 +114,7 @@ class DecodeGraphs:
                 args = self._bucket_args(bs, cascade)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=mempool, stream=stream, capture_error_mode=self.capture_error_mode):
-                    out = self.model(*args)
+                    out = self.model(*args, **self.aux)
                 (self.cascade_graphs if cascade else self.graphs)[bs] = (graph, out)
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
@@ -104,7 +122,7 @@ class DecodeGraphs:
     def can_run(self, batch: ForwardBatch) -> bool:
         return (batch.batch_size <= self.buckets[-1] and all(e == 1 for e in batch.extend_lens)
                 and not batch.prompt_lp_pos and not batch.pool_rows
-                and batch.trees is None)
+                and (batch.trees is None or self.trees and max(batch.trees.sizes) <= MAX_TREE_ROWS))
 
     def run(self, batch: ForwardBatch, prev, stager) -> torch.Tensor:
         """Replay the bucket's graph for a decode batch (``can_run``) whose new slots go into
@@ -113,7 +131,7 @@ class DecodeGraphs:
         b = batch.batch_size
         bs = self.buckets[bisect.bisect_left(self.buckets, b)]
         shared = batch.shared if bs in self.cascade_graphs else None
-        height = self.inputs[bs].shape[0] if shared is not None else 5
+        height = self.inputs[bs].shape[0] if shared is not None else SHARE
         block = self.inputs[bs][:height]
         staged = stager.host((height, bs), torch.int64)
         if staged is None:
@@ -123,9 +141,14 @@ class DecodeGraphs:
         staged[LOC, :b] = batch.out_cache_loc
         staged[ROW, :b] = torch.tensor(batch.rows, dtype=torch.int64)
         staged[LEN, :b] = torch.tensor(batch.seq_lens, dtype=torch.int64)
+        staged[TBASE, :b] = staged[LEN, :b]
+        staged[TBITS, :b] = 0
+        if batch.trees is not None:
+            self._stage_trees(staged, batch)
         if bs > b:
             staged[:LEN, b:] = 0
-            staged[LEN, b:] = 1
+            staged[LEN:SHARE, b:] = 1
+            staged[TBITS, b:] = 0
         if shared is not None:
             self._stage_items(staged, shared)
         block.copy_(staged, non_blocking=True)
@@ -135,13 +158,32 @@ class DecodeGraphs:
         elif n_ph:
             pos, src = stager.to_device(torch.tensor([batch.placeholder_pos, batch.placeholder_src]))
             block[IDS][pos] = prev.tokens[src]
-        if batch.write_new_slots:
-            self.pool.req_to_token[block[ROW, :b], block[POS, :b]] = block[LOC, :b]
+        if batch.write_new_slots:  # (at each row's table position: a tree's differ from its RoPE positions)
+            cols = block[POS, :b] if batch.trees is None else block[LEN, :b] - 1
+            self.pool.req_to_token[block[ROW, :b], cols] = block[LOC, :b]
         graph, out = (self.cascade_graphs if shared is not None else self.graphs)[bs]
         graph.replay()
+        if self.aux:
+            out, aux = out
+            return self._rows(out, batch, stager), aux[:b].clone()
+        return self._rows(out, batch, stager)
+
+    @staticmethod
+    def _rows(logits: torch.Tensor, batch: ForwardBatch, stager) -> torch.Tensor:
+        """The sampled requests' rows of a replay's logits."""
+        b = batch.batch_size
         if len(batch.sample_indices) == b:
-            return out[:b]
-        return out[:b].index_select(0, stager.to_device(batch.sample_indices))
+            return logits[:b]
+        return logits[:b].index_select(0, stager.to_device(batch.sample_indices))
+
+    @staticmethod
+    def _stage_trees(staged: torch.Tensor, batch: ForwardBatch) -> None:
+        """Each tree's rows: base = the root's table position, bits = its mask's row."""
+        trees = batch.trees
+        for first, n, mask in zip(trees.first, trees.sizes, trees.masks, strict=True):
+            staged[TBASE, first : first + n] = batch.prefix_lens[first]
+            bits = (mask.to(torch.int64) << torch.arange(n, dtype=torch.int64)).sum(1)
+            staged[TBITS, first : first + n] = bits
 
     def _stage_items(self, staged: torch.Tensor, shared) -> None:
         """The shared-prefix items' rows of the host block (unused item slots: length 0)."""

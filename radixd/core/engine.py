@@ -33,7 +33,7 @@ from radixd.core.replica import Replica, StepStats
 from radixd.core.router import Router
 from radixd.core.sampling_params import SamplingParams
 from radixd.core.scheduler import ScheduledStep, Scheduler
-from radixd.core.speculative.drafter import Drafter
+from radixd.core.speculative.drafter import Drafter, reads_target
 from radixd.core.tiers import CacheTier
 from radixd.core.tiers.hierarchy import KVHierarchy
 from radixd.core.worker import Worker
@@ -83,8 +83,11 @@ class Engine:
         # reads a step's picks while the worker thread waits for its grammar masks
         self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixd-reader")
         self.replicas: list[Replica] = []
+        # (a drafter that reads the model's hidden states: which layers', before any weights load)
+        aux = drafter.target_layers(config, self.model_cfg) if reads_target(drafter) else ()
         for d in range(config.dp_size):
-            worker = make_worker(config, setup, replica_devices(setup.device, d, config.dp_size, config.tp_size))
+            worker = make_worker(config, setup, replica_devices(setup.device, d, config.dp_size, config.tp_size),
+                                 aux_layers=aux)
             self.replicas.append(Replica(d, worker, config, policy(config), outputs=self.outputs, reader=self._reader,
                                          on_step=self._stepped, eos_token_ids=self.eos_token_ids,
                                          context_len=self.context_len, tiers=self._hierarchy(worker),

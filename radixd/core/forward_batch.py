@@ -147,3 +147,6 @@ class StepOutput:
     prompt_ranks: list[int] | None = None       # likewise
     prompt_top: list[list[tuple[int, float]]] | None = None  # likewise, ``prompt_lp_top`` each
     pooled: torch.Tensor | None = None  # [pool_rows, hidden] float32 sums, on the host
+    # [tokens, streams * hidden], on the device: the residual streams after the layers an
+    # EAGLE-3 drafter reads, at every token of the batch in flat order (``ModelWorker.aux_layers``)
+    aux: torch.Tensor | None = None

@@ -353,9 +353,11 @@ class KVManager:
         self.cache.lock(loaded.node)
         self.cache.unlock(match.node)
         node = loaded.node
+        came = []  # the nodes whose pages came from the tiers
         while node is not match.node and not node.is_root:
-            node.backed = True  # its pages came from the tiers
+            came.append(node)
             node = node.parent
+        self.cache.mark_backed(came)
         self.stats.tier_loaded_tokens += n
         return loaded
 
@@ -384,8 +386,7 @@ class KVManager:
         tokens = [t for n in path for t in n.key]
         slots = torch.cat([n.value for n in path])
         self.tiers.store(tokens, slots, start, len(tokens))
-        for n in path[i:]:
-            n.backed = True
+        self.cache.mark_backed(path[i:])
 
     # ------------------------------------------------------------------ accounting
 

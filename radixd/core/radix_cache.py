@@ -19,6 +19,9 @@ Contract
   nodes stored, split and removed and of flushes; it keeps each node's ``blocks`` (the hashes
   of the whole blocks ending in it) and must not change the tree. ``depth`` is a node's
   first token's position in its sequence.
+* ``version`` changes whenever what an inspection shows changes: a node added, split or
+  removed, a lock taken or dropped, a hit counted, pages marked ``backed`` (``mark_backed``).
+  Readers (the dashboard's tree summary) reuse what they built while it stays the same.
 * ``namespace`` keeps separate trees: namespace 0 is the shared cache; with the cache disabled
   each request group gets a private namespace (so the ``n`` samples of one request share their
   prompt) and nodes are freed as soon as their last lock goes.
@@ -84,6 +87,7 @@ class RadixCache:
         self._leaves: set[TreeNode] = set()  # non-root nodes without children
         self.on_evict = None  # callable(leaf) before a leaf's slots are freed (tier write-back)
         self.listener = None  # kv_events.Recorder: stored / split / removed / cleared
+        self.version = 0  # bumped by every change an inspection shows (see the contract)
         # Counters: prompt tokens looked up vs served from the cache.
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -201,6 +205,7 @@ class RadixCache:
                 self._leaves.discard(node)
                 self._leaves.add(new)
                 self.evictable_size += len(new.key)
+                self.version += 1
                 if self.listener is not None and namespace == 0:
                     self.listener.stored(new)
                 return n
@@ -227,6 +232,7 @@ class RadixCache:
         child.key = child.key[m:]
         child.value = child.value[m:]
         child.depth += m
+        self.version += 1
         if self.listener is not None and child.blocks:
             self.listener.split(upper, child)
         return upper
@@ -234,6 +240,7 @@ class RadixCache:
     # ------------------------------------------------------------------ locks
 
     def lock(self, node: TreeNode) -> None:
+        self.version += 1
         while not node.is_root:
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.key)
@@ -242,6 +249,7 @@ class RadixCache:
             node = node.parent  # type: ignore[assignment]
 
     def unlock(self, node: TreeNode) -> None:
+        self.version += 1
         leaf = node
         while not node.is_root:
             if node.lock_ref <= 0:
@@ -306,6 +314,7 @@ class RadixCache:
             self._leaves.add(parent)
         self.allocator.free(leaf.value)
         self.evictable_size -= len(leaf.key)
+        self.version += 1
 
     def reset(self) -> bool:
         """Drop every unlocked node (``/flush_cache``). Returns False if something is locked."""
@@ -333,11 +342,17 @@ class RadixCache:
         out.reverse()
         return out
 
-    @staticmethod
-    def count_hit(node: TreeNode) -> None:
+    def count_hit(self, node: TreeNode) -> None:
+        self.version += 1
         while not node.is_root:
             node.hits += 1
             node = node.parent  # type: ignore[assignment]
+
+    def mark_backed(self, nodes) -> None:
+        """The pages ending in each of ``nodes`` are held by the lower tiers too."""
+        self.version += 1
+        for node in nodes:
+            node.backed = True
 
     # ------------------------------------------------------------------ inspection
 

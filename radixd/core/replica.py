@@ -36,7 +36,7 @@ from radixd.core.outputs import Outputs
 from radixd.core.policy import SchedulePolicy
 from radixd.core.sampler import SampledTokens
 from radixd.core.scheduler import NEED_SYNC, ScheduledStep, Scheduler
-from radixd.core.speculative.drafter import Drafter
+from radixd.core.speculative.drafter import Drafter, ReadsTarget
 from radixd.core.swa_cache import slots_and_cache
 from radixd.core.tiers.hierarchy import KVHierarchy
 from radixd.core.worker import Worker, bind_device
@@ -95,10 +95,13 @@ class Replica:
             self.cache.listener = Recorder(config.kv_events_block_size, self.kv_events)
         self.policy = policy
         self.tiers = tiers  # KVHierarchy over this replica's pool, or None
+        made = drafter(config, self.cache) if drafter is not None else None
+        if isinstance(made, ReadsTarget):
+            made.attach(worker)
         self.scheduler = Scheduler(config, allocator=self.allocator, rows=self.rows, cache=self.cache,
                                    policy=policy, eos_token_ids=eos_token_ids, context_len=context_len,
                                    tiers=tiers, vocab_size=vocab_size, cascade_members=worker.cascade_members,
-                                   drafter=drafter(config, self.cache) if drafter is not None else None)
+                                   drafter=made)
         self.outputs = outputs
         self.overlap = config.overlap_schedule
         device = worker.device

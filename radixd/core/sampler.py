@@ -61,6 +61,7 @@ class SampledTokens:
     prompt_top_ids: torch.Tensor | None = None
     prompt_top_vals: torch.Tensor | None = None
     pooled: torch.Tensor | None = None  # embedding requests' pooled rows (ForwardBatch.pool_rows)
+    aux: torch.Tensor | None = None  # the target's streams an EAGLE-3 drafter reads (stays on the device)
     # Tensor parallel: every shard's own copy of ``tokens`` (on its device) when each shard
     # sampled the same picks itself; None when only the first shard sampled.
     shard_tokens: list[torch.Tensor] | None = None
@@ -88,7 +89,7 @@ class SampledTokens:
             self._done.synchronize()
             parts = self._host
         tokens, logprobs, top_ids, top_vals, prompt_lp, prompt_rank, prompt_top_ids, prompt_top_vals, pooled = parts
-        out = StepOutput(next_tokens=tokens.tolist(), pooled=pooled)
+        out = StepOutput(next_tokens=tokens.tolist(), pooled=pooled, aux=self.aux)
         if prompt_lp is not None:
             out.prompt_logprobs, out.prompt_ranks = prompt_lp.tolist(), prompt_rank.tolist()
             if prompt_top_ids is not None:

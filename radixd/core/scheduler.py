@@ -277,6 +277,8 @@ class Scheduler(SchedulerInterface):
             if r.matcher is not None:
                 constraints.feed(r, tok)
             accepted.append(i)
+        if out.aux is not None:  # (a drafter that reads the model's hidden states)
+            self.speculator.features(step, out.aux)
         return accepted
 
     def rollback(self, step: ScheduledStep) -> None:
@@ -293,6 +295,8 @@ class Scheduler(SchedulerInterface):
         for r in done:
             self.kv_manager.release(r)
             r.state = State.FINISHED
+        if self.speculator is not None:
+            self.speculator.release(done)
         gone = set(done)
         self.running[:] = [r for r in self.running if r not in gone]  # one pass, not a remove each
         return done
@@ -301,6 +305,8 @@ class Scheduler(SchedulerInterface):
 
     def _preempt(self, r: Request) -> None:
         self.kv_manager.release(r)
+        if self.speculator is not None:
+            self.speculator.release([r])
         self.running.remove(r)
         r.preemptions += 1
         self.stats.preemptions += 1
@@ -319,6 +325,8 @@ class Scheduler(SchedulerInterface):
             if r.group is not None and not r.is_follower:
                 r.group.leader_gone = True
             self.kv_manager.release(r)
+            if self.speculator is not None:
+                self.speculator.release([r])
             self.running.remove(r)
             self._drop(r)
 

@@ -216,7 +216,8 @@ class TPWorker:
     def __init__(self, *, devices: list[torch.device], model_path, model_cfg: ModelConfig, dtype: torch.dtype,
                  attention_backend: str, load_format: str, kv_slots, max_rows: int, max_context_len: int,
                  cuda_graphs: bool = False, cascade_attention: bool = False, peer_all_reduce: bool = True,
-                 kernels: KernelChoice = ALL_KERNELS, head: bool = True, kv_format=None, window_slots=None):
+                 kernels: KernelChoice = ALL_KERNELS, head: bool = True, kv_format=None, window_slots=None,
+                 tree_graphs: bool = False):
         tp = len(devices)
         self.devices = devices
         self.device = devices[0]
@@ -250,7 +251,8 @@ class TPWorker:
                                                kv_slots=lambda _free: num_slots, max_rows=max_rows,
                                                max_context_len=max_context_len, cuda_graphs=cuda_graphs,
                                                cascade_attention=cascade_attention, kernels=kernels,
-                                               kv_format=kv_format, window_slots=window_slots))
+                                               kv_format=kv_format, window_slots=window_slots,
+                                               tree_graphs=tree_graphs))
         self.pool = self.shards[0].pool
         self.cascade_members = self.shards[0].cascade_members
         self.model = self.shards[0].model

@@ -79,6 +79,8 @@ class ModelWorker:
         head: bool = True,
         kv_format: KVFormat | None = None,
         window_slots: Callable[[int], int] | None = None,
+        tree_graphs: bool = False,
+        aux_layers: tuple[int, ...] = (),
     ):
         """``model``: already built on ``device`` (a tensor-parallel shard; ``model_cfg`` is
         then the shard's shape); otherwise loaded from ``model_path``. ``kernels``: the
@@ -86,8 +88,13 @@ class ModelWorker:
         which never samples): the checkpoint may lack the LM head. ``kv_format``: what the
         pool stores K/V in (None: ``dtype``). ``window_slots`` (a model with sliding windows):
         the window layers' KV in a region of its own, of ``window_slots(pool slots)`` slots
-        (``swa_pool``); None: no region."""
+        (``swa_pool``); None: no region. ``tree_graphs``: the decode graphs also replay verify
+        steps with token trees (speculative decoding that drafts them). ``aux_layers``: the
+        target layers an EAGLE-3 drafter reads (``speculative.drafter.ReadsTarget``): every step
+        but embedding ones also hands back the residual stream after them at each of its tokens
+        (``StepOutput.aux``); (): none."""
         self.device = device
+        self.aux_layers = aux_layers
         self.model_cfg = model_cfg
         prebuilt = model is not None
         if model is None:
@@ -127,6 +134,7 @@ class ModelWorker:
         self.cascade_members = self.attn.cascade_members
         self.stager = Stager(device)
         self.graphs = None
+        self.tree_graphs = tree_graphs
         self.max_rows = max_rows
         self.graphs_wanted = cuda_graphs and device.type == "cuda" and attention_backend == "triton"
         if self.graphs_wanted and not prebuilt:  # shards capture together, see TPWorker
@@ -139,13 +147,16 @@ class ModelWorker:
         from radixd.core.cuda_graph import DecodeGraphs
 
         self.graphs = DecodeGraphs(self.model, self.attn, self.pool, max_batch=self.max_rows,
-                                   capture_error_mode=capture_error_mode, deferred=deferred)
+                                   capture_error_mode=capture_error_mode, deferred=deferred, trees=self.tree_graphs,
+                                   aux_layers=self.aux_layers)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> torch.Tensor:
         """Run the batch; return float32 logits of the sampled requests' last tokens (on a
         CUDA graph's output buffer: valid until the next forward, clone to keep); with pooled
-        positions (``batch.pool_pos``) the model's ``(logits or None, hidden states)``.
+        positions (``batch.pool_pos``) the model's ``(logits or None, hidden states)``; else,
+        with ``aux_layers``, ``(logits, aux)`` (``aux``: [tokens, streams * hidden], a graph's
+        copied out of its buffer).
 
         Tokens the scheduler did not know yet (``batch.placeholder_pos``: picks of the step
         before, still on the device) are filled in from ``prev`` here, on the device."""
@@ -167,8 +178,13 @@ class ModelWorker:
         # Pages loaded from lower tiers, still arriving on a side stream: each layer waits for its part.
         attn = LayerWait(self.attn, batch.wait_events) if batch.wait_events else self.attn
         attn.begin(batch, stage)
-        pooled = (stage(batch.pool_pos),) if batch.pool_pos else ()
-        return self.model(input_ids, stage(batch.positions), attn, stage(batch.logits_indices()), *pooled)
+        if batch.pool_pos:
+            return self.model(input_ids, stage(batch.positions), attn, stage(batch.logits_indices()),
+                              stage(batch.pool_pos))
+        if self.aux_layers:
+            return self.model(input_ids, stage(batch.positions), attn, stage(batch.logits_indices()),
+                              aux_layers=self.aux_layers)
+        return self.model(input_ids, stage(batch.positions), attn, stage(batch.logits_indices()))
 
     def _write_table(self, batch: ForwardBatch, stage, *, new_slots: bool) -> None:
         """The batch's ``table_writes`` (and, with ``new_slots``, each new token's slot at
@@ -200,7 +216,13 @@ class ModelWorker:
         ``to_host``: also queue the picks' copy to the host (a tensor-parallel shard other
         than the first keeps its own copy of the picks on its device only)."""
         out = self.forward(batch, prev)
-        logits, hidden = out if batch.pool_pos else (out, None)
+        aux = None
+        if batch.pool_pos:
+            logits, hidden = out
+        elif self.aux_layers:
+            (logits, aux), hidden = out, None
+        else:
+            logits, hidden = out, None
         pooled = self._pool(batch, hidden) if batch.pool_rows else None
         s = len(batch.sample_indices)
         prompt_lp = prompt_rank = top = None
@@ -215,10 +237,11 @@ class ModelWorker:
         if s:
             assert batch.sampling is not None
             picks = sample_on_device(logits, _to_device(batch.sampling, self.stager.to_device))
-        elif prompt_lp is not None or pooled is not None:
+        elif prompt_lp is not None or pooled is not None or aux is not None:
             picks = SampledTokens(tokens=torch.empty(0, dtype=torch.int64, device=self.device))
         else:
             return None
+        picks.aux = aux
         picks.prompt_logprobs, picks.prompt_ranks = prompt_lp, prompt_rank
         if top is not None:
             picks.prompt_top_vals, picks.prompt_top_ids = top.values, top.indices

@@ -1,5 +1,7 @@
 """The built-in drafters, registered through ``radixd_drafters`` like any plugin: ``ngram``
-(prompt lookup, here) and ``standalone`` (a draft model: ``radixd.core.speculative.draft_model``).
+(prompt lookup, here), ``standalone`` (a draft model: ``radixd.core.speculative.draft_model``)
+and ``eagle3`` (an EAGLE-3 draft head on the model's hidden states:
+``radixd.core.speculative.eagle3``).
 
 A request's continuation often repeats its own text: code being edited, a passage quoted or
 summarised with quotes, a list being filled. ``ngram`` finds the most recent earlier
@@ -23,6 +25,7 @@ from radixd.core.config import EngineConfig
 from radixd.core.radix_cache import RadixCache
 from radixd.core.request import Request
 from radixd.core.speculative.draft_model import DraftModel
+from radixd.core.speculative.eagle3 import Eagle3Drafter
 from radixd.core.speculative.tree import from_continuations
 from radixd.plugins import hookimpl
 
@@ -83,4 +86,4 @@ def continuations(seq: np.ndarray, k: int, min_n: int, max_n: int, width: int) -
 
 @hookimpl
 def radixd_drafters():
-    return {"ngram": NgramDrafter, "standalone": DraftModel}
+    return {"ngram": NgramDrafter, "standalone": DraftModel, "eagle3": Eagle3Drafter}

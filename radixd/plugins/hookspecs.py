@@ -192,5 +192,7 @@ def radixd_drafters() -> dict[str, type]:
     ``propose(reqs, ks)`` returns, per request, at most ``ks[i]`` tokens guessed to follow
     ``reqs[i].seq``, called on the event loop once per step (the target model verifies every
     guess, so a drafter changes speed, never output). ``speculative.algorithm`` in radixd.toml
-    picks one by name; names must be unique across plugins.
+    picks one by name; names must be unique across plugins. A drafter class that also declares
+    :class:`radixd.core.speculative.drafter.ReadsTarget` is fed the model's hidden states
+    after each step (the built-in ``eagle3``).
     """

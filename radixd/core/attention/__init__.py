@@ -45,10 +45,12 @@ class AttentionBackend(Protocol):
 
 class GraphAttention(AttentionBackend, Protocol):
     def set_decode(self, rows: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
-                   shared: tuple[torch.Tensor, ...] | None = None) -> None:
+                   shared: tuple[torch.Tensor, ...] | None = None,
+                   tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Decode steps from now on read these device tensors ([B] each; ``shared``: the
         cascade items' (shares [B], prefix parts [B], item rows [N], item lengths [N],
-        members [M, N]), or None for plain decode)."""
+        members [M, N]), or None for plain decode; ``tree``: (base [B], bits [B]), the
+        token-tree mask of a verify step's rows (``decode_attention``'s), or None)."""
 
     def item_rows(self, shared) -> tuple[list[int], list[int], list[int], list[int]]:
         """The host values of ``shared``'s first four tensors for a ``SharedPrefixes``."""

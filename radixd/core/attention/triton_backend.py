@@ -59,6 +59,7 @@ class TritonAttention:
         self.processors = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         self.decode = False
         self.shared = None
+        self.tree: tuple[torch.Tensor, torch.Tensor] | None = None
         # Requests per shared-prefix item when decoding in cascade (ForwardBatch.shared);
         # 0: cascade off (the scheduler then plans no items).
         self.cascade_members = prefix_members(num_heads // pool.k_buffers[0].shape[1]) if cascade else 0
@@ -86,14 +87,17 @@ class TritonAttention:
         return min(PREFIX_SPLITS, decode_splits(items, self.pool.k_buffers[0].shape[1], self.processors))
 
     def set_decode(self, rows: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
-                   shared: tuple[torch.Tensor, ...] | None = None) -> None:
+                   shared: tuple[torch.Tensor, ...] | None = None,
+                   tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Decode steps read these device tensors; ``shared``: (shares [B], prefix parts [B],
         item rows [N], item lengths [N], members [M, N]) to decode in cascade
-        (``cascade_decode_attention``)."""
+        (``cascade_decode_attention``); ``tree``: (base [B], bits [B]), token trees' rows
+        among them (``decode_attention``'s mask; not with ``shared``)."""
         self.decode = True
         self.rows, self.seq_lens, self.out_cache_loc = rows, seq_lens, out_cache_loc
         self._window_loc = None
         self.shared = shared
+        self.tree = tree
         self.splits = decode_splits(rows.numel(), self.pool.k_buffers[0].shape[1], self.processors)
         parts = self.splits + (PREFIX_SPLITS if shared is not None else 0)
         mid_o, mid_lse = self._scratch(rows.numel())
@@ -220,4 +224,4 @@ class TritonAttention:
         return decode_attention(q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token,
                                 self.rows, self.seq_lens, self.scale, num_splits=self.splits, mid_o=self.mid_o,
                                 mid_lse=self.mid_lse, window=self.windows[layer], softcap=self.softcap,
-                                k_scale=k_scale, v_scale=v_scale, slot_map=self._map(layer))
+                                k_scale=k_scale, v_scale=v_scale, slot_map=self._map(layer), tree=self.tree)

@@ -38,19 +38,24 @@ def _tanh(x):
 def _attend_span(q, rows_ok, K, V, Table, SlotMap, row, kvh, start, end, scale, v_scale,
                  stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
-                 MAPPED: tl.constexpr):
+                 MAPPED: tl.constexpr, tree_base, tree_bits, TREE: tl.constexpr):
     """A tile of query rows (``rows_ok``: the real ones) of one KV head over the keys at
     positions ``[start, end)`` of table row ``row``, online softmax: (normalised output,
     log-sum-exp; -inf for a span with no key). ``SOFTCAP`` > 0: scores capped to
     ``SOFTCAP * tanh(score / SOFTCAP)``. ``scale`` includes the K scale; ``v_scale``
     multiplies the output (1.0 unless the pool is fp8). ``MAPPED``: K/V rows are
-    ``SlotMap[slot]`` (a window layer's region, ``swa_pool``)."""
+    ``SlotMap[slot]`` (a window layer's region, ``swa_pool``). ``TREE``: a key at position
+    ``p >= tree_base`` is seen only where bit ``p - tree_base`` of ``tree_bits`` is set (a
+    token tree's row: its ancestors and itself)."""
     m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     lsum = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
+        if TREE:
+            node = tl.maximum(offs_n - tree_base, 0)
+            mask_n = mask_n & ((offs_n < tree_base) | (((tree_bits >> node) & 1) != 0))
         slots = tl.load(Table + row * stride_tr + offs_n, mask=mask_n, other=0)
         if MAPPED:
             slots = tl.load(SlotMap + slots, mask=mask_n, other=0)
@@ -77,19 +82,22 @@ def _attend_span(q, rows_ok, K, V, Table, SlotMap, row, kvh, start, end, scale, 
 
 @triton.jit
 def _decode_stage1(
-    Q, K, V, Table, SlotMap, Rows, SeqLens, Starts, MidO, MidLse, Out, PrefixParts, scale, v_scale,
+    Q, K, V, Table, SlotMap, Rows, SeqLens, Starts, MidO, MidLse, Out, PrefixParts, TreeBase, TreeBits, scale, v_scale,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_tr,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
     HAS_START: tl.constexpr, WRITE_LSE: tl.constexpr, MERGE_PREFIX: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MAPPED: tl.constexpr, F16_DOT: tl.constexpr,
+    TREE: tl.constexpr = False,
 ):
     """``MERGE_PREFIX`` (cascade with one split): the shared level's ``PrefixParts[b]``
     partials, in split slots ``SPLITS ...`` of ``MidO``/``MidLse``, are already there; they
     are merged with this program's own span and the result goes to ``Out``. ``WINDOW`` > 0:
     only the newest ``WINDOW`` keys are read (not with a start). ``F16_DOT``: the query (and
-    so the K/V tiles and probabilities) in fp16 for the products (see ``decode_attention``)."""
+    so the K/V tiles and probabilities) in fp16 for the products (see ``decode_attention``).
+    ``TREE``: row b sees a key at position ``p >= TreeBase[b]`` only where bit
+    ``p - TreeBase[b]`` of ``TreeBits[b]`` is set (``decode_attention``'s ``tree``)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -114,9 +122,14 @@ def _decode_stage1(
     if F16_DOT:
         q = q.to(tl.float16)
 
+    tree_base = 0
+    tree_bits = 0
+    if TREE:
+        tree_base = tl.load(TreeBase + b)
+        tree_bits = tl.load(TreeBits + b)
     out, lse = _attend_span(q, mask_g, K, V, Table, SlotMap, row, kvh, start, end, scale, v_scale,
                             stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                            BLOCK_H, BLOCK_N, BLOCK_D, SOFTCAP, MAPPED)
+                            BLOCK_H, BLOCK_N, BLOCK_D, SOFTCAP, MAPPED, tree_base, tree_bits, TREE)
     mask_gd = mask_g[:, None] & mask_d[None, :]
     if MERGE_PREFIX:
         for s in range(tl.load(PrefixParts + b)):
@@ -172,7 +185,7 @@ def decode_attention(
     out: torch.Tensor | None = None, mid_o: torch.Tensor | None = None, mid_lse: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None, window: int = 0, softcap: float = 0.0,
     k_scale: float = 1.0, v_scale: float = 1.0, slot_map: torch.Tensor | None = None,
-    fp16_dot: bool | None = None,
+    fp16_dot: bool | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``q`` [B, H, D] (one token per request) -> [B, H, D]. ``rows``/``seq_lens`` [B] on the
     device; the launch shape depends only on B, so it can be captured in a CUDA graph.
@@ -184,7 +197,11 @@ def decode_attention(
     at row ``slot_map[s]`` of the buffers (``swa_pool``). ``fp16_dot`` (None: an fp8 pool
     read by a bf16 query): the products in fp16, to which fp8 converts in one instruction per
     two values where bf16 takes several (|q| stays far inside fp16's range, 65504; the
-    probabilities are in [0, 1]; fp16 carries more mantissa than bf16)."""
+    probabilities are in [0, 1]; fp16 carries more mantissa than bf16). ``tree``: (base [B],
+    bits [B]) int64 on the device, token trees' rows among the batch's (a verify step,
+    ``radixd.core.speculative.tree``): row b sees a key at table position ``p >= base[b]``
+    only where bit ``p - base[b]`` of ``bits[b]`` is set (the tree's root at ``base``, its
+    nodes after it; at most 63 rows a tree); a row outside any tree has ``base = seq_len``."""
     B, H, D = q.shape
     Hkv = k_buf.shape[1]
     if fp16_dot is None:
@@ -201,14 +218,14 @@ def decode_attention(
     block_n, warps, stages = config if config is not None else DECODE_CONFIG
     _decode_stage1[(B, Hkv, num_splits)](
         q, k_buf, v_buf, table, table if slot_map is None else slot_map, rows, seq_lens, seq_lens, mid_o, mid_lse,
-        out, seq_lens, scale * k_scale, v_scale,
+        out, seq_lens, *(tree if tree is not None else (seq_lens, seq_lens)), scale * k_scale, v_scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),  # (Starts, Out, PrefixParts: unread without a start or a merge)
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, HAS_START=False, WRITE_LSE=num_splits > 1,
         MERGE_PREFIX=False, WINDOW=window, SOFTCAP=softcap, MAPPED=slot_map is not None, F16_DOT=fp16_dot,
-        num_warps=warps, num_stages=stages,
+        TREE=tree is not None, num_warps=warps, num_stages=stages,
     )
     if num_splits == 1:
         return out
@@ -265,7 +282,7 @@ def _prefix_stage(
             end = tl.minimum(start + split_len, length)
             out, lse = _attend_span(q, valid, K, V, Table, Table, row, kvh, start, end, scale, v_scale,
                                     stride_kn, stride_kh, stride_vn, stride_vh, stride_tr, offs_d, mask_d,
-                                    BLOCK_R, BLOCK_N, BLOCK_D, SOFTCAP, False)
+                                    BLOCK_R, BLOCK_N, BLOCK_D, SOFTCAP, False, 0, 0, False)
             slot = SLOT0 + sp
             tl.store(MidO + b[:, None] * stride_ob + heads[:, None] * stride_oh + slot * stride_os + offs_d[None, :],
                      out, mask=valid[:, None] & mask_d[None, :])
@@ -313,7 +330,8 @@ def cascade_decode_attention(
 
     def own_level():
         _decode_stage1[(B, Hkv, num_splits)](
-            q, k_buf, v_buf, table, table, rows, seq_lens, shares, mid_o, mid_lse, out, prefix_parts, scale * k_scale,
+            q, k_buf, v_buf, table, table, rows, seq_lens, shares, mid_o, mid_lse, out, prefix_parts, shares, shares,
+            scale * k_scale,
             v_scale, q.stride(0), q.stride(1), *common, *mids, out.stride(0), out.stride(1),
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
             HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, HAS_START=True, WRITE_LSE=True,

@@ -45,16 +45,23 @@ class LlamaForCausalLM(nn.Module):
         attn: AttentionBackend,
         logits_indices: torch.Tensor,
         hidden_indices: torch.Tensor | None = None,
+        aux_layers: tuple[int, ...] = (),
     ) -> torch.Tensor | tuple[torch.Tensor | None, torch.Tensor]:
         """Logits (float32) at ``logits_indices`` of the flat token axis; with
         ``hidden_indices`` (embeddings) also the final hidden states there, after the last norm:
-        ``(logits or None when there are none, hidden)``."""
+        ``(logits or None when there are none, hidden)``; with ``aux_layers`` (an EAGLE-3
+        drafter's, ascending; not with ``hidden_indices``) also the residual stream after each
+        of those layers at every token, side by side: ``(logits, [T, len(aux_layers) * hidden])``."""
         x = self.embed(input_ids)
+        residual = None
+        if aux_layers:
+            x, residual, aux = self.run_layers_reading(x, positions, attn, aux_layers)
+            x, _ = self.layers[-1].add_norm(x[logits_indices], residual[logits_indices], self.norm)
+            return self.logits(x), aux
         fused = cpu_decode.runner(self, attn, x) if x.device.type == "cpu" else None
         if fused is not None:  # a CPU decode step: all layers in one C call
             x, residual = fused(x, positions)
         else:
-            residual = None
             for layer in self.layers:
                 x, residual = layer(x, residual, positions, self.rotary, attn)
         idx = logits_indices if hidden_indices is None else torch.cat((logits_indices, hidden_indices))
@@ -63,6 +70,19 @@ class LlamaForCausalLM(nn.Module):
             return self.logits(x)
         n = logits_indices.numel()
         return (self.logits(x[:n]) if n else None), x[n:]
+
+    def run_layers_reading(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                           layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decoder layers over the embeddings ``x``, reading the residual stream after
+        ``layers``: ``(x, residual, [T, len(layers) * hidden])`` (the stream is ``x + residual``,
+        every layer's contract; the plain forward's loop, apart so that it checks nothing)."""
+        residual = None
+        read = []
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, positions, self.rotary, attn)
+            if i in layers:
+                read.append(x + residual)
+        return x, residual, torch.cat(read, dim=-1)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The residual stream's start (families that scale their embeddings override this)."""

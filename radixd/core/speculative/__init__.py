@@ -24,5 +24,6 @@ the accepted path is the one that follows the picks.
 Modules: ``drafter`` (the interface plugins implement), ``tree`` (token trees: shape, mask,
 acceptance), ``speculator`` (per replica: which requests draft, how far, what a verify step
 leaves, acceptance counters), ``draft_model`` (the ``standalone`` drafter: a smaller
-checkpoint on a KV region of its own).
+checkpoint on a KV region of its own), ``eagle3_head`` and ``eagle3`` (the ``eagle3`` drafter:
+an EAGLE-3 draft head in SGLang's layout, fed the model's own hidden states).
 """

@@ -33,6 +33,10 @@ Contract
   overlap scheduling) before it is asked again. Requests whose matcher does not fork decode
   plainly, never refused. With more than
   ``speculative_max_batch`` requests decoding the step is compute-bound and nothing drafts.
+* A drafter that reads the target's hidden states (``drafter.ReadsTarget``) gets them after
+  each step through ``features`` (called by the scheduler once the step's picks are in
+  place): every token of a prefill chunk or plain decode, a verify entry's root and accepted
+  rows, each at the position it now holds; and ``release`` for requests that leave.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from radixd.core.forward_batch import StepOutput, TokenTrees
 from radixd.core.kv_manager import KVManager
 from radixd.core.request import Request
 from radixd.core.scheduler_interface import NEED_SYNC, ScheduledStep
-from radixd.core.speculative.drafter import Drafter
+from radixd.core.speculative.drafter import Drafter, ReadsTarget, Span, to_device
 from radixd.core.speculative.tree import TokenTree, as_draft, depth_and_path, walk
 
 
@@ -92,6 +96,9 @@ class Speculator:
         self.max_batch = config.speculative_max_batch
         self.context_len = context_len
         self.stats = SpecStats(trees=config.speculative_eagle_topk > 1)
+        self.reads = isinstance(drafter, ReadsTarget)
+        # verify entries' kept rows (0: the root, j: its j-th row), by ``accept`` for ``features``
+        self._kept: dict[Request, list[int]] = {}
 
     def draft(self, decoding: list[Request], inflight: bool) -> dict[Request, list[int]] | object:
         """The drafts of this step's decoding requests (those without one decode plainly),
@@ -194,6 +201,8 @@ class Speculator:
                 path, branches = walk(d, toks[i : i + k + 1])
                 a = len(path)
                 keep.extend([i] + [i + 1 + n for n in path])
+                if self.reads:
+                    self._kept[r] = [0] + [1 + n for n in path]
                 self.kv.keep_path(r, r.kv.length - k, path)
                 self.stats.tree_verifies += 1
                 self.stats.branch_accepted_tokens += branches
@@ -203,6 +212,8 @@ class Speculator:
                 while a < k and toks[i + a] == d[a]:
                     a += 1
                 keep.extend(range(i, i + a + 1))
+                if self.reads:
+                    self._kept[r] = list(range(a + 1))
                 depth = k
             picks.extend(range(step.pick_index[i], step.pick_index[i] + a + 1))
             rejected = k - a
@@ -221,6 +232,47 @@ class Speculator:
             out.logprobs = [out.logprobs[j] for j in keep]
         if out.top_logprobs is not None:
             out.top_logprobs = [out.top_logprobs[j] for j in keep]
+
+    def features(self, step: ScheduledStep, aux: torch.Tensor) -> None:
+        """Hand a ``ReadsTarget`` drafter the streams of ``step``'s positions that count (see
+        the contract): ``aux`` holds every token's, in the batch's flat order."""
+        b = step.batch
+        reqs, drafts, kept = step.reqs, step.drafts, self._kept
+        aside: set[Request] = set()
+        if not drafts and self.max_batch and sum(n == 1 for n in b.extend_lens) > self.max_batch:
+            # speculation stepped aside (a compute-bound batch): the drafter does not follow
+            # decode rows; their states go, and a later step that drafts starts them over
+            aside = {r for r, n in zip(reqs, b.extend_lens, strict=True) if n == 1}
+            self.drafter.release(list(aside))
+        spans: list[Span] = []
+        rows: list[int] = []
+        off = i = 0
+        while i < len(reqs):
+            r = reqs[i]
+            d = drafts.get(r)
+            if d is None:
+                n = b.extend_lens[i]
+                if r not in aside:
+                    spans.append(Span(r, b.prefix_lens[i], n))
+                    rows.extend(range(off, off + n))
+                i += 1
+            else:  # (one row per position: the rows' flat index is their entry's)
+                path = kept.pop(r, [0])
+                spans.append(Span(r, b.prefix_lens[i], len(path)))
+                rows.extend(off + j for j in path)
+                n = len(d) + 1
+                i += n
+            off += n
+        if not spans:
+            return
+        if len(rows) != aux.shape[0]:
+            aux = aux.index_select(0, to_device(rows, aux.device))
+        self.drafter.features(spans, aux)
+
+    def release(self, reqs: list[Request]) -> None:
+        """``reqs`` left the running set (a ``ReadsTarget`` drafter drops their state)."""
+        if self.reads and reqs:
+            self.drafter.release(reqs)
 
     def _learn(self, r: Request, k: int, accepted: int, drafted: int | None = None) -> None:
         """Count a verify entry (``drafted`` tokens, default ``k``, of a draft ``k`` deep);
