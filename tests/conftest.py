@@ -275,6 +275,26 @@ def pip_install_contrib(package: str, entry: str, tmp_dir: Path):
         importlib.invalidate_caches()
 
 
+@pytest.fixture(scope="session")
+def redis_plugin(tmp_path_factory):
+    """``plugins-contrib/radixd-redis`` pip-installed (``pip_install_contrib``); its module. Here
+    and not in test_contrib_redis.py, so the session installs it once for every module using it
+    (a fixture imported into another module is a second fixture, built a second time)."""
+    yield from pip_install_contrib("radixd-redis", "redis", tmp_path_factory.mktemp("contrib"))
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A throwaway ``redis-server`` on a free loopback port (``benchmarks.common.RedisServer``)."""
+    import shutil
+
+    from benchmarks.common import RedisServer
+
+    server = RedisServer(shutil.which("redis-server"), tmp_path)
+    yield server
+    server.kill()
+
+
 class SmgGateway:
     """SGLang's gateway (``smg launch``, the PyPI package ``smg``) on free loopback ports in
     front of ``worker_urls``, with one routing ``policy``; ready once every worker is registered

@@ -11,30 +11,18 @@ import subprocess
 import sys
 
 import pytest
-from conftest import pip_install_contrib
 from test_kv_tiers import conversations, make_engine, reference, run_chats
 
-from benchmarks.common import RedisServer
 from radixd.core.errors import ConfigError
 from radixd.plugins import make_plugin_manager
 
-DIST = "radixd-redis"
 REDIS_SERVER = shutil.which("redis-server")
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None,
                                 reason="redis-server is not installed (apt-get install redis-server; .ci/run does)")
 
 
-@pytest.fixture(scope="session")
-def redis_plugin(tmp_path_factory):
-    yield from pip_install_contrib(DIST, "redis", tmp_path_factory.mktemp("contrib"))
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(REDIS_SERVER, tmp_path)
-    yield server
-    server.kill()
+# redis_plugin and redis_server: conftest.py (test_fp8_kv.py uses them too)
 
 
 def test_discovered_and_listed(redis_plugin):

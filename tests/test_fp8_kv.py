@@ -17,7 +17,6 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from test_contrib_redis import redis_plugin, redis_server  # noqa: F401 (fixtures)
 from test_engine import prompts
 from test_triton_kernels import DEV, GPU, check_cascade, check_decode, check_extend, rel_err
 
@@ -453,7 +452,7 @@ def test_fp8_pages_round_trip_through_host_and_disk(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
-def test_fp8_pages_round_trip_through_redis(redis_plugin, redis_server):  # noqa: F811 (the fixtures)
+def test_fp8_pages_round_trip_through_redis(redis_plugin, redis_server):  # (conftest's fixtures)
     tier = redis_plugin.RedisTier({"url": redis_server.url}, fp8_tier_context())
     try:
         assert_round_trips(tier)
