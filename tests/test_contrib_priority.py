@@ -9,6 +9,7 @@ import importlib
 import importlib.metadata
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,29 @@ def _cli_plugins(*args: str) -> dict[str, str]:
     return dict(line.split("\t", 1) for line in out.splitlines() if line)
 
 
+# the radixd.toml files the CLI tests list the plugins under (None: no --config)
+CLI_CONFIGS = (None, "[plugins]\nallow = []\n", '[plugins]\nallow = ["priority"]\n', '[plugins]\nblock = ["priority"]\n',
+               '[plugins]\nallow = ["something-else"]\n', "[plugins]\nentry_points = false\n")
+
+
+@pytest.fixture(scope="module")
+def cli_rows(priority_plugin, tmp_path_factory) -> dict[str | None, dict[str, str]]:
+    """``radixd [--config FILE] plugins`` for each of CLI_CONFIGS, a process each, all at once
+    (each spends seconds importing; one after the other they took half a minute)."""
+    tmp = tmp_path_factory.mktemp("cli")
+
+    def rows(numbered: tuple[int, str | None]) -> dict[str, str]:
+        i, toml = numbered
+        if toml is None:
+            return _cli_plugins()
+        cfg = tmp / f"radixd{i}.toml"
+        cfg.write_text(toml)
+        return _cli_plugins("--config", str(cfg))
+
+    with ThreadPoolExecutor(len(CLI_CONFIGS)) as pool:
+        return dict(zip(CLI_CONFIGS, pool.map(rows, enumerate(CLI_CONFIGS)), strict=True))
+
+
 def _policies(pm) -> dict[str, type]:
     table: dict[str, type] = {}
     for provided in pm.hook.radixd_schedule_policies():
@@ -64,20 +88,18 @@ def test_installed_not_editable(priority_plugin):
     assert priority_plugin.PriorityPolicy.name == "priority"
 
 
-def test_cli_lists_it_with_its_location(priority_plugin):
-    rows = _cli_plugins()
+def test_cli_lists_it_with_its_location(priority_plugin, cli_rows):
+    rows = cli_rows[None]
     assert "radixd.plugins.policies" in rows  # the built-ins still load
     assert "priority" in rows, rows
     assert Path(rows["priority"]).resolve() == Path(priority_plugin.__file__).resolve()
 
 
-def test_cli_honours_plugins_settings(priority_plugin, tmp_path):
+def test_cli_honours_plugins_settings(priority_plugin, cli_rows):
     where = str(Path(priority_plugin.__file__).resolve())
 
     def rows_with(toml: str) -> dict[str, str]:
-        cfg = tmp_path / "radixd.toml"
-        cfg.write_text(toml)
-        return _cli_plugins("--config", str(cfg))
+        return cli_rows[toml]
 
     # In radixd.toml an empty allow list means "every installed plugin" (documented there).
     assert rows_with("[plugins]\nallow = []\n").get("priority") == where
@@ -88,10 +110,8 @@ def test_cli_honours_plugins_settings(priority_plugin, tmp_path):
     assert "priority" not in rows_with("[plugins]\nentry_points = false\n")
 
 
-def test_cli_does_not_list_blocked_plugin(priority_plugin, tmp_path):
-    cfg = tmp_path / "radixd.toml"
-    cfg.write_text('[plugins]\nblock = ["priority"]\n')
-    assert "priority" not in _cli_plugins("--config", str(cfg))
+def test_cli_does_not_list_blocked_plugin(priority_plugin, cli_rows):
+    assert "priority" not in cli_rows['[plugins]\nblock = ["priority"]\n']
 
 
 def test_allow_and_block(priority_plugin, tiny_models):
