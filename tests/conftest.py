@@ -243,6 +243,19 @@ class Daemon:
         return self.proc.returncode
 
 
+def plugin_site(tmp: Path, name: str, source: str) -> Path:
+    """A folder for a daemon's PYTHONPATH holding module ``name`` (``source``) and a
+    dist-info whose ``radixd`` entry point loads it: a plugin installed for that daemon only."""
+    import textwrap
+
+    site = tmp / "site"
+    (site / f"{name}-0.0.0.dist-info").mkdir(parents=True)
+    (site / f"{name}.py").write_text(textwrap.dedent(source))
+    (site / f"{name}-0.0.0.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.0.0\n")
+    (site / f"{name}-0.0.0.dist-info" / "entry_points.txt").write_text(f"[radixd]\n{name} = {name}\n")
+    return site
+
+
 CONTRIB = Path(__file__).resolve().parent.parent / "plugins-contrib"
 
 

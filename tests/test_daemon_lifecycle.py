@@ -5,14 +5,14 @@ that disconnects frees its KV, and a full queue answers 503 at once."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import threading
 import time
 
 import httpx
-import pytest
-from conftest import Daemon
+from conftest import Daemon, plugin_site
 
 
 def toml(model, **over) -> str:
@@ -130,14 +130,40 @@ def test_drain_timeout_ends_streams_with_final_event(tiny_models, tmp_path):
         d.stop()
 
 
-@pytest.mark.slow
-def test_queue_full_is_refused_at_once(tmp_path):
-    # the default model: slow enough on a CPU that the two long streams are still going
-    d = Daemon(tmp_path, toml("default", scheduler={"max_running_requests": 1}, limits={"max_queued_requests": 1}))
+GATE = '''
+"""Each forward pass waits while $GATE_FLAG exists: the test holds the running request there."""
+import os
+import time
+
+from radixd.plugins import hookimpl
+
+
+@hookimpl
+def radixd_startup(state):
+    worker = state.engine.worker
+    launch = worker.launch
+
+    def gated_launch(batch, prev):
+        while os.path.exists(os.environ["GATE_FLAG"]):
+            time.sleep(0.01)
+        return launch(batch, prev)
+
+    worker.launch = gated_launch
+'''
+
+
+def test_queue_full_is_refused_at_once(tiny_models, tmp_path):
+    # the running stream is held in its forward pass (a gate plugin) until the check is done,
+    # however fast the model and the machine; the queued one is served once it may run
+    site = plugin_site(tmp_path, "gateprobe", GATE)
+    gate = tmp_path / "gate.flag"
+    gate.touch()
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p),
+           "GATE_FLAG": str(gate)}
+    d = Daemon(tmp_path, toml(tiny_models["llama"], scheduler={"max_running_requests": 1},
+                              limits={"max_queued_requests": 1}) + '[plugins]\nallow = ["gateprobe"]\n', env=env)
     try:
         out: dict = {}
-        # the running stream outlasts the check (about a second after it starts; 200 tokens are
-        # seconds on a CPU); the queued one only needs to be served once it may run
         threads = [threading.Thread(target=stream_completion, args=(d.url, n, out, f"s{i}")) for i, n in enumerate((200, 16))]
         for t in threads:
             t.start()
@@ -145,16 +171,19 @@ def test_queue_full_is_refused_at_once(tmp_path):
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and (kv(d.url)["running"], kv(d.url)["waiting"]) != (1, 1):
             time.sleep(0.02)
+        assert (kv(d.url)["running"], kv(d.url)["waiting"]) == (1, 1)  # (held there by the gate)
         t0 = time.monotonic()
         r = httpx.post(d.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert time.monotonic() - t0 < 2
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+        gate.unlink()
         for t in threads:
             t.join(120)
         assert out["s0"][-1] == "[DONE]" and out["s1"][-1] == "[DONE]"
         st = kv(d.url)
         assert st["kv"]["private"] == 0 and st["kv"]["locked"] == 0
     finally:
+        gate.unlink(missing_ok=True)
         assert d.stop() == 0
 
 

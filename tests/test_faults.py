@@ -8,14 +8,12 @@ import json
 import os
 import signal
 import socket
-import textwrap
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Daemon
+from conftest import Daemon, plugin_site
 from test_daemon_lifecycle import NotifySocket
 
 PROBE = '''
@@ -48,15 +46,6 @@ def radixd_step_stats(stats):
         os.unlink(flag)
         time.sleep(seconds)
 '''
-
-
-def plugin_site(tmp: Path, name: str, source: str) -> Path:
-    site = tmp / "site"
-    (site / f"{name}-0.0.0.dist-info").mkdir(parents=True)
-    (site / f"{name}.py").write_text(textwrap.dedent(source))
-    (site / f"{name}-0.0.0.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.0.0\n")
-    (site / f"{name}-0.0.0.dist-info" / "entry_points.txt").write_text(f"[radixd]\n{name} = {name}\n")
-    return site
 
 
 def stats(url: str) -> dict:
