@@ -259,33 +259,97 @@ def plugin_site(tmp: Path, name: str, source: str) -> Path:
 CONTRIB = Path(__file__).resolve().parent.parent / "plugins-contrib"
 
 
-def pip_install_contrib(package: str, entry: str, tmp_dir: Path):
-    """pip-install ``plugins-contrib/<package>`` (not editable, built from a copy in
-    ``tmp_dir`` so the checkout gets no build litter); yield the module its ``radixd`` entry
-    point ``entry`` loads; uninstall afterwards unless it was installed before. A generator
-    for session/module fixtures: ``yield from pip_install_contrib(...)``."""
+CONTRIB_ENTRIES = {"radixd-mooncake": "mooncake", "radixd-priority": "priority", "radixd-redis": "redis",
+                   "radixd-xgrammar": "xgrammar"}
+# the contrib packages pytest-xdist's controller installed for the whole run (comma-separated)
+CONTRIB_RUN_ENV = "RADIXD_TESTS_CONTRIB_INSTALLED"
+
+
+def _pip_env() -> dict[str, str]:
+    return {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_ROOT_USER_ACTION": "ignore"}
+
+
+def _contrib_installed(package: str) -> bool:
     import importlib.metadata
+
+    try:
+        importlib.metadata.distribution(package)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def _pip_install_copy(package: str, tmp_dir: Path) -> None:
+    """pip-install ``plugins-contrib/<package>``, not editable, built from a copy in
+    ``tmp_dir`` so the checkout gets no build litter."""
+    import importlib
     import shutil
     import subprocess
     import sys
 
-    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_ROOT_USER_ACTION": "ignore"}
-    try:
-        importlib.metadata.distribution(package)
-        was_installed = True
-    except importlib.metadata.PackageNotFoundError:
-        was_installed = False
     src = tmp_dir / package
     shutil.copytree(CONTRIB / package, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-q", str(src)],
-                   check=True, env=env)
+                   check=True, env=_pip_env())
     importlib.invalidate_caches()
+
+
+def _pip_uninstall(package: str) -> None:
+    import importlib
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", package], check=True, env=_pip_env())
+    importlib.invalidate_caches()
+
+
+def pip_install_contrib(package: str, entry: str, tmp_dir: Path):
+    """pip-install ``plugins-contrib/<package>`` (not editable, built from a copy in
+    ``tmp_dir`` so the checkout gets no build litter); yield the module its ``radixd`` entry
+    point ``entry`` loads; uninstall afterwards unless it was installed before. A generator
+    for session/module fixtures: ``yield from pip_install_contrib(...)``.
+
+    Under pytest-xdist the controller has installed it the same way for the whole run
+    (``pytest_configure`` below): a worker installing or uninstalling in the shared
+    environment would do it under the other worker's daemons and CLIs loading entry points."""
+    import importlib.metadata
+
+    by_run = package in os.environ.get(CONTRIB_RUN_ENV, "").split(",")
+    was_installed = _contrib_installed(package)
+    if not by_run:
+        _pip_install_copy(package, tmp_dir)
     eps = {ep.name: ep for ep in importlib.metadata.entry_points(group="radixd")}
     assert entry in eps and eps[entry].value == package.replace("-", "_"), sorted(eps)
     yield eps[entry].load()
-    if not was_installed:
-        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", package], check=True, env=env)
-        importlib.invalidate_caches()
+    if not by_run and not was_installed:
+        _pip_uninstall(package)
+
+
+def pytest_configure(config):
+    """pytest-xdist's controller (``-n N``): the contrib packages pip-installed once before the
+    workers start, for the whole run (see ``pip_install_contrib``); removed again at the end
+    (``pytest_unconfigure``) unless they were installed before."""
+    if not getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
+        return
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="radixd-contrib-"))
+    config._radixd_contrib = installed = []
+    for package in CONTRIB_ENTRIES:
+        was_installed = _contrib_installed(package)
+        try:
+            _pip_install_copy(package, tmp)
+        except Exception:  # noqa: BLE001 (that package's fixture installs it, and fails, as without xdist)
+            continue
+        installed.append((package, was_installed))
+    os.environ[CONTRIB_RUN_ENV] = ",".join(p for p, _ in installed)
+
+
+def pytest_unconfigure(config):
+    for package, was_installed in getattr(config, "_radixd_contrib", []):
+        if not was_installed:
+            _pip_uninstall(package)
+    os.environ.pop(CONTRIB_RUN_ENV, None)
 
 
 @pytest.fixture(scope="session")
