@@ -198,7 +198,13 @@ def test_health_metrics_flush(http, daemon):
 def test_access_log_line(daemon, client):
     client.chat.completions.create(model=MODEL, messages=chat_msgs("Hi"), max_tokens=3, temperature=0,
                                    extra_headers={"x-request-id": "trace-me-42"})
-    lines = [x for x in daemon.log_lines() if x.get("event") == "access" and x.get("id") == "trace-me-42"]
+    # the access line is written when the app returns, which can be just after the client has the body
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [x for x in daemon.log_lines() if x.get("event") == "access" and x.get("id") == "trace-me-42"]
+        if lines or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert len(lines) == 1
     line = lines[0]
     assert line["status"] == 200 and line["completion_tokens"] == 3 and line["prompt_tokens"] > 0
