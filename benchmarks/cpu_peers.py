@@ -17,7 +17,8 @@ The servers, as each is meant to be run on this machine (2 cores):
 - vLLM: ``vllm.entrypoints.openai.api_server`` on radixd's converted checkpoint of the default
   model (fp32; a copy of its config without the ``gguf`` quantization_config vLLM refuses),
   ``--dtype float32 --max-model-len 4096``, ``VLLM_CPU_KVCACHE_SPACE=4`` and both cores
-  (``VLLM_CPU_OMP_THREADS_BIND=0-1``; without it vLLM computes on one core);
+  (``VLLM_CPU_OMP_THREADS_BIND=0-1``; without it vLLM computes on one core); ``vllm-bf16`` is
+  the same server with ``--dtype bfloat16`` (its matmuls on AVX512-BF16 / AMX where the CPU has them);
 - llama.cpp: ``llama_cpp.server`` on the default model's GGUF as shipped (Q4_1), 2 threads. It
   serves one request at a time, refuses token-id prompts (so it is driven over chat), and
   ignores ``ignore_eos`` (so it is sent ``min_tokens``).
@@ -131,12 +132,13 @@ def vllm_checkpoint(model_dir: Path, workdir: Path) -> Path:
     return out
 
 
-def start_vllm(python: str, model_dir: Path, workdir: Path) -> Server:
+def start_vllm(python: str, model_dir: Path, workdir: Path, dtype: str = "float32") -> Server:
+    """vLLM's OpenAI server; ``dtype`` float32 (``vllm``) or bfloat16 (``vllm-bf16``)."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_checkpoint(model_dir, workdir)),
-            "--served-model-name", NAME, "--dtype", "float32", "--max-model-len", "4096", "--port", str(port)]
-    return Server("vllm", argv, env, port, workdir)
+            "--served-model-name", NAME, "--dtype", dtype, "--max-model-len", "4096", "--port", str(port)]
+    return Server("vllm" if dtype == "float32" else "vllm-bf16", argv, env, port, workdir)
 
 
 def start_llama(python: str, gguf: Path, workdir: Path) -> Server:
@@ -171,10 +173,10 @@ def summary(runs: list[dict]) -> dict:
     out: dict = {"medians": med}
     rx = med.get("radixd", {})
     ratios = {}
-    if "vllm" in med:
+    for peer in ("vllm", "vllm-bf16"):
         for wl in ("shared", "random"):
-            if wl in rx and wl in med["vllm"]:
-                ratios[f"req_s_{wl}_vs_vllm"] = rx[wl]["req_s"] / med["vllm"][wl]["req_s"]
+            if wl in rx and wl in med.get(peer, {}):
+                ratios[f"req_s_{wl}_vs_{peer.replace('-', '_')}"] = rx[wl]["req_s"] / med[peer][wl]["req_s"]
     if "llama" in med and "single" in med["llama"]:
         one = med["llama"]["single"]["tpot_p50_ms"]
         for wl in ("shared", "random", "single"):
@@ -186,7 +188,8 @@ def summary(runs: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--servers", help="comma-separated, in each round's order (default: radixd,vllm,llama; "
+    ap.add_argument("--servers", help="comma-separated, in each round's order, of radixd, vllm, vllm-bf16, llama "
+                    "(default: radixd,vllm,llama; "
                     "--quick: radixd)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--vllm-python", help="the python of vLLM's CPU build's environment")
@@ -201,10 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     rounds = 1 if a.quick else a.rounds
     table = QUICK if a.quick else WORKLOADS
     for s in servers:
-        if s not in ("radixd", "vllm", "llama"):
-            ap.error(f"--servers: {s!r} is not one of radixd, vllm, llama")
-        if s != "radixd" and not getattr(a, f"{s}_python"):
-            ap.error(f"--servers {s} needs --{s}-python")
+        if s not in ("radixd", "vllm", "vllm-bf16", "llama"):
+            ap.error(f"--servers: {s!r} is not one of radixd, vllm, vllm-bf16, llama")
+        env = s.split("-")[0]
+        if s != "radixd" and not getattr(a, f"{env}_python"):
+            ap.error(f"--servers {s} needs --{env}-python")
 
     from radixd.core.cache_dir import cache_root
     from radixd.core.model_loader import fetch_default_gguf, resolve_model
@@ -219,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in servers:
                 server = (start_radixd(workdir, a.radixd_toml) if name == "radixd"
                           else start_vllm(a.vllm_python, model_dir, workdir) if name == "vllm"
+                          else start_vllm(a.vllm_python, model_dir, workdir, "bfloat16") if name == "vllm-bf16"
                           else start_llama(a.llama_python, gguf, workdir))
                 startups.setdefault(name, []).append(round(server.startup_s, 1))
                 try:
@@ -235,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(a.out, result)
     print(json.dumps({"medians": result["medians"], "ratios": result["ratios"]}, indent=1))
     m = result["medians"]
-    if {"radixd", "vllm", "llama"} <= m.keys():
+    if {"radixd", "vllm", "llama"} <= m.keys():  # radixd | vLLM float32 | llama.cpp
         row = lambda wl: " | ".join(  # noqa: E731
             f"{m[s][wl]['req_s']:.3f} req/s, {m[s][wl]['tpot_p50_ms']:.0f} ms" for s in ("radixd", "vllm", "llama"))
         for wl in a.workloads.split(","):

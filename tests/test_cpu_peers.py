@@ -25,6 +25,12 @@ def test_ratios_from_medians():
                            "tpot_single_over_llama_single": 1.5}
 
 
+def test_ratios_against_vllm_in_bf16_apart():
+    runs = [{"server": s, "workload": "shared", "req_s": q, "tpot_p50_ms": 1.0, "ttft_p50_ms": 1.0}
+            for s, q in [("radixd", 3.0), ("vllm", 2.0), ("vllm-bf16", 4.0)]]
+    assert cpu_peers.summary(runs)["ratios"] == {"req_s_shared_vs_vllm": 1.5, "req_s_shared_vs_vllm_bf16": 0.75}
+
+
 def test_min_tokens_only_when_asked():
     spec = RequestSpec(input_ids=[1, 2], output_len=7, messages=[{"role": "user", "content": "hi"}])
     path, body = HttpTarget("http://x", "chat", min_tokens=True)._body(spec, True)
@@ -35,6 +41,8 @@ def test_min_tokens_only_when_asked():
 def test_peers_need_their_environments():
     with pytest.raises(SystemExit):
         cpu_peers.main(["--servers", "radixd,vllm"])
+    with pytest.raises(SystemExit):
+        cpu_peers.main(["--servers", "vllm-bf16"])
 
 
 @pytest.mark.slow
