@@ -243,6 +243,24 @@ class Daemon:
         return self.proc.returncode
 
 
+def assert_kv_idle(http, timeout: float = 10.0) -> dict:
+    """A daemon's KV (``http``: an httpx client on it) all free or evictable: nothing locked,
+    nothing private. A request's KV is released when the engine finishes it, which can be just
+    after the client has read its last byte, so this waits up to ``timeout`` before asserting."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        kv = http.get("/server_info").json()["stats"]["kv"]
+        idle = kv["locked"] == 0 and kv["private"] == 0 and kv["free"] + kv["evictable"] == kv["total"]
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert kv["locked"] == 0 and kv["private"] == 0, kv
+    assert kv["free"] + kv["evictable"] == kv["total"], kv
+    return kv
+
+
 def plugin_site(tmp: Path, name: str, source: str) -> Path:
     """A folder for a daemon's PYTHONPATH holding module ``name`` (``source``) and a
     dist-info whose ``radixd`` entry point loads it: a plugin installed for that daemon only."""

@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import Daemon, make_tiny_checkpoint
+from conftest import Daemon, assert_kv_idle, make_tiny_checkpoint
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
@@ -293,11 +293,6 @@ def http(daemon):
         yield c
 
 
-def assert_idle(http):
-    kv = http.get("/server_info").json()["stats"]["kv"]
-    assert kv["locked"] == 0 and kv["private"] == 0, kv
-
-
 def chat_text(client, messages, n):
     r = client.chat.completions.create(model="llama", messages=messages, max_tokens=n, temperature=0)
     return r.choices[0].message.content, r.usage.prompt_tokens
@@ -314,7 +309,7 @@ def test_create_is_the_chat_pipeline(client, http):
     assert r.usage.output_tokens == 6 and r.usage.total_tokens == prompt_tokens + 6
     assert r.instructions == "be brief" and r.metadata == {"run": "1"} and r.temperature == 0 and r.store is False
     assert r.max_output_tokens == 6 and r.tool_choice == "auto" and r.tools == [] and r.text.format.type == "text"
-    assert_idle(http)
+    assert_kv_idle(http)
 
 
 def test_message_list_input(client):
@@ -357,7 +352,7 @@ def test_stream_events(client, http):
     assert final.output_text == want.output_text and final.usage.output_tokens == 5 and final.id == events[0].response.id
     raw = http.post("/v1/responses", json={"input": "hi", "stream": True, "max_output_tokens": 2}).text
     assert raw.startswith("event: response.created") and "[DONE]" not in raw  # OpenAI's framing: no [DONE]
-    assert_idle(http)
+    assert_kv_idle(http)
 
 
 def test_json_schema_format_gives_valid_json(client):
@@ -401,7 +396,7 @@ def test_refused_over_http(client, http, kw, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(**{"model": "llama", "input": "hi", **kw})
     assert err.value.body["param"] == param and err.value.body["type"] == "invalid_request_error", err.value.body
-    assert_idle(http)
+    assert_kv_idle(http)
 
 
 def test_absent_store_and_null_no_ops_are_accepted(client):
@@ -437,7 +432,7 @@ def test_tool_loop_end_to_end(client, http):
         {"role": "user", "content": "weather in Paris?"}, *calls,
         *[{"type": "function_call_output", "call_id": c.call_id, "output": "sunny"} for c in calls]])
     assert follow.output and follow.usage.input_tokens > r.usage.input_tokens
-    assert_idle(http)
+    assert_kv_idle(http)
 
 
 # ------------------------------------------------------------------------ the default model

@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import Daemon
+from conftest import Daemon, assert_kv_idle
 
 pytestmark = pytest.mark.slow
 KEY = "sk-test-0123456789"
@@ -49,12 +49,6 @@ def http(daemon):
         yield c
 
 
-def assert_idle(http: httpx.Client):
-    kv = http.get("/server_info").json()["stats"]["kv"]
-    assert kv["locked"] == 0 and kv["private"] == 0, kv
-    assert kv["free"] + kv["evictable"] == kv["total"], kv
-
-
 def chat_msgs(text="What is the capital of France?"):
     return [{"role": "user", "content": text}]
 
@@ -72,7 +66,7 @@ def test_chat(client, http):
     r2 = client.chat.completions.create(model=MODEL, messages=chat_msgs(), max_tokens=20, temperature=0)
     assert r2.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 1
     assert r2.choices[0].message.content == r.choices[0].message.content
-    assert_idle(http)
+    assert_kv_idle(http)
 
 
 def test_chat_stream_with_usage(client, http):
@@ -89,7 +83,7 @@ def test_chat_stream_with_usage(client, http):
                 reasons.append(c.finish_reason)
     assert "Paris" in text and reasons == ["stop"]
     assert usage is not None and usage.completion_tokens > 0 and usage.prompt_tokens > 10
-    assert_idle(http)
+    assert_kv_idle(http)
 
 
 def test_chat_n_logprobs_and_seed(client):
@@ -117,7 +111,7 @@ def test_completions(client, http):
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
     by_text = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
-    assert_idle(http)
+    assert_kv_idle(http)
 
 
 def test_completions_stream(client):
@@ -245,7 +239,7 @@ def test_disconnect_frees_kv(http):
     while time.monotonic() < deadline and stats(http)["running"]:
         time.sleep(0.01)
     assert stats(http)["decode_tokens"] - before < 2 * 450
-    assert_idle(http)
+    assert_kv_idle(http)
 
 
 # ------------------------------------------------------------------------ errors
@@ -280,7 +274,7 @@ def test_400s(http, case):
                       "unsupported": "tools", "empty-messages": "messages", "bad-n": "n", "bad-stop": "stop",
                       "top-logprobs-alone": "top_logprobs"}.get(case)
     assert err["param"] == expected_param
-    assert_idle(http)
+    assert_kv_idle(http)
 
 
 def test_401(daemon, http):
@@ -292,7 +286,7 @@ def test_401(daemon, http):
     assert ok.status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=daemon.url + "/v1", api_key="nope", max_retries=0).models.list()
-    assert_idle(http)
+    assert_kv_idle(http)
 
 
 def test_404(http):
@@ -300,7 +294,7 @@ def test_404(http):
     assert err["code"] == "model_not_found" and err["param"] == "model"
     error_of(http.get("/v1/nothing-here"), 404)
     error_of(http.get("/v1/models/gpt-9"), 404)
-    assert_idle(http)
+    assert_kv_idle(http)
 
 
 def test_413(http):
@@ -311,7 +305,7 @@ def test_413(http):
     payload = json.dumps(big).encode()
     r = http.post("/v1/chat/completions", content=(payload[i:i + 4096] for i in range(0, len(payload), 4096)))
     error_of(r, 413)
-    assert_idle(http)
+    assert_kv_idle(http)
 
 
 def test_prompt_over_context(http):
@@ -321,4 +315,4 @@ def test_prompt_over_context(http):
     assert "1100" in err["message"] and "1024" in err["message"]
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": list(range(100, 1100)), "max_tokens": 100})
     assert error_of(r, 400)["param"] == "max_tokens"
-    assert_idle(http)
+    assert_kv_idle(http)
