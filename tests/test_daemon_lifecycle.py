@@ -12,7 +12,7 @@ import threading
 import time
 
 import httpx
-from conftest import Daemon, plugin_site
+from conftest import Daemon, assert_kv_idle, plugin_site
 
 
 def toml(model, **over) -> str:
@@ -180,8 +180,8 @@ def test_queue_full_is_refused_at_once(tiny_models, tmp_path):
         for t in threads:
             t.join(120)
         assert out["s0"][-1] == "[DONE]" and out["s1"][-1] == "[DONE]"
-        st = kv(d.url)
-        assert st["kv"]["private"] == 0 and st["kv"]["locked"] == 0
+        with httpx.Client(base_url=d.url) as http:
+            assert_kv_idle(http)
     finally:
         gate.unlink(missing_ok=True)
         assert d.stop() == 0

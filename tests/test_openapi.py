@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from conftest import Daemon
+from conftest import Daemon, assert_kv_idle
 
 from radixd.server import protocol, responses_protocol
 
@@ -115,8 +115,8 @@ def test_schemathesis(daemon, document, mode):
     assert not any(k.endswith(("500", "502", "503", "504")) for k in seen)
     # the daemon is still healthy and idle afterwards
     assert httpx.get(daemon.url + "/health", timeout=30).status_code == 200
-    st = httpx.get(daemon.url + "/server_info", headers=headers).json()["stats"]
-    assert st["kv"]["locked"] == 0 and st["kv"]["private"] == 0
+    with httpx.Client(base_url=daemon.url, headers=headers) as http:
+        assert_kv_idle(http)
 
 
 def test_tokenize_takes_one_of_prompt_or_messages():
