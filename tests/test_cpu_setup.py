@@ -50,14 +50,18 @@ def test_threads_follow_the_affinity_mask_unless_set(monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_kernel_threads_take_a_second_core_only_when_told(monkeypatch):
+def test_kernel_threads_take_a_second_core_where_allowed(monkeypatch):
     monkeypatch.delenv(cpu_setup.KERNEL_THREADS_ENV, raising=False)
     monkeypatch.setattr(cpu_setup.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert cpu_setup.kernel_threads() == 2
+    monkeypatch.setenv(cpu_setup.KERNEL_THREADS_ENV, "1")
     assert cpu_setup.kernel_threads() == 1
     monkeypatch.setenv(cpu_setup.KERNEL_THREADS_ENV, "2")
     assert cpu_setup.kernel_threads() == 2
     monkeypatch.setattr(cpu_setup.os, "sched_getaffinity", lambda pid: {3}, raising=False)
     assert cpu_setup.kernel_threads() == 1  # (one core allowed)
+    monkeypatch.delenv(cpu_setup.KERNEL_THREADS_ENV)
+    assert cpu_setup.kernel_threads() == 1
     monkeypatch.setenv(cpu_setup.KERNEL_THREADS_ENV, "two")
     with pytest.raises(ValueError, match="RADIXD_CPU_KERNEL_THREADS='two'"):
         cpu_setup.kernel_threads()
