@@ -315,20 +315,26 @@ def section_accept(ctx) -> dict:
     eng = ctx["spec"]
     outs, secs = loop.run_until_complete(generate(ctx["plain"], prompts, new))  # plain again, as warm
     plain_tok_s = sum(map(len, outs)) / secs
-    res = {"plain_tok_s": round(plain_tok_s, 2), "k": K_DEFAULT, "rates": {}}
-    for p in ctx["rates"]:
+    return {"plain_tok_s": round(plain_tok_s, 2), "k": K_DEFAULT,
+            "rates": forced_rates(ctx, eng, ctx["rates"], plain_tok_s, "accept")}
+
+
+def forced_rates(ctx, eng: Engine, rates, plain_tok_s: float, label: str) -> dict:
+    """``ctx``'s prompts on ``eng`` with its acceptance forced to each rate in turn: tok/s
+    against ``plain_tok_s``, and what the verifier took."""
+    out = {}
+    for p in rates:
         before = spec_counts(eng)
         with forced_acceptance(eng, p):
-            outs, secs = loop.run_until_complete(generate(eng, prompts, new))
+            outs, secs = ctx["loop"].run_until_complete(generate(eng, ctx["prompts"], ctx["new"]))
         after = spec_counts(eng)
         tok_s = sum(map(len, outs)) / secs
         v, d, a = (after[k] - before[k] for k in ("verifies", "drafted", "accepted"))
-        case = {"tok_s": round(tok_s, 2), "speedup": round(tok_s / plain_tok_s, 3),
-                "accepted_of_drafted": round(a / d, 3) if d else 0.0,
-                "tokens_per_verify": round((a + v) / v, 3) if v else 0.0}
-        res["rates"][str(p)] = case
-        ctx["log"](f"accept p={p}: {case}")
-    return res
+        out[str(p)] = case = {"tok_s": round(tok_s, 2), "speedup": round(tok_s / plain_tok_s, 3),
+                              "accepted_of_drafted": round(a / d, 3) if d else 0.0,
+                              "tokens_per_verify": round((a + v) / v, 3) if v else 0.0}
+        ctx["log"](f"{label} p={p}: {case}")
+    return out
 
 
 def section_ngram(ctx) -> dict:
@@ -487,17 +493,7 @@ def section_eagle3(ctx) -> dict:
                            "step_vs_decode": round(steps.median() / ctx["plain_step_ms"], 3) if ctx["plain_step_ms"] else 0.0,
                            "verifies": v, "accepted_of_drafted": round(a / d, 3) if d else 0.0}
         ctx["log"](f"eagle3 unforced: {res['unforced']}")
-        res["rates"] = {}
-        for p in ctx["eagle3_rates"]:
-            before = spec_counts(eng)
-            with forced_acceptance(eng, p):
-                outs, secs = loop.run_until_complete(generate(eng, prompts, new))
-            after = spec_counts(eng)
-            tok_s = sum(map(len, outs)) / secs
-            v, d, a = (after[k] - before[k] for k in ("verifies", "drafted", "accepted"))
-            res["rates"][str(p)] = {"tok_s": round(tok_s, 2), "speedup": round(tok_s / ctx["plain_tok_s"], 3),
-                                    "tokens_per_verify": round((a + v) / v, 3) if v else 0.0}
-            ctx["log"](f"eagle3 p={p}: {res['rates'][str(p)]}")
+        res["rates"] = forced_rates(ctx, eng, ctx["eagle3_rates"], ctx["plain_tok_s"], "eagle3")
         rng = random.Random(5)
         many = [[rng.randrange(100, ctx["vocab_hi"]) for _ in range(64)] for _ in range(b)]
         _, plain_secs = loop.run_until_complete(generate(ctx["plain"], many, new, concurrent=True))

@@ -14,29 +14,11 @@ import time
 import httpx
 import pytest
 from conftest import Daemon, plugin_site
-from test_daemon_lifecycle import NotifySocket
+from test_daemon_lifecycle import GATE, NotifySocket
 
-PROBE = '''
-"""Fault injection: a forward pass that hangs while $STALL_FLAG exists, and a step hook
-that blocks the event loop for the seconds written in $BLOCK_FLAG."""
-import os
-import time
-
-from radixd.plugins import hookimpl
-
-
-@hookimpl
-def radixd_startup(state):
-    worker = state.engine.worker
-    launch = worker.launch
-
-    def hanging_launch(batch, prev):
-        while os.path.exists(os.environ["STALL_FLAG"]):
-            time.sleep(0.01)
-        return launch(batch, prev)
-
-    worker.launch = hanging_launch
-
+# Fault injection: a forward pass that hangs while $GATE_FLAG exists (the lifecycle tests'
+# gate), and a step hook that blocks the event loop for the seconds written in $BLOCK_FLAG.
+PROBE = GATE + '''
 
 @hookimpl
 def radixd_step_stats(stats):
@@ -76,7 +58,7 @@ def test_stall_watchdog(tiny_models, tmp_path):
             '[memory]\nkv_cache_tokens = 2048\n[plugins]\nallow = ["stallprobe"]\non_error = "disable"\n'
             'hook_timeout_s = 1.0\n')
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p),
-           "STALL_FLAG": str(stall), "BLOCK_FLAG": str(block), "NOTIFY_SOCKET": ns.path,
+           "GATE_FLAG": str(stall), "BLOCK_FLAG": str(block), "NOTIFY_SOCKET": ns.path,
            "WATCHDOG_USEC": "400000"}  # WatchdogSec=0.4: a ping every 0.2 s
     d = Daemon(tmp_path, toml, env=env)
     body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -134,7 +116,7 @@ def test_stall_blocks_pings_for_the_whole_block(tiny_models, tmp_path):
     toml = (f'[model]\npath = "{tiny_models["llama"]}"\n[server]\nport = 0\nstall_timeout_s = 0.5\n'
             '[memory]\nkv_cache_tokens = 2048\n[plugins]\nallow = ["stallprobe"]\nhook_timeout_s = 0.0\n')
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p),
-           "STALL_FLAG": str(tmp_path / "none"), "BLOCK_FLAG": str(block), "NOTIFY_SOCKET": ns.path,
+           "GATE_FLAG": str(tmp_path / "none"), "BLOCK_FLAG": str(block), "NOTIFY_SOCKET": ns.path,
            "WATCHDOG_USEC": "200000"}
     d = Daemon(tmp_path, toml, env=env)
     try:

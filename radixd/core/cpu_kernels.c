@@ -925,9 +925,17 @@ typedef struct {
     int y_bf16;
 } qmm_ctx;
 
+/* Unit u's column groups [*c0, *c1). */
+static inline void qmm_groups(const qmm_ctx *c, int64_t u, int64_t *c0, int64_t *c1) {
+    const int64_t C = (c->N + 15) / 16;
+    *c0 = u * c->per;
+    *c1 = *c0 + c->per < C ? *c0 + c->per : C;
+}
+
 VNNI_TARGET static void qmm_unit(const void *p, int64_t u, int helper) {
     const qmm_ctx *c = p;
-    const int64_t C = (c->N + 15) / 16, c0 = u * c->per, c1 = c0 + c->per < C ? c0 + c->per : C;
+    int64_t c0, c1;
+    qmm_groups(c, u, &c0, &c1);
     void *y = helper ? c->shadow : c->y;
     if (c->bits == 4) q4mm_range(c->w, &c->a, c->M, c->N, c->K, y, c->y_bf16, c->ldy, c0, c1);
     else q8mm_range(c->w, &c->a, c->M, c->N, c->K, y, c->y_bf16, c->ldy, c0, c1);
@@ -935,7 +943,8 @@ VNNI_TARGET static void qmm_unit(const void *p, int64_t u, int helper) {
 
 static void qmm_copy(const void *p, int64_t u) {
     const qmm_ctx *c = p;
-    const int64_t C = (c->N + 15) / 16, c0 = u * c->per, c1 = c0 + c->per < C ? c0 + c->per : C;
+    int64_t c0, c1;
+    qmm_groups(c, u, &c0, &c1);
     const int64_t n0 = c0 * 16, n1 = c1 * 16 < c->N ? c1 * 16 : c->N, e = c->y_bf16 ? 2 : 4;
     for (int64_t m = 0; m < c->M; m++)
         memcpy((char *)c->y + (m * c->ldy + n0) * e, (char *)c->shadow + (m * c->ldy + n0) * e, (n1 - n0) * e);
@@ -967,10 +976,18 @@ typedef struct {
     float scale;
 } att_ctx;
 
+/* Unit u's request *b and KV heads [*h0, *h1) (empty where the split has more parts than heads). */
+static inline void att_heads(const att_ctx *c, int64_t u, int64_t *b, int64_t *h0, int64_t *h1) {
+    const int64_t part = u % c->split, per = (c->Hkv + c->split - 1) / c->split;
+    *b = u / c->split;
+    *h0 = part * per;
+    *h1 = *h0 + per < c->Hkv ? *h0 + per : c->Hkv;
+}
+
 BF16_TARGET static void att_unit(const void *p, int64_t u, int helper) {
     const att_ctx *c = p;
-    const int64_t b = u / c->split, part = u % c->split, per = (c->Hkv + c->split - 1) / c->split;
-    const int64_t h0 = part * per, h1 = h0 + per < c->Hkv ? h0 + per : c->Hkv;
+    int64_t b, h0, h1;
+    att_heads(c, u, &b, &h0, &h1);
     if (h0 >= h1) return;
     const int64_t n = __atomic_load_n(&c->lens[b], __ATOMIC_RELAXED);  /* (read once: see below) */
     const int64_t *row = c->slots + b * c->L;
@@ -994,8 +1011,9 @@ BF16_TARGET static void att_unit(const void *p, int64_t u, int helper) {
 
 static void att_copy(const void *p, int64_t u) {
     const att_ctx *c = p;
-    const int64_t b = u / c->split, part = u % c->split, per = (c->Hkv + c->split - 1) / c->split, G = c->Hq / c->Hkv;
-    const int64_t h0 = part * per, h1 = h0 + per < c->Hkv ? h0 + per : c->Hkv;
+    const int64_t G = c->Hq / c->Hkv;
+    int64_t b, h0, h1;
+    att_heads(c, u, &b, &h0, &h1);
     if (h0 >= h1) return;
     const int64_t off = b * c->Hq * c->D + h0 * G * c->D;
     memcpy(c->out + off, c->shadow + off, (h1 - h0) * G * c->D * sizeof(uint16_t));

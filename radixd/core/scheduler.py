@@ -293,20 +293,23 @@ class Scheduler(SchedulerInterface):
         if not done:
             return done
         for r in done:
-            self.kv_manager.release(r)
+            self._release(r)
             r.state = State.FINISHED
-        if self.speculator is not None:
-            self.speculator.release(done)
         gone = set(done)
         self.running[:] = [r for r in self.running if r not in gone]  # one pass, not a remove each
         return done
 
     # ------------------------------------------------------------------ leaving
 
-    def _preempt(self, r: Request) -> None:
+    def _release(self, r: Request) -> None:
+        """A running request's KV and its drafter's state, given back (it finished, was
+        preempted or aborted)."""
         self.kv_manager.release(r)
         if self.speculator is not None:
             self.speculator.release([r])
+
+    def _preempt(self, r: Request) -> None:
+        self._release(r)
         self.running.remove(r)
         r.preemptions += 1
         self.stats.preemptions += 1
@@ -324,9 +327,7 @@ class Scheduler(SchedulerInterface):
         for r in [r for r in self.running if r.aborted and r not in inflight]:
             if r.group is not None and not r.is_follower:
                 r.group.leader_gone = True
-            self.kv_manager.release(r)
-            if self.speculator is not None:
-                self.speculator.release([r])
+            self._release(r)
             self.running.remove(r)
             self._drop(r)
 
