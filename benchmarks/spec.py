@@ -559,6 +559,7 @@ def run_model_sections(args, ctx) -> dict:
         for name in args.sections:
             if name in GPU_SECTIONS:
                 out[name] = timed_section(lambda name=name: GPU_SECTIONS[name](ctx))
+                free()  # the section's own engine (standalone: two 8B models) before the next one's
     finally:
         for key in ("plain", "spec", "ngram"):
             loop.run_until_complete(ctx[key].stop())
