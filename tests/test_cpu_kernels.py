@@ -365,6 +365,63 @@ def test_fused_decode_layers_equal_the_layer_loop(rows, monkeypatch):
             model(fb.input_ids, torch.full_like(fb.positions, 256), attn, fb.logits_indices())
 
 
+def _mixed_prefix_batch(pool, cfg, rows: int):
+    """A decode step whose requests share three prefixes of 16 slots (every fifth request
+    none), at contexts of 20..40 tokens: the fused kernel's groups of members."""
+    from radixd.core.forward_batch import ForwardBatch
+
+    table = pool.req_to_token
+    prefixes = [torch.arange(1 + 16 * p, 17 + 16 * p) for p in range(3)]
+    slot, ctx = 49, []
+    for b in range(rows):
+        c = 20 + (5 * b) % 21
+        own = c + 1 - (0 if b % 5 == 4 else 16)
+        mine = torch.arange(slot, slot + own)
+        table[b, : c + 1] = mine if b % 5 == 4 else torch.cat((prefixes[b % 3], mine))
+        slot += own
+        ctx.append(c)
+    assert slot <= pool.k_buffers[0].shape[0]
+    gen = torch.Generator().manual_seed(1)
+    for k, v in zip(pool.k_buffers, pool.v_buffers, strict=True):
+        k.copy_(torch.randn(k.shape, generator=gen).to(k.dtype))
+        v.copy_(torch.randn(v.shape, generator=gen).to(v.dtype))
+    ids = list(range(rows))
+    return ForwardBatch(input_ids=torch.randint(0, cfg.vocab_size, (rows,), generator=gen),
+                        positions=torch.tensor(ctx), out_cache_loc=table[torch.arange(rows), torch.tensor(ctx)].clone(),
+                        rows=ids, prefix_lens=ctx, extend_lens=[1] * rows, sample_indices=ids)
+
+
+@needs_vnni
+@pytest.mark.skipif(not cpu_kernels.bf16dp(), reason="this CPU has no AVX512-BF16")
+@pytest.mark.parametrize("rows", [2, 7, 13])
+def test_fused_decode_groups_requests_sharing_a_prefix_bit_for_bit(rows, monkeypatch):
+    """Requests whose rows share a prefix attend as members of one unit (at most four a
+    unit), at different lengths, beside requests alone: the same logits as the layer loop,
+    which attends to each request by itself."""
+    from radixd.core import cpu_decode
+
+    model, pool, attn, _ = _tiny_int_llama(rows)
+    fb = _mixed_prefix_batch(pool, model.cfg, rows)
+    got = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv(cpu_decode.ENV, mode)
+        with torch.inference_mode():
+            attn.begin(fb)
+            assert attn.decode_all
+            got[mode] = model(fb.input_ids, fb.positions, attn, fb.logits_indices())
+    assert torch.equal(got["on"], got["off"]) and got["on"].isfinite().all()
+    with torch.inference_mode():  # and the grouping changes nothing but the order of work
+        for b in range(rows):  # no two rows start alike: requests alone, the same KV values
+            first, fresh = int(pool.req_to_token[b, 0]), pool.k_buffers[0].shape[0] - 1 - b
+            assert not (pool.req_to_token[:rows] == fresh).any()
+            for buf in pool.k_buffers + pool.v_buffers:
+                buf[fresh] = buf[first]
+            pool.req_to_token[b, 0] = fresh
+        attn.begin(fb)
+        alone = model(fb.input_ids, fb.positions, attn, fb.logits_indices())
+    assert torch.equal(alone, got["on"])
+
+
 def test_fused_decode_declines_what_it_does_not_serve(baseline):
     from radixd.core import cpu_decode
 

@@ -600,105 +600,127 @@ BF16_TARGET static inline __m512 bf16x16_to_f32(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* One request, every head: keys and values in tiles of TILE slots, each tile read once for
- * all KV heads (a slot's heads lie together in the pool). */
+/* Requests attending together, every head ("members": requests whose rows share a radix-cached
+ * prefix of slots): keys and values in tiles of TILE slots, each tile read once for all KV
+ * heads (a slot's heads lie together in the pool) and, for the members, one after another, so
+ * that a slot which several members' rows hold comes from memory once and from the L1 cache
+ * for the others. Each member's arithmetic is that of attending alone, bit for bit: its
+ * scores, softmax and sums over the keys in the same order. Member r: query heads qs[r]
+ * [Hq, D], ns[r] slots rows[r], output outs[r] [Hq, D], scores in scratch + r * sstride. */
 #define TILE 32
 #define DP_MAX_HD 8192
-BF16_TARGET static inline __attribute__((always_inline)) void req_bf16dp(
-        const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *row, int64_t n, uint16_t *out,
-        int64_t Hkv, int64_t h0, int64_t h1, float scale, float *scratch, const int64_t G, const int64_t D) {
+#define GRP_MAX 4
+BF16_TARGET static inline __attribute__((always_inline)) void grp_bf16dp(
+        const uint16_t *const *qs, const uint16_t *k, const uint16_t *v, const int64_t *const *rows,
+        const int64_t *ns, uint16_t *const *outs, int64_t R, int64_t Hkv, int64_t h0, int64_t h1, float scale,
+        float *scratch, int64_t sstride, const int64_t G, const int64_t D) {
     const int64_t C = D / 32, slot = Hkv * D;
     const __m512i pick = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
     const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t j0 = 0; j0 < n; j0 += TILE) {
-        const int64_t j1 = j0 + TILE < n ? j0 + TILE : n;
+    int64_t nmax = 0;
+    for (int64_t r = 0; r < R; r++) nmax = ns[r] > nmax ? ns[r] : nmax;
+    for (int64_t j0 = 0; j0 < nmax; j0 += TILE) {
         for (int64_t h = h0; h < h1; h++) {
-            __m512bh qv[MAX_G][MAX_D / 32];
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t c = 0; c < C; c++) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + (h * G + g) * D + c * 32);
-            int64_t j = j0;
-            for (; j + 4 <= j1; j += 4) {
-                const uint16_t *kr[4];
-                for (int t = 0; t < 4; t++) kr[t] = k + row[j + t] * slot + h * D;
-                for (int64_t g = 0; g < G; g++) {
-                    __m512 acc[4];
-                    for (int t = 0; t < 4; t++) {
-                        acc[t] = _mm512_setzero_ps();
-                        for (int64_t c = 0; c < C; c++)
-                            acc[t] = _mm512_dpbf16_ps(acc[t], qv[g][c], (__m512bh)_mm512_loadu_si512(kr[t] + c * 32));
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t n = ns[r];
+                if (j0 >= n) continue;
+                const int64_t j1 = j0 + TILE < n ? j0 + TILE : n, *row = rows[r];
+                const uint16_t *q = qs[r];
+                float *sc = scratch + r * sstride;
+                __m512bh qv[MAX_G][MAX_D / 32];
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t c = 0; c < C; c++) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + (h * G + g) * D + c * 32);
+                int64_t j = j0;
+                for (; j + 4 <= j1; j += 4) {
+                    const uint16_t *kr[4];
+                    for (int t = 0; t < 4; t++) kr[t] = k + row[j + t] * slot + h * D;
+                    for (int64_t g = 0; g < G; g++) {
+                        __m512 acc[4];
+                        for (int t = 0; t < 4; t++) {
+                            acc[t] = _mm512_setzero_ps();
+                            for (int64_t c = 0; c < C; c++)
+                                acc[t] = _mm512_dpbf16_ps(acc[t], qv[g][c], (__m512bh)_mm512_loadu_si512(kr[t] + c * 32));
+                        }
+                        const __m512 s4 = _mm512_permutexvar_ps(pick, sum4(acc[0], acc[1], acc[2], acc[3]));
+                        _mm_storeu_ps(sc + (h * G + g) * n + j, _mm512_castps512_ps128(_mm512_mul_ps(s4, vscale)));
                     }
-                    const __m512 s4 = _mm512_permutexvar_ps(pick, sum4(acc[0], acc[1], acc[2], acc[3]));
-                    _mm_storeu_ps(scratch + (h * G + g) * n + j, _mm512_castps512_ps128(_mm512_mul_ps(s4, vscale)));
                 }
-            }
-            for (; j < j1; j++) {
-                const uint16_t *kr = k + row[j] * slot + h * D;
-                for (int64_t g = 0; g < G; g++) {
-                    __m512 acc = _mm512_setzero_ps();
-                    for (int64_t c = 0; c < C; c++)
-                        acc = _mm512_dpbf16_ps(acc, qv[g][c], (__m512bh)_mm512_loadu_si512(kr + c * 32));
-                    scratch[(h * G + g) * n + j] = _mm512_reduce_add_ps(acc) * scale;
+                for (; j < j1; j++) {
+                    const uint16_t *kr = k + row[j] * slot + h * D;
+                    for (int64_t g = 0; g < G; g++) {
+                        __m512 acc = _mm512_setzero_ps();
+                        for (int64_t c = 0; c < C; c++)
+                            acc = _mm512_dpbf16_ps(acc, qv[g][c], (__m512bh)_mm512_loadu_si512(kr + c * 32));
+                        sc[(h * G + g) * n + j] = _mm512_reduce_add_ps(acc) * scale;
+                    }
                 }
             }
         }
     }
-    float sum[DP_MAX_HD / 32];
-    for (int64_t e = h0 * G; e < h1 * G; e++) {
-        float *sc = scratch + e * n, t = -FLT_MAX, z = 0.f;
-        _Pragma("omp simd reduction(max:t)")
-        for (int64_t i = 0; i < n; i++) t = sc[i] > t ? sc[i] : t;
-        _Pragma("omp simd reduction(+:z)")
-        for (int64_t i = 0; i < n; i++) { sc[i] = expf(sc[i] - t); z += sc[i]; }
-        sum[e] = z;
+    float sum[GRP_MAX][DP_MAX_HD / 32];
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t n = ns[r];
+        for (int64_t e = h0 * G; e < h1 * G; e++) {
+            float *sc = scratch + r * sstride + e * n, t = -FLT_MAX, z = 0.f;
+            _Pragma("omp simd reduction(max:t)")
+            for (int64_t i = 0; i < n; i++) t = sc[i] > t ? sc[i] : t;
+            _Pragma("omp simd reduction(+:z)")
+            for (int64_t i = 0; i < n; i++) { sc[i] = expf(sc[i] - t); z += sc[i]; }
+            sum[r][e] = z;
+        }
     }
-    float accm[DP_MAX_HD / 16][16] __attribute__((aligned(64)));  /* the heads' sums between tiles */
-    memset(accm[h0 * G * D / 16], 0, (h1 - h0) * G * D * sizeof(float));
-    for (int64_t j0 = 0; j0 < n; j0 += TILE) {
-        const int64_t j1 = j0 + TILE < n ? j0 + TILE : n;
+    float accm[GRP_MAX][DP_MAX_HD / 16][16] __attribute__((aligned(64)));  /* the heads' sums between tiles */
+    for (int64_t r = 0; r < R; r++) memset(accm[r][h0 * G * D / 16], 0, (h1 - h0) * G * D * sizeof(float));
+    for (int64_t j0 = 0; j0 < nmax; j0 += TILE) {
         for (int64_t h = h0; h < h1; h++) {
-            __m512 acc[MAX_G][MAX_D / 16];
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t c = 0; c < D / 16; c++) acc[g][c] = _mm512_load_ps(accm[(h * G + g) * D / 16 + c]);
-            for (int64_t i = j0; i < j1; i++) {
-                const uint16_t *vr = v + row[i] * slot + h * D;
-                __m512 vf[MAX_D / 16];
-                for (int64_t c = 0; c < D / 16; c++) vf[c] = bf16x16_to_f32(vr + c * 16);
-                for (int64_t g = 0; g < G; g++) {
-                    const __m512 p = _mm512_set1_ps(scratch[(h * G + g) * n + i]);
-                    for (int64_t c = 0; c < D / 16; c++) acc[g][c] = _mm512_fmadd_ps(p, vf[c], acc[g][c]);
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t n = ns[r];
+                if (j0 >= n) continue;
+                const int64_t j1 = j0 + TILE < n ? j0 + TILE : n, *row = rows[r];
+                const float *sc = scratch + r * sstride;
+                __m512 acc[MAX_G][MAX_D / 16];
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t c = 0; c < D / 16; c++) acc[g][c] = _mm512_load_ps(accm[r][(h * G + g) * D / 16 + c]);
+                for (int64_t i = j0; i < j1; i++) {
+                    const uint16_t *vr = v + row[i] * slot + h * D;
+                    __m512 vf[MAX_D / 16];
+                    for (int64_t c = 0; c < D / 16; c++) vf[c] = bf16x16_to_f32(vr + c * 16);
+                    for (int64_t g = 0; g < G; g++) {
+                        const __m512 p = _mm512_set1_ps(sc[(h * G + g) * n + i]);
+                        for (int64_t c = 0; c < D / 16; c++) acc[g][c] = _mm512_fmadd_ps(p, vf[c], acc[g][c]);
+                    }
                 }
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t c = 0; c < D / 16; c++) _mm512_store_ps(accm[r][(h * G + g) * D / 16 + c], acc[g][c]);
             }
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t c = 0; c < D / 16; c++) _mm512_store_ps(accm[(h * G + g) * D / 16 + c], acc[g][c]);
         }
     }
-    for (int64_t e = h0 * G; e < h1 * G; e++) {
-        const __m512 inv = _mm512_set1_ps(1.f / sum[e]);
-        for (int64_t c = 0; c < D / 16; c++) {
-            __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(accm[e * D / 16 + c]), inv));
-            const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-            u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-            _mm256_storeu_si256((__m256i *)(out + e * D + c * 16), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t e = h0 * G; e < h1 * G; e++) {
+            const __m512 inv = _mm512_set1_ps(1.f / sum[r][e]);
+            for (int64_t c = 0; c < D / 16; c++) {
+                __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(accm[r][e * D / 16 + c]), inv));
+                const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+                u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+                _mm256_storeu_si256((__m256i *)(outs[r] + e * D + c * 16), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+            }
         }
-    }
 }
 
-#define CASE_DP(GG, DD) case GG * 1000 + DD: req_bf16dp(qb, k, v, row, n, ob, Hkv, h0, h1, scale, scratch, GG, DD); break;
+#define CASE_DP(GG, DD) case GG * 1000 + DD: grp_bf16dp(qs, k, v, rows, ns, outs, R, Hkv, h0, h1, scale, scratch, sstride, GG, DD); break;
 
-/* Request b's KV heads h0 .. h1 - 1 (the query heads they serve): scratch float [Hq * L]. */
-/* One request's KV heads h0 .. h1 - 1 (the query heads they serve): its query heads q, output
- * out [Hq, D], n slots row; scratch float [Hq * n]. */
-BF16_TARGET static void attend_bf16dp(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *row,
-                                      int64_t n, uint16_t *out, int64_t h0, int64_t h1, int64_t Hq, int64_t Hkv,
-                                      int64_t D, float scale, float *scratch) {
+/* R (at most GRP_MAX) members' KV heads h0 .. h1 - 1 (the query heads they serve); scratch
+ * float [R * sstride], sstride >= Hq * (the members' longest row). */
+BF16_TARGET static void attend_bf16dp(const uint16_t *const *qs, const uint16_t *k, const uint16_t *v,
+                                      const int64_t *const *rows, const int64_t *ns, uint16_t *const *outs, int64_t R,
+                                      int64_t h0, int64_t h1, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                                      float *scratch, int64_t sstride) {
     const int64_t G = Hq / Hkv;
-    const uint16_t *qb = q;
-    uint16_t *ob = out;
     switch (G * 1000 + D) {
         CASE_DP(1, 64) CASE_DP(2, 64) CASE_DP(3, 64) CASE_DP(4, 64)
         CASE_DP(5, 64) CASE_DP(6, 64) CASE_DP(7, 64) CASE_DP(8, 64)
         CASE_DP(1, 128) CASE_DP(2, 128) CASE_DP(4, 128) CASE_DP(8, 128)
-        default: req_bf16dp(qb, k, v, row, n, ob, Hkv, h0, h1, scale, scratch, G, D);
+        default: grp_bf16dp(qs, k, v, rows, ns, outs, R, Hkv, h0, h1, scale, scratch, sstride, G, D);
     }
 }
 
@@ -712,8 +734,12 @@ BF16_TARGET int decode_bf16_dp(const uint16_t *q, const uint16_t *k, const uint1
                                const int64_t *lens, uint16_t *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                                int64_t L, float scale, float *scratch) {
     if (!dp_takes(Hq, Hkv, D)) return -1;
-    for (int64_t b = 0; b < B; b++)
-        attend_bf16dp(q + b * Hq * D, k, v, slots + b * L, lens[b], out + b * Hq * D, 0, Hkv, Hq, Hkv, D, scale, scratch);
+    for (int64_t b = 0; b < B; b++) {
+        const uint16_t *qb = q + b * Hq * D;
+        const int64_t *row = slots + b * L;
+        uint16_t *ob = out + b * Hq * D;
+        attend_bf16dp(&qb, k, v, &row, lens + b, &ob, 1, 0, Hkv, Hq, Hkv, D, scale, scratch, 0);
+    }
     return 0;
 }
 
@@ -966,57 +992,105 @@ VNNI_TARGET static void qmm_par(int bits, const act_t *a, const uint8_t *w, void
     parallel_for(qmm_unit, qmm_copy, &c, sizeof c, (C + per - 1) / per);
 }
 
-/* decode attention's units: (request, KV head range). */
+/* decode attention's units: (chunk of members, KV head range). The step's requests are put in
+ * groups whose KV rows start at the same slot (a prefix the radix cache serves to all of
+ * them), each group in chunks of at most GRP_MAX members: order[chunk[c] .. chunk[c + 1]) are
+ * chunk c's requests. */
 typedef struct {
     const uint16_t *q, *k, *v;
-    const int64_t *slots, *lens;
+    const int64_t *slots, *lens, *order, *chunk;
     uint16_t *out, *shadow;
     float *scratch, *hscratch;
-    int64_t Hq, Hkv, D, L, split, S;
+    int64_t Hq, Hkv, D, L, split, S, M;
     float scale;
 } att_ctx;
 
-/* Unit u's request *b and KV heads [*h0, *h1) (empty where the split has more parts than heads). */
-static inline void att_heads(const att_ctx *c, int64_t u, int64_t *b, int64_t *h0, int64_t *h1) {
+/* Unit u's chunk *ci and KV heads [*h0, *h1) (empty where the split has more parts than heads). */
+static inline void att_heads(const att_ctx *c, int64_t u, int64_t *ci, int64_t *h0, int64_t *h1) {
     const int64_t part = u % c->split, per = (c->Hkv + c->split - 1) / c->split;
-    *b = u / c->split;
+    *ci = u / c->split;
     *h0 = part * per;
     *h1 = *h0 + per < c->Hkv ? *h0 + per : c->Hkv;
 }
 
+/* Chunk ci's members: their count (0: a late helper read another step's, out of range). */
+static inline int64_t att_members(const att_ctx *c, int64_t ci, int64_t *bs) {
+    const int64_t m0 = __atomic_load_n(&c->chunk[ci], __ATOMIC_RELAXED);
+    const int64_t R = __atomic_load_n(&c->chunk[ci + 1], __ATOMIC_RELAXED) - m0;
+    if (m0 < 0 || R < 1 || R > GRP_MAX || m0 + R > c->M) return 0;
+    for (int64_t r = 0; r < R; r++) {
+        bs[r] = __atomic_load_n(&c->order[m0 + r], __ATOMIC_RELAXED);
+        if (bs[r] < 0 || bs[r] >= c->M) return 0;
+    }
+    return R;
+}
+
 BF16_TARGET static void att_unit(const void *p, int64_t u, int helper) {
     const att_ctx *c = p;
-    int64_t b, h0, h1;
-    att_heads(c, u, &b, &h0, &h1);
+    int64_t ci, h0, h1, bs[GRP_MAX], ns[GRP_MAX];
+    att_heads(c, u, &ci, &h0, &h1);
     if (h0 >= h1) return;
-    const int64_t n = __atomic_load_n(&c->lens[b], __ATOMIC_RELAXED);  /* (read once: see below) */
-    const int64_t *row = c->slots + b * c->L;
-    if (helper) {
-        /* A helper still running a unit the caller took back reads the caller's buffers as
-         * they are by then (another step's, reused for other data): it works on its own copy
-         * of the slots, checked to lie inside the pool and its scratch, or it would read and
-         * write out of bounds. (The caller's own were checked before the step.) */
-        if (n < 1 || n > c->L) return;
-        int64_t *mine = (int64_t *)(c->hscratch + c->Hq * c->L);
-        for (int64_t j = 0; j < n; j++) {
-            const int64_t s = __atomic_load_n(&row[j], __ATOMIC_RELAXED);
-            if ((uint64_t)s >= (uint64_t)c->S) return;
-            mine[j] = s;
+    const int64_t R = att_members(c, ci, bs);
+    const uint16_t *qs[GRP_MAX];
+    const int64_t *rows[GRP_MAX];
+    uint16_t *outs[GRP_MAX];
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t b = bs[r], n = __atomic_load_n(&c->lens[b], __ATOMIC_RELAXED);  /* (read once: see below) */
+        const int64_t *row = c->slots + b * c->L;
+        if (helper) {
+            /* A helper still running a unit the caller took back reads the caller's buffers as
+             * they are by then (another step's, reused for other data): it works on its own copy
+             * of the slots, checked to lie inside the pool and its scratch, or it would read and
+             * write out of bounds. (The caller's own were checked before the step.) */
+            if (n < 1 || n > c->L) return;
+            int64_t *mine = (int64_t *)(c->hscratch + GRP_MAX * c->Hq * c->L) + r * c->L;
+            for (int64_t j = 0; j < n; j++) {
+                const int64_t s = __atomic_load_n(&row[j], __ATOMIC_RELAXED);
+                if ((uint64_t)s >= (uint64_t)c->S) return;
+                mine[j] = s;
+            }
+            row = mine;
         }
-        row = mine;
+        qs[r] = c->q + b * c->Hq * c->D;
+        rows[r] = row;
+        ns[r] = n;
+        outs[r] = (helper ? c->shadow : c->out) + b * c->Hq * c->D;
     }
-    attend_bf16dp(c->q + b * c->Hq * c->D, c->k, c->v, row, n, (helper ? c->shadow : c->out) + b * c->Hq * c->D, h0, h1,
-                  c->Hq, c->Hkv, c->D, c->scale, helper ? c->hscratch : c->scratch);
+    if (R) attend_bf16dp(qs, c->k, c->v, rows, ns, outs, R, h0, h1, c->Hq, c->Hkv, c->D, c->scale,
+                         helper ? c->hscratch : c->scratch, c->Hq * c->L);
 }
 
 static void att_copy(const void *p, int64_t u) {
     const att_ctx *c = p;
     const int64_t G = c->Hq / c->Hkv;
-    int64_t b, h0, h1;
-    att_heads(c, u, &b, &h0, &h1);
+    int64_t ci, h0, h1, bs[GRP_MAX];
+    att_heads(c, u, &ci, &h0, &h1);
     if (h0 >= h1) return;
-    const int64_t off = b * c->Hq * c->D + h0 * G * c->D;
-    memcpy(c->out + off, c->shadow + off, (h1 - h0) * G * c->D * sizeof(uint16_t));
+    const int64_t R = att_members(c, ci, bs);
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t off = bs[r] * c->Hq * c->D + h0 * G * c->D;
+        memcpy(c->out + off, c->shadow + off, (h1 - h0) * G * c->D * sizeof(uint16_t));
+    }
+}
+
+/* The step's chunks (att_ctx): requests grouped by their rows' first slot, in order of first
+ * appearance; returns the number of chunks. */
+static int64_t att_groups(const int64_t *slots, int64_t M, int64_t W, int64_t *order, int64_t *chunk, int64_t *used) {
+    int64_t placed = 0, n = 0;
+    memset(used, 0, M * sizeof(int64_t));
+    for (int64_t t = 0; t < M; t++) {
+        if (used[t]) continue;
+        int64_t in_chunk = 0;
+        for (int64_t t2 = t; t2 < M; t2++) {
+            if (used[t2] || slots[t2 * W] != slots[t * W]) continue;
+            if (in_chunk == 0) chunk[n++] = placed;
+            used[t2] = 1;
+            order[placed++] = t2;
+            in_chunk = in_chunk + 1 == GRP_MAX ? 0 : in_chunk + 1;
+        }
+    }
+    chunk[n] = placed;
+    return n;
 }
 
 /* The dequantization for prefill's GEMMs: column ranges on both threads (no shadow: the
@@ -1024,21 +1098,24 @@ static void att_copy(const void *p, int64_t u) {
 typedef struct {
     const uint8_t *w;
     uint16_t *out;
-    int64_t N, K, per, bits;
+    int64_t N, K, per, bits, ldo;
 } deq_ctx;
 
 VNNI_TARGET static void deq_unit(const void *p, int64_t u, int helper) {
     (void)helper;
     const deq_ctx *c = p;
     const int64_t n0 = u * c->per * 16, n1 = n0 + c->per * 16;
-    qdequant_cols_bf16_t((int)c->bits, c->w, c->out + n0, c->N, c->K, n0, n1 < c->N ? n1 : c->N, c->N);
+    qdequant_cols_bf16_t((int)c->bits, c->w, c->out + n0, c->N, c->K, n0, n1 < c->N ? n1 : c->N, c->ldo);
 }
 
-/* A q4 / q8 weight dequantized to bf16 and transposed, out [K, N] (x @ out is x @ W.T), for
- * the GEMMs of many rows. */
-VNNI_TARGET void qdequant_bf16_t(int bits, const uint8_t *w, uint16_t *out, int64_t N, int64_t K) {
+/* A q4 / q8 weight dequantized to bf16 and transposed, out [K, N] in rows of ldo >= N
+ * elements (x @ out is x @ W.T), for the GEMMs of many rows. Each 16-column record writes
+ * one 32-byte piece of K rows: rows ldo apart, where 2 ldo is a multiple of 4 KiB or near
+ * one (N = 3072: 6 KiB), fall into a few cache sets and evict each other (the caller pads
+ * ldo to an odd number of 32-byte pieces). */
+VNNI_TARGET void qdequant_bf16_t(int bits, const uint8_t *w, uint16_t *out, int64_t N, int64_t K, int64_t ldo) {
     const int64_t C = (N + 15) / 16, per = (C + 15) / 16;
-    deq_ctx c = {w, out, N, K, per, bits};
+    deq_ctx c = {w, out, N, K, per, bits, ldo};
     if (pool_begin(0, 0, 0)) {
         parallel_for(deq_unit, NULL, &c, sizeof c, (C + per - 1) / per);
         pool_end();
@@ -1112,23 +1189,26 @@ VNNI_TARGET int decode_layers_bf16(const dmodel_t *m, const dlayer_t *ls, const 
     }
     const int64_t kmax = max64(max64(H, I), Hq * D), nmax = max64(max64(Nqkv, 2 * I), max64(H, Hq * D));
     const size_t bf = sizeof(uint16_t);
-    const size_t bytes = (M * H + M * Nqkv + 2 * M * Hq * D + M * H + M * 2 * I) * bf + Hq * W * sizeof(float)
-                         + M * (W + 1) * sizeof(int64_t) + act_bytes(M, kmax) + 256;
-    const int par = pool_begin(bytes, M * nmax * bf, Hq * W * sizeof(float) + W * sizeof(int64_t));
+    const size_t bytes = (M * H + M * Nqkv + 2 * M * Hq * D + M * H + M * 2 * I) * bf + GRP_MAX * Hq * W * sizeof(float)
+                         + M * (W + 4) * sizeof(int64_t) + 8 + act_bytes(M, kmax) + 256;
+    const int par = pool_begin(bytes, M * nmax * bf, GRP_MAX * (Hq * W * sizeof(float) + W * sizeof(int64_t)));
     char *mem = par ? P.arena : malloc(bytes);
     if (!mem) return -2;
     uint16_t *h = (uint16_t *)mem, *qkv = h + M * H, *q = qkv + M * Nqkv, *att = q + M * Hq * D, *o = att + M * Hq * D,
              *gu = o + M * H;
     float *scores = (float *)(gu + M * 2 * I);
-    int64_t *slots = (int64_t *)(scores + Hq * W), *lens = slots + M * W;  /* (copies: a late helper reads them) */
-    char *actmem = (char *)(lens + M);
+    int64_t *slots = (int64_t *)(scores + GRP_MAX * Hq * W), *lens = slots + M * W;  /* (copies: a late helper reads them) */
+    int64_t *order = lens + M, *chunk = order + M, *used = chunk + M + 1;
+    char *actmem = (char *)(used + M);
     memcpy(slots, st->slots, M * W * sizeof(int64_t));
     memcpy(lens, st->lens, M * sizeof(int64_t));
     void *shadow = par ? P.shadow : NULL;
-    /* attention units: a request each, or its KV heads one by one where requests are few */
-    const int64_t split = M >= 4 || Hkv == 1 ? 1 : Hkv;
-    att_ctx ac = {q, NULL, NULL, slots, lens, att, (uint16_t *)shadow, scores, (float *)(par ? P.hscratch : NULL),
-                  Hq, Hkv, D, W, split, st->pool_slots, m->scale};
+    /* attention units: a chunk of requests sharing a prefix each, or its KV heads one by one
+     * where chunks are few */
+    const int64_t chunks = att_groups(slots, M, W, order, chunk, used);
+    const int64_t split = chunks >= 4 || Hkv == 1 ? 1 : Hkv;
+    att_ctx ac = {q, NULL, NULL, slots, lens, order, chunk, att, (uint16_t *)shadow, scores,
+                  (float *)(par ? P.hscratch : NULL), Hq, Hkv, D, W, split, st->pool_slots, M, m->scale};
     act_t a;
     float *tmp;
     for (int64_t l = 0; l < m->layers; l++) {
@@ -1145,8 +1225,8 @@ VNNI_TARGET int decode_layers_bf16(const dmodel_t *m, const dlayer_t *ls, const 
         }
         ac.k = L->k_buf;
         ac.v = L->v_buf;
-        if (shadow) parallel_for(att_unit, att_copy, &ac, sizeof ac, M * split);
-        else for (int64_t u = 0; u < M * split; u++) att_unit(&ac, u, 0);
+        if (shadow) parallel_for(att_unit, att_copy, &ac, sizeof ac, chunks * split);
+        else for (int64_t u = 0; u < chunks * split; u++) att_unit(&ac, u, 0);
         tmp = act_init(&a, actmem, M, Hq * D);
         quantize_act(att, 1, Hq * D, 0, M, Hq * D, &a, tmp);
         qmm_par((int)L->o_bits, &a, L->o, o, 1, H, M, H, Hq * D, shadow);

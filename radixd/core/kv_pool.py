@@ -141,7 +141,10 @@ class KVPool:
 
     def read(self, layer: int, idx: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the slots ``idx`` (any shape) in ``dtype``: ``[*idx.shape, kv_heads, head_dim]``."""
-        k, v = self.k_buffers[layer][idx], self.v_buffers[layer][idx]
+        flat = idx.reshape(-1)  # (index_select: on the CPU several times faster than buf[idx])
+        shape = (*idx.shape, *self.k_buffers[layer].shape[1:])
+        k = torch.index_select(self.k_buffers[layer], 0, flat).view(shape)
+        v = torch.index_select(self.v_buffers[layer], 0, flat).view(shape)
         if self.quantized:
             return dequantize(k, self.k_scales[layer], dtype), dequantize(v, self.v_scales[layer], dtype)
         return k.to(dtype), v.to(dtype)
