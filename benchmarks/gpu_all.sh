@@ -25,6 +25,8 @@
 #             cache-aware routing and under round robin
 #   tests2    the GPU-marked tests of the second wave: quantized weights and kernels, the fp8 KV
 #             cache, sliding windows, speculative verify and EAGLE-3 heads, the PD copy, MoE
+#   mixed     benchmarks/mixed_step.py: a mixed step's attention (decodes beside a prompt chunk)
+#             through the extend kernel alone against extend + decode kernels
 #   quant fp8kv swa spec pd moe (FP8KV_ARGS=--sweep: the decode kernel's tiles first)
 #             benchmarks/quant.py (bf16, fp8 and int4 engines at the 8B shape), fp8_kv.py (batch
 #             256 x 4k, fp8 vs bf16 KV), swa.py (Gemma-3-12B shape at 8k), spec.py --device cuda,
@@ -87,6 +89,9 @@ for spec in $PARTS; do
     $limit python3 -m pytest -q -p no:cacheprovider -rf -m "gpu or not gpu" tests/test_window_attention.py \
         "tests/test_fp8_kv.py::test_fp8_pool_read_by_a_bf16_query_takes_fp16_products" >> "$W/tests2.txt" 2>&1
     grep -E "passed|failed|error" "$W/tests2.txt" | tail -4 ;;
+  mixed)
+    $limit python3 -m benchmarks.mixed_step --out "$W/mixed_step.json" > "$W/mixed.log" 2>&1
+    tail -4 "$W/mixed.log" | cut -c1-400 ;;
   quant)
     $limit python3 -m benchmarks.quant --json "$W/quant.json" > "$W/quant.log" 2>&1
     tail -12 "$W/quant.log" | cut -c1-400 ;;

@@ -271,6 +271,34 @@ async def test_engine_with_triton_backend_matches_transformers(tiny_models, arch
         await eng.stop()
 
 
+async def test_engine_mixed_steps_on_triton_backend_match_transformers(tiny_models):
+    """Prompts arriving while others decode, in chunks of 8 tokens: steps carry decodes beside
+    prompt chunks (the decode kernel for the former); greedy tokens equal transformers'."""
+    import asyncio
+
+    from test_engine import assert_greedy_matches, collect, prompts
+
+    from radixd import Engine
+
+    path = tiny_models["llama"]
+    eng = Engine(model=str(path), kv_cache_tokens=1024, attention_backend="triton", dtype="float32",
+                 chunked_prefill_size=8, max_prefill_tokens=8)
+    mixed = []
+    eng.step_hook = lambda step: (eng.check_accounting(), mixed.append(
+        1 in step.batch.extend_lens and max(step.batch.extend_lens) > 1))
+    ps = prompts(3, 21, seed=4)
+    try:
+        first = asyncio.ensure_future(collect(eng, ps[0], 12))
+        while len(mixed) < 4:  # until the first request decodes (its prompt is three chunks)
+            await asyncio.sleep(0.01)
+        outs = [await first, *await asyncio.gather(*(collect(eng, p, 4) for p in ps[1:]))]
+    finally:
+        await eng.stop()
+    assert sum(mixed) >= 2
+    for p, got, n in zip(ps, outs, (12, 4, 4), strict=True):
+        assert_greedy_matches(path, p, got, n)
+
+
 async def test_engine_decodes_shared_prefixes_in_cascade(tiny_models):
     """Requests sharing a 260-token system prompt decode in cascade (one item, the prefix read
     once per step); their greedy tokens equal transformers' (fp32)."""
@@ -556,3 +584,48 @@ def test_decode_splits_fill_the_device():
     for b in (1, 2, 3, 5, 16, 100):
         s = decode_splits(b, 2, 132)
         assert MIN_SPLITS <= s <= MAX_SPLITS and s & (s - 1) == 0
+
+
+@pytest.mark.parametrize("extend_lens", [[1, 1, 4], [1, 5, 1, 3, 1]])
+def test_mixed_step_decodes_its_one_token_rows(extend_lens, monkeypatch):
+    """A step of decodes beside prompt chunks: the triton backend attends the one-token rows
+    with the decode kernel (leading the step, or anywhere in it) and the others with the
+    extend kernel; every row equals the torch backend's."""
+    from radixd.core.attention import make_backend, triton_backend
+    from radixd.core.forward_batch import ForwardBatch
+    from radixd.core.kv_pool import KVPool
+    from radixd.core.models.layers import Rotary
+
+    heads, kv_heads, dim = 4, 2, 32
+    prefix = [7, 0, 12, 3, 30][: len(extend_lens)]
+    b = len(extend_lens)
+    pool = KVPool(num_layers=1, num_slots=256, num_kv_heads=kv_heads, head_dim=dim, max_rows=b + 1,
+                  max_context_len=64, dtype=torch.float32, device=torch.device(DEV))
+    g = torch.Generator().manual_seed(5)
+    perm = torch.randperm(255, generator=g) + 1
+    rows = list(range(b))[::-1]
+    off, locs, pos = 0, [], []
+    for i in range(b):
+        n = prefix[i] + extend_lens[i]
+        pool.req_to_token[rows[i], :n] = perm[off : off + n].to(DEV)
+        locs.append(perm[off + prefix[i] : off + n])
+        pos.append(torch.arange(prefix[i], n))
+        off += n
+    pool.k_buffers[0].copy_(torch.randn(pool.k_buffers[0].shape, generator=g))
+    pool.v_buffers[0].copy_(torch.randn(pool.v_buffers[0].shape, generator=g))
+    t = sum(extend_lens)
+    fb = ForwardBatch(input_ids=torch.zeros(t, dtype=torch.int64), positions=torch.cat(pos),
+                      out_cache_loc=torch.cat(locs), rows=rows, prefix_lens=prefix, extend_lens=extend_lens)
+    q, k, v = (torch.randn(t, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    rotary = Rotary(dim, 64, 10000.0, None).to(DEV)
+    decodes = []
+    plain = triton_backend.decode_attention
+    monkeypatch.setattr(triton_backend, "decode_attention", lambda q, *a, **kw: decodes.append(q.shape[0]) or plain(q, *a, **kw))
+    outs = {}
+    for name in ("torch", "triton"):
+        attn = make_backend(name, pool, num_heads=heads, head_dim=dim, scale=dim**-0.5)
+        attn.begin(fb)
+        outs[name] = attn.forward(q.clone().to(DEV), k.clone().to(DEV), v.clone().to(DEV), 0,
+                                  fb.positions.to(DEV), rotary).cpu()
+    assert decodes == [extend_lens.count(1)]  # one decode launch for the step's one-token rows
+    assert rel_err(outs["triton"], outs["torch"].double()) < 1e-3

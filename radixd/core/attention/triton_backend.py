@@ -1,8 +1,11 @@
 """The ``triton`` attention backend: radix attention kernels reading the pool in place.
 
 A batch of only decode requests runs the split-KV decode kernel; any other batch runs the
-extend kernel for every request (a decode request is an extend of one token). ``set_decode``
-points the backend at caller-owned device tensors, which is how CUDA graphs replay it.
+extend kernel for its extends and, in a mixed step, the decode kernel for its one-token rows
+(through the extend kernel a decode row would take a whole tile of query rows sized for the
+step's longest chunk: at 256 decodes beside a 512-token chunk, most of an 8B step's time).
+Token trees run every row through the extend kernel. ``set_decode`` points the backend at
+caller-owned device tensors, which is how CUDA graphs replay it.
 
 A decode step of one request on CUDA also takes ``project_forward``: the layer's q/k/v
 projection with rotary and the KV store in its epilogue (``triton_ops.gemv_rope_store``).
@@ -58,6 +61,7 @@ class TritonAttention:
         dev = pool.device
         self.processors = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         self.decode = False
+        self.mixed = None
         self.shared = None
         self.tree: tuple[torch.Tensor, torch.Tensor] | None = None
         # Requests per shared-prefix item when decoding in cascade (ForwardBatch.shared);
@@ -112,6 +116,7 @@ class TritonAttention:
             self.set_decode(rows, seq_lens, loc, self._stage_shared(batch, stage))
             return
         self.decode = False
+        self.mixed = None  # (a mixed step's decode rows: set below)
         self.out_cache_loc = loc
         self._window_loc = None
         self.tree_mask = self.tree_offsets = None
@@ -121,11 +126,28 @@ class TritonAttention:
         if batch.trees is not None:
             self._begin_trees(batch, starts, stage)
             return
-        self.rows = rows
-        self.prefix_lens = stage(batch.prefix_lens)
-        self.extend_lens = stage(batch.extend_lens)
-        self.q_starts = stage(starts)
-        self.max_extend = max(batch.extend_lens)
+        ones = [i for i, e in enumerate(batch.extend_lens) if e == 1]
+        if not ones:
+            self.rows = rows
+            self.prefix_lens = stage(batch.prefix_lens)
+            self.extend_lens = stage(batch.extend_lens)
+            self.q_starts = stage(starts)
+            self.max_extend = max(batch.extend_lens)
+            return
+        # a mixed step: the one-token rows decode, the others extend
+        ext = [i for i, e in enumerate(batch.extend_lens) if e != 1]
+        self.rows = stage([batch.rows[i] for i in ext])
+        self.prefix_lens = stage([batch.prefix_lens[i] for i in ext])
+        self.extend_lens = stage([batch.extend_lens[i] for i in ext])
+        self.q_starts = stage([starts[i] for i in ext])
+        self.max_extend = max(batch.extend_lens[i] for i in ext)
+        n = len(ones)
+        # their tokens: the step's first n when the decodes lead (the scheduler's order), else gathered
+        tokens = slice(0, n) if ones[-1] == n - 1 else stage([starts[i] for i in ones])
+        splits = decode_splits(n, self.pool.k_buffers[0].shape[1], self.processors)
+        mid_o, mid_lse = self._scratch(n)
+        self.mixed = (tokens, stage([batch.rows[i] for i in ones]), stage([batch.seq_lens[i] for i in ones]), splits,
+                      mid_o[:, :, :splits], mid_lse[:, :, :splits])
 
     def _begin_trees(self, batch: ForwardBatch, starts: list[int], stage) -> None:
         """The extend kernel's inputs for a batch with token trees: each tree's rows are one
@@ -171,11 +193,23 @@ class TritonAttention:
         rope_store(q, k, v, positions, rotary.cos, rotary.sin, k_buf, v_buf, self._loc(layer), *scales)
         if self.decode:
             return self._decode(q, layer)
-        return extend_attention(q, k_buf, v_buf, self.pool.req_to_token, self.rows, self.prefix_lens,
-                                self.extend_lens, self.q_starts, self.max_extend, self.scale,
-                                window=self.windows[layer], softcap=self.softcap, k_scale=scales[0],
-                                v_scale=scales[1], slot_map=self._map(layer), tree_mask=self.tree_mask,
-                                tree_offsets=self.tree_offsets)
+        out = torch.empty_like(q)
+        if self.max_extend:
+            extend_attention(q, k_buf, v_buf, self.pool.req_to_token, self.rows, self.prefix_lens,
+                             self.extend_lens, self.q_starts, self.max_extend, self.scale, out=out,
+                             window=self.windows[layer], softcap=self.softcap, k_scale=scales[0],
+                             v_scale=scales[1], slot_map=self._map(layer), tree_mask=self.tree_mask,
+                             tree_offsets=self.tree_offsets)
+        if self.mixed is not None:
+            tokens, rows, seq_lens, splits, mid_o, mid_lse = self.mixed
+            qd = q[tokens]
+            od = decode_attention(qd, k_buf, v_buf, self.pool.req_to_token, rows, seq_lens, self.scale,
+                                  num_splits=splits, out=out[tokens] if isinstance(tokens, slice) else None,
+                                  mid_o=mid_o, mid_lse=mid_lse, window=self.windows[layer], softcap=self.softcap,
+                                  k_scale=scales[0], v_scale=scales[1], slot_map=self._map(layer))
+            if not isinstance(tokens, slice):
+                out[tokens] = od
+        return out
 
     def _scales(self, layer: int) -> tuple[float, float]:
         """The layer's K and V scales (an fp8 pool's; 1.0 otherwise)."""
