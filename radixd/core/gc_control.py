@@ -7,8 +7,10 @@ a device whose next step was not launched in time sits idle for all of it (every
 device, with ``dp_size`` > 1: one loop drives them all). So while an engine runs:
 
 - ``freeze``: what exists when it starts (libraries, model, captured graphs) goes to the
-  collector's permanent generation, never walked again (``gc.freeze``); put back when the
-  last engine stops (``gc.unfreeze``), so a stopped engine's cycles can still be freed.
+  collector's permanent generation, never walked again (``gc.freeze``); put back when an
+  engine stops (``gc.unfreeze``), so that its cycles (a model's weights on a device among
+  them) can be freed. Where other engines still run, what survives the next full
+  collection is frozen again.
 - ``threshold``: the youngest generation's threshold is raised (Python's default is 700
   allocations); a step allocates thousands of short-lived objects, and each young
   collection moves survivors on, toward the next full one.
@@ -38,11 +40,15 @@ class GcPauses:
         self.seconds = 0.0
         self.max_seconds = 0.0
         self._t0 = 0.0
+        self.refreeze = False  # freeze what the next full collection leaves
 
     def callback(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
             return
+        if self.refreeze and info["generation"] == 2:
+            self.refreeze = False
+            gc.freeze()
         dt = time.perf_counter() - self._t0
         self.count += 1
         self.seconds += dt
@@ -89,6 +95,9 @@ class _Holders:
                 return
             self._count -= 1
             if self._count:
+                if self._froze:  # the stopped engine's objects walked again, and freed with the next full collection
+                    gc.unfreeze()
+                    self.pauses.refreeze = True
                 return
             if self._froze:
                 gc.unfreeze()
