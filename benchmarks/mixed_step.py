@@ -104,6 +104,11 @@ def measure(c: dict) -> dict:
             res[name] = {"error": f"relative error {err:.3g}"}
             continue
         res[name] = {"us": round(timed(lambda fn=fn, out=out: fn(out), reps=30) * 1e6, 1), "rel_err": round(err, 5)}
+    for k in (2, 4, 8):  # the decode kernel's other split counts, in the mixed step
+        if k != splits:
+            m = (torch.empty(c["decodes"], H, k, D, device=DEV), torch.empty(c["decodes"], H, k, device=DEV))
+            o = torch.empty_like(c["q"])
+            res[f"split_{k}_us"] = round(timed(lambda m=m, o=o: split(c, o, m), reps=30) * 1e6, 1)
     out = torch.empty_like(c["q"])
     res["decode_only_us"] = round(timed(lambda: decode_only(c, out, mid), reps=30) * 1e6, 1)
     res["chunk_only_us"] = round(timed(lambda: chunk_only(c, out), reps=30) * 1e6, 1)

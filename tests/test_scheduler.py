@@ -142,6 +142,20 @@ def test_admission_stops_at_the_token_budget():
     free_of_requests(s)
 
 
+def test_steps_that_decode_take_the_mixed_prefill_budget():
+    """While requests decode, a step carries at most ``mixed_prefill_tokens`` prompt tokens
+    (arriving prompts come in such chunks); with nothing decoding, ``max_prefill_tokens``."""
+    s, w = make(max_prefill_tokens=16, chunked_prefill_size=16, mixed_prefill_tokens=6), FakeWorker()
+    a, b = req(s, prompt(12), rid="a", max_new_tokens=6), req(s, prompt(4, 40), rid="b", max_new_tokens=6)
+    assert step(s, w).batch.extend_lens == [12, 4]  # nothing decodes yet: the whole budget
+    c = req(s, prompt(14, 70), rid="c", max_new_tokens=2)
+    lens = [st.batch.extend_lens for st in (step(s, w), step(s, w), step(s, w))]
+    assert lens == [[1, 1, 6], [1, 1, 6], [1, 1, 2]]  # c's 14 tokens, 6 a step beside two decodes
+    drain(s, w)
+    assert c.output_ids == [pick(c, i) for i in range(2)] and a.output_ids == [pick(a, i) for i in range(6)]
+    free_of_requests(s)
+
+
 def test_admission_stops_at_the_running_limit():
     s, w = make(max_running_requests=2), FakeWorker()
     rs = [req(s, prompt(6, 3 + 20 * i), rid=f"q{i}", max_new_tokens=2 + i) for i in range(3)]

@@ -219,6 +219,9 @@ class EngineConfig:
     max_running_requests: int = option(64, key="scheduler.max_running_requests", min=1)
     max_prefill_tokens: int = option(4096, key="scheduler.max_prefill_tokens", min=1)
     chunked_prefill_size: int = option(2048, key="scheduler.chunked_prefill_size", min=1)
+    # Prompt tokens of a step that also decodes (0: max_prefill_tokens): a smaller budget keeps
+    # the decoding requests' inter-token latency flat while prompts arrive.
+    mixed_prefill_tokens: int = option(0, key="scheduler.mixed_prefill_tokens", min=0)
     # Fraction of each running request's remaining max_new_tokens kept free when admitting.
     schedule_conservativeness: float = option(0.3, key="scheduler.schedule_conservativeness", min=0.0, max=1.0)
     # Launch step N+1 before reading step N's picks (the device never waits for the host).

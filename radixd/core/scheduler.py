@@ -133,13 +133,16 @@ class Scheduler(SchedulerInterface):
             plan += [(r, 1)] * (1 + len(d))
         decodes = len(plan)
         budget = self.config.max_prefill_tokens
+        if decodes and self.config.mixed_prefill_tokens:
+            budget = min(budget, self.config.mixed_prefill_tokens)
+        start = budget
 
         # 2. Continue chunked prefills (a smaller chunk if memory is short).
         if mid_prefill:
             budget = self._continue_prefills(plan, budget)
 
         # 3. Admit waiting requests in the policy's order.
-        budget = self._admit_waiting(plan, decodes, budget)
+        budget = self._admit_waiting(plan, decodes, budget, start)
 
         if not plan:
             if inflight:
@@ -153,7 +156,7 @@ class Scheduler(SchedulerInterface):
         # 4. Build the batch and commit the step: its KV counts as computed, each pick gets a
         # placeholder, and each placeholder it reads says where among the launched picks it is.
         # (tokens planned: one per decode, and what prefills took of the budget)
-        planned = decodes + self.config.max_prefill_tokens - budget
+        planned = decodes + start - budget
         step = self.builder.build(plan, decodes, self.kv_manager.alloc(planned), self.cascade_members, drafts)
         step.batch.window_map = self.kv_manager.take_window_map()  # (before commit: see swa_pool)
         step.drafts = drafts
@@ -208,9 +211,10 @@ class Scheduler(SchedulerInterface):
                 planned += n
         return budget
 
-    def _admit_waiting(self, plan: list[tuple[Request, int]], decodes: int, budget: int) -> int:
+    def _admit_waiting(self, plan: list[tuple[Request, int]], decodes: int, budget: int, start: int) -> int:
         """Waiting requests in the policy's order onto ``plan`` (``decodes`` decodes, then
-        prefill chunks) while the budgets allow; the budget left."""
+        prefill chunks) while the budgets allow (``start``: the step's prompt-token budget,
+        ``budget`` of it left); the budget left."""
         limit = self.config.max_running_requests
         # (no room for another request: the policy's ranking, which can walk every waiting
         # prompt, would be thrown away)
@@ -221,7 +225,7 @@ class Scheduler(SchedulerInterface):
         # requests computing prompt tokens this step (their final chunk included): later
         # requests sharing those tokens should wait a step and read them from the cache
         prefilling = [r for r, n in plan if n > 1 or r.kv.length + n < r.seq_len]
-        planned = decodes + self.config.max_prefill_tokens - budget
+        planned = decodes + start - budget
         for r in self.policy.order(ready, PolicyContext(cache=self.cache, prefilling=prefilling)):
             if budget <= 0 or len(self.running) >= limit:
                 break
