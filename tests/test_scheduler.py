@@ -152,7 +152,8 @@ def test_steps_that_decode_take_the_mixed_prefill_budget():
     lens = [st.batch.extend_lens for st in (step(s, w), step(s, w), step(s, w))]
     assert lens == [[1, 1, 6], [1, 1, 6], [1, 1, 2]]  # c's 14 tokens, 6 a step beside two decodes
     drain(s, w)
-    assert c.output_ids == [pick(c, i) for i in range(2)] and a.output_ids == [pick(a, i) for i in range(6)]
+    assert c.output_ids == [pick(c, i) for i in range(2)]
+    assert a.output_ids == [pick(a, i) for i in range(6)] and b.output_ids == [pick(b, i) for i in range(6)]
     free_of_requests(s)
 
 
