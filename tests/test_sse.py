@@ -1,14 +1,16 @@
 """The SSE path without a model: the framing against ``json.dumps``, ``SSEResponse`` (events
 written together when ready, nothing held back behind a wait, disconnects, the closing body),
-and ``Generation.outputs`` flushing before it waits."""
+``Generation.outputs`` flushing before it waits, and the Gate's per-response write deadline."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
+from radixd.server.gate import ClientTooSlow, SendDeadline
 from radixd.server.generation import Generation
 from radixd.server.sse import DONE, Framing, SSEResponse, frame, frame_json
 
@@ -193,3 +195,60 @@ def test_events_that_raise_are_not_reported_as_a_client_gone():
     with pytest.raises(RuntimeError, match="forward pass failed"):
         asyncio.run(run())
     assert closed == [False]
+
+
+# ------------------------------------------------------------------------ the Gate's write deadline
+
+
+def test_a_blocked_write_is_too_slow_after_the_limit():
+    async def run():
+        deadline = SendDeadline(0.1)
+
+        async def blocked(message):
+            await asyncio.sleep(3600)
+
+        t = time.monotonic()
+        with pytest.raises(ClientTooSlow):
+            await deadline.write(blocked, {})
+        deadline.close()
+        assert asyncio.current_task().cancelling() == 0  # the cancellation was taken back
+        return time.monotonic() - t
+
+    assert 0.09 < asyncio.run(run()) < 1.0
+
+
+def test_quick_writes_past_the_limit_in_total_never_trip():
+    async def run():
+        deadline = SendDeadline(0.05)
+        writes = 0
+
+        async def quick(message):
+            nonlocal writes
+            await asyncio.sleep(0.01)
+            writes += 1
+
+        t = time.monotonic()
+        while time.monotonic() - t < 0.3:  # six limits' worth of 10 ms writes
+            await deadline.write(quick, {})
+        deadline.close()
+        return writes
+
+    assert asyncio.run(run()) >= 10
+
+
+def test_a_cancelled_write_stays_a_cancellation():
+    async def run():
+        deadline = SendDeadline(10.0)
+
+        async def blocked(message):
+            await asyncio.sleep(3600)
+
+        task = asyncio.ensure_future(deadline.write(blocked, {}))
+        await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        deadline.close()
+        assert deadline._timer is None
+
+    asyncio.run(run())
