@@ -345,8 +345,9 @@ class Generation:
     def stream(self, events: Callable[[], AsyncIterator[bytes]], done: bool = True) -> Response:
         """``events()`` (SSE bytes) as server-sent events, then ``[DONE]`` if ``done``; the
         events that ``outputs`` finds ready together are written together."""
+        ready = self.subs[0].ready if len(self.subs) == 1 else self.ready
         self._stream = sse_response(events(), self.subs, self.tracker, self.st.settings.server.sse_ping_s, done,
-                                    ready=self.ready)
+                                    ready=ready)
         return self._stream
 
 
