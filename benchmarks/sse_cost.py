@@ -14,7 +14,8 @@ token, ``[DONE]`` last).
 Reported per tree (``--tree NAME=DIR``: the daemon imports radixd from DIR; rounds
 alternate between the trees so that background load hits each alike) and per stream count:
 CPU µs per streamed token event of the event loop's thread (the headline) and of the whole
-daemon process, tokens/s (wall: only meaningful on a quiet machine), and the same workload
+daemon process (and the process's system time: the kernel's side of the writes), body writes
+per token (HTTP chunks: several events in one write count once), tokens/s (wall: only meaningful on a quiet machine), and the same workload
 through the in-process ``Engine`` of the same daemon (consumers iterating ``generate``), so
 that the serving path's share is the difference. One more run per tree and stream count
 under cProfile (the loop thread's CPU clock) gives the top functions and the time per
@@ -38,6 +39,7 @@ import re
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import urllib.request
@@ -75,7 +77,8 @@ def serve(a: argparse.Namespace) -> int:
     prof: list[cProfile.Profile] = []
 
     async def cpu(request: Request):
-        return JSONResponse({"loop_thread_s": time.thread_time(), "process_s": time.process_time()})
+        return JSONResponse({"loop_thread_s": time.thread_time(), "process_s": time.process_time(),
+                             "process_sys_s": os.times().system})
 
     async def profile(request: Request):
         body = await request.json()
@@ -152,10 +155,18 @@ def profile_report(prof) -> dict:
         by_pkg[label] = by_pkg.get(label, 0.0) + tt
     out = {"total_s": round(total, 4),
            "by_package_s": {k: round(v, 4) for k, v in sorted(by_pkg.items(), key=lambda kv: -kv[1])}}
+    # paths relative to the checkout, site-packages and the standard library (no machine's paths)
+    import radixd
+
+    prefixes = [str(Path(radixd.__file__).resolve().parents[1]) + "/", sysconfig.get_paths()["purelib"] + "/",
+                sysconfig.get_paths()["stdlib"] + "/"]
     for key, n in (("tottime", 30), ("cumulative", 40)):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(key).print_stats(n)
-        out[key] = s.getvalue()
+        text = s.getvalue()
+        for prefix in prefixes:
+            text = text.replace(prefix, "")
+        out[key] = text
     return out
 
 
@@ -290,6 +301,7 @@ def run_client(srv: Server, streams: int, a: argparse.Namespace) -> dict:
         raise RuntimeError(f"{srv.name}: {verdict['bad_responses']} malformed responses")
     return {"loop_thread_s": after["loop_thread_s"] - before["loop_thread_s"],
             "process_s": after["process_s"] - before["process_s"], "wall_s": first["wall_s"],
+            "process_sys_s": after["process_sys_s"] - before["process_sys_s"],
             "tokens": verdict["token_events"], "body_writes": verdict["body_writes"]}
 
 
@@ -298,7 +310,8 @@ def per_token(r: dict) -> dict:
     return {"loop_us_per_token": round(r["loop_thread_s"] * 1e6 / n, 2),
             "process_us_per_token": round(r["process_s"] * 1e6 / n, 2),
             "tokens_per_s": round(r["tokens"] / r["wall_s"], 1), "tokens": r["tokens"],
-            **({"writes_per_token": round(r["body_writes"] / n, 3)} if "body_writes" in r else {})}
+            **({"writes_per_token": round(r["body_writes"] / n, 3),
+                "process_sys_us_per_token": round(r["process_sys_s"] * 1e6 / n, 2)} if "body_writes" in r else {})}
 
 
 def main() -> int:
@@ -348,7 +361,7 @@ def main() -> int:
                     row["engine"].append(eng)
                     print(f"round {rnd} {srv.name} streams={streams}: http loop {http['loop_us_per_token']} "
                           f"us/token (process {http['process_us_per_token']}, {http['tokens_per_s']} tok/s, "
-                          f"{http['writes_per_token']} writes/token); "
+                          f"{http['writes_per_token']} writes/token, kernel {http['process_sys_us_per_token']} us/token); "
                           f"in-process loop {eng['loop_us_per_token']} us/token", flush=True)
         profiles = {}
         if not a.no_profile:
