@@ -197,21 +197,20 @@ def sse_lines(ping_s: float | None, seconds: float) -> list[str]:
 
 
 def test_sse_sends_no_keep_alive_comments_by_default(monkeypatch):
-    # sse-starlette's ping loop sleeps its interval on anyio's clock: with every sleep of that
-    # module cut to 0.05 s, any interval (its own default of 15 s, or one passed to it) pings
-    # within a short stream
-    import anyio
-    import sse_starlette.sse as sse_module
+    # the response's keep-alive loop sleeps its interval on its module's asyncio: with every
+    # sleep there cut to 0.05 s, any interval (15 s, sse-starlette's default) pings within a
+    # short stream
+    import radixd.server.sse as sse_module
 
     class FastClock:
         def __getattr__(self, name):
-            return getattr(anyio, name)
+            return getattr(asyncio, name)
 
         @staticmethod
         async def sleep(seconds: float) -> None:
-            await anyio.sleep(min(seconds, 0.05))
+            await asyncio.sleep(min(seconds, 0.05))
 
-    monkeypatch.setattr(sse_module, "anyio", FastClock())
+    monkeypatch.setattr(sse_module, "asyncio", FastClock())
     assert [x for x in sse_lines(15.0, 0.6) if x.startswith(":")]  # (a 15 s interval pings on this clock)
     lines = sse_lines(None, 0.6)
     assert [x for x in lines if x.startswith("data:")] == ["data: 0", "data: 1", "data: 2", "data: [DONE]"]

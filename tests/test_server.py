@@ -146,6 +146,44 @@ def test_sse_frames_well_formed(http):
         assert chunk["object"] == "chat.completion.chunk" and chunk["model"] == MODEL
 
 
+def test_stream_bytes_are_compact_ascii_json(http):
+    """Every event of a stream is ``data: `` + ``json.dumps(chunk, separators=(",", ":"))``
+    (ASCII, as before templates rendered the common chunks), whatever the text."""
+    bodies = [("/v1/completions", {"model": MODEL, "prompt": "Caf\u00e9 \u4e2d\u6587 \"quoted\"", "max_tokens": 12,
+                                   "temperature": 1.0, "seed": 3, "stream": True,
+                                   "stream_options": {"include_usage": True}}),
+              ("/v1/chat/completions", {"model": MODEL, "messages": chat_msgs("\u00bfQu\u00e9 tal? \U0001F600"),
+                                        "max_tokens": 12, "temperature": 1.0, "seed": 3, "stream": True})]
+    for path, body in bodies:
+        with http.stream("POST", path, json=body) as r:
+            raw = r.read()
+        assert raw.endswith(b"data: [DONE]\r\n\r\n") and raw.isascii()
+        events = raw.split(b"\r\n\r\n")[:-1]
+        assert events and all(e.startswith(b"data: ") and b"\r\n" not in e for e in events)
+        chunks = [e[6:] for e in events[:-1]]
+        for c in chunks:
+            assert c == json.dumps(json.loads(c), separators=(",", ":")).encode(), c
+        assert len(chunks) >= 12
+
+
+def test_disconnect_mid_stream_frees_the_kv(daemon, http):
+    assert_kv_idle(http)
+    before = http.get("/server_info").json()["stats"]["decode_tokens"]
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=daemon.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            got = 0
+            for line in r.iter_lines():
+                got += line.startswith("data: ")
+                if got == 3:
+                    break  # leave with the request running
+    kv = assert_kv_idle(http)
+    assert kv["locked"] == 0
+    served = http.get("/server_info").json()["stats"]
+    assert served["running"] == 0 and served["waiting"] == 0
+    assert served["decode_tokens"] - before < 300  # aborted, not run to its 400 tokens
+
+
 # ------------------------------------------------------------------------ native and utility routes
 
 

@@ -161,6 +161,10 @@ class Submission:
             self._left -= 1
         return item
 
+    def ready(self) -> bool:
+        """Whether ``__anext__`` returns without waiting (an output or the end is there)."""
+        return self._left == 0 or self._queue.qsize() > 0
+
     def close(self) -> None:
         """Abort unfinished samples and forget the call (idempotent)."""
         self._outputs.forget(self.rid, self.reqs, abort=self._left > 0)

@@ -45,6 +45,7 @@ class Gate:
         scope.setdefault("state", {})["radixd"] = info
 
         error_body = bytearray()
+        deadline = SendDeadline(st.settings.server.send_timeout_s)
 
         async def send_wrapped(message):
             if message["type"] == "http.response.start":
@@ -55,12 +56,8 @@ class Gate:
                 error_body.extend(message.get("body", b"")[:ERROR_BODY_CAP])
                 if not message.get("more_body"):
                     info.update(_error_of(error_body))
-            limit = st.settings.server.send_timeout_s
-            try:
-                async with asyncio.timeout(limit):
-                    await send(message)
-            except TimeoutError:
-                raise ClientTooSlow(f"a write to the client blocked for {limit} s") from None
+            deadline.limit = st.settings.server.send_timeout_s
+            await deadline.write(send, message)
 
         st.inflight += 1
         st.idle.clear()
@@ -97,6 +94,7 @@ class Gate:
             if info["status"] == 0:  # the app ended without a response: the client left first
                 info["status"] = CLIENT_CLOSED
                 info.setdefault("outcome", "client_disconnected")
+            deadline.close()
             st.inflight -= 1
             if st.inflight == 0:
                 st.idle.set()
@@ -138,6 +136,73 @@ class Gate:
 
 class ClientTooSlow(Exception):
     """A write to the client blocked longer than ``server.send_timeout_s``."""
+
+
+class SendDeadline:
+    """``write(send, message)``: ``send(message)``, raising ``ClientTooSlow`` if it blocks
+    ``limit`` seconds, as an ``asyncio.timeout`` around each write would, with one timer per
+    response instead of one per write (a stream writes once per token): the timer, armed by the
+    first write, wakes when the write in progress at its arming could be due, and re-arms for
+    the one in progress then (none: the next write arms it). Of two writes at once (a
+    keep-alive beside an event) the first is timed. ``close()`` when the response is over."""
+
+    __slots__ = ("limit", "since", "_task", "_cancelling", "_timer", "_fired")
+
+    def __init__(self, limit: float):
+        self.limit = limit
+        self.since: float | None = None  # when the write in progress began
+        self._task: asyncio.Task | None = None
+        self._cancelling = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._fired = False
+
+    async def write(self, send, message) -> None:
+        timed = self._begin()
+        try:
+            await send(message)
+        except asyncio.CancelledError:
+            if timed and self._expired():
+                raise ClientTooSlow(f"a write to the client blocked for {self.limit} s") from None
+            raise
+        finally:
+            if timed:
+                self.since = None
+
+    def _begin(self) -> bool:
+        if self.since is not None:
+            return False
+        loop = asyncio.get_running_loop()
+        self.since = loop.time()
+        task = self._task = asyncio.current_task()
+        self._cancelling = task.cancelling()
+        if self._timer is None:
+            self._timer = loop.call_at(self.since + self.limit, self._check)
+        return True
+
+    def _check(self) -> None:
+        self._timer = None
+        if self.since is None:
+            return
+        due = self.since + self.limit
+        loop = asyncio.get_running_loop()
+        if loop.time() >= due:
+            self._fired = True
+            self._task.cancel()
+        else:
+            self._timer = loop.call_at(due, self._check)
+
+    def _expired(self) -> bool:
+        """After a write's ``CancelledError``: whether it was this deadline's (then the
+        cancellation is taken back, as ``asyncio.timeout`` does)."""
+        if not self._fired:
+            return False
+        self._fired = False
+        return self._task.uncancel() <= self._cancelling
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 async def _discard_body(receive, cap: int) -> None:

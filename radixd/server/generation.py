@@ -12,12 +12,10 @@ closed and it is reported once (metrics, access log, ``radixd_request_finished``
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -27,6 +25,7 @@ from radixd.core.sampling_params import SamplingParams
 from radixd.plugins.guard import PluginFault
 from radixd.server import protocol
 from radixd.server.errors import ApiError
+from radixd.server.sse import DONE, SSEResponse, frame_json
 from radixd.server.state import ServerState
 
 
@@ -173,10 +172,12 @@ async def collect(subs: list[Submission], request: Request, tracker: Tracker) ->
     return work.result()
 
 
-async def merged(subs: list[Submission], maxsize: int = 0) -> AsyncIterator[tuple[int, GenerateOutput]]:
+async def merged(subs: list[Submission], maxsize: int = 0,
+                 idle: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[tuple[int, GenerateOutput]]:
     """Interleave several submissions' outputs as they come: (submission index, output).
     ``maxsize`` bounds what waits here, so outputs a slow client does not take pile up in
-    the engine, which aborts the call past ``server.stream_buffer``."""
+    the engine, which aborts the call past ``server.stream_buffer``. ``idle()`` is awaited
+    before each wait for an output (the stream writes what it held back)."""
     queue: asyncio.Queue = asyncio.Queue(maxsize)
 
     async def pump(i: int, sub: Submission):
@@ -192,6 +193,8 @@ async def merged(subs: list[Submission], maxsize: int = 0) -> AsyncIterator[tupl
     left = len(subs)
     try:
         while left:
+            if idle is not None and queue.empty():
+                await idle()
             i, item = await queue.get()
             if item is None:
                 left -= 1
@@ -206,40 +209,21 @@ async def merged(subs: list[Submission], maxsize: int = 0) -> AsyncIterator[tupl
             s.close()
 
 
-def sse_response(events: AsyncIterator[dict], subs: list[Submission], tracker: Tracker,
-                 ping_s: float = 0.0, done: bool = True) -> Response:
+def sse_response(events: AsyncIterator[bytes | dict], subs: list[Submission], tracker: Tracker,
+                 ping_s: float = 0.0, done: bool = True, ready: Callable[[], bool] | None = None) -> SSEResponse:
     """Stream ``events`` as SSE, end with ``[DONE]`` (unless not ``done``: the Responses API
     ends at its last event); however the stream ends (finished, client gone), close the
     submissions and report the request once. ``ping_s`` > 0: a keep-alive comment every that
-    many seconds (``server.sse_ping_s``; 0: none)."""
+    many seconds (``server.sse_ping_s``; 0: none). ``ready``: see ``SSEResponse``."""
 
-    async def framed():
-        try:
-            async for event in events:
-                yield event
-            if done:
-                yield {"data": "[DONE]"}
-        except (asyncio.CancelledError, GeneratorExit):  # the client left: the response is cancelled
+    def closed(gone: bool) -> None:
+        if gone:
             tracker.info.setdefault("outcome", "client_disconnected")
-            raise
-        finally:
-            for sub in subs:
-                sub.close()
-            tracker.done()
+        for sub in subs:
+            sub.close()
+        tracker.done()
 
-    return _SSE(framed(), ping=ping_s)
-
-
-class _SSE(EventSourceResponse):
-    """An ``EventSourceResponse`` that closes its events when the response ends: a send that
-    fails or is cancelled (the client left) leaves them suspended at a ``yield``, and their
-    clean-up (submissions closed, the request reported) must not wait for the collector."""
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
+    return SSEResponse(events, ping_s, end=DONE if done else b"", ready=ready, closed=closed)
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict:
@@ -248,8 +232,8 @@ def usage(prompt: int, completion: int, cached: int) -> dict:
 
 
 
-def sse(payload: dict) -> dict:
-    return {"data": json.dumps(payload, separators=(",", ":"))}
+def sse(payload: dict) -> bytes:
+    return frame_json(payload)
 
 
 
@@ -262,6 +246,7 @@ class Generation:
         self.subs = subs
         self.tracker = Tracker(st, request, subs)
         self.leg = leg  # its part in a prefill/decode pair (radixd.server.disagg.Leg), or None
+        self._stream: SSEResponse | None = None
 
     @classmethod
     async def start(cls, st: ServerState, request: Request, prompts: list[str | list[int]],
@@ -319,21 +304,51 @@ class Generation:
             if self.leg is not None:
                 self.leg.close()
 
+    def ready(self) -> bool:
+        """Whether an output waits to be read (``outputs`` yields without waiting)."""
+        return any(s.ready() for s in self.subs)
+
     async def outputs(self) -> AsyncIterator[tuple[int, GenerateOutput]]:
-        """(submission index, output) as they come, counted by the tracker."""
+        """(submission index, output) as they come, counted by the tracker. Before it waits
+        for one, the stream writes the events it held back."""
+        idle = self._stream.flush if self._stream is not None else None
         try:
-            async for i, out in merged(self.subs, self.st.settings.server.stream_buffer):
-                self.tracker.see(out, i)
-                yield i, out
+            if len(self.subs) == 1:  # read directly: the engine bounds its unread outputs itself
+                sub, see = self.subs[0], self.tracker.see
+                while True:
+                    if idle is not None and not sub.ready():
+                        await idle()
+                    try:
+                        out = await sub.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    see(out)
+                    yield 0, out
+            else:
+                source = merged(self.subs, self.st.settings.server.stream_buffer, idle)
+                try:
+                    async for i, out in source:
+                        self.tracker.see(out, i)
+                        yield i, out
+                finally:
+                    await source.aclose()
             if self.leg is not None:
+                if idle is not None:  # the events so far leave before the wait for the peer
+                    await idle()
                 await self.leg.finish(self.subs)
         finally:
+            if len(self.subs) == 1:
+                self.subs[0].close()
             if self.leg is not None:
                 self.leg.close()
 
-    def stream(self, events: Callable[[], AsyncIterator[dict]], done: bool = True) -> Response:
-        """``events()`` as server-sent events, then ``[DONE]`` if ``done``."""
-        return sse_response(events(), self.subs, self.tracker, self.st.settings.server.sse_ping_s, done)
+    def stream(self, events: Callable[[], AsyncIterator[bytes]], done: bool = True) -> Response:
+        """``events()`` (SSE bytes) as server-sent events, then ``[DONE]`` if ``done``; the
+        events that ``outputs`` finds ready together are written together."""
+        ready = self.subs[0].ready if len(self.subs) == 1 else self.ready
+        self._stream = sse_response(events(), self.subs, self.tracker, self.st.settings.server.sse_ping_s, done,
+                                    ready=ready)
+        return self._stream
 
 
 def samples(outs: list[GenerateOutput], n: int) -> list[list[GenerateOutput]]:

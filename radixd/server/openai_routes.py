@@ -20,7 +20,8 @@ from radixd import __version__
 from radixd.core.outputs import GenerateOutput
 from radixd.server import protocol, reasoning, tool_calls
 from radixd.server.chat import chat_prompt_ids
-from radixd.server.generation import Generation, samples, sse
+from radixd.server.generation import Generation, samples
+from radixd.server.sse import Framing
 from radixd.server.state import state_of
 
 
@@ -77,9 +78,13 @@ async def start_chat(st, request: Request, req: protocol.ChatRequest, body: dict
             "choices": choices, "usage": gen.usage(), "system_fingerprint": f"radixd-{__version__}", **extra,
         }
 
-    async def events(event: Callable[[dict], dict] = lambda chunk: chunk):
+    async def events(event: Framing | Unframed = UNFRAMED):
         base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
                 "system_fingerprint": f"radixd-{__version__}"}
+
+        def content_chunk(index: int, text: str) -> dict:  # the common chunk: only its content changes
+            return {**base, "choices": [{"index": index, "delta": {"content": text}, "logprobs": None,
+                                         "finish_reason": None}]}
         for i in range(params.n):
             yield event({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]})
@@ -95,6 +100,9 @@ async def start_chat(st, request: Request, req: protocol.ChatRequest, body: dict
             deltas = deltas or ([{}] if lp or out.finished else [])
             for k, delta in enumerate(deltas):
                 end = out.finished and k == len(deltas) - 1
+                if not end and (lp is None or k > 0) and len(delta) == 1 and type(delta.get("content")) is str:
+                    yield event.text(content_chunk, out.index, delta["content"])
+                    continue
                 yield event({**base, "choices": [{
                     "index": out.index, "delta": delta, "logprobs": lp if k == 0 else None,
                     "finish_reason": calls.finish_reason(out.index, out.finish_reason) if end else None,
@@ -155,6 +163,9 @@ async def completions(request: Request) -> Response:
     async def events():
         base = {"id": cid, "object": "text_completion", "created": created, "model": st.model_name}
         event = chunks(gen, parsed.continuous_usage)
+
+        def text_chunk(index: int, text: str) -> dict:  # the common chunk: only its text changes
+            return {**base, "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": None}]}
         offsets: dict[int, int] = {}
         if req.echo and not echo_lp:
             for pi in range(len(prompts)):
@@ -171,7 +182,11 @@ async def completions(request: Request) -> Response:
             if params.logprobs:
                 lp = completion_logprobs(tok, [out], offsets.get(idx, 0))
                 offsets[idx] = offsets.get(idx, 0) + len(out.text)
-            if out.text or out.token_ids or out.finished:
+            if not (out.text or out.token_ids or out.finished):
+                continue
+            if lp is None and not out.finished:
+                yield event.text(text_chunk, idx, out.text)
+            else:
                 yield event({**base, "choices": [{"index": idx, "text": out.text, "logprobs": lp,
                                                 "finish_reason": out.finish_reason if out.finished else None,
                                                 **({"stop_reason": stop_reason(out, params)} if out.finished else {})}]})
@@ -188,11 +203,22 @@ def stop_reason(out: GenerateOutput, params) -> int | str | None:
     return m if isinstance(m, str) or m in params.stop_token_ids else None
 
 
-def chunks(gen: Generation, continuous_usage: bool):
+def chunks(gen: Generation, continuous_usage: bool) -> Framing:
     """The stream's event framing: with ``continuous_usage`` every chunk carries the usage so far."""
-    if not continuous_usage:
-        return sse
-    return lambda payload: sse({**payload, "usage": gen.usage()})
+    return Framing((lambda: {"usage": gen.usage()}) if continuous_usage else None)
+
+
+class Unframed:
+    """``ChatCall.chunks``' default ``event``: the chunk objects themselves, unframed."""
+
+    def __call__(self, chunk: dict) -> dict:
+        return chunk
+
+    def text(self, build: Callable[[int, str], dict], key: int, text: str) -> dict:
+        return build(key, text)
+
+
+UNFRAMED = Unframed()
 
 
 def truncated(st, ids: list[int], parsed: protocol.ParsedRequest) -> list[int]:

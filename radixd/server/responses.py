@@ -31,6 +31,7 @@ from radixd.server import protocol
 from radixd.server.errors import ApiError
 from radixd.server.openai_routes import start_chat
 from radixd.server.responses_protocol import parse_responses, renamed
+from radixd.server.sse import frame_json
 from radixd.server.state import state_of
 
 _STATUS = {"stop": "completed", "tool_calls": "completed", "length": "incomplete", "abort": "failed"}
@@ -70,9 +71,9 @@ async def create_response(request: Request) -> Response:
     return call.gen.stream(lambda: (sse(e) async for e in events()), done=False)
 
 
-def sse(event: dict) -> dict:
+def sse(event: dict) -> bytes:
     """A Responses stream event framed as SSE: its type also on the ``event:`` line."""
-    return {"event": event["type"], "data": json.dumps(event, separators=(",", ":"))}
+    return frame_json(event, event["type"])
 
 
 def settings(echo: dict[str, Any], params) -> dict[str, Any]:
