@@ -41,6 +41,11 @@ def test_text_chunks_are_json_dumps_bytes(text):
 
 
 def test_framing_matches_sse_starlette():
+    from sse_starlette.sse import ServerSentEvent
+
+    for data, event in (('{"a":"\\u00e9"}', None), ('{"type":"x"}', "x"), ("[DONE]", None)):
+        assert frame(data, event) == ServerSentEvent(data=data, event=event).encode()
+    assert frame_json({"a": "\u00e9"}) == ServerSentEvent(data='{"a":"\\u00e9"}').encode()
     assert frame_json({"a": "\u00e9"}) == compact({"a": "\u00e9"})
     assert frame("a\nb\r\nc", "evt") == b"event: evt\r\ndata: a\r\ndata: b\r\ndata: c\r\n\r\n"
     assert frame_json({"type": "x"}, "x") == b'event: x\r\ndata: {"type":"x"}\r\n\r\n'

@@ -271,7 +271,7 @@ async def test_engine_with_triton_backend_matches_transformers(tiny_models, arch
         await eng.stop()
 
 
-async def test_engine_mixed_steps_on_triton_backend_match_transformers(tiny_models):
+async def test_engine_mixed_steps_on_triton_backend_match_transformers(tiny_models, monkeypatch):
     """Prompts arriving while others decode, in chunks of 8 tokens: steps carry decodes beside
     prompt chunks (the decode kernel for the former); greedy tokens equal transformers'."""
     import asyncio
@@ -279,7 +279,9 @@ async def test_engine_mixed_steps_on_triton_backend_match_transformers(tiny_mode
     from test_engine import assert_greedy_matches, collect, prompts
 
     from radixd import Engine
+    from radixd.core.attention import triton_backend
 
+    monkeypatch.setattr(triton_backend, "MIXED_DECODE_ROWS", 1)
     path = tiny_models["llama"]
     eng = Engine(model=str(path), kv_cache_tokens=1024, attention_backend="triton", dtype="float32",
                  chunked_prefill_size=8, max_prefill_tokens=8)
@@ -618,6 +620,7 @@ def test_mixed_step_decodes_its_one_token_rows(extend_lens, monkeypatch):
                       out_cache_loc=torch.cat(locs), rows=rows, prefix_lens=prefix, extend_lens=extend_lens)
     q, k, v = (torch.randn(t, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
     rotary = Rotary(dim, 64, 10000.0, None).to(DEV)
+    monkeypatch.setattr(triton_backend, "MIXED_DECODE_ROWS", 1)  # (at these sizes; tested at its own below)
     decodes = []
     plain = triton_backend.decode_attention
     monkeypatch.setattr(triton_backend, "decode_attention", lambda q, *a, **kw: decodes.append(q.shape[0]) or plain(q, *a, **kw))
@@ -629,3 +632,8 @@ def test_mixed_step_decodes_its_one_token_rows(extend_lens, monkeypatch):
                                   fb.positions.to(DEV), rotary).cpu()
     assert decodes == [extend_lens.count(1)]  # one decode launch for the step's one-token rows
     assert rel_err(outs["triton"], outs["torch"].double()) < 1e-3
+    monkeypatch.setattr(triton_backend, "MIXED_DECODE_ROWS", extend_lens.count(1) + 1)  # too few: all extend
+    attn = make_backend("triton", pool, num_heads=heads, head_dim=dim, scale=dim**-0.5)
+    attn.begin(fb)
+    few = attn.forward(q.clone().to(DEV), k.clone().to(DEV), v.clone().to(DEV), 0, fb.positions.to(DEV), rotary).cpu()
+    assert len(decodes) == 1 and rel_err(few, outs["torch"].double()) < 1e-3

@@ -3,10 +3,10 @@
     route's events (SSE bytes) -> SSEResponse (one body message per batch of ready events)
         -> the Gate's send -> hypercorn -> socket
 
-The framing is sse-starlette's, byte for byte (``\\r\\n`` line ends, one ``data:`` line per
-line of the payload, a blank line after each event), written once here so that a route frames
-an event straight into bytes. ``Framing`` turns a route's payloads into events;
-``Framing.text`` renders the stream's common chunk, one that differs from the others of its
+The framing is sse-starlette's (``ServerSentEvent``: ``\\r\\n`` line ends, one ``data:`` line
+per line of the payload, a blank line after each event); the hot paths (a one-line JSON chunk,
+``[DONE]``) write its bytes directly, so that a route frames an event straight into bytes.
+``Framing`` turns a route's payloads into events; ``Framing.text`` renders the stream's common chunk, one that differs from the others of its
 kind only by its text, from a template that ``json.dumps`` itself made, so that it is the
 same bytes as ``json.dumps`` of the whole chunk at a fraction of the cost.
 
@@ -25,22 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 
+from sse_starlette.sse import ServerSentEvent
 from starlette.responses import Response
 
-_LINES = re.compile(r"\r\n|\r|\n")
 _text = json.encoder.encode_basestring_ascii  # what json.dumps writes a str as (ensure_ascii)
 
 
 def frame(data: str, event: str | None = None) -> bytes:
-    """One event: an ``event:`` line if ``event``, a ``data:`` line per line of ``data``."""
-    head = "" if event is None else f"event: {_LINES.sub('', event)}\r\n"
-    if "\n" in data or "\r" in data:
-        return (head + "".join(f"data: {line}\r\n" for line in _LINES.split(data)) + "\r\n").encode()
-    return (f"{head}data: {data}\r\n\r\n").encode()
+    """One event: an ``event:`` line if ``event``, a ``data:`` line per line of ``data``
+    (sse-starlette's ``ServerSentEvent``; the hot paths below write the same bytes directly)."""
+    return ServerSentEvent(data=data, event=event).encode()
 
 
 def frame_json(payload, event: str | None = None) -> bytes:

@@ -1,9 +1,13 @@
 """The ``triton`` attention backend: radix attention kernels reading the pool in place.
 
 A batch of only decode requests runs the split-KV decode kernel; any other batch runs the
-extend kernel for its extends and, in a mixed step, the decode kernel for its one-token rows
-(through the extend kernel a decode row would take a whole tile of query rows sized for the
-step's longest chunk: at 256 decodes beside a 512-token chunk, most of an 8B step's time).
+extend kernel for its extends and, in a mixed step of at least ``MIXED_DECODE_ROWS`` one-token
+rows, the decode kernel for those (through the extend kernel a decode row takes a whole tile of
+query rows sized for the step's longest chunk). On an H200, 8B shape, one layer, decodes of 576
+keys beside one chunk (``benchmarks.mixed_step``, two calls): 256 decodes + 512 tokens, 613 us
+through the extend kernel alone vs 377 us split (1.6-2.0x); + 2048 tokens, 2.1-2.3x; but 64
+decodes + 512 tokens, 222 vs 280 us (0.8-0.9x: the decode kernel's 64 rows are a small grid),
+hence the threshold between them.
 Token trees run every row through the extend kernel. ``set_decode`` points the backend at
 caller-owned device tensors, which is how CUDA graphs replay it.
 
@@ -32,6 +36,7 @@ from radixd.core.triton_ops import gemv_rope_store, one_row, rope_store
 
 MIN_SPLITS, MAX_SPLITS = 1, 32
 PREFIX_SPLITS = 8  # cascade: the most splits a shared prefix is read in (the grid's)
+MIXED_DECODE_ROWS = 128  # a mixed step's one-token rows take the decode kernel from this many (module docstring)
 
 
 def decode_splits(batch: int, kv_heads: int, processors: int) -> int:
@@ -127,7 +132,7 @@ class TritonAttention:
             self._begin_trees(batch, starts, stage)
             return
         ones = [i for i, e in enumerate(batch.extend_lens) if e == 1]
-        if not ones:
+        if len(ones) < MIXED_DECODE_ROWS:
             self.rows = rows
             self.prefix_lens = stage(batch.prefix_lens)
             self.extend_lens = stage(batch.extend_lens)
