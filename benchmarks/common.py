@@ -68,6 +68,17 @@ def builtin_plugins(**kw: Any):
     return make_plugin_manager(load_entry_points=False, **kw)
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 60) -> int:
+    """Terminate ``proc`` (a server the benchmark started), kill it after ``timeout`` s; its code."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return proc.returncode
+
+
 def free() -> None:
     """Give back device memory of engines the caller has dropped (set to None)."""
     gc.collect()

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import RESULTS, environment, write_json
+from benchmarks.common import RESULTS, environment, stop_process, write_json
 
 NAME = "SmolLM2-135M-Instruct"
 WORKLOADS = {
@@ -102,12 +102,7 @@ class Server:
         raise TimeoutError(f"{name} did not start in {startup_s:.0f} s:\n{self.log_path.read_text()[-3000:]}")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
 
 
 def start_radixd(workdir: Path, toml_lines: list[str]) -> Server:

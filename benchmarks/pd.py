@@ -51,6 +51,7 @@ from benchmarks.common import (
     checkpoint_dir,
     cuda_median_s,
     environment,
+    stop_process,
     write_json,
 )
 
@@ -263,11 +264,7 @@ class Proc:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
         self._log.close()
 
 

@@ -217,12 +217,9 @@ class Server:
             return json.loads(r.read())
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        from benchmarks.common import stop_process  # (the driver's side: this checkout's)
+
+        stop_process(self.proc)
 
 
 # ------------------------------------------------------------------------ the client (subprocess)
