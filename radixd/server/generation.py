@@ -25,7 +25,7 @@ from radixd.core.sampling_params import SamplingParams
 from radixd.plugins.guard import PluginFault
 from radixd.server import protocol
 from radixd.server.errors import ApiError
-from radixd.server.sse import DONE, SSEResponse, frame_json
+from radixd.server.sse import DONE, SSEResponse
 from radixd.server.state import ServerState
 
 
@@ -229,12 +229,6 @@ def sse_response(events: AsyncIterator[bytes | dict], subs: list[Submission], tr
 def usage(prompt: int, completion: int, cached: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-
-def sse(payload: dict) -> bytes:
-    return frame_json(payload)
-
 
 
 class Generation:

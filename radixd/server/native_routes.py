@@ -16,8 +16,9 @@ from radixd.server import native_protocol, protocol
 from radixd.server.admin_routes import server_info_body, sglang_server_args
 from radixd.server.chat import chat_prompt_ids
 from radixd.server.errors import ApiError
-from radixd.server.generation import Generation, samples, sse
+from radixd.server.generation import Generation, samples
 from radixd.server.native_protocol import NativeRequest
+from radixd.server.sse import frame_json
 from radixd.server.state import ServerState, state_of
 
 
@@ -47,7 +48,7 @@ async def native_generate(request: Request) -> Response:
         async for _, out in gen.outputs():
             sample = seen.setdefault(out.index, _Sample([]))
             sample.add(out)
-            yield sse(answer.item(0, sub, out.index, sample))
+            yield frame_json(answer.item(0, sub, out.index, sample))
 
     return gen.stream(events)
 

@@ -172,7 +172,7 @@ class SSEResponse(Response):
             if not self._open:
                 return
             await send({"type": "http.response.body", "more_body": True,
-                        "body": f": ping - {datetime.now(UTC)}\r\n\r\n".encode()})
+                        "body": ServerSentEvent(comment=f"ping - {datetime.now(UTC)}").encode()})
 
 
 async def _until_disconnect(receive) -> None:
