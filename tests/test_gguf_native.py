@@ -197,6 +197,24 @@ def test_tiny_gguf_native_matches_fp32_and_transformers(tiny_gguf, tmp_path, isa
     assert got == want
 
 
+def test_tiny_gguf_native_prompt_over_several_chunks(tiny_gguf, tmp_path, isa):
+    """A prompt longer than the prefill chunk: the chunks before its last compute no logits (a
+    zero-row LM head, which the int kernels must take), and the tokens equal one chunk's."""
+
+    async def greedy(**engine) -> list[int]:
+        eng = Engine(model=str(tiny_gguf), cache_dir=str(tmp_path), gguf_weights="native", kv_cache_tokens=256,
+                     **engine)
+        try:
+            params = SamplingParams(max_new_tokens=6, min_new_tokens=6, temperature=0)
+            return [t async for out in eng.generate(input_ids=PROMPT * 3, params=params) for t in out.token_ids]
+        finally:
+            await eng.stop()
+
+    chunked = asyncio.run(greedy(chunked_prefill_size=8))
+    assert len(chunked) == 6
+    assert chunked == asyncio.run(greedy())
+
+
 @pytest.mark.slow
 def test_default_model_native_greedy_equals_fp32():
     # (the model's own GGUF, tests/test_default_model.py's; a few tokens: seconds)

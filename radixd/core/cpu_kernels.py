@@ -214,8 +214,10 @@ def qmm(x: Tensor, w: Tensor, bits: int, n: int, k: int, *, silu: bool = False) 
     y = torch.empty((rows, n), dtype=x.dtype)
     bf16 = int(x.dtype == torch.bfloat16)
     rc = lib.qmm_vnni(bits, x.data_ptr(), bf16, x.stride(0), int(silu), w.data_ptr(), y.data_ptr(), bf16, n, rows, n, k)
+    if rc == -1:
+        raise ValueError(f"cpu_kernels.qmm: {rows} rows, K {k}, {bits} bits: wants rows >= 1, K a multiple of 32, 4 or 8 bits")
     if rc:
-        raise ValueError(f"cpu_kernels.qmm: K {k} out of range (rc {rc})")
+        raise MemoryError(f"cpu_kernels.qmm: no memory for {rows} x {k} activations (rc {rc})")
     return y
 
 

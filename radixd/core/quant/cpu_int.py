@@ -158,7 +158,11 @@ def _pack_vnni_weight(qweight: Tensor, s: Tensor, z: Tensor | None, bits: int, g
 
 def cpu_int_linear(x: Tensor, w: CpuIntWeight, bias: Tensor | None = None) -> Tensor:
     """``x @ W.T + bias`` for x [M, K] (any float dtype; computed in bf16 or, for a "vnni"
-    weight, in int8 x int8 / int4 dot products; returned in x's dtype)."""
+    weight, in int8 x int8 / int4 dot products; returned in x's dtype). No rows (a prefill
+    chunk that computes no logits): no kernel call."""
+    if x.shape[0] == 0:
+        y = x.new_empty((0, w.n))
+        return y if bias is None else y + bias
     if w.kind == "vnni":
         y = vnni_linear(x, w)
         return y if bias is None else y + bias
@@ -184,6 +188,8 @@ def cpu_int_linear(x: Tensor, w: CpuIntWeight, bias: Tensor | None = None) -> Te
 
 def vnni_linear(x: Tensor, w: CpuIntWeight, silu: bool = False) -> Tensor:
     """``x @ W.T`` for a "vnni" weight (``silu``: of SiLU(gate) * up, x [M, 2K] gate | up)."""
+    if x.shape[0] == 0:
+        return x.new_empty((0, w.n))
     xa = x if x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1 else x.float().contiguous()
     if w.bits == 4 and xa.shape[0] > VNNI_GEMM_ROWS:  # many rows (a prefill): dequantized, one bf16 GEMM
         if silu:
