@@ -577,6 +577,33 @@ def test_rope_store_kernel():
     assert not kb[untouched].any() and not vb[untouched].any()
 
 
+def test_rope_store_applies_the_qk_norms():
+    """``rope_store(qk_norm=...)``: each q and k head RMS-normalised (Qwen3's norms) and then
+    rotated, as ``RMSNorm`` then the plain ``rope_store`` give them; v untouched."""
+    from radixd.core.models.layers import Rotary, RMSNorm
+    from radixd.core.triton_ops import rope_store
+
+    dtype = torch.bfloat16 if GPU else torch.float32
+    T, H, Hkv, D = 5, 4, 2, 32
+    rot = Rotary(D, 4096, 1e6, None).to(DEV)
+    qn, kn = RMSNorm(D, 1e-6).to(DEV, dtype), RMSNorm(D, 1e-6).to(DEV, dtype)
+    with torch.no_grad():
+        qn.weight.copy_(torch.rand(D) + 0.5)
+        kn.weight.copy_(torch.rand(D) + 0.5)
+    qkv = (torch.randn(T, (H + 2 * Hkv) * D) * 3).to(DEV, dtype)
+    q, k, v = (a.view(T, -1, D) for a in qkv.split([H * D, Hkv * D, Hkv * D], dim=-1))
+    pos = torch.randint(0, 4000, (T,), device=DEV)
+    loc = torch.randperm(20, device=DEV)[:T] + 1
+    bufs = [torch.zeros(21, Hkv, D, device=DEV, dtype=dtype) for _ in range(4)]
+    q_ref = qn(q).contiguous()
+    rope_store(q_ref, kn(k), v, pos, rot.cos, rot.sin, bufs[0], bufs[1], loc)
+    q_in = q.clone()
+    rope_store(q_in, k, v, pos, rot.cos, rot.sin, bufs[2], bufs[3], loc, qk_norm=(qn.weight, kn.weight, 1e-6))
+    tol = 1e-2 if GPU else 1e-6
+    assert rel_err(q_in, q_ref) < tol and rel_err(bufs[2], bufs[0]) < tol
+    assert torch.equal(bufs[3], bufs[1])
+
+
 def test_decode_splits_fill_the_device():
     from radixd.core.attention.triton_backend import MAX_SPLITS, MIN_SPLITS, decode_splits
 

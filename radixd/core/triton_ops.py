@@ -130,7 +130,7 @@ def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, KBuf, VBuf, Loc, k_scale, v_scale
                        stride_cos, stride_bn, stride_bh, stride_vbn, stride_vbh,
                        H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, FP8_MAX: tl.constexpr,
-                       FP8_MANT: tl.constexpr):
+                       FP8_MANT: tl.constexpr, QW, KW, eps, QK_NORM: tl.constexpr):
     t = tl.program_id(0)
     pos = tl.load(Pos + t)
     loc = tl.load(Loc + t)
@@ -143,6 +143,8 @@ def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, KBuf, VBuf, Loc, k_scale, v_scale
     q1p = Q + t * stride_qt + hq[:, None] * stride_qh + offs[None, :]
     q1 = tl.load(q1p, mask=mq, other=0.0).to(tl.float32)
     q2 = tl.load(q1p + HALF, mask=mq, other=0.0).to(tl.float32)
+    if QK_NORM:
+        q1, q2 = _head_rmsnorm(q1, q2, QW, offs, mask_d, eps, Q.dtype.element_ty, HALF)
     tl.store(q1p, (q1 * cos - q2 * sin).to(Q.dtype.element_ty), mask=mq)
     tl.store(q1p + HALF, (q2 * cos + q1 * sin).to(Q.dtype.element_ty), mask=mq)
     hk = tl.arange(0, BLOCK_HKV)
@@ -150,6 +152,8 @@ def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, KBuf, VBuf, Loc, k_scale, v_scale
     k1p = K + t * stride_kt + hk[:, None] * stride_kh + offs[None, :]
     k1 = tl.load(k1p, mask=mk, other=0.0).to(tl.float32)
     k2 = tl.load(k1p + HALF, mask=mk, other=0.0).to(tl.float32)
+    if QK_NORM:
+        k1, k2 = _head_rmsnorm(k1, k2, KW, offs, mask_d, eps, K.dtype.element_ty, HALF)
     kb = KBuf + loc * stride_bn + hk[:, None] * stride_bh + offs[None, :]
     tl.store(kb, _kv_value(k1 * cos - k2 * sin, k_scale, FP8_MAX, FP8_MANT).to(KBuf.dtype.element_ty), mask=mk)
     tl.store(kb + HALF, _kv_value(k2 * cos + k1 * sin, k_scale, FP8_MAX, FP8_MANT).to(KBuf.dtype.element_ty), mask=mk)
@@ -161,21 +165,36 @@ def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, KBuf, VBuf, Loc, k_scale, v_scale
     tl.store(vb + HALF, _kv_value(v2, v_scale, FP8_MAX, FP8_MANT).to(VBuf.dtype.element_ty), mask=mk)
 
 
+@triton.jit
+def _head_rmsnorm(x1, x2, W, offs, mask_d, eps, dtype, HALF: tl.constexpr):
+    """RMSNorm of each row of [heads, 2 * HALF] given as its two halves (float32), rounded as
+    ``add_rmsnorm``'s output is: (x / rms) in ``dtype``, times the ``dtype`` weight ``W``."""
+    r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+    w1 = tl.load(W + offs, mask=mask_d, other=0.0)[None, :]
+    w2 = tl.load(W + HALF + offs, mask=mask_d, other=0.0)[None, :]
+    return ((x1 * r).to(dtype) * w1).to(tl.float32), ((x2 * r).to(dtype) * w2).to(tl.float32)
+
+
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-               loc: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+               loc: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+               qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
     """Neox-style rotary on ``q`` [T, H, D] (in place) and ``k`` [T, Hkv, D]; rotated k and
     v go to ``k_buf[loc]``/``v_buf[loc]`` (fp8 buffers: divided by ``k_scale``/``v_scale``,
-    saturated). ``cos``/``sin``: [max_pos, D/2] float32."""
+    saturated). ``cos``/``sin``: [max_pos, D/2] float32. ``qk_norm``: (q weight [D], k weight
+    [D], eps): each q and k head RMS-normalised first (Qwen3's q/k norms; ``add_rmsnorm``'s
+    rounding), so the norms take no kernels of their own."""
     T, H, D = q.shape
     hkv = k.shape[1]
     half = D // 2
+    qw, kw, eps = qk_norm if qk_norm is not None else (q, q, 0.0)  # (unread without)
     _rope_store_kernel[(T,)](
         q, k, v, positions, cos, sin, k_buf, v_buf, loc, k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         H=H, HKV=hkv, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_H=triton.next_power_of_2(H), BLOCK_HKV=triton.next_power_of_2(hkv), **fp8_format(k_buf),
+        BLOCK_H=triton.next_power_of_2(H), BLOCK_HKV=triton.next_power_of_2(hkv), **fp8_format(k_buf), QW=qw, KW=kw, eps=eps,
+        QK_NORM=qk_norm is not None,
     )
 
 

@@ -296,6 +296,14 @@ class LayerWait:
         self._wait(layer, x.device)
         return self.attn.project_forward(x, proj, layer, positions, rotary)
 
+    def __getattr__(self, name: str):
+        if name == "forward_qk_norm" and hasattr(self.attn, name):  # (the backend's, after the wait)
+            def forward_qk_norm(q, k, v, layer: int, positions, rotary, qk_norm):
+                self._wait(layer, q.device)
+                return self.attn.forward_qk_norm(q, k, v, layer, positions, rotary, qk_norm)
+            return forward_qk_norm
+        raise AttributeError(name)
+
 
 _DRAW_FIELDS = frozenset(("temperature", "top_p", "top_k", "min_p", "seeds", "steps"))
 

@@ -13,6 +13,8 @@ caller-owned device tensors, which is how CUDA graphs replay it.
 
 A decode step of one request on CUDA also takes ``project_forward``: the layer's q/k/v
 projection with rotary and the KV store in its epilogue (``triton_ops.gemv_rope_store``).
+Models with per-head q/k norms (Qwen3) take ``forward_qk_norm``: the norms in the rotary
+kernel.
 
 With a window region in the pool (``swa_pool``) a window layer stores at and reads through
 ``pool.to_window``: its new tokens' window slots are gathered once per step, by the first
@@ -192,10 +194,11 @@ class TritonAttention:
         return (*map(stage, self.item_rows(sh)), stage(members))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                positions: torch.Tensor, rotary) -> torch.Tensor:
+                positions: torch.Tensor, rotary, qk_norm=None) -> torch.Tensor:
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
         scales = self._scales(layer)
-        rope_store(q, k, v, positions, rotary.cos, rotary.sin, k_buf, v_buf, self._loc(layer), *scales)
+        rope_store(q, k, v, positions, rotary.cos, rotary.sin, k_buf, v_buf, self._loc(layer), *scales,
+                   qk_norm=qk_norm)
         if self.decode:
             return self._decode(q, layer)
         out = torch.empty_like(q)
@@ -215,6 +218,13 @@ class TritonAttention:
             if not isinstance(tokens, slice):
                 out[tokens] = od
         return out
+
+    def forward_qk_norm(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                        positions: torch.Tensor, rotary, qk_norm: tuple[torch.Tensor, torch.Tensor, float]) -> torch.Tensor:
+        """``forward`` of q and k before their per-head RMS norms (Qwen3's), which the rotary
+        kernel applies (``rope_store``'s ``qk_norm``: (q weight, k weight, eps)): two kernels
+        fewer per layer."""
+        return self.forward(q, k, v, layer, positions, rotary, qk_norm=qk_norm)
 
     def _scales(self, layer: int) -> tuple[float, float]:
         """The layer's K and V scales (an fp8 pool's; 1.0 otherwise)."""

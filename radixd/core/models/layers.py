@@ -116,6 +116,10 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
+            fused = getattr(attn, "forward_qk_norm", None) if self.kernels.fuse_one_row else None
+            if fused is not None:  # (the norms in the backend's rotary kernel)
+                return fused(q, k, v, self.layer, positions, rotary,
+                             (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps))
             q, k = self.q_norm(q), self.k_norm(k)
         return attn.forward(q, k, v, self.layer, positions, rotary)
 
