@@ -26,7 +26,14 @@ from test_engine import (
 )
 
 from radixd.core.models.config import ModelConfig
-from radixd.core.moe_ops import PAIRS_UNSORTED, MoETiles, align_pairs, experts_torch, experts_triton
+from radixd.core.moe_ops import (
+    PAIRS_UNSORTED,
+    MoETiles,
+    align_pairs,
+    experts_gemv,
+    experts_torch,
+    experts_triton,
+)
 
 GPU = torch.cuda.is_available()
 
@@ -44,9 +51,9 @@ async def test_moe_through_the_triton_kernels_matches_transformers(tiny_moe_mode
 
     calls = []
 
-    def triton_experts(*args):
+    def triton_experts(*args, **kw):
         calls.append(args[0].shape[0])
-        return moe_ops.fused_experts(*args, use_triton=True)
+        return moe_ops.fused_experts(*args, **kw, use_triton=True)
 
     monkeypatch.setattr(moe, "fused_experts", triton_experts)
     path = tiny_moe_models["qwen2-moe"]
@@ -55,6 +62,29 @@ async def test_moe_through_the_triton_kernels_matches_transformers(tiny_moe_mode
         p = prompts(1, 20, seed=5)[0]
         assert_greedy_matches(path, p, await collect(eng, p, 4), 4)
         assert 20 in calls and 1 in calls
+    finally:
+        await eng.stop()
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+async def test_moe_routed_in_the_gemv_kernel_matches_transformers(tiny_moe_models, arch, monkeypatch):
+    """Decode at batch 1 as CUDA runs it: the router's softmax, top-k and rescaling inside the
+    experts' GEMV kernel (``experts_gemv``, the interpreter here); transformers' tokens."""
+    from radixd.core.models import moe
+
+    calls = []
+
+    def one_token(x, kernels):
+        calls.append(x.shape[0])
+        return x.shape[0] == 1
+
+    monkeypatch.setattr(moe, "routed_in_kernel", one_token)
+    path = tiny_moe_models[arch]
+    eng = make_engine(path)
+    try:
+        p = prompts(1, 12, seed=3)[0]
+        assert_greedy_matches(path, p, await collect(eng, p, 4), 4)
+        assert 1 in calls
     finally:
         await eng.stop()
 
@@ -265,6 +295,29 @@ def test_experts_triton_matches_the_reference(t, e, k, h, i, idle, tiles):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+GEMV_SMALL = dict(up_tiles=(4, 32, 1), down_tiles=(2, 16, 1))  # (K steps that 48 and 40 do not divide)
+
+
+@pytest.mark.parametrize("t,e,k,h,i", [(1, 8, 2, 64, 32), (1, 8, 2, 48, 40), (3, 6, 3, 32, 24), (1, 16, 8, 64, 32)])
+@pytest.mark.parametrize("renormalize", [None, False, True])
+def test_experts_gemv_matches_the_reference(t, e, k, h, i, renormalize):
+    """The few-token GEMV kernels, routed by the caller (``renormalize`` None) or from the
+    router's logits inside the kernel (``route``'s softmax, top-k and rescaling): the MLP of
+    the same routing, and the routing itself."""
+    from radixd.core.models.moe import route
+
+    x, gate_up, down, weights, ids = moe_case(t, e, k, h, i, seed=t + e)
+    if renormalize is None:
+        got = experts_gemv(x, gate_up, down, weights=weights, ids=ids, **GEMV_SMALL)
+    else:
+        logits = torch.randn(t, e, generator=torch.Generator().manual_seed(i))
+        weights, ids = route(logits, k, renormalize)
+        got = experts_gemv(x, gate_up, down, logits=logits, top_k=k, renormalize=renormalize, **GEMV_SMALL)
+    torch.testing.assert_close(got.double(), naive_moe(x, gate_up, down, weights, ids), rtol=1e-5, atol=1e-5)
+    if t == 1:  # (experts_triton's own choice at one token)
+        torch.testing.assert_close(experts_triton(x, gate_up, down, weights, ids), got, rtol=1e-5, atol=1e-5)
+
+
 def fp8_experts(gate_up, down, block):
     """Each expert's weights in fp8 (``block`` scales, or per row): (weights, scales) of both,
     and their dequantized 16-bit twins."""
@@ -285,7 +338,8 @@ def test_fp8_experts_compute_the_dequantized_experts(t, block):
     x, gate_up, down, weights, ids = moe_case(t, 8, 2, 48, 40, idle=1, seed=t)
     (gq, gs, gd), (dq, ds, dd) = fp8_experts(gate_up, down, block)
     want = naive_moe(x, gd, dd, weights, ids)
-    for fn in (experts_torch, lambda *a, **kw: experts_triton(*a, **kw, tiles=SMALL_TILES)):
+    for fn in (experts_torch, lambda *a, **kw: experts_triton(*a, **kw, tiles=SMALL_TILES),
+               lambda x, g, d, w, i, **kw: experts_gemv(x, g, d, weights=w, ids=i, **kw, **GEMV_SMALL)):
         got = fn(x, gq, dq, weights, ids, scales=(gs, ds), block=block)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
@@ -300,6 +354,8 @@ def test_experts_triton_reads_only_the_chosen_experts(t):
     gate_up[~chosen] = float("nan")
     down[~chosen] = float("nan")
     got = experts_triton(x, gate_up, down, weights, ids, tiles=SMALL_TILES)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got = experts_gemv(x, gate_up, down, weights=weights, ids=ids, **GEMV_SMALL)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -339,6 +395,32 @@ def test_experts_triton_at_qwen3_30b_shape_on_gpu(t):
     assert not got.isnan().any()
     assert rel(got, ref) < 2e-2
     assert rel(got[: want.shape[0]], want) < 2e-2 and rel(ref[: want.shape[0]], want) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("block", ["bf16", (128, 128), None])
+def test_experts_gemv_at_qwen3_30b_shape_on_gpu(t, block):
+    """The GEMV kernels at Qwen3-30B-A3B's layer shape, bf16 and fp8 experts (128 x 128 blocks
+    or per row), routed by the caller and from the router's logits in the kernel: against the
+    per-expert torch loop on the same routing, and the tl.dot kernels."""
+    from radixd.core.models.moe import route
+
+    x, gate_up, down, _, _ = moe_case(t, **QWEN3_30B_LAYER, dtype=torch.bfloat16, device="cuda", seed=t)
+    logits = torch.randn(t, 128, device="cuda").to(torch.bfloat16)
+    weights, ids = route(logits, 8, True)
+    kw = {}
+    if block != "bf16":
+        (gate_up, gs, _), (down, ds, _) = fp8_experts(gate_up, down, block)
+        kw = dict(scales=(gs, ds), block=block)
+    ref = experts_torch(x, gate_up, down, weights, ids, **kw)
+    dot = experts_triton(x, gate_up, down, weights, ids, gemv=False, **kw)
+    for got in (experts_gemv(x, gate_up, down, weights=weights, ids=ids, **kw),
+                experts_gemv(x, gate_up, down, logits=logits, top_k=8, renormalize=True, **kw)):
+        assert torch.isfinite(got).all()
+        assert float((got.double() - ref.double()).norm() / ref.double().norm()) < 2e-2
+        assert float((got.double() - dot.double()).norm() / dot.double().norm()) < 1e-2
 
 
 def test_moe_benchmark_runs_tiny(tmp_path):
@@ -383,7 +465,8 @@ async def test_moe_engine_on_gpu_graphs_match_eager_and_the_torch_loop(tiny_moe_
     graphs = await greedy_runs(path, prompts_, max_new, cuda_graphs=True, top_logprobs=2)
     eager = await greedy_runs(path, prompts_, max_new, cuda_graphs=False, top_logprobs=2)
     assert_same_greedy(graphs, eager)  # the same kernels: the same tokens
-    monkeypatch.setattr(moe, "fused_experts", lambda *a: moe_ops.fused_experts(*a, use_triton=False))
+    monkeypatch.setattr(moe, "fused_experts", lambda *a, **kw: moe_ops.fused_experts(*a, **kw, use_triton=False))
+    monkeypatch.setattr(moe, "routed_in_kernel", lambda x, kernels: False)
     ref = await greedy_runs(path, prompts_, max_new, attention_backend="torch", cuda_graphs=False, top_logprobs=2)
     assert_same_greedy_up_to_ties(graphs, ref)
 

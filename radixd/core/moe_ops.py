@@ -66,11 +66,11 @@ Scales = tuple[torch.Tensor, torch.Tensor] | None  # fp8 experts: gate_up's and 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, *, scales: Scales = None, block: tuple[int, int] | None = None,
-                  use_triton: bool | None = None) -> torch.Tensor:
+                  use_triton: bool | None = None, gemv: bool | None = None) -> torch.Tensor:
     """The MoE MLP's output [T, H] (see the module docstring). ``use_triton``: None picks the
-    Triton kernels on CUDA and ``experts_torch`` elsewhere."""
+    Triton kernels on CUDA and ``experts_torch`` elsewhere; ``gemv``: ``experts_triton``'s."""
     if x.is_cuda if use_triton is None else use_triton:
-        return experts_triton(x, gate_up, down, weights, ids, scales=scales, block=block)
+        return experts_triton(x, gate_up, down, weights, ids, scales=scales, block=block, gemv=gemv)
     return experts_torch(x, gate_up, down, weights, ids, scales=scales, block=block)
 
 
@@ -198,10 +198,15 @@ def _weight_tile(w_ptrs, mask_w, S, e, offs_n, offs_k, stride_se, stride_sn, X, 
 
 def experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                    ids: torch.Tensor, *, scales: Scales = None, block: tuple[int, int] | None = None,
-                   tiles: MoETiles | None = None, chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+                   tiles: MoETiles | None = None, chunk_tokens: int = CHUNK_TOKENS,
+                   gemv: bool | None = None) -> torch.Tensor:
     """The two grouped GEMMs over ``align_pairs``' blocks, then the sum over each token's k
     slots; ``chunk_tokens`` tokens at a time (a long prefill's pair buffers stay bounded).
-    ``tiles``: instead of ``moe_tiles``' choice (benchmarks sweep them)."""
+    ``tiles``: instead of ``moe_tiles``' choice (benchmarks sweep them). ``gemv``: None takes
+    ``experts_gemv`` for up to ``GEMV_MAX_TOKENS`` tokens (and no ``tiles``); True or False
+    forces one way (benchmarks compare them)."""
+    if gemv if gemv is not None else (tiles is None and x.shape[0] <= GEMV_MAX_TOKENS):
+        return experts_gemv(x, gate_up, down, weights=weights, ids=ids, scales=scales, block=block)
     if x.shape[0] <= chunk_tokens:
         return _experts_triton(x, gate_up, down, weights, ids, tiles, scales, block)
     out = torch.empty_like(x)
@@ -241,3 +246,204 @@ def _experts_triton(x, gate_up, down, weights, ids, tiles: MoETiles | None, scal
             GATE_UP=gate, UNSORTED=unsorted, EVEN_K=depth % bk == 0, FP8=scales is not None, SCALE_N=scale_n,
             SCALE_K=scale_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return out.view(t, k, h).sum(1)
+
+
+# ----------------------------------------------------------------------------- a few tokens: GEMVs
+
+GEMV_MAX_TOKENS = 1  # up to this many tokens ``experts_triton`` takes the GEMV kernels
+GEMV_UP_TILES = (2, 256, 8)    # gate/up kernel: (gate rows per program, K per step, warps)
+GEMV_DOWN_TILES = (8, 128, 8)  # down kernel: (output rows per program, K per step, warps)
+
+
+@triton.jit
+def _route_token(Logits, t, E, stride_lt, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_J: tl.constexpr):
+    """``route``'s choice for token ``t`` from its router logits: expert ids and float32
+    weights of its slots [BLOCK_J] (slots from TOP_K on: expert 0, weight 0). The softmax over
+    the E experts in float32; each expert's rank (how many beat it; among equals the lower id
+    first) in one comparison of all pairs, and slot j the expert of rank j; the k weights
+    rescaled to sum to 1 with RENORM."""
+    offs = tl.arange(0, BLOCK_E)
+    live = offs < E
+    logit = tl.load(Logits + t * stride_lt + offs, mask=live, other=float("-inf")).to(tl.float32)
+    p = tl.exp(logit - tl.max(logit, 0))
+    p = tl.where(live, p / tl.sum(p, 0), -1.0)
+    mine = p[:, None]
+    other = p[None, :]
+    beats = (other > mine) | ((other == mine) & (offs[None, :] < offs[:, None]))
+    rank = tl.sum(beats.to(tl.int32), 1)
+    slot = tl.arange(0, BLOCK_J)
+    sel = (rank[None, :] == slot[:, None]) & live[None, :] & (slot < TOP_K)[:, None]
+    ids = tl.sum(tl.where(sel, offs[None, :], 0), 1)
+    w = tl.sum(tl.where(sel, p[None, :], 0.0), 1)
+    if RENORM:
+        w = w / tl.sum(w, 0)
+    return ids, w
+
+
+@triton.jit
+def _gemv_weight(w_ptrs, mask, S, e, rows, offs_k, stride_se, stride_sn, dtype,
+                 FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr):
+    """A weight tile (rows x K step) as float32: fp8 weights with block scales dequantized
+    and rounded to the activations' ``dtype`` (as ``dequantize_fp8(...).to(dtype)`` would)."""
+    w = tl.load(w_ptrs, mask=mask, other=0.0)
+    if FP8:
+        w = w.to(tl.float32)
+        if SCALE_K > 0:
+            s = tl.load(S + e * stride_se + (rows // SCALE_N) * stride_sn + offs_k // SCALE_K, mask=mask, other=0.0)
+            w = (w * s).to(dtype)
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _moe_gemv_up_kernel(X, W, S, Act, Ids, Wts, Logits, N, K, E, stride_xt, stride_we, stride_wn, stride_se,
+                        stride_sn, stride_lt, TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, ROUTE: tl.constexpr,
+                        RENORM: tl.constexpr, BLOCK_E: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr,
+                        SCALE_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """Act[p, n] = SiLU(gate[e] @ x) * (up[e] @ x) for BLOCK_N gate rows n (with their up
+    rows n + N) of all TOP_K experts e of token t (pair p = t * TOP_K + slot), the k experts'
+    rows read side by side ([BLOCK_J, BLOCK_N, BLOCK_K] tiles). ROUTE: the experts and their
+    weights from the token's router logits (``_route_token``, once per program), written to
+    Ids/Wts by the token's first program; else read from Ids."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    slot = tl.arange(0, BLOCK_J)
+    live = slot < TOP_K
+    pair = t * TOP_K + slot
+    if ROUTE:
+        e, wt = _route_token(Logits, t, E, stride_lt, TOP_K, RENORM, BLOCK_E, BLOCK_J)
+        if pid_n == 0:
+            tl.store(Ids + pair, e, mask=live)
+            tl.store(Wts + pair, wt, mask=live)
+    else:
+        e = tl.load(Ids + pair, mask=live, other=0)
+    e = e.to(tl.int64)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_jn = live[:, None] & (rows < N)[None, :]
+    e3 = e[:, None, None]
+    rows3 = rows[None, :, None]
+    w_rows = W + e3 * stride_we + rows3 * stride_wn
+    gate = tl.zeros([BLOCK_J, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_J, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k3 = offs_k[None, None, :]
+        if EVEN_K:
+            x = tl.load(X + t * stride_xt + offs_k)
+            mask = mask_jn[:, :, None]
+        else:
+            x = tl.load(X + t * stride_xt + offs_k, mask=offs_k < K, other=0.0)
+            mask = mask_jn[:, :, None] & (k3 < K)
+        x = x.to(tl.float32)[None, None, :]
+        ptrs = w_rows + k3
+        gate += tl.sum(_gemv_weight(ptrs, mask, S, e3, rows3, k3, stride_se, stride_sn, X.dtype.element_ty,
+                                    FP8, SCALE_N, SCALE_K) * x, 2)
+        up += tl.sum(_gemv_weight(ptrs + N * stride_wn, mask, S, e3, rows3 + N, k3, stride_se, stride_sn,
+                                  X.dtype.element_ty, FP8, SCALE_N, SCALE_K) * x, 2)
+    if FP8 and SCALE_K == 0:  # (per output row)
+        s_row = S + e[:, None] * stride_se + rows[None, :] * stride_sn
+        gate = gate * tl.load(s_row, mask=mask_jn, other=0.0)
+        up = up * tl.load(s_row + N * stride_sn, mask=mask_jn, other=0.0)
+    g = gate.to(Act.dtype.element_ty).to(tl.float32)  # (rounded as the unfused projection's output would be)
+    act = g / (1.0 + tl.exp(-g)) * up.to(Act.dtype.element_ty).to(tl.float32)
+    tl.store(Act + pair.to(tl.int64)[:, None] * N + rows[None, :], act.to(Act.dtype.element_ty), mask=mask_jn)
+
+
+@triton.jit
+def _moe_gemv_down_kernel(Act, W, S, Y, Ids, Wts, N, K, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
+                          TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr,
+                          SCALE_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """Y[t, n] = sum over the token's TOP_K slots j of Wts[p] * down[e] @ Act[p] (p = t *
+    TOP_K + j, e = Ids[p]) for BLOCK_N output rows n: the k experts' rows read side by side
+    ([BLOCK_J, BLOCK_N, BLOCK_K] tiles) and summed in float32 in the program, so the token's
+    output is written once, whole."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    slot = tl.arange(0, BLOCK_J)
+    live = slot < TOP_K
+    pair = t * TOP_K + slot
+    e = tl.load(Ids + pair, mask=live, other=0).to(tl.int64)
+    wt = tl.load(Wts + pair, mask=live, other=0.0).to(tl.float32)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_jn = live[:, None] & (rows < N)[None, :]
+    e3 = e[:, None, None]
+    rows3 = rows[None, :, None]
+    w_rows = W + e3 * stride_we + rows3 * stride_wn
+    a_rows = Act + pair.to(tl.int64)[:, None, None] * K
+    acc = tl.zeros([BLOCK_J, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k3 = offs_k[None, None, :]
+        if EVEN_K:
+            mask_a = live[:, None, None]
+            mask = mask_jn[:, :, None]
+        else:
+            mask_a = live[:, None, None] & (k3 < K)
+            mask = mask_jn[:, :, None] & (k3 < K)
+        a = tl.load(a_rows + k3, mask=mask_a, other=0.0).to(tl.float32)
+        acc += tl.sum(_gemv_weight(w_rows + k3, mask, S, e3, rows3, k3, stride_se, stride_sn, Act.dtype.element_ty,
+                                   FP8, SCALE_N, SCALE_K) * a, 2)
+    if FP8 and SCALE_K == 0:
+        acc = acc * tl.load(S + e[:, None] * stride_se + rows[None, :] * stride_sn, mask=mask_jn, other=0.0)
+    y = tl.sum(acc * wt[:, None], 0)
+    tl.store(Y + t * stride_yt + rows, y.to(Y.dtype.element_ty), mask=rows < N)
+
+
+def experts_gemv(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, weights: torch.Tensor | None = None,
+                 ids: torch.Tensor | None = None, logits: torch.Tensor | None = None, top_k: int = 0,
+                 renormalize: bool = False, scales: Scales = None, block: tuple[int, int] | None = None,
+                 up_tiles: tuple[int, int, int] | None = None,
+                 down_tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """The MoE MLP of a few tokens (decode at batch 1) as two matrix-vector kernels, each
+    reading every chosen expert's weights once in long contiguous rows (no tl.dot, whose
+    smallest tile would be 16 rows of which one is real):
+
+    * gate/up: a program per (``BLOCK_N`` gate rows, token) reads those rows (and their up
+      rows) of all k chosen experts side by side, SiLU(gate) * up in its epilogue;
+    * down: a program per (``BLOCK_N`` output rows, token) reads those rows of all k chosen
+      experts, weighs each by the router and sums them: the token's output, no [T, k, H]
+      partials and no sum kernel after.
+
+    The routing: ``weights``/``ids`` [T, k] (``route``'s), or the router's ``logits`` [T, E]
+    with ``top_k`` and ``renormalize``, ``route``'s softmax, top-k and rescaling then done in
+    the gate/up kernel (no kernels for them). fp8 experts as ``experts_triton`` takes them.
+    Sizes from T alone: CUDA-graph safe. ``up_tiles``/``down_tiles``: (rows per program, K per
+    step, warps) instead of ``GEMV_UP_TILES``/``GEMV_DOWN_TILES`` (benchmarks sweep them)."""
+    t, h = x.shape
+    num_experts, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    if logits is None:
+        top_k = ids.shape[1]
+    pairs = t * top_k
+    dev = x.device
+    act = torch.empty((pairs, inter), dtype=x.dtype, device=dev)
+    out = torch.empty((t, h), dtype=x.dtype, device=dev)
+    route = logits is not None
+    if not route:
+        ids_, wts = ids.reshape(-1), weights.reshape(-1)
+        stride_lt = 0
+        logits = wts  # (unread)
+    else:
+        ids_ = torch.empty(pairs, dtype=torch.int32, device=dev)
+        wts = torch.empty(pairs, dtype=torch.float32, device=dev)
+        stride_lt = logits.stride(0)
+    scale_n, scale_k = block or (1, 0)
+    gs, ds = scales if scales is not None else (gate_up, down)  # (unread without fp8)
+    fp8 = scales is not None
+    bn, bk, warps = up_tiles or GEMV_UP_TILES
+    bk = min(bk, triton.next_power_of_2(h))
+    _moe_gemv_up_kernel[(triton.cdiv(inter, bn), t)](
+        x, gate_up, gs, act, ids_, wts, logits, inter, h, num_experts, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), gs.stride(0), gs.stride(1), stride_lt, TOP_K=top_k,
+        BLOCK_J=triton.next_power_of_2(top_k), ROUTE=route,
+        RENORM=renormalize, BLOCK_E=triton.next_power_of_2(num_experts), FP8=fp8, SCALE_N=scale_n, SCALE_K=scale_k,
+        EVEN_K=h % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    bn, bk, warps = down_tiles or GEMV_DOWN_TILES
+    bk = min(bk, triton.next_power_of_2(inter))
+    _moe_gemv_down_kernel[(triton.cdiv(h, bn), t)](
+        act, down, ds, out, ids_, wts, h, inter, down.stride(0), down.stride(1), ds.stride(0), ds.stride(1),
+        out.stride(0), TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), FP8=fp8, SCALE_N=scale_n,
+        SCALE_K=scale_k, EVEN_K=inter % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    return out

@@ -2,6 +2,9 @@
 
     logits = router(x); weights, ids = top-k of softmax(logits) (renormalised or not)
     y = sum over the k chosen experts of weight * expert(x)      (``moe_ops.fused_experts``)
+
+(decode at batch 1 on CUDA: the softmax and top-k inside the experts' first kernel,
+``moe_ops.experts_gemv``, so the router's GEMV and two expert kernels are the whole block)
       [+ sigmoid(shared_gate(x)) * shared_expert(x)]              (Qwen2-MoE)
 
 Parameter names follow the Hugging Face checkpoints (``gate`` the router, ``experts``,
@@ -16,7 +19,7 @@ from torch import nn
 
 from radixd.core.models.config import ModelConfig, MoEConfig
 from radixd.core.models.layers import GatedMLP
-from radixd.core.moe_ops import fused_experts
+from radixd.core.moe_ops import GEMV_MAX_TOKENS, experts_gemv, fused_experts
 from radixd.core.quant.formats import Fp8Layout, QuantFormatError
 from radixd.core.quant.ops import FP8, quantize_fp8
 from radixd.core.triton_ops import ALL_KERNELS, KernelChoice, linear
@@ -79,11 +82,25 @@ class Experts(nn.Module):
                     getattr(self, attr)[e].copy_(q)
                     getattr(self, f"{attr}_scale")[e].copy_(s)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _scales(self) -> dict:
         if self.fp8 is None:
-            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
-        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids,
-                             scales=(self.gate_up_proj_scale, self.down_proj_scale), block=self.fp8.block)
+            return {}
+        return {"scales": (self.gate_up_proj_scale, self.down_proj_scale), "block": self.fp8.block}
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gemv: bool | None = None) -> torch.Tensor:
+        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, gemv=gemv, **self._scales())
+
+    def forward_routed(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+        """The experts of ``route(logits, top_k, renormalize)``'s choice, the routing done
+        inside the gate/up kernel (``moe_ops.experts_gemv``: a few CUDA tokens)."""
+        return experts_gemv(x, self.gate_up_proj, self.down_proj, logits=logits, top_k=top_k,
+                            renormalize=renormalize, **self._scales())
+
+
+def routed_in_kernel(x: torch.Tensor, kernels: KernelChoice) -> bool:
+    """Whether ``SparseMoE`` routes inside the experts' GEMV kernels (``experts_gemv``): up to
+    ``GEMV_MAX_TOKENS`` CUDA tokens (decode at batch 1), with the one-row fusions on."""
+    return kernels.fuse_one_row and x.is_cuda and x.shape[0] <= GEMV_MAX_TOKENS
 
 
 class SparseMoE(nn.Module):
@@ -106,8 +123,12 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(linear(x, self.gate, self.kernels), self.top_k, self.renormalize)
-        y = self.experts(x, weights, ids)
+        logits = linear(x, self.gate, self.kernels)
+        if routed_in_kernel(x, self.kernels):  # (router's softmax and top-k in the experts' kernel)
+            y = self.experts.forward_routed(x, logits, self.top_k, self.renormalize)
+        else:
+            y = self.experts(x, *route(logits, self.top_k, self.renormalize),
+                             gemv=None if self.kernels.fuse_one_row else False)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(linear(x, self.shared_expert_gate, self.kernels)) * self.shared_expert(x)
         return y
