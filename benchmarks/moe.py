@@ -11,6 +11,9 @@ and the run goes on):
             of cuBLAS GEMMs on the same routing (``moe_ops.experts_torch``); bytes of the
             distinct experts the routing touches over the time, as a fraction of the copy
             bandwidth
+  gemv_tiles  the few-token GEMV kernels' tiles swept at 1 token (``experts_gemv``)
+  profile   one batch-1 decode step with the one-row fusions off and on (fresh engines; use
+            ``--layers`` for a shorter model): graph step time and the eager step's kernels
   decode    output tokens/s at batch 1, 16 and 64 (512-token prompts, 128 new tokens), each
             against its roofline: the bytes a step reads (attention weights, norms, routers,
             lm_head, the experts the batch touches: 8 per layer at batch 1, at batch B the
@@ -58,7 +61,15 @@ from benchmarks.common import (
 )
 from radixd import Engine
 from radixd.core.kv_pool import kv_bytes_per_token
-from radixd.core.moe_ops import PAIRS_UNSORTED, MoETiles, experts_torch, experts_triton, moe_tiles
+from radixd.core.moe_ops import (
+    GEMV_MAX_TOKENS,
+    PAIRS_UNSORTED,
+    MoETiles,
+    experts_gemv,
+    experts_torch,
+    experts_triton,
+    moe_tiles,
+)
 
 # Qwen3-30B-A3B's config.json (the peer script builds the same shape)
 QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, num_hidden_layers=48,
@@ -90,6 +101,8 @@ class Run:
         self.device = "cpu" if args.tiny else "cuda"
         self.out = Path(args.out)
         self.path = self.out / "checkpoint"
+        if args.layers:
+            self.shape = {**self.shape, "num_hidden_layers": args.layers}
         quant = FP8_CONFIGS[args.quant] if args.quant else None
         write_json(self.path / "config.json", {**self.shape, **({"quantization_config": quant} if quant else {})})
         self.copy_Bps = 1e10 if args.tiny else None  # (placeholders on the CPU: the logic runs)
@@ -174,9 +187,155 @@ def kernel(run: Run) -> dict:
                         loop_over_fused=round(loop_s / graph_s, 2),
                         fused_graph_copy_fraction=round(moved / graph_s / run.copy_Bps, 3),
                         fused_graph_TFLOPs=round(6 * t * k * h * i / graph_s / 1e12, 2))
+            if t <= GEMV_MAX_TOKENS:  # (the GEMV kernels' way against the tl.dot kernels', routing included)
+                case.update(_few_tokens(run, x, gate_up, down, weights, ids, moved))
         cases.append(case)
         print(json.dumps(case), flush=True)
     return {"layer": dict(experts=e, top_k=k, hidden=h, inter=i), "cases": cases}
+
+
+def _few_tokens(run: Run, x, gate_up, down, weights, ids, moved: int) -> dict:
+    """A few tokens' MoE layer (CUDA graph time): the tl.dot kernels (``gemv=False``) and the
+    GEMV kernels on the same routing; and the whole block after the router's GEMV as decode
+    runs it, ``route``'s softmax and top-k kernels then the tl.dot kernels, against the GEMV
+    kernels routing from the logits themselves."""
+    from radixd.core.models.moe import route
+
+    k = ids.shape[1]
+    logits = torch.randn(x.shape[0], gate_up.shape[0], device=x.device).to(x.dtype)
+    g = not run.tiny
+    dot = _time(run, lambda: experts_triton(x, gate_up, down, weights, ids, gemv=False), graph=g)
+    gemv = _time(run, lambda: experts_gemv(x, gate_up, down, weights=weights, ids=ids), graph=g)
+    old = _time(run, lambda: experts_triton(x, gate_up, down, *route(logits, k, True), gemv=False), graph=g)
+    new = _time(run, lambda: experts_gemv(x, gate_up, down, logits=logits, top_k=k, renormalize=True), graph=g)
+    return {"dot_graph_us": round(dot * 1e6, 1), "gemv_graph_us": round(gemv * 1e6, 1),
+            "dot_graph_copy_fraction": round(moved / dot / run.copy_Bps, 3),
+            "gemv_graph_copy_fraction": round(moved / gemv / run.copy_Bps, 3),
+            "route_then_dot_graph_us": round(old * 1e6, 1), "routed_gemv_graph_us": round(new * 1e6, 1)}
+
+
+GEMV_UP = [(1, 256, 4), (1, 512, 8), (2, 128, 4), (2, 256, 8), (2, 512, 8), (4, 128, 8), (4, 256, 8), (8, 64, 8),
+           (1, 1024, 8)]
+GEMV_DOWN = [(2, 256, 4), (4, 128, 4), (4, 256, 8), (8, 64, 4), (8, 128, 8), (8, 256, 8), (16, 64, 8), (16, 128, 8),
+             (32, 64, 8)]
+ROUTINGS = 4  # gemv_tiles: routings per timed graph (4 x 8 experts' 75 MB: no replay served from the L2)
+
+
+def gemv_tiles(run: Run) -> dict:
+    """The GEMV kernels' tiles at 1 token (CUDA graph time of ``ROUTINGS`` tokens routed
+    apart, each from its logits in the kernel): the gate/up kernel's over ``GEMV_UP`` with the default down tiles, then the down
+    kernel's over ``GEMV_DOWN`` with the best gate/up tiles; the best against the default,
+    and each kernel's fraction of the copy bandwidth (the chosen experts' bytes it reads)."""
+    from radixd.core import moe_ops
+
+    sh = run.shape
+    e, k, h, i = sh["num_experts"], sh["num_experts_per_tok"], sh["hidden_size"], sh["moe_intermediate_size"]
+    if run.tiny and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"skipped": "--tiny without the Triton interpreter"}
+    dtype = torch.float32 if run.tiny else torch.bfloat16
+    g = torch.Generator(device=run.device).manual_seed(3)
+    gate_up = (torch.randn(e, 2 * i, h, device=run.device, generator=g) * h**-0.5).to(dtype)
+    down = (torch.randn(e, h, i, device=run.device, generator=g) * i**-0.5).to(dtype)
+    xs = [torch.randn(1, h, device=run.device, generator=g).to(dtype) for _ in range(ROUTINGS)]
+    logits = [torch.randn(1, e, device=run.device, generator=g).to(dtype) for _ in range(ROUTINGS)]
+    esize = xs[0].element_size()
+
+    def timed(up, dn) -> float:
+        def calls():
+            for x, lg in zip(xs, logits, strict=True):
+                experts_gemv(x, gate_up, down, logits=lg, top_k=k, renormalize=True, up_tiles=up, down_tiles=dn)
+        try:
+            return _time(run, calls, graph=not run.tiny) / ROUTINGS
+        except OutOfResources:
+            return float("inf")
+
+    ups = GEMV_UP[:2] if run.tiny else GEMV_UP
+    downs = GEMV_DOWN[:2] if run.tiny else GEMV_DOWN
+    default = (moe_ops.GEMV_UP_TILES, moe_ops.GEMV_DOWN_TILES)
+    default_s = timed(*default)
+    up_times = {c: timed(c, default[1]) for c in ups}
+    best_up = min(up_times, key=up_times.get)
+    down_times = {c: timed(best_up, c) for c in downs}
+    best_down = min(down_times, key=down_times.get)
+    both = k * expert_bytes(h, i, esize)
+    return {"default": [list(c) for c in default], "default_us": round(default_s * 1e6, 1),
+            "default_copy_fraction": round(both / default_s / run.copy_Bps, 3),
+            "best": [list(best_up), list(best_down)], "best_us": round(down_times[best_down] * 1e6, 1),
+            "best_copy_fraction": round(both / down_times[best_down] / run.copy_Bps, 3),
+            "up_sweep_us": {str(c): round(t * 1e6, 1) for c, t in up_times.items()},
+            "down_sweep_us": {str(c): round(t * 1e6, 1) for c, t in down_times.items()}}
+
+
+def profile(run: Run) -> dict:
+    """One batch-1 decode step, with the one-row fusions off (the kernels before
+    ``experts_gemv`` and the q/k norms in the rotary kernel) and on, each on a fresh engine of
+    ``--layers`` layers: the captured step's device time (graph replay, 576 tokens of
+    context), and one eager step under ``torch.profiler``: device time and launches per
+    kernel, per layer. The bytes the step must read, over the copy bandwidth, for scale."""
+    from benchmarks.decode_profile import bucket_state
+
+    out = {"layers": run.shape["num_hidden_layers"]}
+    loop = asyncio.new_event_loop()
+    rng = random.Random(4)
+    try:
+        for fuse in (False, True):
+            eng = run.engine(fuse_one_row=fuse)
+            try:
+                loop.run_until_complete(generate_all(eng, [[rng.randrange(100, run.vocab_hi()) for _ in range(64)]], 8))
+                case = {"fuse_one_row": fuse}
+                if not run.tiny:
+                    cfg = eng.model_cfg
+                    fixed, per_expert = _weight_bytes(eng)
+                    kv_tok = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
+                    step_bytes = fixed + (cfg.num_layers - len(cfg.moe.dense_layers)) * cfg.moe.top_k * per_expert \
+                        + 576 * kv_tok
+                    with bucket_state(eng, 1) as g:
+                        graph, _ = g.graphs[1]
+                        t = cuda_median_s(graph.replay, reps=50)
+                    case.update(graph_step_ms=round(t * 1e3, 3), step_bytes_GB=round(step_bytes / 1e9, 3),
+                                roofline_ms=round(step_bytes / run.copy_Bps * 1e3, 3),
+                                fraction=round(step_bytes / run.copy_Bps / t, 3))
+                    case["kernels"] = _step_kernels(eng, run.shape["num_hidden_layers"])
+                out["fused" if fuse else "unfused"] = case
+                print(json.dumps(case)[:3000], flush=True)
+            finally:
+                loop.run_until_complete(eng.stop())
+                eng = None
+                free()
+    finally:
+        loop.close()
+    return out
+
+
+def _step_kernels(eng, layers: int) -> dict:
+    """One eager batch-1 decode forward under the profiler: per kernel name, device µs and
+    launches in all, and per layer."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from benchmarks.decode_profile import bucket_state
+
+    model = eng.worker.model
+    with bucket_state(eng, 1) as g, torch.inference_mode():
+        args = g._bucket_args(1)
+        for _ in range(3):
+            model(*args)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(*args)
+            torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        if str(getattr(ev, "device_type", "")).split(".")[-1] != "CUDA":
+            continue
+        us = getattr(ev, "self_device_time_total", None)
+        us = ev.self_cuda_time_total if us is None else us
+        rows.append({"name": ev.key[:90], "us": round(us, 1), "count": ev.count,
+                     "us_per_call": round(us / max(ev.count, 1), 2)})
+    rows.sort(key=lambda r: -r["us"])
+    total = sum(r["us"] for r in rows)
+    return {"kernel_us_total": round(total, 1), "launches": sum(r["count"] for r in rows),
+            "launches_per_layer": round(sum(r["count"] for r in rows) / layers, 2), "by_kernel": rows}
 
 
 GEMM_TILES = [(bn, bk, 4, st) for bn in (16, 32, 64, 128) for bk in (64, 128, 256) for st in (3, 4) if bn * bk <= 16384]
@@ -233,7 +392,16 @@ def _weight_bytes(eng: Engine) -> tuple[int, int]:
 
 
 def decode(run: Run) -> dict:
-    eng = run.engine()
+    """The decode figures; with ``--baseline`` first batch 1 on an engine with the one-row
+    fusions off (the kernels before ``experts_gemv`` and the fused q/k norms), same call."""
+    out = {}
+    if run.args.baseline:
+        out["baseline_fuse_one_row_off"] = _decode_cases(run, [1], fuse_one_row=False)
+    return {**_decode_cases(run, run.batches), **out}
+
+
+def _decode_cases(run: Run, batches: list[int], **kw) -> dict:
+    eng = run.engine(**kw)
     cfg = eng.model_cfg
     fixed, per_expert = _weight_bytes(eng)
     moe_layers = cfg.num_layers - len(cfg.moe.dense_layers)
@@ -245,7 +413,7 @@ def decode(run: Run) -> dict:
     try:
         loop.run_until_complete(generate_all(eng, [[rng.randrange(100, run.vocab_hi()) for _ in range(64)]
                                                     for _ in range(4)], 4))
-        for bs in run.batches:
+        for bs in batches:
             prompts = [[rng.randrange(100, run.vocab_hi()) for _ in range(run.prompt)] for _ in range(bs)]
             r = loop.run_until_complete(generate_all(eng, prompts, run.new))
             tok_s = bs * (run.new - 1) / (r["end"] - r["all_first"])
@@ -306,8 +474,8 @@ def peer(run: Run) -> dict:
     return {"cases": json.loads(dest.read_text())}
 
 
-SECTIONS = {"ceilings": ceilings, "kernel": kernel, "tiles": tiles, "decode": decode, "prefill": prefill,
-            "peer": peer}
+SECTIONS = {"ceilings": ceilings, "kernel": kernel, "tiles": tiles, "gemv_tiles": gemv_tiles, "profile": profile,
+            "decode": decode, "prefill": prefill, "peer": peer}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer", default=None, help="path to the transformers peer script (hf_baseline.py)")
     ap.add_argument("--peer-timeout", type=int, default=900)
     ap.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU: the script's logic, not a figure")
+    ap.add_argument("--layers", type=int, default=0, help="this many layers instead of the shape's (profile)")
+    ap.add_argument("--baseline", action="store_true",
+                    help="decode: batch 1 also with the one-row fusions off (fuse_one_row=False), same call")
     ap.add_argument("--quant", default="", choices=["", *FP8_CONFIGS],
                     help="decode and prefill on fp8 weights, experts included (Qwen3-30B-A3B-FP8's layout)")
     args = ap.parse_args(argv)
