@@ -29,6 +29,7 @@ from radixd.core.models.config import ModelConfig
 from radixd.core.moe_ops import (
     PAIRS_UNSORTED,
     MoETiles,
+    add_rmsnorm_router,
     align_pairs,
     experts_gemv,
     experts_torch,
@@ -68,8 +69,9 @@ async def test_moe_through_the_triton_kernels_matches_transformers(tiny_moe_mode
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 async def test_moe_routed_in_the_gemv_kernel_matches_transformers(tiny_moe_models, arch, monkeypatch):
-    """Decode at batch 1 as CUDA runs it: the router's softmax, top-k and rescaling inside the
-    experts' GEMV kernel (``experts_gemv``, the interpreter here); transformers' tokens."""
+    """Decode at batch 1 as CUDA runs it: the residual add, norm and router GEMV in one kernel
+    (``add_rmsnorm_router``), the router's softmax, top-k and rescaling inside the experts'
+    GEMV kernel (``experts_gemv``; the interpreter here); transformers' tokens."""
     from radixd.core.models import moe
 
     calls = []
@@ -78,13 +80,20 @@ async def test_moe_routed_in_the_gemv_kernel_matches_transformers(tiny_moe_model
         calls.append(x.shape[0])
         return x.shape[0] == 1
 
+    fused = []
+
+    def add_norm_router(*args, **kw):
+        fused.append(args[0].shape[0])
+        return add_rmsnorm_router(*args, **kw)
+
     monkeypatch.setattr(moe, "routed_in_kernel", one_token)
+    monkeypatch.setattr(moe, "add_rmsnorm_router", add_norm_router)
     path = tiny_moe_models[arch]
     eng = make_engine(path)
     try:
         p = prompts(1, 12, seed=3)[0]
         assert_greedy_matches(path, p, await collect(eng, p, 4), 4)
-        assert 1 in calls
+        assert 1 in calls and fused and set(fused) == {1}
     finally:
         await eng.stop()
 
@@ -316,6 +325,28 @@ def test_experts_gemv_matches_the_reference(t, e, k, h, i, renormalize):
     torch.testing.assert_close(got.double(), naive_moe(x, gate_up, down, weights, ids), rtol=1e-5, atol=1e-5)
     if t == 1:  # (experts_triton's own choice at one token)
         torch.testing.assert_close(experts_triton(x, gate_up, down, weights, ids), got, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("h,e,rows", [(64, 8, 1), (48, 6, 4)])
+def test_add_rmsnorm_router_is_the_add_the_norm_and_the_router(h, e, rows):
+    """One token: the residual add, RMSNorm and the router's GEMV in one kernel, against
+    ``add_rmsnorm`` and ``F.linear``; the residual passed in is left as it was."""
+    from radixd.core.moe_ops import add_rmsnorm_router
+    from radixd.core.triton_ops import add_rmsnorm
+
+    dev = "cuda" if GPU else "cpu"
+    dtype = torch.bfloat16 if GPU else torch.float32
+    g = torch.Generator().manual_seed(h)
+    x, res, nw = (torch.randn(1, h, generator=g).to(dev, dtype) for _ in range(3))
+    router = torch.randn(e, h, generator=g).to(dev, dtype)
+    before = res.clone()
+    got_h, got_res, logits = add_rmsnorm_router(x, res, nw, 1e-6, router, rows=rows)
+    assert torch.equal(res, before)
+    want_h, want_res = add_rmsnorm(x, nw, 1e-6, before.clone())
+    tol = dict(rtol=2e-2, atol=2e-2) if GPU else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_res, want_res, **tol)
+    torch.testing.assert_close(got_h, want_h, **tol)
+    torch.testing.assert_close(logits, torch.nn.functional.linear(want_h, router), **tol)
 
 
 def fp8_experts(gate_up, down, block):

@@ -580,7 +580,7 @@ def test_rope_store_kernel():
 def test_rope_store_applies_the_qk_norms():
     """``rope_store(qk_norm=...)``: each q and k head RMS-normalised (Qwen3's norms) and then
     rotated, as ``RMSNorm`` then the plain ``rope_store`` give them; v untouched."""
-    from radixd.core.models.layers import Rotary, RMSNorm
+    from radixd.core.models.layers import RMSNorm, Rotary
     from radixd.core.triton_ops import rope_store
 
     dtype = torch.bfloat16 if GPU else torch.float32

@@ -447,3 +447,44 @@ def experts_gemv(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, 
         out.stride(0), TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), FP8=fp8, SCALE_N=scale_n,
         SCALE_K=scale_k, EVEN_K=inter % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return out
+
+
+@triton.jit
+def _add_rmsnorm_router_kernel(X, R, NormW, RouterW, Out, ResOut, Logits, N, E, eps, stride_rw,
+                               BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """One token: ResOut = X + R; Out = RMSNorm(ResOut) (``add_rmsnorm``'s arithmetic and
+    rounding); Logits[rows] = RouterW[rows] @ Out for ROWS router rows per program. Every
+    program normalises the token itself (8 KB from the L2); the first writes Out and ResOut,
+    which are not X or R (no program reads what another writes)."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, 0) / N
+    h = (x * tl.rsqrt(var + eps)).to(Out.dtype.element_ty) * tl.load(NormW + offs, mask=mask, other=0.0)
+    if pid == 0:
+        tl.store(ResOut + offs, x.to(ResOut.dtype.element_ty), mask=mask)
+        tl.store(Out + offs, h, mask=mask)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    live = rows < E
+    w = tl.load(RouterW + rows[:, None] * stride_rw + offs[None, :], mask=live[:, None] & mask[None, :], other=0.0)
+    logit = tl.sum(w.to(tl.float32) * h.to(tl.float32)[None, :], 1)
+    tl.store(Logits + rows, logit.to(Logits.dtype.element_ty), mask=live)
+
+
+def add_rmsnorm_router(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                       router_weight: torch.Tensor, *, rows: int = 1,
+                       warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For one token ``x`` [1, H]: (h, x + residual, logits), h = RMSNorm(x + residual) and
+    logits [1, E] = h @ ``router_weight``.T in x's dtype: the residual add, the norm before
+    the MoE block and its router's GEMV in one kernel. The new residual is a new tensor
+    (``residual`` is left as it is)."""
+    n = x.shape[-1]
+    e = router_weight.shape[0]
+    h = torch.empty_like(x)
+    res = torch.empty_like(residual)
+    logits = torch.empty((1, e), dtype=x.dtype, device=x.device)
+    _add_rmsnorm_router_kernel[(triton.cdiv(e, rows),)](
+        x, residual, norm_weight, router_weight, h, res, logits, n, e, eps, router_weight.stride(0),
+        BLOCK=triton.next_power_of_2(n), ROWS=rows, num_warps=warps)
+    return h, res, logits

@@ -147,6 +147,10 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.add_norm(x, residual, self.input_layernorm)
         h = self.self_attn(h, positions, rotary, attn)
+        fused = getattr(self.mlp, "forward_add_norm", None) if self.all_reduce is None else None
+        out = fused(h, residual, self.post_attention_layernorm) if fused is not None else None
+        if out is not None:  # (the MLP's own add and norm: a mixture of experts' with its router)
+            return out
         h, residual = self.add_norm(h, residual, self.post_attention_layernorm)
         return self.mlp(h), residual
 

@@ -4,7 +4,8 @@
     y = sum over the k chosen experts of weight * expert(x)      (``moe_ops.fused_experts``)
 
 (decode at batch 1 on CUDA: the softmax and top-k inside the experts' first kernel,
-``moe_ops.experts_gemv``, so the router's GEMV and two expert kernels are the whole block)
+``moe_ops.experts_gemv``, and the router's GEMV in the kernel of the residual add and norm
+before the block, ``forward_add_norm``: the block is three kernels)
       [+ sigmoid(shared_gate(x)) * shared_expert(x)]              (Qwen2-MoE)
 
 Parameter names follow the Hugging Face checkpoints (``gate`` the router, ``experts``,
@@ -19,7 +20,7 @@ from torch import nn
 
 from radixd.core.models.config import ModelConfig, MoEConfig
 from radixd.core.models.layers import GatedMLP
-from radixd.core.moe_ops import GEMV_MAX_TOKENS, experts_gemv, fused_experts
+from radixd.core.moe_ops import GEMV_MAX_TOKENS, add_rmsnorm_router, experts_gemv, fused_experts
 from radixd.core.quant.formats import Fp8Layout, QuantFormatError
 from radixd.core.quant.ops import FP8, quantize_fp8
 from radixd.core.triton_ops import ALL_KERNELS, KernelChoice, linear
@@ -122,8 +123,23 @@ class SparseMoE(nn.Module):
             self.shared_expert = GatedMLP(hidden, moe.shared_intermediate_size, kernels=kernels)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
+    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                         norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(self(norm(residual + x)), residual + x)`` for one token routed in the experts'
+        kernel (``routed_in_kernel``): the add, the norm and the router's GEMV in one kernel
+        (``moe_ops.add_rmsnorm_router``), then the two expert kernels; None otherwise (the
+        caller adds, normalises and calls ``forward``)."""
+        if not (routed_in_kernel(x, self.kernels) and isinstance(self.gate, nn.Linear) and x.dim() == 2
+                and x.shape[0] == 1 and x.is_contiguous() and residual.is_contiguous()
+                and self.gate.weight.stride(1) == 1 and self.gate.bias is None):
+            return None
+        h, residual, logits = add_rmsnorm_router(x, residual, norm.weight, norm.eps, self.gate.weight)
+        return self._experts_of(h, logits), residual
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = linear(x, self.gate, self.kernels)
+        return self._experts_of(x, linear(x, self.gate, self.kernels))
+
+    def _experts_of(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if routed_in_kernel(x, self.kernels):  # (router's softmax and top-k in the experts' kernel)
             y = self.experts.forward_routed(x, logits, self.top_k, self.renormalize)
         else:
