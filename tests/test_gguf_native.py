@@ -215,6 +215,57 @@ def test_tiny_gguf_native_prompt_over_several_chunks(tiny_gguf, tmp_path, isa):
     assert chunked == asyncio.run(greedy())
 
 
+def _dequantized_in_a_step(*args, **kwargs):
+    raise AssertionError("a step dequantized an int4 weight that has its bf16 copy")
+
+
+def test_prefill_weight_copies_change_nothing_but_memory(tiny_gguf, tmp_path, isa, monkeypatch):
+    """``prefill_weights``: "bf16" keeps each int4 weight's bf16 copy for prefill's GEMMs (a
+    prompt of more rows than the kernels take), "dequantize" makes it every step: the same
+    values, so the same logprobs bit for bit; "auto" keeps them while they are small."""
+    from radixd.core.quant import cpu_int
+
+    prompt = PROMPT * 11  # 77 rows: a prefill GEMM on the dequantized weights
+
+    async def run(mode: str):
+        eng = Engine(model=str(tiny_gguf), cache_dir=str(tmp_path), gguf_weights="native", kv_cache_tokens=256,
+                     prefill_weights=mode)
+        try:
+            heads = [m.cpu for m in eng.worker.model.modules() if isinstance(m, QuantLinear) and m.cpu is not None]
+            params = SamplingParams(max_new_tokens=4, min_new_tokens=4, temperature=0, prompt_logprobs_from=1)
+            toks, lp = [], None
+            with monkeypatch.context() as m:
+                if mode == "bf16":  # the steps read the copies: nothing is dequantized
+                    for name in ("qdequant_bf16", "int4pack_to_bf16"):
+                        m.setattr(cpu_kernels, name, _dequantized_in_a_step)
+                async for out in eng.generate(input_ids=prompt, params=params):
+                    toks += out.token_ids
+                    lp = out.prompt_logprobs or lp
+            return heads, toks, lp
+        finally:
+            await eng.stop()
+
+    kept, toks, lp = asyncio.run(run("bf16"))
+    made, toks2, lp2 = asyncio.run(run("dequantize"))
+    int4 = [w for w in kept if w.bits == 4 and w.dense_bytes]
+    assert int4 and all(w.dense is not None for w in int4)
+    assert all(w.dense is None for w in made)
+    for w in int4:
+        torch.testing.assert_close(w.dense, w.dequantized(), atol=0, rtol=0)
+    assert toks == toks2 and lp == lp2
+    auto, _, _ = asyncio.run(run("auto"))  # (a few kB of copies)
+    assert all(w.dense is not None for w in auto if w.bits == 4 and w.dense_bytes)
+    assert cpu_int.prefill_copy_wanted("auto", 100 << 20) and not cpu_int.prefill_copy_wanted("auto", 2 << 30)
+    assert cpu_int.prefill_copy_wanted("bf16", 2 << 30) and not cpu_int.prefill_copy_wanted("dequantize", 1)
+    monkeypatch.setattr(cpu_int.os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 1 << 15)
+    assert not cpu_int.prefill_copy_wanted("auto", 100 << 20)  # over an eighth of 128 MiB
+
+
+def test_prefill_weights_option_names_its_choices():
+    with pytest.raises(ConfigError, match="prefill_weights"):
+        Engine(model="default", prefill_weights="fp16")
+
+
 @pytest.mark.slow
 def test_default_model_native_greedy_equals_fp32():
     # (the model's own GGUF, tests/test_default_model.py's; a few tokens: seconds)

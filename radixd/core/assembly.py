@@ -90,7 +90,8 @@ def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.dev
               max_rows=config.max_running_requests, max_context_len=setup.context_len,
               cuda_graphs=config.cuda_graphs and setup.pooling is None,  # (embedding engines never decode)
               cascade_attention=config.cascade_attention,
-              kernels=KernelChoice(fuse_one_row=config.fuse_one_row, rows_kernel=config.rows_kernel),
+              kernels=KernelChoice(fuse_one_row=config.fuse_one_row, rows_kernel=config.rows_kernel,
+                                   prefill_weights=config.prefill_weights),
               head=setup.pooling is None, kv_format=setup.kv_format,
               window_slots=window_region(config, setup),
               tree_graphs=bool(config.speculative_algorithm) and config.speculative_eagle_topk > 1)

@@ -34,7 +34,8 @@ WRITE_POLICIES = ("write_back", "write_through", "write_through_hits")
 ROUTING_POLICIES = ("cache_aware", "round_robin")
 TASKS = ("auto", "generate", "embed")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # see core.kv_quant
-GGUF_WEIGHTS = ("auto", "native", "fp32")  # (core.gguf serves "native")
+GGUF_WEIGHTS = ("auto", "native", "fp32")
+PREFILL_WEIGHTS = ("auto", "bf16", "dequantize")  # (quant.cpu_int.keep_prefill_copies)  # (core.gguf serves "native")
 QUANTIZATION = ("auto", "none", "compressed-tensors", "fp8", "gptq", "awq")  # (core.quant.formats reads them)
 
 
@@ -181,6 +182,10 @@ class EngineConfig:
     # core.gguf), "fp32" (converted once through transformers) or "auto", the default (native
     # on the CPU with tp_size 1, fp32 elsewhere).
     gguf_weights: str = option("auto", key="model.gguf_weights", choices=GGUF_WEIGHTS)
+    # CPU int4 weights (a native GGUF's Q4_1): "bf16" keeps a bf16 copy that prefill's GEMMs
+    # read (2 bytes a weight more memory; decode steps still read int4), "dequantize" makes it
+    # anew each prefill step, "auto" keeps copies of at most 1 GiB and an eighth of the memory.
+    prefill_weights: str = option("auto", key="model.prefill_weights", choices=PREFILL_WEIGHTS)
 
     # KV memory. ``kv_cache_bytes`` wins over ``kv_cache_tokens`` when both are set.
     kv_cache_bytes: int | None = option(None, key="memory.kv_cache_bytes", min=1)

@@ -25,6 +25,7 @@ Contract: native GGUF serving is for one CPU process (``choose``); the file is o
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import struct
@@ -46,11 +47,13 @@ from radixd.core.quant.formats import IntLayout, QuantFormatError
 from radixd.core.quant.linear import (
     QuantEmbedding,
     QuantLinear,
+    keep_cpu_prefill_copies,
     pack_cpu_projections,
     swap_projections,
 )
 from radixd.core.quant.ops import dequantize_int, pack_int4
 
+log = logging.getLogger(__name__)
 SOURCE = "gguf.json"
 ARCHITECTURES = ("llama",)
 FLOAT = {"F32": np.float32, "F16": np.float16, "BF16": None}
@@ -250,19 +253,23 @@ def dequantize(t: GGUFTensor) -> torch.Tensor:
     return dequantize_int(c["weight"], c["weight_scale"], c.get("weight_zeros"), lay.bits, BLOCK)
 
 
-def load(model: nn.Module, cfg: ModelConfig, gguf: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Fill ``model`` (built on "meta", already in ``dtype``) from ``gguf`` on the CPU ``device``."""
+def load(model: nn.Module, cfg: ModelConfig, gguf: Path, dtype: torch.dtype, device: torch.device,
+         prefill_weights: str = "auto") -> nn.Module:
+    """Fill ``model`` (built on "meta", already in ``dtype``) from ``gguf`` on the CPU ``device``;
+    ``prefill_weights``: whether int4 weights keep bf16 copies for prefill (``[model]
+    prefill_weights``, ``cpu_int.keep_prefill_copies``)."""
     threads = torch.get_num_threads()
     # hundreds of small conversions: intra-op threads only add their hand-offs (several times
     # the work itself on a busy machine)
     torch.set_num_threads(1)
     try:
-        return _load(model, cfg, gguf, dtype, device)
+        return _load(model, cfg, gguf, dtype, device, prefill_weights)
     finally:
         torch.set_num_threads(threads)
 
 
-def _load(model: nn.Module, cfg: ModelConfig, gguf: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def _load(model: nn.Module, cfg: ModelConfig, gguf: Path, dtype: torch.dtype, device: torch.device,
+          prefill_weights: str) -> nn.Module:
     tensors = {t.name: t for t in _reader(gguf)}
     embed = tensors["token_embd.weight"]
     head = tensors.get("output.weight", embed)
@@ -291,6 +298,10 @@ def _load(model: nn.Module, cfg: ModelConfig, gguf: Path, dtype: torch.dtype, de
     if quant_head:
         model.lm_head = _quant_linear(head, cfg.hidden_size, cfg.vocab_size, device)
     pack_cpu_projections(model)
+    copies = keep_cpu_prefill_copies(model, prefill_weights)
+    if copies:
+        log.info("int4 weights: bf16 copies for prefill, %.0f MB ([model] prefill_weights = %r)", copies / 1e6,
+                 prefill_weights)
     if quant_embed:  # (int8 with whole groups: always packed)
         table = model.lm_head if head is embed else _quant_linear(embed, cfg.hidden_size, cfg.vocab_size, device)
         if table.cpu is None:

@@ -182,7 +182,7 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     model = model.to(dtype=dtype)
     gguf = gguf_native.source(path)
     if gguf is not None and not random_weights:
-        model = gguf_native.load(model, cfg, gguf, dtype, device).eval()
+        model = gguf_native.load(model, cfg, gguf, dtype, device, prefill_weights=kernels.prefill_weights).eval()
         model.rotary = model.make_rotary(cfg).to(device)
         return model
     quantized: set[str] = set()

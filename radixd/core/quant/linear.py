@@ -29,7 +29,14 @@ from torch import nn
 
 from radixd.core.errors import ConfigError
 from radixd.core.quant import ops
-from radixd.core.quant.cpu_int import CpuIntWeight, cpu_int_linear, pack_cpu, rows, vnni_linear
+from radixd.core.quant.cpu_int import (
+    CpuIntWeight,
+    cpu_int_linear,
+    keep_prefill_copies,
+    pack_cpu,
+    rows,
+    vnni_linear,
+)
 from radixd.core.quant.formats import Fp8Layout, IntLayout, Layout, QuantFormatError
 from radixd.core.quant.gemv import RopeStore, fp8_gemv, int_gemv
 
@@ -215,6 +222,13 @@ def quantize_projections(model: nn.Module, layout: Layout) -> None:
 def pack_cpu_projections(model: nn.Module) -> int:
     """``pack_for_cpu`` on every ``QuantLinear`` of ``model``; returns how many were packed."""
     return sum(m.pack_for_cpu() for m in model.modules() if isinstance(m, QuantLinear))
+
+
+def keep_cpu_prefill_copies(model: nn.Module, prefill_weights: str) -> int:
+    """The packed int4 projections' bf16 copies for prefill, as ``prefill_weights`` says
+    (``cpu_int.keep_prefill_copies``); returns their bytes (0: none kept)."""
+    packed = [(m, "cpu") for m in model.modules() if isinstance(m, QuantLinear) and m.cpu is not None]
+    return keep_prefill_copies(packed, prefill_weights)
 
 
 def mirror_projections(full: nn.Module, shard: nn.Module, device: torch.device, dtype: torch.dtype) -> set[str]:
