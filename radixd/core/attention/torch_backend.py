@@ -2,7 +2,11 @@
 
 Decode requests (one new token) are padded into one batched SDPA call; extend requests run
 one SDPA each with a causal mask offset by their cached prefix, and so does each token tree's
-rows (``ForwardBatch.trees``), with the tree's mask over its own rows. A layer's sliding window
+rows (``ForwardBatch.trees``), with the tree's mask over its own rows. Extend requests that
+share a cached prefix (a system prompt: their tables' first ``SHARED_MIN`` slots or more
+alike) attend together: one SDPA over the prefix's KV, read once, and each member's own KV,
+each query masked to the prefix and its own part causally (layers without a window or
+soft-cap; ``_group_extends``). A layer's sliding window
 narrows the mask; a score soft-cap (which SDPA cannot apply) takes the explicit
 softmax(cap * tanh(q.k * scale / cap)) path. K and V are read through the pool (``KVPool.read``:
 dequantized from an fp8 pool). With a window region in the pool (``swa_pool``) a window
@@ -25,9 +29,12 @@ from radixd.core.attention.run_decode import plan as run_plan
 from radixd.core.forward_batch import ForwardBatch
 from radixd.core.kv_pool import KVPool
 
+SHARED_MIN = 16  # extends sharing at least this many cached slots attend together
+GROUP_MASK_MAX = 1 << 24  # ... unless the group's mask (queries x keys) would be larger
+
 
 class TorchAttention:
-    cascade_members = 0  # attends per request, shared prefixes too
+    cascade_members = 0  # no cascade decode items (shared prefixes are found per step: _group_extends)
 
     def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float, windows: tuple[int, ...] = (),
                  softcap: float = 0.0):
@@ -66,6 +73,9 @@ class TorchAttention:
             kv_pos = torch.arange(p + e, device=device)[None, :]
             masks = {w: (kv_pos <= q_pos) & (kv_pos > q_pos - w if w else True) for w in windows}
             self.extends.append((starts[i], e, kv_idx, mapped(kv_idx), masks))
+        self.groups = []
+        if len(self.extends) > 1 and windows == {0} and not self.softcap:
+            self.extends, self.groups = _group_extends(self.extends, batch, device)
         for f, n, tree_mask in zip(trees.first, trees.sizes, trees.masks, strict=True) if trees is not None else ():
             p = batch.prefix_lens[f]
             kv_idx = table[batch.rows[f], : p + n]
@@ -112,6 +122,11 @@ class TorchAttention:
             ki, vi = self.pool.read(layer, kv_idx, q.dtype)          # [S, Hkv, D]
             ki, vi = ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]  # [1, Hkv, S, D]
             out[start : start + e] = self._attend(qi, ki, vi, masks[window])[0].transpose(0, 1)
+        for q_rows, kv_idx, mask in self.groups:
+            qg = q[q_rows].transpose(0, 1)[None]                     # [1, H, sum e, D]
+            kg, vg = self.pool.read(layer, kv_idx, q.dtype)          # [S, Hkv, D]: the prefix once
+            kg, vg = kg.transpose(0, 1)[None], vg.transpose(0, 1)[None]
+            out[q_rows] = self._attend(qg, kg, vg, mask)[0].transpose(0, 1)
         if self.decode_lens is not None and not window and q.dtype == self.pool.dtype:
             k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
             out[self.decode_tok] = cpu_kernels.decode(q[self.decode_tok], k_buf, v_buf, self.decode_kv_idx,
@@ -136,3 +151,51 @@ class TorchAttention:
         scores = torch.tanh(q.float() @ k.float().transpose(-1, -2) * (self.scale / self.softcap)) * self.softcap
         scores = scores.masked_fill(~mask, float("-inf"))
         return (scores.softmax(-1) @ v.float()).to(q.dtype)
+
+
+def _group_extends(extends: list, batch: ForwardBatch, device: torch.device) -> tuple[list, list]:
+    """Split ``extends`` (``TorchAttention.begin``'s: start, length, table slots, ...) into the
+    ones attended alone and groups sharing a cached prefix, each ``(query rows, slots, mask)``:
+    the slots are the shared prefix's (``C`` of them, read once per layer for the whole group)
+    followed by each member's own (its table past ``C``: the rest of its cached prefix and
+    its new tokens), and the mask [sum of lengths, slots] lets a member's query at position
+    ``P + j`` see the prefix and its own slots up to itself. Requests group by their table's
+    first slot (the radix cache gives requests with one cached prefix the same slots); ``C``
+    is the longest run of slots all members' tables begin with, within their cached prefixes."""
+    by_first: dict[int, list[int]] = {}
+    firsts = [int(kv_idx[0]) for _, _, kv_idx, _, _ in extends]
+    for i, (_, e, kv_idx, _, _) in enumerate(extends):
+        if kv_idx.numel() - e >= SHARED_MIN:  # a cached prefix worth sharing
+            by_first.setdefault(firsts[i], []).append(i)
+    alone = set(range(len(extends)))
+    groups = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        shortest = min(extends[i][2].numel() - extends[i][1] for i in members)  # cached slots
+        tables = torch.stack([extends[i][2][:shortest] for i in members])
+        same = (tables == tables[0]).all(0)
+        shared = int(same.numel() if bool(same.all()) else int(same.to(torch.int8).argmin()))
+        if shared < SHARED_MIN:
+            continue
+        lengths = [extends[i][1] for i in members]
+        owns = [extends[i][2][shared:] for i in members]
+        keys = shared + sum(o.numel() for o in owns)
+        if sum(lengths) * keys > GROUP_MASK_MAX:
+            continue
+        mask = torch.zeros((sum(lengths), keys), dtype=torch.bool, device=device)
+        mask[:, :shared] = True
+        row = col = 0
+        for e, own in zip(lengths, owns, strict=True):
+            cached = own.numel() - e  # the member's cached slots past the shared ones
+            q_pos = torch.arange(e, device=device)[:, None]
+            mask[row : row + e, shared + col : shared + col + own.numel()] = (
+                torch.arange(own.numel(), device=device)[None, :] <= cached + q_pos)
+            row += e
+            col += own.numel()
+        q_rows = torch.cat([torch.arange(extends[i][0], extends[i][0] + extends[i][1], device=device)
+                            for i in members])
+        kv_idx = torch.cat([extends[members[0]][2][:shared], *owns])
+        groups.append((q_rows, kv_idx, mask[None, None]))
+        alone -= set(members)
+    return [x for i, x in enumerate(extends) if i in alone], groups

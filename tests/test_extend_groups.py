@@ -1,0 +1,86 @@
+"""CPU extend attention for requests sharing a cached prefix (``torch_backend._group_extends``):
+one SDPA over the prefix's KV, read once, and each member's own KV under a mask, equal to
+each request attended alone; the engine's greedy tokens with such steps equal transformers'."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from test_engine import assert_greedy_matches, assert_idle, collect, make_engine, prompts
+from test_run_decode import DIM, HEADS, KV_HEADS, layout, make
+
+from radixd.core.attention import torch_backend
+from radixd.core.forward_batch import ForwardBatch
+
+
+def extend_step(attn, steps: list[tuple[int, int, int]], layer: int = 0) -> torch.Tensor:
+    """Attention of one step of (row, cached prefix, new tokens) over ``layout``'s table."""
+    pool = attn.pool
+    rows = [r for r, _, _ in steps]
+    loc = torch.cat([pool.req_to_token[r, p : p + e] for r, p, e in steps])
+    positions = torch.cat([torch.arange(p, p + e) for _, p, e in steps])
+    batch = ForwardBatch(input_ids=torch.zeros(loc.numel(), dtype=torch.int64), positions=positions,
+                         out_cache_loc=loc, rows=rows, prefix_lens=[p for _, p, _ in steps],
+                         extend_lens=[e for _, _, e in steps])
+    attn.begin(batch)
+    g = torch.Generator().manual_seed(layer)
+    t = loc.numel()
+    q, k, v = (torch.randn(t, h, DIM, generator=g).to(pool.dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
+    return attn.forward(q, k, v, layer, positions, lambda pos, q, k: (q, k))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_requests_sharing_a_prefix_attend_together_as_alone(dtype, monkeypatch):
+    attn = make(dtype=dtype)
+    layout(attn.pool, 0)  # rows 0-2 begin with the same 70 slots; 3 and 4 do not
+    # rows 0 and 1 cached past the shared slots (their own cached parts differ), row 2 within
+    # them; row 3 alone; row 4 a decode; row 5 a fresh prompt (nothing cached)
+    steps = [(0, 84, 6), (4, 32, 1), (1, 74, 5), (3, 60, 7), (2, 66, 4), (5, 0, 9)]
+    grouped = extend_step(attn, steps)
+    assert len(attn.groups) == 1 and len(attn.extends) == 2  # rows 0-2 together; 3 and 5 alone
+    q_rows, kv_idx, mask = attn.groups[0]
+    assert q_rows.numel() == 6 + 5 + 4 and kv_idx.numel() == 66 + (90 - 66) + (79 - 66) + (70 - 66)
+    assert mask.shape[-2:] == (15, kv_idx.numel())
+    monkeypatch.setattr(torch_backend, "SHARED_MIN", 10**9)  # each alone
+    alone = extend_step(attn, steps)
+    assert not attn.groups
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(grouped.float(), alone.float(), atol=tol, rtol=tol)
+
+
+def test_short_shared_runs_and_windows_attend_alone():
+    attn = make()
+    layout(attn.pool, 1)
+    extend_step(attn, [(0, 10, 4), (1, 12, 3)])  # 10 shared cached slots: under SHARED_MIN
+    assert not attn.groups and len(attn.extends) == 2
+    windowed = make(windows=(8, 0))
+    layout(windowed.pool, 1)
+    extend_step(windowed, [(0, 80, 4), (1, 74, 3)])
+    assert not windowed.groups  # (a window narrows each member's mask: kept per request)
+
+
+async def test_engine_greedy_with_grouped_extends_equals_transformers(tiny_models, monkeypatch):
+    calls = []
+    real = torch_backend._group_extends
+
+    def spy(extends, batch, device):
+        alone, groups = real(extends, batch, device)
+        calls.append(len(groups))
+        return alone, groups
+
+    monkeypatch.setattr(torch_backend, "_group_extends", spy)
+    path = tiny_models["llama"]
+    eng = make_engine(path)
+    try:
+        system = prompts(1, 40, seed=11)[0]
+        await collect(eng, system + [3], 1)  # the system prompt into the cache
+        ps = [system + q for q in prompts(3, 6, seed=12)]
+        outs = await asyncio.gather(*(collect(eng, p, 6) for p in ps))
+        for p, got in zip(ps, outs, strict=True):
+            assert_greedy_matches(path, p, got, 6)
+        assert max(calls) == 1  # the three extends of one step in one group
+        await assert_idle(eng)
+    finally:
+        await eng.stop()
