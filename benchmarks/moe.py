@@ -282,8 +282,10 @@ def profile(run: Run) -> dict:
     rng = random.Random(4)
     try:
         for fuse in (False, True):
-            eng = run.engine(fuse_one_row=fuse)
+            free()  # (what earlier sections left cached: two engines of 61 GB fit only just)
+            eng = None
             try:
+                eng = run.engine(fuse_one_row=fuse)
                 loop.run_until_complete(generate_all(eng, [[rng.randrange(100, run.vocab_hi()) for _ in range(64)]], 8))
                 case = {"fuse_one_row": fuse}
                 if not run.tiny:
@@ -302,7 +304,8 @@ def profile(run: Run) -> dict:
                 out["fused" if fuse else "unfused"] = case
                 print(json.dumps(case)[:3000], flush=True)
             finally:
-                loop.run_until_complete(eng.stop())
+                if eng is not None:
+                    loop.run_until_complete(eng.stop())
                 eng = None
                 free()
     finally:
@@ -404,6 +407,7 @@ def decode(run: Run) -> dict:
 
 
 def _decode_cases(run: Run, batches: list[int], **kw) -> dict:
+    free()
     eng = run.engine(**kw)
     cfg = eng.model_cfg
     fixed, per_expert = _weight_bytes(eng)

@@ -66,11 +66,11 @@ Scales = tuple[torch.Tensor, torch.Tensor] | None  # fp8 experts: gate_up's and 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, *, scales: Scales = None, block: tuple[int, int] | None = None,
-                  use_triton: bool | None = None, gemv: bool | None = None) -> torch.Tensor:
+                  use_triton: bool | None = None) -> torch.Tensor:
     """The MoE MLP's output [T, H] (see the module docstring). ``use_triton``: None picks the
-    Triton kernels on CUDA and ``experts_torch`` elsewhere; ``gemv``: ``experts_triton``'s."""
+    Triton kernels on CUDA and ``experts_torch`` elsewhere."""
     if x.is_cuda if use_triton is None else use_triton:
-        return experts_triton(x, gate_up, down, weights, ids, scales=scales, block=block, gemv=gemv)
+        return experts_triton(x, gate_up, down, weights, ids, scales=scales, block=block)
     return experts_torch(x, gate_up, down, weights, ids, scales=scales, block=block)
 
 
@@ -202,10 +202,11 @@ def experts_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, w
                    gemv: bool | None = None) -> torch.Tensor:
     """The two grouped GEMMs over ``align_pairs``' blocks, then the sum over each token's k
     slots; ``chunk_tokens`` tokens at a time (a long prefill's pair buffers stay bounded).
-    ``tiles``: instead of ``moe_tiles``' choice (benchmarks sweep them). ``gemv``: None takes
-    ``experts_gemv`` for up to ``GEMV_MAX_TOKENS`` tokens (and no ``tiles``); True or False
-    forces one way (benchmarks compare them)."""
-    if gemv if gemv is not None else (tiles is None and x.shape[0] <= GEMV_MAX_TOKENS):
+    ``tiles``: instead of ``moe_tiles``' choice (benchmarks sweep them). ``gemv``: True takes
+    ``experts_gemv`` with this routing instead (at 1 token on an H200 slower than these
+    kernels, 46.6 vs 32.7 us, where ``experts_gemv`` routing from the logits itself takes 35.6
+    us against 53.5 for ``route`` and these: the model routes in the kernel)."""
+    if gemv:
         return experts_gemv(x, gate_up, down, weights=weights, ids=ids, scales=scales, block=block)
     if x.shape[0] <= chunk_tokens:
         return _experts_triton(x, gate_up, down, weights, ids, tiles, scales, block)
@@ -250,8 +251,9 @@ def _experts_triton(x, gate_up, down, weights, ids, tiles: MoETiles | None, scal
 
 # ----------------------------------------------------------------------------- a few tokens: GEMVs
 
-GEMV_MAX_TOKENS = 1  # up to this many tokens ``experts_triton`` takes the GEMV kernels
-GEMV_UP_TILES = (2, 256, 8)    # gate/up kernel: (gate rows per program, K per step, warps)
+GEMV_MAX_TOKENS = 1  # up to this many tokens ``SparseMoE`` routes in the GEMV kernels (``experts_gemv``)
+# The fastest of ``benchmarks.moe --sections gemv_tiles`` on an H200 (1 token, Qwen3-30B-A3B's layer)
+GEMV_UP_TILES = (4, 256, 8)    # gate/up kernel: (gate rows per program, K per step, warps)
 GEMV_DOWN_TILES = (8, 128, 8)  # down kernel: (output rows per program, K per step, warps)
 
 

@@ -88,8 +88,8 @@ class Experts(nn.Module):
             return {}
         return {"scales": (self.gate_up_proj_scale, self.down_proj_scale), "block": self.fp8.block}
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gemv: bool | None = None) -> torch.Tensor:
-        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, gemv=gemv, **self._scales())
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, **self._scales())
 
     def forward_routed(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
         """The experts of ``route(logits, top_k, renormalize)``'s choice, the routing done
@@ -143,8 +143,7 @@ class SparseMoE(nn.Module):
         if routed_in_kernel(x, self.kernels):  # (router's softmax and top-k in the experts' kernel)
             y = self.experts.forward_routed(x, logits, self.top_k, self.renormalize)
         else:
-            y = self.experts(x, *route(logits, self.top_k, self.renormalize),
-                             gemv=None if self.kernels.fuse_one_row else False)
+            y = self.experts(x, *route(logits, self.top_k, self.renormalize))
         if self.shared_expert is not None:
             y = y + torch.sigmoid(linear(x, self.shared_expert_gate, self.kernels)) * self.shared_expert(x)
         return y
