@@ -24,6 +24,11 @@ weight, ``ops.dequantize_fp8``), so both paths compute the dequantized model's M
   each pair is its own block in pair order and the kernels read the router's ids as the
   blocks' experts: no alignment step at all.
 
+``experts_gemv`` (decode at batch 1: the model routes from the router's logits inside it)
+computes it as two matrix-vector kernels over the k chosen experts' rows side by side, and
+``add_rmsnorm_router`` puts the residual add, the norm before the block and the router's GEMV
+in one kernel: the block is three kernels.
+
 The Triton path keeps everything on the device with sizes known from T alone (no host sync),
 so it runs inside a CUDA graph: the grid covers the most blocks T*k pairs can need and the
 programs past the blocks in use return at once.
