@@ -315,11 +315,12 @@ def test_experts_gemv_matches_the_reference(t, e, k, h, i, renormalize):
     the same routing, and the routing itself."""
     from radixd.core.models.moe import route
 
-    x, gate_up, down, weights, ids = moe_case(t, e, k, h, i, seed=t + e)
+    dev = "cuda" if GPU else "cpu"  # (the interpreter runs CPU tensors only where no GPU is)
+    x, gate_up, down, weights, ids = moe_case(t, e, k, h, i, seed=t + e, device=dev)
     if renormalize is None:
         got = experts_gemv(x, gate_up, down, weights=weights, ids=ids, **GEMV_SMALL)
     else:
-        logits = torch.randn(t, e, generator=torch.Generator().manual_seed(i))
+        logits = torch.randn(t, e, generator=torch.Generator().manual_seed(i)).to(dev)
         weights, ids = route(logits, k, renormalize)
         got = experts_gemv(x, gate_up, down, logits=logits, top_k=k, renormalize=renormalize, **GEMV_SMALL)
     torch.testing.assert_close(got.double(), naive_moe(x, gate_up, down, weights, ids), rtol=1e-5, atol=1e-5)
