@@ -84,3 +84,22 @@ async def test_engine_greedy_with_grouped_extends_equals_transformers(tiny_model
         await assert_idle(eng)
     finally:
         await eng.stop()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_with_nothing_cached_attends_causally_to_its_own_kv(dtype):
+    attn = make(dtype=dtype)
+    layout(attn.pool, 2)
+    got = extend_step(attn, [(5, 0, 9), (3, 0, 13)])
+    g = torch.Generator().manual_seed(0)  # (extend_step's q, k, v)
+    q, k, v = (torch.randn(22, h, DIM, generator=g).to(dtype).float() for h in (HEADS, KV_HEADS, KV_HEADS))
+    for rows in (slice(0, 9), slice(9, 22)):
+        qi, ki, vi = q[rows], k[rows].repeat_interleave(HEADS // KV_HEADS, 1), v[rows].repeat_interleave(HEADS // KV_HEADS, 1)
+        scores = torch.einsum("qhd,khd->hqk", qi, ki) * DIM**-0.5
+        n = qi.shape[0]
+        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vi)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got[rows].float(), want, atol=tol, rtol=tol)
+    # the K/V went into the pool all the same
+    torch.testing.assert_close(attn.pool.k_buffers[0][attn.pool.req_to_token[5, :9]].float(), k[:9])

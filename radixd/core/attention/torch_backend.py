@@ -7,7 +7,8 @@ share a cached prefix (a system prompt: their tables' first ``SHARED_MIN`` slots
 alike) attend together: one SDPA over the prefix's KV, read once, and each member's own KV,
 each query masked to the prefix and its own part causally (layers without a window or
 soft-cap; ``_group_extends``). A layer's sliding window
-narrows the mask; a score soft-cap (which SDPA cannot apply) takes the explicit
+narrows the mask; a prompt with nothing cached attends to its K/V as computed, causal in
+SDPA's own mode (no table read, no mask); a score soft-cap (which SDPA cannot apply) takes the explicit
 softmax(cap * tanh(q.k * scale / cap)) path. K and V are read through the pool (``KVPool.read``:
 dequantized from an fp8 pool). With a window region in the pool (``swa_pool``) a window
 layer's KV is read and stored at the window slots of the table's slots.
@@ -72,7 +73,7 @@ class TorchAttention:
             q_pos = torch.arange(p, p + e, device=device)[:, None]
             kv_pos = torch.arange(p + e, device=device)[None, :]
             masks = {w: (kv_pos <= q_pos) & (kv_pos > q_pos - w if w else True) for w in windows}
-            self.extends.append((starts[i], e, kv_idx, mapped(kv_idx), masks))
+            self.extends.append((starts[i], e, kv_idx, mapped(kv_idx), masks, p == 0))
         self.groups = []
         if len(self.extends) > 1 and windows == {0} and not self.softcap:
             self.extends, self.groups = _group_extends(self.extends, batch, device)
@@ -80,7 +81,7 @@ class TorchAttention:
             p = batch.prefix_lens[f]
             kv_idx = table[batch.rows[f], : p + n]
             mask = torch.cat((torch.ones((n, p), dtype=torch.bool), tree_mask), 1).to(device)
-            self.extends.append((starts[f], n, kv_idx, kv_idx, dict.fromkeys(windows, mask)))
+            self.extends.append((starts[f], n, kv_idx, kv_idx, dict.fromkeys(windows, mask), False))
         self.decode_tok = None
         self.decode_runs = None
         self.decode_lens = None
@@ -115,10 +116,19 @@ class TorchAttention:
         self.pool.store(layer, self.window_loc if mapped else self.out_cache_loc, k, v)
         window = self.windows[layer]
         out = torch.empty_like(q)
-        for start, e, kv_idx, window_idx, masks in self.extends:
+        # a prompt with nothing cached attends to its own K/V as computed (what the pool holds
+        # where it stores them unquantized in q's dtype): not read back, causal in SDPA's own
+        # mode, which skips the blocks above the diagonal
+        fresh_ok = not window and not self.softcap and not self.pool.quantized and self.pool.dtype == q.dtype
+        for start, e, kv_idx, window_idx, masks, fresh in self.extends:
             if mapped:
                 kv_idx = window_idx
             qi = q[start : start + e].transpose(0, 1)[None]          # [1, H, e, D]
+            if fresh and fresh_ok:
+                ki, vi = k[start : start + e].transpose(0, 1)[None], v[start : start + e].transpose(0, 1)[None]
+                out[start : start + e] = F.scaled_dot_product_attention(
+                    qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)[0].transpose(0, 1)
+                continue
             ki, vi = self.pool.read(layer, kv_idx, q.dtype)          # [S, Hkv, D]
             ki, vi = ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]  # [1, Hkv, S, D]
             out[start : start + e] = self._attend(qi, ki, vi, masks[window])[0].transpose(0, 1)
@@ -163,8 +173,8 @@ def _group_extends(extends: list, batch: ForwardBatch, device: torch.device) -> 
     first slot (the radix cache gives requests with one cached prefix the same slots); ``C``
     is the longest run of slots all members' tables begin with, within their cached prefixes."""
     by_first: dict[int, list[int]] = {}
-    firsts = [int(kv_idx[0]) for _, _, kv_idx, _, _ in extends]
-    for i, (_, e, kv_idx, _, _) in enumerate(extends):
+    firsts = [int(x[2][0]) for x in extends]
+    for i, (_, e, kv_idx, *_) in enumerate(extends):
         if kv_idx.numel() - e >= SHARED_MIN:  # a cached prefix worth sharing
             by_first.setdefault(firsts[i], []).append(i)
     alone = set(range(len(extends)))
