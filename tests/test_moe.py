@@ -324,8 +324,9 @@ def test_experts_gemv_matches_the_reference(t, e, k, h, i, renormalize):
         weights, ids = route(logits, k, renormalize)
         got = experts_gemv(x, gate_up, down, logits=logits, top_k=k, renormalize=renormalize, **GEMV_SMALL)
     torch.testing.assert_close(got.double(), naive_moe(x, gate_up, down, weights, ids), rtol=1e-5, atol=1e-5)
-    if t == 1:  # (experts_triton's own choice at one token)
-        torch.testing.assert_close(experts_triton(x, gate_up, down, weights, ids), got, rtol=1e-5, atol=1e-5)
+    if t == 1:  # (experts_triton's own choice at one token: tl.dot tiles, TF32 products on a GPU)
+        tol = 2e-3 if GPU else 1e-5
+        torch.testing.assert_close(experts_triton(x, gate_up, down, weights, ids), got, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("h,e,rows", [(64, 8, 1), (48, 6, 4)])
