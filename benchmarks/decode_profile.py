@@ -111,31 +111,38 @@ def section_kernels(eng, ctx) -> dict:
     return {f"b{bs}": _kernel_families(eng, bs) for bs in ctx["batches"]}
 
 
-def _kernel_families(eng, bs: int) -> dict:
-    """One eager decode forward of bucket ``bs`` under the profiler: device time per family."""
+def device_kernels(eng, bs: int) -> list[tuple[str, float, int]]:
+    """One eager decode forward of bucket ``bs`` under the profiler (after three unprofiled):
+    each kernel's name, device µs and launches."""
+    from torch.profiler import ProfilerActivity, profile
+
     model = eng.worker.model
     with bucket_state(eng, bs) as g, torch.inference_mode():
         args = g._bucket_args(bs)  # (points the attention backend at the bucket's inputs)
         for _ in range(3):
             model(*args)
         torch.cuda.synchronize()
-        from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             model(*args)
             torch.cuda.synchronize()
-    fam: dict[str, list[float]] = {}
+    out = []
     for ev in prof.key_averages():
         if str(getattr(ev, "device_type", "")).split(".")[-1] != "CUDA":
             continue
         us = getattr(ev, "self_device_time_total", None)
-        if us is None:
-            us = ev.self_cuda_time_total
-        name = ev.key
+        out.append((ev.key, ev.self_cuda_time_total if us is None else us, ev.count))
+    return out
+
+
+def _kernel_families(eng, bs: int) -> dict:
+    """One eager decode forward of bucket ``bs`` under the profiler: device time per family."""
+    fam: dict[str, list[float]] = {}
+    for name, us, count in device_kernels(eng, bs):
         key = ("gemm/gemv" if any(s in name.lower() for s in ("gemm", "gemv", "cutlass", "sm90", "nvjet", "cublas"))
                else name[:60])
         fam.setdefault(key, [0.0, 0])
         fam[key][0] += us
-        fam[key][1] += ev.count
+        fam[key][1] += count
     rows = sorted(((k, v[0], v[1]) for k, v in fam.items()), key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
     return {"kernel_us_total": round(total, 1), "launches": sum(r[2] for r in rows),

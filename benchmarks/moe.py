@@ -121,6 +121,17 @@ class Run:
     def vocab_hi(self) -> int:
         return min(40000, self.shape["vocab_size"])
 
+    def experts(self, seed: int) -> tuple[torch.dtype, torch.Generator, torch.Tensor, torch.Tensor]:
+        """One layer's random experts in the run's shape: (dtype, the generator after them,
+        gate_up [E, 2I, H], down [E, H, I])."""
+        sh = self.shape
+        e, h, i = sh["num_experts"], sh["hidden_size"], sh["moe_intermediate_size"]
+        dtype = torch.float32 if self.tiny else torch.bfloat16
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        gate_up = (torch.randn(e, 2 * i, h, device=self.device, generator=g) * h**-0.5).to(dtype)
+        down = (torch.randn(e, h, i, device=self.device, generator=g) * i**-0.5).to(dtype)
+        return dtype, g, gate_up, down
+
 
 def expert_bytes(hidden: int, inter: int, dtype_bytes: int) -> int:
     """One expert's gate, up and down projections."""
@@ -162,10 +173,7 @@ def _time(run: Run, fn, graph: bool = False) -> float:
 def kernel(run: Run) -> dict:
     sh = run.shape
     e, k, h, i = sh["num_experts"], sh["num_experts_per_tok"], sh["hidden_size"], sh["moe_intermediate_size"]
-    dtype = torch.float32 if run.tiny else torch.bfloat16
-    g = torch.Generator(device=run.device).manual_seed(0)
-    gate_up = (torch.randn(e, 2 * i, h, device=run.device, generator=g) * h**-0.5).to(dtype)
-    down = (torch.randn(e, h, i, device=run.device, generator=g) * i**-0.5).to(dtype)
+    dtype, g, gate_up, down = run.experts(0)
     fused_here = not run.tiny or os.environ.get("TRITON_INTERPRET") == "1"
     cases = []
     for t in ([1, 3, 40] if run.tiny else [1, 16, 64, 512, 4096]):
@@ -232,10 +240,7 @@ def gemv_tiles(run: Run) -> dict:
     e, k, h, i = sh["num_experts"], sh["num_experts_per_tok"], sh["hidden_size"], sh["moe_intermediate_size"]
     if run.tiny and os.environ.get("TRITON_INTERPRET") != "1":
         return {"skipped": "--tiny without the Triton interpreter"}
-    dtype = torch.float32 if run.tiny else torch.bfloat16
-    g = torch.Generator(device=run.device).manual_seed(3)
-    gate_up = (torch.randn(e, 2 * i, h, device=run.device, generator=g) * h**-0.5).to(dtype)
-    down = (torch.randn(e, h, i, device=run.device, generator=g) * i**-0.5).to(dtype)
+    dtype, g, gate_up, down = run.experts(3)
     xs = [torch.randn(1, h, device=run.device, generator=g).to(dtype) for _ in range(ROUTINGS)]
     logits = [torch.randn(1, e, device=run.device, generator=g).to(dtype) for _ in range(ROUTINGS)]
     esize = xs[0].element_size()
@@ -321,28 +326,10 @@ def _graph_step_s(eng) -> float:
 def _step_kernels(eng, layers: int) -> dict:
     """One eager batch-1 decode forward under the profiler: per kernel name, device µs and
     launches in all, and per layer."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+    from benchmarks.decode_profile import device_kernels
 
-    from benchmarks.decode_profile import bucket_state
-
-    model = eng.worker.model
-    with bucket_state(eng, 1) as g, torch.inference_mode():
-        args = g._bucket_args(1)
-        for _ in range(3):
-            model(*args)
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            model(*args)
-            torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        if str(getattr(ev, "device_type", "")).split(".")[-1] != "CUDA":
-            continue
-        us = getattr(ev, "self_device_time_total", None)
-        us = ev.self_cuda_time_total if us is None else us
-        rows.append({"name": ev.key[:90], "us": round(us, 1), "count": ev.count,
-                     "us_per_call": round(us / max(ev.count, 1), 2)})
+    rows = [{"name": name[:90], "us": round(us, 1), "count": n, "us_per_call": round(us / max(n, 1), 2)}
+            for name, us, n in device_kernels(eng, 1)]
     rows.sort(key=lambda r: -r["us"])
     total = sum(r["us"] for r in rows)
     return {"kernel_us_total": round(total, 1), "launches": sum(r["count"] for r in rows),
@@ -357,13 +344,10 @@ def tiles(run: Run) -> dict:
     over ``GEMM_TILES`` with the default down tiles, then the down GEMM's with the best
     gate/up tiles, for each BLOCK_M that suits the count; the best against the default."""
     sh = run.shape
-    e, k, h, i = sh["num_experts"], sh["num_experts_per_tok"], sh["hidden_size"], sh["moe_intermediate_size"]
+    e, k, h = sh["num_experts"], sh["num_experts_per_tok"], sh["hidden_size"]
     if run.tiny and os.environ.get("TRITON_INTERPRET") != "1":
         return {"skipped": "--tiny without the Triton interpreter"}
-    dtype = torch.float32 if run.tiny else torch.bfloat16
-    g = torch.Generator(device=run.device).manual_seed(1)
-    gate_up = (torch.randn(e, 2 * i, h, device=run.device, generator=g) * h**-0.5).to(dtype)
-    down = (torch.randn(e, h, i, device=run.device, generator=g) * i**-0.5).to(dtype)
+    dtype, g, gate_up, down = run.experts(1)
     grid = GEMM_TILES[:1] if run.tiny else GEMM_TILES
     out = []
     for t in ([1, 40] if run.tiny else [1, 16, 64, 512]):
