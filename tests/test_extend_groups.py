@@ -65,8 +65,8 @@ async def test_engine_greedy_with_grouped_extends_equals_transformers(tiny_model
     calls = []
     real = torch_backend._group_extends
 
-    def spy(extends, batch, device):
-        alone, groups = real(extends, batch, device)
+    def spy(extends, device):
+        alone, groups = real(extends, device)
         calls.append(len(groups))
         return alone, groups
 

@@ -21,6 +21,8 @@ sharing it (``run_decode``).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +34,17 @@ from radixd.core.kv_pool import KVPool
 
 SHARED_MIN = 16  # extends sharing at least this many cached slots attend together
 GROUP_MASK_MAX = 1 << 24  # ... unless the group's mask (queries x keys) would be larger
+
+
+class Extend(NamedTuple):
+    """One request's (or token tree's) rows of a step attended as an extend."""
+
+    start: int                      # its first row in the batch
+    length: int                     # its rows
+    slots: torch.Tensor             # its table's slots, cached prefix and new rows
+    window_slots: torch.Tensor      # the same in the pool's window region (``swa_pool``)
+    masks: dict                     # window -> [length, slots] bool; {} for a fresh one
+    fresh: bool                     # nothing cached: attends to its K/V as computed, causal
 
 
 class TorchAttention:
@@ -65,23 +78,31 @@ class TorchAttention:
         mapped = to_window.__getitem__ if to_window is not None else lambda idx: idx
         self.window_loc = mapped(self.out_cache_loc)
         self.extends = []
+        # a prompt with nothing cached attends to its own K/V as computed (the values the
+        # pool holds where it stores them unquantized): not read back, causal in SDPA's own
+        # mode, which skips the blocks above the diagonal (plain layers only)
+        plain = windows == {0} and not self.softcap
+        fresh_ok = plain and not self.pool.quantized
         for i, e in enumerate(batch.extend_lens):
             if e == 1:
                 continue
             p = batch.prefix_lens[i]
             kv_idx = table[batch.rows[i], : p + e]
-            q_pos = torch.arange(p, p + e, device=device)[:, None]
-            kv_pos = torch.arange(p + e, device=device)[None, :]
-            masks = {w: (kv_pos <= q_pos) & (kv_pos > q_pos - w if w else True) for w in windows}
-            self.extends.append((starts[i], e, kv_idx, mapped(kv_idx), masks, p == 0))
+            fresh = p == 0 and fresh_ok
+            masks = {}
+            if not fresh:
+                q_pos = torch.arange(p, p + e, device=device)[:, None]
+                kv_pos = torch.arange(p + e, device=device)[None, :]
+                masks = {w: (kv_pos <= q_pos) & (kv_pos > q_pos - w if w else True) for w in windows}
+            self.extends.append(Extend(starts[i], e, kv_idx, mapped(kv_idx), masks, fresh))
         self.groups = []
-        if len(self.extends) > 1 and windows == {0} and not self.softcap:
-            self.extends, self.groups = _group_extends(self.extends, batch, device)
+        if len(self.extends) > 1 and plain:
+            self.extends, self.groups = _group_extends(self.extends, device)
         for f, n, tree_mask in zip(trees.first, trees.sizes, trees.masks, strict=True) if trees is not None else ():
             p = batch.prefix_lens[f]
             kv_idx = table[batch.rows[f], : p + n]
             mask = torch.cat((torch.ones((n, p), dtype=torch.bool), tree_mask), 1).to(device)
-            self.extends.append((starts[f], n, kv_idx, kv_idx, dict.fromkeys(windows, mask), False))
+            self.extends.append(Extend(starts[f], n, kv_idx, kv_idx, dict.fromkeys(windows, mask), False))
         self.decode_tok = None
         self.decode_runs = None
         self.decode_lens = None
@@ -116,15 +137,11 @@ class TorchAttention:
         self.pool.store(layer, self.window_loc if mapped else self.out_cache_loc, k, v)
         window = self.windows[layer]
         out = torch.empty_like(q)
-        # a prompt with nothing cached attends to its own K/V as computed (what the pool holds
-        # where it stores them unquantized in q's dtype): not read back, causal in SDPA's own
-        # mode, which skips the blocks above the diagonal
-        fresh_ok = not window and not self.softcap and not self.pool.quantized and self.pool.dtype == q.dtype
         for start, e, kv_idx, window_idx, masks, fresh in self.extends:
             if mapped:
                 kv_idx = window_idx
             qi = q[start : start + e].transpose(0, 1)[None]          # [1, H, e, D]
-            if fresh and fresh_ok:
+            if fresh:  # (begin's comment)
                 ki, vi = k[start : start + e].transpose(0, 1)[None], v[start : start + e].transpose(0, 1)[None]
                 out[start : start + e] = F.scaled_dot_product_attention(
                     qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)[0].transpose(0, 1)
@@ -163,8 +180,8 @@ class TorchAttention:
         return (scores.softmax(-1) @ v.float()).to(q.dtype)
 
 
-def _group_extends(extends: list, batch: ForwardBatch, device: torch.device) -> tuple[list, list]:
-    """Split ``extends`` (``TorchAttention.begin``'s: start, length, table slots, ...) into the
+def _group_extends(extends: list[Extend], device: torch.device) -> tuple[list[Extend], list]:
+    """Split ``extends`` (``TorchAttention.begin``'s) into the
     ones attended alone and groups sharing a cached prefix, each ``(query rows, slots, mask)``:
     the slots are the shared prefix's (``C`` of them, read once per layer for the whole group)
     followed by each member's own (its table past ``C``: the rest of its cached prefix and
@@ -173,23 +190,23 @@ def _group_extends(extends: list, batch: ForwardBatch, device: torch.device) -> 
     first slot (the radix cache gives requests with one cached prefix the same slots); ``C``
     is the longest run of slots all members' tables begin with, within their cached prefixes."""
     by_first: dict[int, list[int]] = {}
-    firsts = [int(x[2][0]) for x in extends]
-    for i, (_, e, kv_idx, *_) in enumerate(extends):
-        if kv_idx.numel() - e >= SHARED_MIN:  # a cached prefix worth sharing
-            by_first.setdefault(firsts[i], []).append(i)
+    for i, x in enumerate(extends):
+        if x.slots.numel() - x.length >= SHARED_MIN:  # a cached prefix worth sharing
+            by_first.setdefault(int(x.slots[0]), []).append(i)
     alone = set(range(len(extends)))
     groups = []
     for members in by_first.values():
         if len(members) < 2:
             continue
-        shortest = min(extends[i][2].numel() - extends[i][1] for i in members)  # cached slots
-        tables = torch.stack([extends[i][2][:shortest] for i in members])
+        group = [extends[i] for i in members]
+        shortest = min(x.slots.numel() - x.length for x in group)  # cached slots
+        tables = torch.stack([x.slots[:shortest] for x in group])
         same = (tables == tables[0]).all(0)
         shared = int(same.numel() if bool(same.all()) else int(same.to(torch.int8).argmin()))
         if shared < SHARED_MIN:
             continue
-        lengths = [extends[i][1] for i in members]
-        owns = [extends[i][2][shared:] for i in members]
+        lengths = [x.length for x in group]
+        owns = [x.slots[shared:] for x in group]
         keys = shared + sum(o.numel() for o in owns)
         if sum(lengths) * keys > GROUP_MASK_MAX:
             continue
@@ -203,9 +220,8 @@ def _group_extends(extends: list, batch: ForwardBatch, device: torch.device) -> 
                 torch.arange(own.numel(), device=device)[None, :] <= cached + q_pos)
             row += e
             col += own.numel()
-        q_rows = torch.cat([torch.arange(extends[i][0], extends[i][0] + extends[i][1], device=device)
-                            for i in members])
-        kv_idx = torch.cat([extends[members[0]][2][:shared], *owns])
+        q_rows = torch.cat([torch.arange(x.start, x.start + x.length, device=device) for x in group])
+        kv_idx = torch.cat([group[0].slots[:shared], *owns])
         groups.append((q_rows, kv_idx, mask[None, None]))
         alone -= set(members)
     return [x for i, x in enumerate(extends) if i in alone], groups
