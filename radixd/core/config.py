@@ -34,8 +34,8 @@ WRITE_POLICIES = ("write_back", "write_through", "write_through_hits")
 ROUTING_POLICIES = ("cache_aware", "round_robin")
 TASKS = ("auto", "generate", "embed")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # see core.kv_quant
-GGUF_WEIGHTS = ("auto", "native", "fp32")
-PREFILL_WEIGHTS = ("auto", "bf16", "dequantize")  # (quant.cpu_int.keep_prefill_copies)  # (core.gguf serves "native")
+GGUF_WEIGHTS = ("auto", "native", "fp32")  # (core.gguf serves "native")
+PREFILL_WEIGHTS = ("auto", "bf16", "dequantize")  # (quant.cpu_int.with_prefill_copies)
 QUANTIZATION = ("auto", "none", "compressed-tensors", "fp8", "gptq", "awq")  # (core.quant.formats reads them)
 
 

@@ -257,7 +257,7 @@ def load(model: nn.Module, cfg: ModelConfig, gguf: Path, dtype: torch.dtype, dev
          prefill_weights: str = "auto") -> nn.Module:
     """Fill ``model`` (built on "meta", already in ``dtype``) from ``gguf`` on the CPU ``device``;
     ``prefill_weights``: whether int4 weights keep bf16 copies for prefill (``[model]
-    prefill_weights``, ``cpu_int.keep_prefill_copies``)."""
+    prefill_weights``, ``cpu_int.with_prefill_copies``)."""
     threads = torch.get_num_threads()
     # hundreds of small conversions: intra-op threads only add their hand-offs (several times
     # the work itself on a busy machine)

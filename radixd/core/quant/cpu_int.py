@@ -76,7 +76,7 @@ class CpuIntWeight:
     q4 / q8 records, ``cpu_kernels.c``: nibbles or bytes with their fp16 scales inline),
     ``scales`` empty. ``dense``: an int4 weight's bf16 copy [K, N] (a view, as
     ``cpu_kernels.qdequant_bf16`` returns it) that prefill's GEMMs read in place of
-    dequantizing every step (``keep_prefill_copies``); None: dequantized each time."""
+    dequantizing every step (``with_prefill_copies``); None: dequantized each time."""
 
     bits: int
     n: int
@@ -262,18 +262,12 @@ def prefill_copy_wanted(mode: str, total: int) -> bool:
     return 0 < total <= min(PREFILL_COPY_MAX, memory // 8)
 
 
-def keep_prefill_copies(weights: list[tuple[object, str]], mode: str) -> int:
-    """Give the int4 ``CpuIntWeight``s at ``getattr(owner, attr)`` for each ``(owner, attr)``
-    a bf16 copy for prefill's GEMMs where ``mode`` wants them (``prefill_copy_wanted``): the
-    same values each prefill step would dequantize, read in place instead (a prefill step of
-    the default model dequantized 106M weights, a fifth of a 4 x 32-token extend's time),
-    at 2 bytes a weight more memory; decode steps still read the int4 records. Returns the
-    copies' bytes (0: none kept)."""
-    found = [(o, a) for o, a in weights if getattr(o, a).dense_bytes]
-    total = sum(getattr(o, a).dense_bytes for o, a in found)
-    if not found or not prefill_copy_wanted(mode, total):
-        return 0
-    for owner, attr in found:
-        w = getattr(owner, attr)
-        setattr(owner, attr, replace(w, dense=w.dequantized()))
-    return total
+def with_prefill_copies(weights: list[CpuIntWeight], mode: str) -> list[CpuIntWeight]:
+    """``weights``, the int4 ones with a bf16 copy for prefill's GEMMs where ``mode`` wants
+    them (``prefill_copy_wanted``, on all their copies' bytes): the same values each prefill
+    step would dequantize, read in place instead (a prefill step of the default model
+    dequantized 106M weights, a fifth of a 4 x 32-token extend's time), at 2 bytes a weight
+    more memory; decode steps still read the int4 records."""
+    if not prefill_copy_wanted(mode, sum(w.dense_bytes for w in weights)):
+        return weights
+    return [replace(w, dense=w.dequantized()) if w.dense_bytes else w for w in weights]

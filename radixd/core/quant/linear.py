@@ -32,10 +32,10 @@ from radixd.core.quant import ops
 from radixd.core.quant.cpu_int import (
     CpuIntWeight,
     cpu_int_linear,
-    keep_prefill_copies,
     pack_cpu,
     rows,
     vnni_linear,
+    with_prefill_copies,
 )
 from radixd.core.quant.formats import Fp8Layout, IntLayout, Layout, QuantFormatError
 from radixd.core.quant.gemv import RopeStore, fp8_gemv, int_gemv
@@ -226,9 +226,11 @@ def pack_cpu_projections(model: nn.Module) -> int:
 
 def keep_cpu_prefill_copies(model: nn.Module, prefill_weights: str) -> int:
     """The packed int4 projections' bf16 copies for prefill, as ``prefill_weights`` says
-    (``cpu_int.keep_prefill_copies``); returns their bytes (0: none kept)."""
-    packed = [(m, "cpu") for m in model.modules() if isinstance(m, QuantLinear) and m.cpu is not None]
-    return keep_prefill_copies(packed, prefill_weights)
+    (``cpu_int.with_prefill_copies``); returns their bytes (0: none kept)."""
+    packed = [m for m in model.modules() if isinstance(m, QuantLinear) and m.cpu is not None]
+    for m, w in zip(packed, with_prefill_copies([m.cpu for m in packed], prefill_weights), strict=True):
+        m.cpu = w
+    return sum(m.cpu.dense_bytes for m in packed if m.cpu.dense is not None)
 
 
 def mirror_projections(full: nn.Module, shard: nn.Module, device: torch.device, dtype: torch.dtype) -> set[str]:
