@@ -2,11 +2,11 @@
 
     logits = router(x); weights, ids = top-k of softmax(logits) (renormalised or not)
     y = sum over the k chosen experts of weight * expert(x)      (``moe_ops.fused_experts``)
+      [+ sigmoid(shared_gate(x)) * shared_expert(x)]              (Qwen2-MoE)
 
 (decode at batch 1 on CUDA: the softmax and top-k inside the experts' first kernel,
 ``moe_ops.experts_gemv``, and the router's GEMV in the kernel of the residual add and norm
 before the block, ``forward_add_norm``: the block is three kernels)
-      [+ sigmoid(shared_gate(x)) * shared_expert(x)]              (Qwen2-MoE)
 
 Parameter names follow the Hugging Face checkpoints (``gate`` the router, ``experts``,
 ``shared_expert``, ``shared_expert_gate``); the experts' projections are stacked per layer
