@@ -7,6 +7,9 @@ heads, 8 KV heads, head dim 128, bf16), against torch's SDPA and the bf16 matmul
   verify_64x5      64 requests, 5 new tokens each after 2048 cached (a speculative verify step)
 
 Every configuration's output is checked against SDPA's (relative error) before it is timed.
+For the cases with no prefix, ``radixd`` is what a step of such prompts runs in serving
+(``TritonAttention``'s SDPA path: q and v strided views of the q/k/v projection's output, K
+read from the pool), timed the same way.
 
   python -m benchmarks.extend_attention --out OUT [--configs "(64,64,4,3,True,4);..."] [--small-configs ...]
       [--baseline FILE.py]   (another revision's triton_kernels.py, timed with its default)
@@ -62,6 +65,30 @@ def case(name: str, reqs: int, prefix: int, ext: int, permute: bool) -> dict:
     return dict(name=name, args=args, sdpa=sdpa, ref=ref, flops=flops, causal_sdpa=prefix == 0)
 
 
+def serving_path(c: dict):
+    """The triton backend's attention for case ``c`` (no prefix) as a step runs it: a callable."""
+    from radixd.core.attention import triton_backend
+    from radixd.core.forward_batch import ForwardBatch
+    from radixd.core.kv_pool import KVPool
+
+    q, kb, vb, table, _, _, ext_lens, _, ext, scale = c["args"]
+    reqs = table.shape[0]
+    pool = KVPool(num_layers=1, num_slots=kb.shape[0], num_kv_heads=HKV, head_dim=D, max_rows=reqs + 1,
+                  max_context_len=ext, dtype=torch.bfloat16, device=torch.device("cuda"))
+    pool.k_buffers[0].copy_(kb)
+    loc = table.reshape(-1)
+    qkv = torch.empty(reqs * ext, (H + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
+    qv = qkv.view(reqs * ext, H + 2 * HKV, D)
+    qv[:, :H].copy_(q)
+    qv[:, H + HKV:].copy_(vb[loc])
+    fb = ForwardBatch(input_ids=torch.zeros(reqs * ext, dtype=torch.int64), positions=torch.zeros(reqs * ext, dtype=torch.int64),
+                      out_cache_loc=loc.cpu(), rows=list(range(reqs)), prefix_lens=[0] * reqs, extend_lens=[ext] * reqs)
+    attn = triton_backend.TritonAttention(pool, num_heads=H, head_dim=D, scale=scale)
+    attn.begin(fb)
+    assert attn.fresh is not None, "the case does not take the SDPA path"
+    return lambda: attn._attend_fresh(qv[:, :H], qv[:, H + HKV:], pool.k_buffers[0])
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b).norm() / b.norm())
 
@@ -111,6 +138,11 @@ def main() -> int:
                     row[f"sdpa_{name}"] = {"us": round(tb * 1e6, 1), "TFLOPs": round(c["flops"] / tb / 1e12, 1)}
                 except Exception as exc:  # (a backend that does not take this shape)
                     row[f"sdpa_{name}"] = {"error": repr(exc)[:160]}
+        if c["causal_sdpa"]:
+            fn = serving_path(c)
+            err = rel(fn(), c["ref"])
+            tr = cuda_median_s(fn, reps=30)
+            row["radixd"] = {"us": round(tr * 1e6, 1), "TFLOPs": round(c["flops"] / tr / 1e12, 1), "rel_err": round(err, 5)}
         row["default"] = run(c, lambda o, c=c: tk.extend_attention(*c["args"], out=o))
         if base is not None:
             row["baseline_default"] = run(c, lambda o, c=c: base.extend_attention(*c["args"], out=o))

@@ -615,6 +615,86 @@ def test_decode_splits_fill_the_device():
         assert MIN_SPLITS <= s <= MAX_SPLITS and s & (s - 1) == 0
 
 
+@pytest.mark.parametrize("in_order", [True, False])
+@pytest.mark.parametrize("prefix", [[0, 0, 0], [0, 3, 0]])
+def test_fresh_prompts_attend_in_sdpa(prefix, in_order, monkeypatch):
+    """A step of prompts with nothing cached attends through SDPA (a call per run of equal
+    lengths; K read from the pool as a view where the slots ascend, else gathered), and equals
+    the torch backend's rows; one prefix in the step sends it all to the extend kernel."""
+    from radixd.core.attention import make_backend, triton_backend
+    from radixd.core.forward_batch import ForwardBatch
+    from radixd.core.kv_pool import KVPool
+    from radixd.core.models.layers import Rotary
+
+    heads, kv_heads, dim = 4, 2, 32
+    extend_lens = [12, 12, 9]
+    b = len(extend_lens)
+    pool = KVPool(num_layers=1, num_slots=128, num_kv_heads=kv_heads, head_dim=dim, max_rows=b + 1,
+                  max_context_len=64, dtype=torch.float32, device=torch.device(DEV))
+    g = torch.Generator().manual_seed(8)
+    slots = torch.arange(1, 128) if in_order else torch.randperm(127, generator=g) + 1
+    off, locs, pos = 0, [], []
+    for i in range(b):
+        n = prefix[i] + extend_lens[i]
+        pool.req_to_token[i, :n] = slots[off : off + n].to(DEV)
+        locs.append(slots[off + prefix[i] : off + n])
+        pos.append(torch.arange(prefix[i], n))
+        off += n
+    pool.k_buffers[0].copy_(torch.randn(pool.k_buffers[0].shape, generator=g))
+    pool.v_buffers[0].copy_(torch.randn(pool.v_buffers[0].shape, generator=g))
+    t = sum(extend_lens)
+    fb = ForwardBatch(input_ids=torch.zeros(t, dtype=torch.int64), positions=torch.cat(pos),
+                      out_cache_loc=torch.cat(locs), rows=list(range(b)), prefix_lens=prefix, extend_lens=extend_lens)
+    q, k, v = (torch.randn(t, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    rotary = Rotary(dim, 64, 10000.0, None).to(DEV)
+    monkeypatch.setattr(triton_backend, "FRESH_MIN_TOKENS", 8)
+    extends = []
+    plain = triton_backend.extend_attention
+    monkeypatch.setattr(triton_backend, "extend_attention", lambda *a, **kw: extends.append(1) or plain(*a, **kw))
+    outs, plans = {}, {}
+    for name in ("torch", "triton"):
+        attn = make_backend(name, pool, num_heads=heads, head_dim=dim, scale=dim**-0.5)
+        attn.begin(fb)
+        plans[name] = getattr(attn, "fresh", None)
+        outs[name] = attn.forward(q.clone().to(DEV), k.clone().to(DEV), v.clone().to(DEV), 0,
+                                  fb.positions.to(DEV), rotary).cpu()
+    assert rel_err(outs["triton"], outs["torch"].double()) < 1e-3
+    if any(prefix):
+        assert plans["triton"] is None and extends == [1]
+    else:
+        assert extends == []
+        assert plans["triton"] == (1 if in_order else None, [(0, 2, 12), (24, 1, 9)])
+
+
+async def test_engine_fresh_prompts_in_sdpa_match_transformers(tiny_models, monkeypatch):
+    """The engine on the triton backend with prompts' first chunks through SDPA (and their
+    later chunks, with a prefix, through the extend kernel): greedy tokens equal transformers'."""
+    import asyncio
+
+    from test_engine import assert_greedy_matches, collect, prompts
+
+    from radixd import Engine
+    from radixd.core.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "FRESH_MIN_TOKENS", 4)
+    fresh = []
+    plain = triton_backend.TritonAttention._attend_fresh
+    monkeypatch.setattr(triton_backend.TritonAttention, "_attend_fresh",
+                        lambda self, *a: fresh.append(self.fresh.runs) or plain(self, *a))
+    path = tiny_models["llama"]
+    eng = Engine(model=str(path), kv_cache_tokens=1024, attention_backend="triton", dtype="float32",
+                 chunked_prefill_size=16)
+    eng.step_hook = lambda step: eng.check_accounting()
+    ps = prompts(3, 21, seed=9)
+    try:
+        outs = await asyncio.gather(*(collect(eng, p, 5) for p in ps))
+    finally:
+        await eng.stop()
+    assert fresh and all(n >= 4 for runs in fresh for _, _, n in runs)
+    for p, got in zip(ps, outs, strict=True):
+        assert_greedy_matches(path, p, got, 5)
+
+
 @pytest.mark.parametrize("extend_lens", [[1, 1, 4], [1, 5, 1, 3, 1]])
 def test_mixed_step_decodes_its_one_token_rows(extend_lens, monkeypatch):
     """A step of decodes beside prompt chunks: the triton backend attends the one-token rows

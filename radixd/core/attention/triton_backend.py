@@ -8,6 +8,12 @@ keys beside one chunk (``benchmarks.mixed_step``, two calls): 256 decodes + 512 
 through the extend kernel alone vs 377 us split (1.6-2.0x); + 2048 tokens, 2.1-2.3x; but 64
 decodes + 512 tokens, 222 vs 280 us (0.8-0.9x: the decode kernel's 64 rows are a small grid),
 hence the threshold between them.
+Prompts with nothing cached (every extend of the step starting at position 0, each at least
+``FRESH_MIN_TOKENS`` long) attend through torch's SDPA on their own q/k/v instead (cuDNN's or
+FlashAttention's causal kernels: on an H200, 8 x 2048 tokens at the 8B shape, the extend kernel
+reaches 0.57x their speed, ``benchmarks.extend_attention``); K comes from the pool (rotated
+there), a view where the step's slots are one ascending range, else gathered; V as projected.
+Windows, soft-capping, fp8 pools and token trees keep the extend kernel.
 Token trees run every row through the extend kernel. ``set_decode`` points the backend at
 caller-owned device tensors, which is how CUDA graphs replay it.
 
@@ -22,7 +28,10 @@ window layer (inside a CUDA graph's capture, so that replays gather them again).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 import triton
 
 from radixd.core.attention.triton_kernels import (
@@ -39,6 +48,15 @@ from radixd.core.triton_ops import gemv_rope_store, one_row, rope_store
 MIN_SPLITS, MAX_SPLITS = 1, 32
 PREFIX_SPLITS = 8  # cascade: the most splits a shared prefix is read in (the grid's)
 MIXED_DECODE_ROWS = 128  # a mixed step's one-token rows take the decode kernel from this many (module docstring)
+FRESH_MIN_TOKENS = 256  # a step of prompts with nothing cached attends in SDPA when each has this many (module docstring)
+FRESH_MAX_RUNS = 32  # ... and they form at most this many runs of equal lengths (an SDPA call each per layer)
+
+
+class Fresh(NamedTuple):
+    """A step of prompts with nothing cached, attended in SDPA (module docstring)."""
+
+    first: int | None  # the first token's slot where the step's slots ascend without gaps, else None (K gathered)
+    runs: list[tuple[int, int, int]]  # (first token, requests, tokens each): consecutive prompts of one length
 
 
 def decode_splits(batch: int, kv_heads: int, processors: int) -> int:
@@ -69,6 +87,7 @@ class TritonAttention:
         self.processors = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         self.decode = False
         self.mixed = None
+        self.fresh: Fresh | None = None
         self.shared = None
         self.tree: tuple[torch.Tensor, torch.Tensor] | None = None
         # Requests per shared-prefix item when decoding in cascade (ForwardBatch.shared);
@@ -124,6 +143,7 @@ class TritonAttention:
             return
         self.decode = False
         self.mixed = None  # (a mixed step's decode rows: set below)
+        self.fresh = None
         self.out_cache_loc = loc
         self._window_loc = None
         self.tree_mask = self.tree_offsets = None
@@ -135,6 +155,7 @@ class TritonAttention:
             return
         ones = [i for i, e in enumerate(batch.extend_lens) if e == 1]
         if len(ones) < MIXED_DECODE_ROWS:
+            self.fresh = self._plan_fresh(batch)
             self.rows = rows
             self.prefix_lens = stage(batch.prefix_lens)
             self.extend_lens = stage(batch.extend_lens)
@@ -155,6 +176,45 @@ class TritonAttention:
         mid_o, mid_lse = self._scratch(n)
         self.mixed = (tokens, stage([batch.rows[i] for i in ones]), stage([batch.seq_lens[i] for i in ones]), splits,
                       mid_o[:, :, :splits], mid_lse[:, :, :splits])
+
+    def _plan_fresh(self, batch: ForwardBatch) -> Fresh | None:
+        """The SDPA plan of a step of prompts with nothing cached (module docstring), or None."""
+        lens = batch.extend_lens
+        if any(batch.prefix_lens) or min(lens) < FRESH_MIN_TOKENS or self.softcap:
+            return None
+        k_buf = self.pool.k_buffers[0]
+        if k_buf.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return None
+        runs: list[tuple[int, int, int]] = []
+        start = 0
+        for n in lens:
+            if runs and runs[-1][2] == n:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1, n)
+            else:
+                runs.append((start, 1, n))
+            start += n
+        if len(runs) > FRESH_MAX_RUNS:
+            return None
+        loc = batch.out_cache_loc
+        first = int(loc[0])
+        in_order = int(loc[-1]) - first == loc.numel() - 1 and bool((loc.diff() == 1).all())
+        return Fresh(first if in_order else None, runs)
+
+    def _attend_fresh(self, q: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor) -> torch.Tensor:
+        """``forward``'s attention for a ``Fresh`` step: SDPA, causal, a call per run."""
+        first, runs = self.fresh
+        T, H, D = q.shape
+        k = k_buf[first:first + T] if first is not None else k_buf[self.out_cache_loc]
+        out = None if len(runs) == 1 else torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+        for start, count, n in runs:
+            span = slice(start, start + count * n)
+            o = F.scaled_dot_product_attention(
+                *(t[span].view(count, n, t.shape[1], D).transpose(1, 2) for t in (q, k, v)),
+                is_causal=True, scale=self.scale, enable_gqa=True).transpose(1, 2)
+            if out is None:
+                return o.reshape(T, H, D)
+            out[span].view(count, n, H, D).copy_(o)
+        return out
 
     def _begin_trees(self, batch: ForwardBatch, starts: list[int], stage) -> None:
         """The extend kernel's inputs for a batch with token trees: each tree's rows are one
@@ -201,6 +261,8 @@ class TritonAttention:
                    qk_norm=qk_norm)
         if self.decode:
             return self._decode(q, layer)
+        if self.fresh is not None and not self.windows[layer]:
+            return self._attend_fresh(q, v, k_buf)
         out = torch.empty_like(q)
         if self.max_extend:
             extend_attention(q, k_buf, v_buf, self.pool.req_to_token, self.rows, self.prefix_lens,
