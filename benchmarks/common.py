@@ -106,6 +106,27 @@ def cuda_median_s(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> 
     return statistics.median(times)
 
 
+def cuda_device_s(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
+    """Median device time of ``fn()`` in seconds with its launches queued behind a busy
+    device (a sleep kernel before the first event), so that the host's cost of issuing them,
+    hidden in serving by the steps before, is not timed as device time."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000)  # (about a millisecond: longer than issuing fn's launches)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    return statistics.median(times)
+
+
 def time_graph(fn: Callable[[], object], reps: int = 30) -> float:
     """Median device seconds of ``fn`` captured in a CUDA graph (launch gaps as in serving)."""
     import torch

@@ -6,10 +6,11 @@ heads, 8 KV heads, head dim 128, bf16), against torch's SDPA and the bf16 matmul
   chunk_32k        one 8192-token chunk after a 24576-token prefix (a 32k prompt's last chunk)
   verify_64x5      64 requests, 5 new tokens each after 2048 cached (a speculative verify step)
 
-Every configuration's output is checked against SDPA's (relative error) before it is timed.
-For the cases with no prefix, ``radixd`` is what a step of such prompts runs in serving
-(``TritonAttention``'s SDPA path: q and v strided views of the q/k/v projection's output, K
-read from the pool), timed the same way.
+Every configuration's output is checked against SDPA's (relative error) before it is timed;
+times are device times with the launches queued behind a busy device (``cuda_device_s``).
+For the long cases, ``radixd`` is what a step of such extends runs in serving (the triton
+backend's fused path: q and v strided views of the q/k/v projection's output, K read from the
+pool; a prefix gathered through the table), timed the same way.
 
   python -m benchmarks.extend_attention --out OUT [--configs "(64,64,4,3,True,4);..."] [--small-configs ...]
       [--baseline FILE.py]   (another revision's triton_kernels.py, timed with its default)
@@ -26,7 +27,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import cuda_median_s, environment, write_json
+from benchmarks.common import cuda_device_s, environment, write_json
+from radixd.core.attention import triton_backend
 from radixd.core.attention import triton_kernels as tk
 
 H, HKV, D = 32, 8, 128
@@ -66,27 +68,31 @@ def case(name: str, reqs: int, prefix: int, ext: int, permute: bool) -> dict:
 
 
 def serving_path(c: dict):
-    """The triton backend's attention for case ``c`` (no prefix) as a step runs it: a callable."""
-    from radixd.core.attention import triton_backend
+    """The triton backend's attention for case ``c`` as a step runs it (its extends long
+    enough for the fused kernels): a callable."""
     from radixd.core.forward_batch import ForwardBatch
     from radixd.core.kv_pool import KVPool
 
-    q, kb, vb, table, _, _, ext_lens, _, ext, scale = c["args"]
-    reqs = table.shape[0]
+    q, kb, vb, table, *_, ext, scale = c["args"]
+    reqs, width = table.shape
+    prefix = width - ext
     pool = KVPool(num_layers=1, num_slots=kb.shape[0], num_kv_heads=HKV, head_dim=D, max_rows=reqs + 1,
-                  max_context_len=ext, dtype=torch.bfloat16, device=torch.device("cuda"))
+                  max_context_len=width, dtype=torch.bfloat16, device=torch.device("cuda"))
     pool.k_buffers[0].copy_(kb)
-    loc = table.reshape(-1)
+    pool.v_buffers[0].copy_(vb)
+    pool.req_to_token[:reqs, :width] = table
+    loc = table[:, prefix:].reshape(-1)
     qkv = torch.empty(reqs * ext, (H + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
     qv = qkv.view(reqs * ext, H + 2 * HKV, D)
     qv[:, :H].copy_(q)
     qv[:, H + HKV:].copy_(vb[loc])
-    fb = ForwardBatch(input_ids=torch.zeros(reqs * ext, dtype=torch.int64), positions=torch.zeros(reqs * ext, dtype=torch.int64),
-                      out_cache_loc=loc.cpu(), rows=list(range(reqs)), prefix_lens=[0] * reqs, extend_lens=[ext] * reqs)
+    zeros = torch.zeros(reqs * ext, dtype=torch.int64)
+    fb = ForwardBatch(input_ids=zeros, positions=zeros, out_cache_loc=loc.cpu(), rows=list(range(reqs)),
+                      prefix_lens=[prefix] * reqs, extend_lens=[ext] * reqs)
     attn = triton_backend.TritonAttention(pool, num_heads=H, head_dim=D, scale=scale)
     attn.begin(fb)
-    assert attn.fresh is not None, "the case does not take the SDPA path"
-    return lambda: attn._attend_fresh(qv[:, :H], qv[:, H + HKV:], pool.k_buffers[0])
+    assert attn.dense is not None, "the case does not take the fused path"
+    return lambda: attn._attend_dense(qv[:, :H], qv[:, H + HKV:], pool.k_buffers[0], pool.v_buffers[0])
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -99,7 +105,7 @@ def run(c: dict, fn) -> dict:
     err = rel(out, c["ref"])
     if not math.isfinite(err) or err > 2e-2:
         return {"error": f"relative error {err:.3g}"}
-    t = cuda_median_s(lambda: fn(out), reps=30)
+    t = cuda_device_s(lambda: fn(out), reps=30)
     return {"us": round(t * 1e6, 1), "TFLOPs": round(c["flops"] / t / 1e12, 1), "rel_err": round(err, 5)}
 
 
@@ -117,7 +123,7 @@ def main() -> int:
         base = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(base)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    mm = 2 * 8192**3 / cuda_median_s(lambda: a @ a)
+    mm = 2 * 8192**3 / cuda_device_s(lambda: a @ a)
     res = {"env": environment(), "matmul_TFLOPs": round(mm / 1e12, 1), "cases": {}}
     cases = [case("prefill_8x2048", 8, 0, 2048, False), case("permuted_8x2048", 8, 0, 2048, True),
              case("chunk_32k", 1, 24576, 8192, False), case("verify_64x5", 64, 2048, 5, False)]
@@ -125,7 +131,7 @@ def main() -> int:
     given_small = [ast.literal_eval(x) for x in args.small_configs.split(";") if x.strip()]
     for c in cases:
         row = res["cases"][c["name"]] = {}
-        t = cuda_median_s(c["sdpa"], reps=30)
+        t = cuda_device_s(c["sdpa"], reps=30)
         row["sdpa"] = {"us": round(t * 1e6, 1), "TFLOPs": round(c["flops"] / t / 1e12, 1),
                        "kind": "is_causal" if c["causal_sdpa"] else "boolean mask"}
         if c["causal_sdpa"]:
@@ -134,14 +140,14 @@ def main() -> int:
                              ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
                 try:
                     with sdpa_kernel(be):
-                        tb = cuda_median_s(c["sdpa"], reps=30)
+                        tb = cuda_device_s(c["sdpa"], reps=30)
                     row[f"sdpa_{name}"] = {"us": round(tb * 1e6, 1), "TFLOPs": round(c["flops"] / tb / 1e12, 1)}
                 except Exception as exc:  # (a backend that does not take this shape)
                     row[f"sdpa_{name}"] = {"error": repr(exc)[:160]}
-        if c["causal_sdpa"]:
+        if c["args"][8] >= triton_backend.DENSE_MIN_TOKENS:
             fn = serving_path(c)
             err = rel(fn(), c["ref"])
-            tr = cuda_median_s(fn, reps=30)
+            tr = cuda_device_s(fn, reps=30)
             row["radixd"] = {"us": round(tr * 1e6, 1), "TFLOPs": round(c["flops"] / tr / 1e12, 1), "rel_err": round(err, 5)}
         row["default"] = run(c, lambda o, c=c: tk.extend_attention(*c["args"], out=o))
         if base is not None:

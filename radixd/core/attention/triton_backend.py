@@ -8,12 +8,15 @@ keys beside one chunk (``benchmarks.mixed_step``, two calls): 256 decodes + 512 
 through the extend kernel alone vs 377 us split (1.6-2.0x); + 2048 tokens, 2.1-2.3x; but 64
 decodes + 512 tokens, 222 vs 280 us (0.8-0.9x: the decode kernel's 64 rows are a small grid),
 hence the threshold between them.
-Prompts with nothing cached (every extend of the step starting at position 0, each at least
-``FRESH_MIN_TOKENS`` long) attend through torch's SDPA on their own q/k/v instead (cuDNN's or
-FlashAttention's causal kernels: on an H200, 8 x 2048 tokens at the 8B shape, the extend kernel
-reaches 0.57x their speed, ``benchmarks.extend_attention``); K comes from the pool (rotated
-there), a view where the step's slots are one ascending range, else gathered; V as projected.
-Windows, soft-capping, fp8 pools and token trees keep the extend kernel.
+Long extends (each of the step's at least ``DENSE_MIN_TOKENS``) attend through cuDNN's fused
+attention instead (torch's SDPA; on CPU its flash kernel): on an H200, 8B shape, the extend
+kernel reaches 0.57x its speed on 8 x 2048 fresh prompts and 0.77x on a 32k prompt's last
+chunk (``benchmarks.extend_attention``). Prompts with nothing cached attend causally in one call
+per run of equal lengths; a chunk after a cached prefix in two, over the prefix (gathered
+through the request's table row) and over its own tokens causally, merged by their
+log-sum-exps. K is read from the pool (rotated there): a view where the step's slots ascend
+without gaps, else gathered; V as projected. Windows, soft-capping, fp8 pools, float32 on CUDA
+and token trees keep the extend kernel.
 Token trees run every row through the extend kernel. ``set_decode`` points the backend at
 caller-owned device tensors, which is how CUDA graphs replay it.
 
@@ -48,15 +51,39 @@ from radixd.core.triton_ops import gemv_rope_store, one_row, rope_store
 MIN_SPLITS, MAX_SPLITS = 1, 32
 PREFIX_SPLITS = 8  # cascade: the most splits a shared prefix is read in (the grid's)
 MIXED_DECODE_ROWS = 128  # a mixed step's one-token rows take the decode kernel from this many (module docstring)
-FRESH_MIN_TOKENS = 256  # a step of prompts with nothing cached attends in SDPA when each has this many (module docstring)
-FRESH_MAX_RUNS = 32  # ... and they form at most this many runs of equal lengths (an SDPA call each per layer)
+DENSE_MIN_TOKENS = 256  # a step's extends attend in cuDNN's kernels when each has this many (module docstring)
+DENSE_MAX_CALLS = 32  # ... in at most this many groups (runs of fresh prompts, chunks after a prefix) per layer
+CUDNN_NATIVE_GQA = False  # cuDNN's kernel reads grouped K/V heads as they are (else repeated per query head)
 
 
-class Fresh(NamedTuple):
-    """A step of prompts with nothing cached, attended in SDPA (module docstring)."""
+class Dense(NamedTuple):
+    """A step of long extends, attended in cuDNN's kernels (module docstring)."""
 
     first: int | None  # the first token's slot where the step's slots ascend without gaps, else None (K gathered)
-    runs: list[tuple[int, int, int]]  # (first token, requests, tokens each): consecutive prompts of one length
+    runs: list[tuple[int, int, int]]  # (first token, requests, tokens each): consecutive fresh prompts of one length
+    prefixed: list[tuple[int, int, int, int]]  # (first token, tokens, table row, prefix length): chunks after a prefix
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention of q [B, H, L, D] over k/v [B, Hkv, S, D] (``causal``: L == S) and its
+    log-sum-exp [B, H, L, 1] (float32): cuDNN's kernel on CUDA, the flash kernel on CPU."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1 and not (q.is_cuda and CUDNN_NATIVE_GQA):
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    if q.is_cuda:
+        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                     scale=scale)[:2]
+    else:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return o, lse.reshape(*q.shape[:3], 1).float()
+
+
+def merge_lse(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+    """Attention over the union of two key sets from each set's output and log-sum-exp."""
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(o1.dtype)
 
 
 def decode_splits(batch: int, kv_heads: int, processors: int) -> int:
@@ -87,7 +114,7 @@ class TritonAttention:
         self.processors = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         self.decode = False
         self.mixed = None
-        self.fresh: Fresh | None = None
+        self.dense: Dense | None = None
         self.shared = None
         self.tree: tuple[torch.Tensor, torch.Tensor] | None = None
         # Requests per shared-prefix item when decoding in cascade (ForwardBatch.shared);
@@ -143,7 +170,7 @@ class TritonAttention:
             return
         self.decode = False
         self.mixed = None  # (a mixed step's decode rows: set below)
-        self.fresh = None
+        self.dense = None
         self.out_cache_loc = loc
         self._window_loc = None
         self.tree_mask = self.tree_offsets = None
@@ -155,7 +182,7 @@ class TritonAttention:
             return
         ones = [i for i, e in enumerate(batch.extend_lens) if e == 1]
         if len(ones) < MIXED_DECODE_ROWS:
-            self.fresh = self._plan_fresh(batch)
+            self.dense = self._plan_dense(batch)
             self.rows = rows
             self.prefix_lens = stage(batch.prefix_lens)
             self.extend_lens = stage(batch.extend_lens)
@@ -177,35 +204,39 @@ class TritonAttention:
         self.mixed = (tokens, stage([batch.rows[i] for i in ones]), stage([batch.seq_lens[i] for i in ones]), splits,
                       mid_o[:, :, :splits], mid_lse[:, :, :splits])
 
-    def _plan_fresh(self, batch: ForwardBatch) -> Fresh | None:
-        """The SDPA plan of a step of prompts with nothing cached (module docstring), or None."""
+    def _plan_dense(self, batch: ForwardBatch) -> Dense | None:
+        """The cuDNN plan of a step of long extends (module docstring), or None."""
         lens = batch.extend_lens
-        if any(batch.prefix_lens) or min(lens) < FRESH_MIN_TOKENS or self.softcap:
+        dtype = self.pool.k_buffers[0].dtype
+        if min(lens) < DENSE_MIN_TOKENS or self.softcap:
             return None
-        k_buf = self.pool.k_buffers[0]
-        if k_buf.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        if dtype not in ((torch.bfloat16, torch.float16) if self.pool.device.type == "cuda" else
+                         (torch.bfloat16, torch.float16, torch.float32)):
             return None
         runs: list[tuple[int, int, int]] = []
+        prefixed: list[tuple[int, int, int, int]] = []
         start = 0
-        for n in lens:
-            if runs and runs[-1][2] == n:
+        for n, p, row in zip(lens, batch.prefix_lens, batch.rows, strict=True):
+            if p:
+                prefixed.append((start, n, row, p))
+            elif runs and runs[-1][2] == n and runs[-1][0] + runs[-1][1] * n == start:
                 runs[-1] = (runs[-1][0], runs[-1][1] + 1, n)
             else:
                 runs.append((start, 1, n))
             start += n
-        if len(runs) > FRESH_MAX_RUNS:
+        if len(runs) + len(prefixed) > DENSE_MAX_CALLS:
             return None
         loc = batch.out_cache_loc
         first = int(loc[0])
         in_order = int(loc[-1]) - first == loc.numel() - 1 and bool((loc.diff() == 1).all())
-        return Fresh(first if in_order else None, runs)
+        return Dense(first if in_order else None, runs, prefixed)
 
-    def _attend_fresh(self, q: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor) -> torch.Tensor:
-        """``forward``'s attention for a ``Fresh`` step: SDPA, causal, a call per run."""
-        first, runs = self.fresh
+    def _attend_dense(self, q: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
+        """``forward``'s attention for a ``Dense`` step (module docstring)."""
+        first, runs, prefixed = self.dense
         T, H, D = q.shape
         k = k_buf[first:first + T] if first is not None else k_buf[self.out_cache_loc]
-        out = None if len(runs) == 1 else torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+        out = None if len(runs) == 1 and not prefixed else torch.empty((T, H, D), dtype=q.dtype, device=q.device)
         for start, count, n in runs:
             span = slice(start, start + count * n)
             o = F.scaled_dot_product_attention(
@@ -214,6 +245,14 @@ class TritonAttention:
             if out is None:
                 return o.reshape(T, H, D)
             out[span].view(count, n, H, D).copy_(o)
+        for start, n, row, p in prefixed:
+            span = slice(start, start + n)
+            slots = self.pool.req_to_token[row, :p]
+            qs = q[span].view(1, n, H, D).transpose(1, 2)
+            o1, l1 = attention_lse(qs, *(b[slots].view(1, p, -1, D).transpose(1, 2) for b in (k_buf, v_buf)),
+                                   False, self.scale)
+            o2, l2 = attention_lse(qs, *(t[span].view(1, n, -1, D).transpose(1, 2) for t in (k, v)), True, self.scale)
+            out[span].view(1, n, H, D).copy_(merge_lse(o1, l1, o2, l2).transpose(1, 2))
         return out
 
     def _begin_trees(self, batch: ForwardBatch, starts: list[int], stage) -> None:
@@ -261,8 +300,8 @@ class TritonAttention:
                    qk_norm=qk_norm)
         if self.decode:
             return self._decode(q, layer)
-        if self.fresh is not None and not self.windows[layer]:
-            return self._attend_fresh(q, v, k_buf)
+        if self.dense is not None and not self.windows[layer]:
+            return self._attend_dense(q, v, k_buf, v_buf)
         out = torch.empty_like(q)
         if self.max_extend:
             extend_attention(q, k_buf, v_buf, self.pool.req_to_token, self.rows, self.prefix_lens,
