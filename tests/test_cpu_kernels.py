@@ -30,6 +30,7 @@ from radixd.core.quant.cpu_int import (
 from radixd.core.quant.ops import pack_int4
 
 needs_vnni = pytest.mark.skipif(not cpu_kernels.vnni(), reason="this CPU has no AVX512-VNNI (the fallback is tested)")
+needs_amx = pytest.mark.skipif(not cpu_kernels.amx(), reason="this CPU has no AMX-INT8 (its fallback, VNNI, is tested)")
 
 
 @pytest.fixture
@@ -211,6 +212,19 @@ def act_planes(request, monkeypatch):
     cpu_kernels.reset()
 
 
+@pytest.fixture(params=["native", "vnni"])
+def int_isa(request, monkeypatch):
+    """qmm as this CPU runs it (AMX tiles at 4-8 rows where it has AMX-INT8) and with AMX
+    kept out (``RADIXD_CPU_ISA=vnni``: what a CPU with VNNI but without AMX runs)."""
+    if request.param == "vnni":
+        monkeypatch.setenv(cpu_kernels.ISA_ENV, "vnni")
+        cpu_kernels.reset()
+        assert not cpu_kernels.amx()
+    yield request.param
+    monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
+    cpu_kernels.reset()
+
+
 def random_q(bits: int, n: int, k: int, g: torch.Generator):
     """A q4 (w = d * q + m) or q8 (w = d * (u - 128)) weight: (q, d, m or None, float w)."""
     if bits == 4:
@@ -226,7 +240,7 @@ def random_q(bits: int, n: int, k: int, g: torch.Generator):
 @needs_vnni
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(("n", "k"), [(37, 64), (96, 160), (301, 576)])
-def test_vnni_matmul_matches_a_float_reference(bits, n, k, act_planes):
+def test_vnni_matmul_matches_a_float_reference(bits, n, k, act_planes, int_isa):
     g = torch.Generator().manual_seed(bits * n + k)
     q, d, m, w = random_q(bits, n, k, g)
     rec = pack_vnni(q, d, m)
@@ -258,6 +272,47 @@ def test_vnni_matmul_matches_a_float_reference(bits, n, k, act_planes):
     torch.testing.assert_close(dense.float(), w.t(), atol=0, rtol=2**-8)
     with pytest.raises(ValueError, match="columns"):
         cpu_kernels.qmm(torch.randn(2, k + 32), rec, bits, n, k)
+
+
+@needs_amx
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("n", "k"), [(301, 576), (48, 64)])
+def test_amx_matmul_equals_the_vnni_kernel_bit_for_bit(bits, n, k, act_planes):
+    """The tiles' int32 sums are the VNNI kernel's, scaled by the same float operations in the
+    same order: equal outputs at every row count (the tiles take 4-8; 1-3 and more than 8
+    stay on VNNI), column counts not a multiple of the three groups a tile pass takes, both
+    output dtypes and SiLU(gate) * up inputs."""
+    lib = cpu_kernels.library()
+    g = torch.Generator().manual_seed(bits + n)
+    q, d, m, _ = random_q(bits, n, k, g)
+    rec = pack_vnni(q, d, m)
+    before = cpu_kernels.thread_stats()["amx_units"]
+    try:
+        for rows_ in range(1, 13):
+            for dtype in (torch.float32, torch.bfloat16):
+                for silu in (False, True):
+                    x = torch.randn(rows_, 2 * k if silu else k, generator=g).to(dtype)
+                    x[0, :32] = 0
+                    got = {}
+                    for on in (1, 0):
+                        assert lib.set_amx(on) == on
+                        got[on] = cpu_kernels.qmm(x, rec, bits, n, k, silu=silu)
+                    assert torch.equal(got[1], got[0]) and got[1].isfinite().all()
+    finally:
+        lib.set_amx(1)
+    assert cpu_kernels.thread_stats()["amx_units"] > before  # (the tiles did run)
+
+
+def test_amx_is_chosen_at_run_time():
+    """``amx`` holds only where the CPU has AMX-INT8 (and VNNI), and ``RADIXD_CPU_ISA`` keeps it out."""
+    lib = cpu_kernels.library()
+    assert cpu_kernels.amx() == bool(lib is not None and cpu_kernels.vnni() and lib.amx_supported())
+    for isa in ("vnni", "baseline"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(cpu_kernels.ISA_ENV, isa)
+            cpu_kernels.reset()
+            assert not cpu_kernels.amx()
+    cpu_kernels.reset()
 
 
 @needs_vnni

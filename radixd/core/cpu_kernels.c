@@ -743,6 +743,177 @@ BF16_TARGET int decode_bf16_dp(const uint16_t *q, const uint16_t *k, const uint1
     return 0;
 }
 
+/* ---- The same matmuls on AMX-INT8 tiles (Sapphire Rapids and later), for 4 to 8 rows.
+ *
+ * One tdpbsud per block of 32 inputs and group of 16 columns multiplies the activations
+ * (signed) by the weights (unsigned): A [P * M, 32] bytes, both planes' rows (the second
+ * plane's rows follow the first's in act_t, M rows apart: one tile with stride K);
+ * B [8, 64], row kk the 16 columns' 4 bytes of inputs 4kk .. 4kk + 3 (a q4 record's chunk j
+ * holds rows 2j, its low nibbles, and 2j + 1, its high ones: unpacked to bytes first; a q8
+ * record's chunk j is row j, read in place); C [P * M, 16] int32, the block's exact sums,
+ * which AVX-512 then scales into the float32 rows as the VNNI kernel does (the same int32
+ * sums, the same float operations in the same order: bit for bit its result).
+ *
+ * Three column groups at a time share each A tile: tile 0 is A, tiles 1-3 the groups' B,
+ * 4-6 their C. The tiles run in order, so each block's sums are stored while the next
+ * block's are computed and scaled one block later, and a q4 block is unpacked one block
+ * ahead (a tile load waits for the stores it reads to complete). The tile configuration is
+ * per thread (in the thread's state); a thread loads it once per matmul (``job``), since
+ * code between matmuls (oneDNN's GEMMs in torch) loads its own. The process asks the kernel
+ * for AMX's state once (arch_prctl, amx_supported). */
+
+#include <cpuid.h>
+#include <stdatomic.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma,amx-tile,amx-int8")))
+#define AMX_MIN_ROWS 4  /* fewer rows: the VNNI kernel is as fast */
+#define AMX_MAX_ROWS 8
+#define AMX_GROUPS 3
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+/* (gcc's tile load macro does not say it reads memory: this one does, so that the unpacked block is stored first) */
+#define TILE_LOAD(t, p, s) __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t :: "r"(p), "r"((int64_t)(s)) : "memory")
+#define TILE_STORE(t, p, s) __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" :: "r"(p), "r"((int64_t)(s)) : "memory")
+#define TILE_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
+#define TILE_DP(c, a, b) __asm__ volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+
+/* 1 where this CPU has AMX-INT8 (and the VNNI kernels) and the OS lets this process use its tiles. */
+int amx_supported(void) {
+    unsigned eax, ebx, ecx, edx;
+    if (!vnni_supported() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return 0;
+    if (!(edx & (1u << 24)) || !(edx & (1u << 25))) return 0;  /* AMX-TILE, AMX-INT8 */
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+static int use_amx = 0;
+static _Atomic int64_t amx_units;  /* units run on the tiles (thread_stats) */
+
+/* The int matmuls on AMX tiles (1; the caller checked amx_supported) or VNNI only (0); -1 leaves it. Returns the setting. */
+int set_amx(int on) {
+    if (on >= 0) __atomic_store_n(&use_amx, on ? 1 : 0, __ATOMIC_RELAXED);
+    return __atomic_load_n(&use_amx, __ATOMIC_RELAXED);
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+static __thread struct { uint64_t job; int rows; } amx_loaded;
+
+/* Tiles for TR rows of activations (P * M). */
+AMX_TARGET static void amx_config(uint64_t job, int TR) {
+    if (amx_loaded.job == job && amx_loaded.rows == TR) return;
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 1 + 2 * AMX_GROUPS; t++) {
+        cfg.rows[t] = t >= 1 && t <= AMX_GROUPS ? 8 : (uint8_t)TR;
+        cfg.colsb[t] = t == 0 ? 32 : 64;
+    }
+    _tile_loadconfig(&cfg);
+    amx_loaded.job = job;
+    amx_loaded.rows = TR;
+}
+
+/* A q4 block's chunks to bytes, B's rows in order. */
+AMX_TARGET static inline void unpack_q4(const uint8_t *rec, uint8_t *bt) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        const __m512i w = _mm512_loadu_si512(rec + 64 * j);
+        _mm512_store_si512(bt + 128 * j, _mm512_and_si512(w, low));
+        _mm512_store_si512(bt + 128 * j + 64, _mm512_and_si512(_mm512_srli_epi16(w, 4), low));
+    }
+}
+
+/* group G's block b: B in tile TB, C in tile TC (literals: the tile is part of the instruction) */
+#define AMX_GROUP(G, TB, TC)                                                                    \
+    do {                                                                                        \
+        TILE_LOAD(TB, bits == 4 ? (const uint8_t *)bt[e][G] : wc + G * gstride + b * rec_bytes, 64); \
+        TILE_ZERO(TC);                                                                          \
+        TILE_DP(TC, 0, TB);                                                                     \
+        TILE_STORE(TC, ct[e][G], 64);                                                           \
+    } while (0)
+
+/* ng (1 .. 3) column groups from wc (records gstride bytes apart) times all M rows (R) in P planes. */
+AMX_TARGET static inline __attribute__((always_inline)) void amx_cols(
+        const int bits, const uint8_t *wc, int64_t gstride, const int ng, int64_t B, const act_t *a, int64_t K,
+        const int R, const int P, void *y, int y_bf16, int64_t ldy, int64_t n0, int64_t N) {
+    _Alignas(64) uint8_t bt[2][AMX_GROUPS][512];
+    _Alignas(64) int32_t ct[2][AMX_GROUPS][2 * AMX_MAX_ROWS][16];
+    __m512 acc[AMX_GROUPS][AMX_MAX_ROWS];
+    const int64_t rec_bytes = bits == 4 ? Q4_REC : Q8_REC;
+    for (int g = 0; g < ng; g++)
+        for (int r = 0; r < R; r++) acc[g][r] = _mm512_setzero_ps();
+    if (bits == 4)
+        for (int g = 0; g < ng; g++) unpack_q4(wc + g * gstride, bt[0][g]);
+    for (int64_t b = 0; b <= B; b++) {
+        if (b < B) {
+            const int e = (int)(b & 1);
+            if (bits == 4 && b + 1 < B)
+                for (int g = 0; g < ng; g++) unpack_q4(wc + g * gstride + (b + 1) * rec_bytes, bt[e ^ 1][g]);
+            TILE_LOAD(0, a->q + b * 32, K);
+            AMX_GROUP(0, 1, 4);
+            if (ng > 1) AMX_GROUP(1, 2, 5);
+            if (ng > 2) AMX_GROUP(2, 3, 6);
+        }
+        if (b == 0) continue;
+        const int64_t bb = b - 1;
+        const int e = (int)(bb & 1);
+        for (int g = 0; g < ng; g++) {
+            const uint8_t *rec = wc + g * gstride + bb * rec_bytes;
+            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + (bits == 4 ? 256 : 512))));
+            const __m512 mw = bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288))) : dw;
+            for (int r = 0; r < R; r++) {
+                const int64_t i = r * B + bb;
+                __m512 dotf;
+                if (bits == 4 && P == 2)  /* exact in float32: |sums| <= 32 * 15 * 127, 254 sum1 + sum2 < 2^24 */
+                    dotf = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ct[e][g][r])), _mm512_set1_ps((float)PLANE2),
+                                           _mm512_cvtepi32_ps(_mm512_load_si512(ct[e][g][R + r])));
+                else {
+                    __m512i dot = _mm512_load_si512(ct[e][g][r]);
+                    if (P == 2) dot = _mm512_add_epi32(_mm512_mullo_epi32(dot, _mm512_set1_epi32(PLANE2)), _mm512_load_si512(ct[e][g][R + r]));
+                    if (bits == 8) dot = _mm512_add_epi32(dot, _mm512_set1_epi32(a->neg[i]));
+                    dotf = _mm512_cvtepi32_ps(dot);
+                }
+                acc[g][r] = _mm512_fmadd_ps(dotf, _mm512_mul_ps(dw, _mm512_set1_ps(a->d[i])), acc[g][r]);
+                if (bits == 4) acc[g][r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->s[i]), acc[g][r]);
+            }
+        }
+    }
+    for (int g = 0; g < ng; g++) store_rows(acc[g], R, y, y_bf16, ldy, n0 + 16 * g, N);
+}
+
+#define AMX_CASE(R) case R:                                                                     \
+    if (bits == 4 && P == 2) amx_cols(4, wc, gstride, ng, B, ap, K, R, 2, y, y_bf16, ldy, n0, N); \
+    else if (bits == 4) amx_cols(4, wc, gstride, ng, B, ap, K, R, 1, y, y_bf16, ldy, n0, N);      \
+    else if (P == 2) amx_cols(8, wc, gstride, ng, B, ap, K, R, 2, y, y_bf16, ldy, n0, N);         \
+    else amx_cols(8, wc, gstride, ng, B, ap, K, R, 1, y, y_bf16, ldy, n0, N);                     \
+    break;
+
+/* q4mm_range / q8mm_range on the tiles, for AMX_MIN_ROWS .. AMX_MAX_ROWS rows (amx_takes). */
+AMX_TARGET static void qmm_amx_range(int bits, const uint8_t *w, const act_t *ap, int64_t M, int64_t N, int64_t K,
+                                     void *y, int y_bf16, int64_t ldy, int64_t c0, int64_t c1, uint64_t job) {
+    const int64_t B = K / 32, rec_bytes = bits == 4 ? Q4_REC : Q8_REC, gstride = B * rec_bytes;
+    const int P = ap->q2 ? 2 : 1;
+    amx_config(job, (int)(P * M));
+    atomic_fetch_add_explicit(&amx_units, 1, memory_order_relaxed);
+    for (int64_t c = c0; c < c1; c += AMX_GROUPS) {
+        const uint8_t *wc = w + c * gstride;
+        const int64_t n0 = c * 16;
+        const int ng = c1 - c < AMX_GROUPS ? (int)(c1 - c) : AMX_GROUPS;
+        switch (M) { AMX_CASE(4) AMX_CASE(5) AMX_CASE(6) AMX_CASE(7) AMX_CASE(8) }
+    }
+}
+
+/* Whether qmm_amx_range takes M rows (its A tile holds both planes' rows, M apart). */
+static inline int amx_takes(int64_t M) {
+    return M >= AMX_MIN_ROWS && M <= AMX_MAX_ROWS && __atomic_load_n(&use_amx, __ATOMIC_RELAXED);
+}
+
 /* ---- A second thread for the int matmuls and decode attention.
  *
  * A helper thread (started on first use, where set_threads(2) allows it) shares the units of
@@ -912,10 +1083,11 @@ int set_threads(int threads) {
 /* Tests: the helper sleeps delay_us in each unit it takes (as if preempted there). */
 void set_helper_delay(int delay_us) { atomic_store(&P.delay_us, delay_us); }
 
-/* Units run by the helper and units taken back from it, since the start. */
+/* Units run by the helper, units taken back from it, and int matmul units run on AMX tiles, since the start. */
 void thread_stats(int64_t *out) {
     out[0] = atomic_load(&P.helper_units);
     out[1] = atomic_load(&P.stolen);
+    out[2] = atomic_load(&amx_units);
 }
 
 static char *grow(char **buf, size_t *have, size_t need) {
@@ -948,7 +1120,8 @@ typedef struct {
     act_t a;
     void *y, *shadow;
     int64_t M, N, K, ldy, per, bits;
-    int y_bf16;
+    uint64_t job;                                /* (amx: the tile configuration's key) */
+    int y_bf16, amx;
 } qmm_ctx;
 
 /* Unit u's column groups [*c0, *c1). */
@@ -963,7 +1136,8 @@ VNNI_TARGET static void qmm_unit(const void *p, int64_t u, int helper) {
     int64_t c0, c1;
     qmm_groups(c, u, &c0, &c1);
     void *y = helper ? c->shadow : c->y;
-    if (c->bits == 4) q4mm_range(c->w, &c->a, c->M, c->N, c->K, y, c->y_bf16, c->ldy, c0, c1);
+    if (c->amx) qmm_amx_range((int)c->bits, c->w, &c->a, c->M, c->N, c->K, y, c->y_bf16, c->ldy, c0, c1, c->job);
+    else if (c->bits == 4) q4mm_range(c->w, &c->a, c->M, c->N, c->K, y, c->y_bf16, c->ldy, c0, c1);
     else q8mm_range(c->w, &c->a, c->M, c->N, c->K, y, c->y_bf16, c->ldy, c0, c1);
 }
 
@@ -983,7 +1157,9 @@ VNNI_TARGET static void qmm_par(int bits, const act_t *a, const uint8_t *w, void
     /* units of 1-2 % of the work, at least 2 column groups each */
     int64_t per = (C + 47) / 48;
     per = per < 2 ? 2 : per;
-    qmm_ctx c = {w, *a, y, shadow, M, N, K, ldy, per, bits, y_bf16};
+    static _Atomic uint64_t jobs;
+    const int amx = amx_takes(M);
+    qmm_ctx c = {w, *a, y, shadow, M, N, K, ldy, per, bits, amx ? atomic_fetch_add(&jobs, 1) + 1 : 0, y_bf16, amx};
     if (!shadow) {  /* alone: one unit */
         c.per = C;
         qmm_unit(&c, 0, 0);
