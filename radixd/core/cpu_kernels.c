@@ -835,7 +835,6 @@ AMX_TARGET static inline void unpack_q4(const uint8_t *rec, uint8_t *bt) {
         TILE_LOAD(TB, bits == 4 ? (const uint8_t *)bt[e][G] : wc + G * gstride + b * rec_bytes, 64); \
         TILE_ZERO(TC);                                                                          \
         TILE_DP(TC, 0, TB);                                                                     \
-        TILE_STORE(TC, ct[e][G], 64);                                                           \
     } while (0)
 
 /* ng (1 .. 3) column groups from wc (records gstride bytes apart) times all M rows (R) in P planes. */
@@ -860,10 +859,9 @@ AMX_TARGET static inline __attribute__((always_inline)) void amx_cols(
             if (ng > 1) AMX_GROUP(1, 2, 5);
             if (ng > 2) AMX_GROUP(2, 3, 6);
         }
-        if (b == 0) continue;
         const int64_t bb = b - 1;
         const int e = (int)(bb & 1);
-        for (int g = 0; g < ng; g++) {
+        for (int g = 0; g < ng && b > 0; g++) {
             const uint8_t *rec = wc + g * gstride + bb * rec_bytes;
             const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + (bits == 4 ? 256 : 512))));
             const __m512 mw = bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 288))) : dw;
@@ -882,6 +880,12 @@ AMX_TARGET static inline __attribute__((always_inline)) void amx_cols(
                 acc[g][r] = _mm512_fmadd_ps(dotf, _mm512_mul_ps(dw, _mm512_set1_ps(a->d[i])), acc[g][r]);
                 if (bits == 4) acc[g][r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->s[i]), acc[g][r]);
             }
+        }
+        if (b < B) {  /* (after the scaling above: its loads would wait behind these stores) */
+            const int eb = (int)(b & 1);
+            TILE_STORE(4, ct[eb][0], 64);
+            if (ng > 1) TILE_STORE(5, ct[eb][1], 64);
+            if (ng > 2) TILE_STORE(6, ct[eb][2], 64);
         }
     }
     for (int g = 0; g < ng; g++) store_rows(acc[g], R, y, y_bf16, ldy, n0 + 16 * g, N);
