@@ -279,16 +279,17 @@ def test_vnni_matmul_matches_a_float_reference(bits, n, k, act_planes, int_isa):
 @pytest.mark.parametrize(("n", "k"), [(301, 576), (48, 64)])
 def test_amx_matmul_equals_the_vnni_kernel_bit_for_bit(bits, n, k, act_planes):
     """The tiles' int32 sums are the VNNI kernel's, scaled by the same float operations in the
-    same order: equal outputs at every row count (the tiles take 4-8; 1-3 and more than 8
-    stay on VNNI), column counts not a multiple of the three groups a tile pass takes, both
-    output dtypes and SiLU(gate) * up inputs."""
+    same order: equal outputs at every row count (the tiles take 4 and more, in chunks of 8
+    whose activations lie apart from the VNNI kernel's layout; 1-3 stay on VNNI), column counts
+    not a multiple of the three groups a tile pass takes, both output dtypes and SiLU(gate) * up
+    inputs."""
     lib = cpu_kernels.library()
     g = torch.Generator().manual_seed(bits + n)
     q, d, m, _ = random_q(bits, n, k, g)
     rec = pack_vnni(q, d, m)
     before = cpu_kernels.thread_stats()["amx_units"]
     try:
-        for rows_ in range(1, 13):
+        for rows_ in (*range(1, 12), 16, 17, 23):
             for dtype in (torch.float32, torch.bfloat16):
                 for silu in (False, True):
                     x = torch.randn(rows_, 2 * k if silu else k, generator=g).to(dtype)

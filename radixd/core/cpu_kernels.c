@@ -284,7 +284,18 @@ typedef struct {
     float *d;       /* [M][B] activation scale */
     float *s;       /* [M][B] d * sum(q)  (q4's min term) */
     int32_t *neg;   /* [M][B] -128 * sum(q) (q8's offset) */
+    int amx;        /* multiplied on AMX tiles (amx_takes); with two planes the rows lie in chunks of
+                       AMX_MAX_ROWS, each chunk's first plane then its second (act_rows) */
 } act_t;
+
+#define AMX_MIN_ROWS 4  /* fewer rows: the VNNI kernel is as fast */
+#define AMX_MAX_ROWS 8  /* rows of a tile pass (both planes fill a tile's 16 rows) */
+static int use_amx = 0;  /* set_amx */
+
+/* Whether M rows are multiplied on AMX tiles. */
+static inline int amx_takes(int64_t M) {
+    return M >= AMX_MIN_ROWS && __atomic_load_n(&use_amx, __ATOMIC_RELAXED);
+}
 
 /* Two planes: x / d = q + r (|r| <= 1/2) with q2 = round(254 r) as well, so that x is
  * d (q + q2 / 254) to 1/(2 * 254 * 127) of the block's largest value (about 15 bits): the
@@ -338,6 +349,20 @@ void silu_mul_bf16(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t M, int
     }
 }
 
+/* Row r's planes (q2 NULL: one plane). For AMX with two planes, chunk c of AMX_MAX_ROWS rows
+ * (rc of them) starts at 2 c AMX_MAX_ROWS K, its second plane rc K after its first: a tile
+ * reads both planes' rows with one stride. Up to AMX_MAX_ROWS rows this is the plain layout. */
+static inline void act_rows(const act_t *a, int64_t M, int64_t K, int64_t r, int8_t **q1, int8_t **q2) {
+    if (a->amx && a->q2) {
+        const int64_t c0 = r - r % AMX_MAX_ROWS, rc = M - c0 < AMX_MAX_ROWS ? M - c0 : AMX_MAX_ROWS;
+        *q1 = a->q + 2 * c0 * K + (r - c0) * K;
+        *q2 = *q1 + rc * K;
+        return;
+    }
+    *q1 = a->q + r * K;
+    *q2 = a->q2 ? a->q2 + r * K : NULL;
+}
+
 /* x rows to float (and SiLU(gate) * up), then quantized; tmp holds one row of K floats. */
 static void quantize_act(const void *x, int x_bf16, int64_t ldx, int act, int64_t M, int64_t K, act_t *a,
                          float *tmp) {
@@ -364,7 +389,9 @@ static void quantize_act(const void *x, int x_bf16, int64_t ldx, int act, int64_
                 memcpy(tmp, xr, K * sizeof(float));
             }
         }
-        quantize_row(tmp, K, a->q + r * K, a->q2 ? a->q2 + r * K : NULL, a->d + r * B, a->s + r * B, a->neg + r * B);
+        int8_t *q1, *q2;
+        act_rows(a, M, K, r, &q1, &q2);
+        quantize_row(tmp, K, q1, q2, a->d + r * B, a->s + r * B, a->neg + r * B);
     }
 }
 
@@ -513,6 +540,7 @@ static float *act_init(act_t *a, char *mem, int64_t M, int64_t K) {
     a->d = (float *)(mem + 2 * M * K);
     a->s = a->d + M * B;
     a->neg = (int32_t *)(a->s + M * B);
+    a->amx = amx_takes(M);
     return (float *)(a->neg + M * B);
 }
 
@@ -743,7 +771,7 @@ BF16_TARGET int decode_bf16_dp(const uint16_t *q, const uint16_t *k, const uint1
     return 0;
 }
 
-/* ---- The same matmuls on AMX-INT8 tiles (Sapphire Rapids and later), for 4 to 8 rows.
+/* ---- The same matmuls on AMX-INT8 tiles (Sapphire Rapids and later), for 4 rows and more.
  *
  * One tdpbsud per block of 32 inputs and group of 16 columns multiplies the activations
  * (signed) by the weights (unsigned): A [P * M, 32] bytes, both planes' rows (the second
@@ -768,8 +796,6 @@ BF16_TARGET int decode_bf16_dp(const uint16_t *q, const uint16_t *k, const uint1
 #include <unistd.h>
 
 #define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma,amx-tile,amx-int8")))
-#define AMX_MIN_ROWS 4  /* fewer rows: the VNNI kernel is as fast */
-#define AMX_MAX_ROWS 8
 #define AMX_GROUPS 3
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -787,7 +813,6 @@ int amx_supported(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
-static int use_amx = 0;
 static _Atomic int64_t amx_units;  /* units run on the tiles (thread_stats) */
 
 /* The int matmuls on AMX tiles (1; the caller checked amx_supported) or VNNI only (0); -1 leaves it. Returns the setting. */
@@ -892,31 +917,39 @@ AMX_TARGET static inline __attribute__((always_inline)) void amx_cols(
 }
 
 #define AMX_CASE(R) case R:                                                                     \
-    if (bits == 4 && P == 2) amx_cols(4, wc, gstride, ng, B, ap, K, R, 2, y, y_bf16, ldy, n0, N); \
-    else if (bits == 4) amx_cols(4, wc, gstride, ng, B, ap, K, R, 1, y, y_bf16, ldy, n0, N);      \
-    else if (P == 2) amx_cols(8, wc, gstride, ng, B, ap, K, R, 2, y, y_bf16, ldy, n0, N);         \
-    else amx_cols(8, wc, gstride, ng, B, ap, K, R, 1, y, y_bf16, ldy, n0, N);                     \
+    if (bits == 4 && P == 2) amx_cols(4, wc, gstride, ng, B, cp, K, R, 2, yc, y_bf16, ldy, n0, N); \
+    else if (bits == 4) amx_cols(4, wc, gstride, ng, B, cp, K, R, 1, yc, y_bf16, ldy, n0, N);      \
+    else if (P == 2) amx_cols(8, wc, gstride, ng, B, cp, K, R, 2, yc, y_bf16, ldy, n0, N);         \
+    else amx_cols(8, wc, gstride, ng, B, cp, K, R, 1, yc, y_bf16, ldy, n0, N);                     \
     break;
 
-/* q4mm_range / q8mm_range on the tiles, for AMX_MIN_ROWS .. AMX_MAX_ROWS rows (amx_takes). */
+/* q4mm_range / q8mm_range on the tiles (activations laid out by act_rows, a->amx), the rows
+ * in chunks of AMX_MAX_ROWS (each chunk reads the columns' weights again, from the cache). */
 AMX_TARGET static void qmm_amx_range(int bits, const uint8_t *w, const act_t *ap, int64_t M, int64_t N, int64_t K,
                                      void *y, int y_bf16, int64_t ldy, int64_t c0, int64_t c1, uint64_t job) {
     const int64_t B = K / 32, rec_bytes = bits == 4 ? Q4_REC : Q8_REC, gstride = B * rec_bytes;
     const int P = ap->q2 ? 2 : 1;
-    amx_config(job, (int)(P * M));
     atomic_fetch_add_explicit(&amx_units, 1, memory_order_relaxed);
-    for (int64_t c = c0; c < c1; c += AMX_GROUPS) {
-        const uint8_t *wc = w + c * gstride;
-        const int64_t n0 = c * 16;
-        const int ng = c1 - c < AMX_GROUPS ? (int)(c1 - c) : AMX_GROUPS;
-        switch (M) { AMX_CASE(4) AMX_CASE(5) AMX_CASE(6) AMX_CASE(7) AMX_CASE(8) }
+    for (int64_t r0 = 0; r0 < M; r0 += AMX_MAX_ROWS) {
+        const int R = M - r0 < AMX_MAX_ROWS ? (int)(M - r0) : AMX_MAX_ROWS;
+        act_t chunk = *ap;
+        chunk.q = ap->q + P * r0 * K;
+        chunk.q2 = P == 2 ? chunk.q + R * K : NULL;
+        chunk.d = ap->d + r0 * B;
+        chunk.s = ap->s + r0 * B;
+        chunk.neg = ap->neg + r0 * B;
+        const act_t *cp = &chunk;
+        char *yc = (char *)y + r0 * ldy * (y_bf16 ? 2 : 4);
+        amx_config(job, P * R);
+        for (int64_t c = c0; c < c1; c += AMX_GROUPS) {
+            const uint8_t *wc = w + c * gstride;
+            const int64_t n0 = c * 16;
+            const int ng = c1 - c < AMX_GROUPS ? (int)(c1 - c) : AMX_GROUPS;
+            switch (R) { AMX_CASE(1) AMX_CASE(2) AMX_CASE(3) AMX_CASE(4) AMX_CASE(5) AMX_CASE(6) AMX_CASE(7) AMX_CASE(8) }
+        }
     }
 }
 
-/* Whether qmm_amx_range takes M rows (its A tile holds both planes' rows, M apart). */
-static inline int amx_takes(int64_t M) {
-    return M >= AMX_MIN_ROWS && M <= AMX_MAX_ROWS && __atomic_load_n(&use_amx, __ATOMIC_RELAXED);
-}
 
 /* ---- A second thread for the int matmuls and decode attention.
  *
@@ -1162,7 +1195,7 @@ VNNI_TARGET static void qmm_par(int bits, const act_t *a, const uint8_t *w, void
     int64_t per = (C + 47) / 48;
     per = per < 2 ? 2 : per;
     static _Atomic uint64_t jobs;
-    const int amx = amx_takes(M);
+    const int amx = a->amx;
     qmm_ctx c = {w, *a, y, shadow, M, N, K, ldy, per, bits, amx ? atomic_fetch_add(&jobs, 1) + 1 : 0, y_bf16, amx};
     if (!shadow) {  /* alone: one unit */
         c.per = C;

@@ -13,10 +13,10 @@ compiler on first use, kept in radixd's cache, called through ``ctypes``.
   the activations quantized per block of 32 into two int8 planes (about 15 bits; one with
   ``RADIXD_CPU_ACT_BITS=8``: llama.cpp's Q8), ``vpdpbusd`` dot products, each weight vector
   loaded once for all rows; SiLU(gate) * up formed while quantizing the down projection's
-  input. At 4-8 rows on a CPU with AMX-INT8 (``amx``) each block's int32 sums come from a
-  ``tdpbsud`` tile product instead (both planes' rows in one tile, three column groups per
-  activation tile), scaled as the VNNI kernel scales them: the same results bit for bit, 0.7x
-  its time at 8 rows (a decode step's matmuls). ``qdequant_bf16``: such a weight in bf16 for
+  input. At 4 rows and more on a CPU with AMX-INT8 (``amx``) each block's int32 sums come
+  from a ``tdpbsud`` tile product instead (8 rows' two planes in one tile, three column groups
+  per activation tile), scaled as the VNNI kernel scales them: the same results bit for bit,
+  0.65-0.7x its time at 8 and 16 rows (a decode step's matmuls). ``qdequant_bf16``: such a weight in bf16 for
   prefill's GEMMs. ``decode_layers_bf16``: a whole decode step's decoder layers in one call
   (``cpu_decode``).
 - ``int8_matmul``: x @ W.T for a grouped int8 weight (Q8_0's blocks of 32), few rows: each
