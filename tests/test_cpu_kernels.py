@@ -1,7 +1,7 @@
 """radixd's C kernels for the CPU (``cpu_kernels``): decode attention over the pool equals an
 explicit softmax(q.k) v over each request's slots, for the head groups and head sizes the
 dispatcher specializes and for others, with the AVX512-BF16 kernel and without
-(``RADIXD_CPU_ISA=baseline``); the int4 weight read back from torch's packing equals
+(``RADIXD_CPU_ISA=baseline``) and without AMX (``RADIXD_CPU_ISA=vnni``); the int4 weight read back from torch's packing equals
 the weight torch's int4 kernel multiplies by; the grouped int8 matmul equals its definition,
 across its 8-row chunks; the VNNI integer kernels (int4 / int8 weights, int8 activations per
 block of 32) equal a float reference on the same quantized activations at 1-16 rows and odd
@@ -43,6 +43,17 @@ def baseline(monkeypatch):
     cpu_kernels.reset()
 
 
+@pytest.fixture
+def no_amx(monkeypatch):
+    """Every kernel this CPU has but AMX (what a CPU with AVX512 but without AMX runs)."""
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "vnni")
+    cpu_kernels.reset()
+    assert not cpu_kernels.amx()
+    yield
+    monkeypatch.undo()
+    cpu_kernels.reset()
+
+
 def reference_decode(q, k_buf, v_buf, slots, lens, scale):
     out = []
     for b, n in enumerate(lens.tolist()):
@@ -55,12 +66,14 @@ def reference_decode(q, k_buf, v_buf, slots, lens, scale):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("isa", ["native", "baseline"])
+@pytest.mark.parametrize("isa", ["native", "no_amx", "baseline"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 64), (8, 2, 128), (6, 2, 48), (16, 1, 32)])
 def test_decode_matches_softmax_attention(dtype, heads, kv_heads, dim, isa, request):
-    if isa == "baseline":
-        request.getfixturevalue("baseline")
+    """(natively on a CPU with AMX-BF16 a bf16 pool's scores come from tiles: keys read in
+    place where 16 slots follow each other, as rows 2 and 3's shared prefix does, else gathered)"""
+    if isa != "native":
+        request.getfixturevalue(isa)
     g = torch.Generator().manual_seed(heads * dim)
     k_buf = torch.randn(400, kv_heads, dim, generator=g).to(dtype)
     v_buf = torch.randn(400, kv_heads, dim, generator=g).to(dtype)
@@ -77,6 +90,34 @@ def test_decode_matches_softmax_attention(dtype, heads, kv_heads, dim, isa, requ
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     assert got.dtype == dtype
+
+
+@needs_amx
+@pytest.mark.skipif(not cpu_kernels.bf16dp(), reason="this CPU has no AVX512-BF16")
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (16, 1, 32), (8, 2, 128)])
+def test_amx_attention_scores_equal_the_avx512_kernels(heads, kv_heads, dim):
+    """Scores from AMX-BF16 tiles are the same bf16 products summed in float32 in another
+    order: with sharp softmaxes (queries x 4) the outputs stay within a bf16 rounding of the
+    AVX512-BF16 kernel's, for keys read in place (16 slots that follow each other) and gathered."""
+    lib = cpu_kernels.library()
+    g = torch.Generator().manual_seed(dim + heads)
+    k_buf = torch.randn(700, kv_heads, dim, generator=g).to(torch.bfloat16)
+    v_buf = torch.randn(700, kv_heads, dim, generator=g).to(torch.bfloat16)
+    lens = torch.tensor([5, 16, 83, 300, 290])
+    slots = torch.zeros(5, 300, dtype=torch.int64)
+    for b, n in enumerate(lens.tolist()):
+        slots[b, :n] = torch.arange(10, 10 + n) if b % 2 else torch.randperm(690, generator=g)[:n] + 10
+    q = (4 * torch.randn(5, heads, dim, generator=g)).to(torch.bfloat16)
+    got = {}
+    try:
+        for on in (1, 0):
+            lib.set_amx(on)
+            before = cpu_kernels.thread_stats()["amx_units"]
+            got[on] = cpu_kernels.decode(q, k_buf, v_buf, slots, lens, dim**-0.5).float()
+            assert (cpu_kernels.thread_stats()["amx_units"] > before) == bool(on)  # (the tiles ran, or not)
+    finally:
+        lib.set_amx(1)
+    torch.testing.assert_close(got[1], got[0], atol=2**-8 * got[0].abs().max().item(), rtol=0)
 
 
 def test_decode_refuses_what_it_does_not_take():

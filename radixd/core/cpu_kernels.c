@@ -297,6 +297,13 @@ static inline int amx_takes(int64_t M) {
     return M >= AMX_MIN_ROWS && __atomic_load_n(&use_amx, __ATOMIC_RELAXED);
 }
 
+/* Decode attention's scores on AMX-BF16 tiles (where use_amx and the CPU has AMX-BF16): scores_amx. */
+static int use_amx_bf16 = 0;
+#define AMX_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+AMX_BF16_TARGET static void scores_amx(const uint16_t *const *qs, const uint16_t *k, const int64_t *const *rows,
+                                       const int64_t *ns, int64_t R, int64_t Hkv, int64_t h0, int64_t h1, float scale,
+                                       float *scratch, int64_t sstride, int64_t G, int64_t D);
+
 /* Two planes: x / d = q + r (|r| <= 1/2) with q2 = round(254 r) as well, so that x is
  * d (q + q2 / 254) to 1/(2 * 254 * 127) of the block's largest value (about 15 bits): the
  * dot products are 254 sum(w q) + sum(w q2), exact in int32, and d, s, neg are stated for
@@ -647,7 +654,9 @@ BF16_TARGET static inline __attribute__((always_inline)) void grp_bf16dp(
     const __m512 vscale = _mm512_set1_ps(scale);
     int64_t nmax = 0;
     for (int64_t r = 0; r < R; r++) nmax = ns[r] > nmax ? ns[r] : nmax;
-    for (int64_t j0 = 0; j0 < nmax; j0 += TILE) {
+    const int tiles = R * G <= 16 && __atomic_load_n(&use_amx_bf16, __ATOMIC_RELAXED);
+    if (tiles) scores_amx(qs, k, rows, ns, R, Hkv, h0, h1, scale, scratch, sstride, G, D);
+    for (int64_t j0 = 0; j0 < nmax && !tiles; j0 += TILE) {
         for (int64_t h = h0; h < h1; h++) {
             for (int64_t r = 0; r < R; r++) {
                 const int64_t n = ns[r];
@@ -813,11 +822,16 @@ int amx_supported(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
-static _Atomic int64_t amx_units;  /* units run on the tiles (thread_stats) */
+static _Atomic int64_t amx_units;  /* calls run on the tiles (thread_stats) */
 
 /* The int matmuls on AMX tiles (1; the caller checked amx_supported) or VNNI only (0); -1 leaves it. Returns the setting. */
 int set_amx(int on) {
-    if (on >= 0) __atomic_store_n(&use_amx, on ? 1 : 0, __ATOMIC_RELAXED);
+    if (on >= 0) {
+        unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+        const int bf16 = on && __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx & (1u << 22));  /* AMX-BF16 */
+        __atomic_store_n(&use_amx, on ? 1 : 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&use_amx_bf16, bf16, __ATOMIC_RELAXED);
+    }
     return __atomic_load_n(&use_amx, __ATOMIC_RELAXED);
 }
 
@@ -842,6 +856,88 @@ AMX_TARGET static void amx_config(uint64_t job, int TR) {
     _tile_loadconfig(&cfg);
     amx_loaded.job = job;
     amx_loaded.rows = TR;
+}
+
+#define TILE_DPBF16(c, a, b) __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+
+/* Decode attention's scores (grp_bf16dp's first pass) on AMX-BF16 tiles: for each KV head and
+ * block of 16 keys, C [16 keys, 16] += K [16 keys, 32 dims] x Q^T [32 dims, 16], Q^T's
+ * columns the members' query heads (R * G <= 16; pairs of dims interleaved, as tdpbf16ps
+ * reads them, the columns past R * G zero), 32 dims at a time: each score the same bf16
+ * products summed in float32 whatever else the tile holds (a member's scores are those of
+ * attending alone, bit for bit). A block whose 16 slots every member's row holds reads the
+ * keys once for all of them; others, each member's own. The keys come straight from the pool
+ * where the 16 slots follow each other (a prefix's usually do), else gathered first. Then
+ * each column is scaled into the member's scores. Tiles: 0 keys, 1 queries, 2 scores; the
+ * configuration is loaded in each call (code between, in this thread, may load its own). */
+AMX_BF16_TARGET static void scores_amx(const uint16_t *const *qs, const uint16_t *k, const int64_t *const *rows,
+                                       const int64_t *ns, int64_t R, int64_t Hkv, int64_t h0, int64_t h1, float scale,
+                                       float *scratch, int64_t sstride, int64_t G, int64_t D) {
+    _Alignas(64) uint32_t bq[MAX_D / 32][16][16];
+    _Alignas(64) float tmp[16][16];
+    _Alignas(64) uint16_t abuf[16 * MAX_D];
+    const int64_t C = D / 32, slot = Hkv * D;
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 3; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    amx_loaded.job = 0;  /* (qmm's configuration is gone) */
+    atomic_fetch_add_explicit(&amx_units, 1, memory_order_relaxed);
+    int64_t nmax = 0;
+    for (int64_t r = 0; r < R; r++) nmax = ns[r] > nmax ? ns[r] : nmax;
+    const __m512i down = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t h = h0; h < h1; h++) {
+        memset(bq, 0, C * sizeof bq[0]);
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t g = 0; g < G; g++) {
+                const uint32_t *qd = (const uint32_t *)(qs[r] + (h * G + g) * D);
+                for (int64_t c = 0; c < C; c++)
+                    for (int64_t i = 0; i < 16; i++) bq[c][i][r * G + g] = qd[c * 16 + i];
+            }
+        for (int64_t j = 0; j < nmax; j += 16) {
+            int shared = 1;
+            for (int64_t r = 0; r < R && shared; r++)
+                shared = ns[r] >= j + 16 && (r == 0 || !memcmp(rows[r] + j, rows[0] + j, 16 * sizeof(int64_t)));
+            for (int64_t r = 0; r < (shared ? 1 : R); r++) {
+                const int64_t n = ns[r];
+                if (j >= n) continue;
+                const int64_t m = n - j < 16 ? n - j : 16, *row = rows[r] + j;
+                int follow = m == 16;
+                for (int64_t i = 1; i < m && follow; i++) follow = row[i] == row[0] + i;
+                const uint16_t *src = abuf;
+                int64_t stride = D * (int64_t)sizeof(uint16_t);
+                if (follow) {
+                    src = k + row[0] * slot + h * D;
+                    stride = slot * (int64_t)sizeof(uint16_t);
+                } else {
+                    for (int64_t i = 0; i < 16; i++)  /* (past the row's end: its first key again, not read back) */
+                        memcpy(abuf + i * D, k + row[i < m ? i : 0] * slot + h * D, D * sizeof(uint16_t));
+                }
+                TILE_ZERO(2);
+                for (int64_t c = 0; c < C; c++) {
+                    TILE_LOAD(0, src + c * 32, stride);
+                    TILE_LOAD(1, bq[c], 64);
+                    TILE_DPBF16(2, 0, 1);
+                }
+                TILE_STORE(2, tmp, 64);
+                for (int64_t rr = shared ? 0 : r; rr < (shared ? R : r + 1); rr++) {
+                    const int64_t nn = ns[rr], mm = nn - j < 16 ? nn - j : 16;
+                    const __mmask16 mask = (__mmask16)((1u << mm) - 1u);
+                    for (int64_t g = 0; g < G; g++) {
+                        const __m512 col = _mm512_i32gather_ps(_mm512_add_epi32(down, _mm512_set1_epi32((int)(rr * G + g))),
+                                                               &tmp[0][0], 4);
+                        _mm512_mask_storeu_ps(scratch + rr * sstride + (h * G + g) * nn + j, mask, _mm512_mul_ps(col, vscale));
+                    }
+                }
+            }
+        }
+    }
 }
 
 /* A q4 block's chunks to bytes, B's rows in order. */
@@ -1120,7 +1216,7 @@ int set_threads(int threads) {
 /* Tests: the helper sleeps delay_us in each unit it takes (as if preempted there). */
 void set_helper_delay(int delay_us) { atomic_store(&P.delay_us, delay_us); }
 
-/* Units run by the helper, units taken back from it, and int matmul units run on AMX tiles, since the start. */
+/* Units run by the helper, units taken back from it, and units run on AMX tiles (int matmuls, attention scores), since the start. */
 void thread_stats(int64_t *out) {
     out[0] = atomic_load(&P.helper_units);
     out[1] = atomic_load(&P.stolen);
