@@ -255,7 +255,7 @@ def act_planes(request, monkeypatch):
 
 @pytest.fixture(params=["native", "vnni"])
 def int_isa(request, monkeypatch):
-    """qmm as this CPU runs it (AMX tiles at 4-8 rows where it has AMX-INT8) and with AMX
+    """qmm as this CPU runs it (AMX tiles at 3 rows and more where it has AMX-INT8) and with AMX
     kept out (``RADIXD_CPU_ISA=vnni``: what a CPU with VNNI but without AMX runs)."""
     if request.param == "vnni":
         monkeypatch.setenv(cpu_kernels.ISA_ENV, "vnni")
@@ -320,8 +320,8 @@ def test_vnni_matmul_matches_a_float_reference(bits, n, k, act_planes, int_isa):
 @pytest.mark.parametrize(("n", "k"), [(301, 576), (48, 64)])
 def test_amx_matmul_equals_the_vnni_kernel_bit_for_bit(bits, n, k, act_planes):
     """The tiles' int32 sums are the VNNI kernel's, scaled by the same float operations in the
-    same order: equal outputs at every row count (the tiles take 4 and more, in chunks of 8
-    whose activations lie apart from the VNNI kernel's layout; 1-3 stay on VNNI), column counts
+    same order: equal outputs at every row count (the tiles take 3 and more, in chunks of 8
+    whose activations lie apart from the VNNI kernel's layout; 1-2 stay on VNNI), column counts
     not a multiple of the three groups a tile pass takes, both output dtypes and SiLU(gate) * up
     inputs."""
     lib = cpu_kernels.library()

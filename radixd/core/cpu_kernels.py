@@ -16,12 +16,12 @@ compiler on first use, kept in radixd's cache, called through ``ctypes``.
   the activations quantized per block of 32 into two int8 planes (about 15 bits; one with
   ``RADIXD_CPU_ACT_BITS=8``: llama.cpp's Q8), ``vpdpbusd`` dot products, each weight vector
   loaded once for all rows; SiLU(gate) * up formed while quantizing the down projection's
-  input. At 4 rows and more on a CPU with AMX-INT8 (``amx``) each block's int32 sums come
+  input. At 3 rows and more on a CPU with AMX-INT8 (``amx``) each block's int32 sums come
   from a ``tdpbsud`` tile product instead (8 rows' two planes in one tile, three column groups
   per activation tile), scaled as the VNNI kernel scales them: the same results bit for bit,
-  0.65-0.7x its time at 8 and 16 rows (a decode step's matmuls). ``qdequant_bf16``: such a weight in bf16 for
-  prefill's GEMMs. ``decode_layers_bf16``: a whole decode step's decoder layers in one call
-  (``cpu_decode``).
+  0.65-0.7x its time at 8 and 16 rows (a decode step's matmuls). ``qdequant_bf16``: such a
+  weight in bf16 for prefill's GEMMs. ``decode_layers_bf16``: a whole decode step's decoder
+  layers in one call (``cpu_decode``).
 - ``int8_matmul``: x @ W.T for a grouped int8 weight (Q8_0's blocks of 32), few rows: each
   weight read once for up to 8 rows, where torch's int8 kernel takes one group per call and
   adds the partial products up in memory (an LM head of 49k rows at 8 rows: 4x). (CPUs
@@ -209,7 +209,7 @@ def vnni() -> bool:
 
 
 def amx() -> bool:
-    """Whether ``qmm`` multiplies 4 rows and more on AMX-INT8 tiles (the same results as its
+    """Whether ``qmm`` multiplies 3 rows and more on AMX-INT8 tiles (the same results as its
     VNNI kernel, bit for bit): ``vnni()`` holds, the CPU has AMX-INT8, Linux gave the process
     the tiles' state, and ``RADIXD_CPU_ISA`` is neither ``baseline`` nor ``vnni``. Decided when
     the library loads (``reset`` reads the environment again)."""
