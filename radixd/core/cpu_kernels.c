@@ -708,20 +708,31 @@ BF16_TARGET static inline __attribute__((always_inline)) void grp_bf16dp(
     }
     float accm[GRP_MAX][DP_MAX_HD / 16][16] __attribute__((aligned(64)));  /* the heads' sums between tiles */
     for (int64_t r = 0; r < R; r++) memset(accm[r][h0 * G * D / 16], 0, (h1 - h0) * G * D * sizeof(float));
+    float vt[TILE][MAX_D] __attribute__((aligned(64)));  /* the first member's values of a tile, in float32 */
     for (int64_t j0 = 0; j0 < nmax; j0 += TILE) {
         for (int64_t h = h0; h < h1; h++) {
+            const int64_t t0 = j0 < ns[0] ? (j0 + TILE < ns[0] ? TILE : ns[0] - j0) : 0;  /* (vt's keys) */
             for (int64_t r = 0; r < R; r++) {
                 const int64_t n = ns[r];
                 if (j0 >= n) continue;
                 const int64_t j1 = j0 + TILE < n ? j0 + TILE : n, *row = rows[r];
                 const float *sc = scratch + r * sstride;
+                /* the first member converts its values into vt, a member whose slots are the same reads them there */
+                const int keep = R > 1 && r == 0, reuse = r > 0 && j1 - j0 <= t0
+                                 && !memcmp(row + j0, rows[0] + j0, (j1 - j0) * sizeof(int64_t));
                 __m512 acc[MAX_G][MAX_D / 16];
                 for (int64_t g = 0; g < G; g++)
                     for (int64_t c = 0; c < D / 16; c++) acc[g][c] = _mm512_load_ps(accm[r][(h * G + g) * D / 16 + c]);
                 for (int64_t i = j0; i < j1; i++) {
                     const uint16_t *vr = v + row[i] * slot + h * D;
                     __m512 vf[MAX_D / 16];
-                    for (int64_t c = 0; c < D / 16; c++) vf[c] = bf16x16_to_f32(vr + c * 16);
+                    if (reuse) {
+                        for (int64_t c = 0; c < D / 16; c++) vf[c] = _mm512_load_ps(&vt[i - j0][c * 16]);
+                    } else {
+                        for (int64_t c = 0; c < D / 16; c++) vf[c] = bf16x16_to_f32(vr + c * 16);
+                        if (keep)
+                            for (int64_t c = 0; c < D / 16; c++) _mm512_store_ps(&vt[i - j0][c * 16], vf[c]);
+                    }
                     for (int64_t g = 0; g < G; g++) {
                         const __m512 p = _mm512_set1_ps(sc[(h * G + g) * n + i]);
                         for (int64_t c = 0; c < D / 16; c++) acc[g][c] = _mm512_fmadd_ps(p, vf[c], acc[g][c]);
