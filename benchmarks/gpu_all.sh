@@ -25,6 +25,10 @@
 #             cache-aware routing and under round robin
 #   tests2    the GPU-marked tests of the second wave: quantized weights and kernels, the fp8 KV
 #             cache, sliding windows, speculative verify and EAGLE-3 heads, the PD copy, MoE
+#   wave2     the GPU second wave's table in one call (PEER=hf_baseline.py, HTTP=gpu_http.py,
+#             TOK=a tokenizer directory): ceilings, decode at batch 1/64/256 with the peer (plain
+#             and static), extend attention vs SDPA, the 32k-token prompt, the small model's idle
+#             share at batch 64, HTTP+SSE vs in-process; each piece capped so all get their turn
 #   mixed     benchmarks/mixed_step.py: a mixed step's attention (decodes beside a prompt chunk)
 #             through the extend kernel alone against extend + decode kernels
 #   quant fp8kv swa spec pd moe (FP8KV_ARGS=--sweep: the decode kernel's tiles first)
@@ -89,6 +93,23 @@ for spec in $PARTS; do
     $limit python3 -m pytest -q -p no:cacheprovider -rf -m "gpu or not gpu" tests/test_window_attention.py \
         "tests/test_fp8_kv.py::test_fp8_pool_read_by_a_bf16_query_takes_fp16_products" >> "$W/tests2.txt" 2>&1
     grep -E "passed|failed|error" "$W/tests2.txt" | tail -4 ;;
+  wave2)
+    timeout -k 10 250 python3 -m benchmarks.gpu_bench --out "$W/wave2/gpu" --sections ceilings,decode,peer \
+        --batches 1,64,256 --peer "${PEER:?PEER=path/to/hf_baseline.py}" --peer-flavours plain,static \
+        --peer-batches 1,64 --peer-timeout 110 > "$W/wave2_gpu.log" 2>&1
+    grep '^==' "$W/wave2_gpu.log" | cut -c1-700
+    timeout -k 10 50 python3 -m benchmarks.extend_attention --out "$W/wave2/extend" \
+        --configs "(64,64,4,3,True,4);(128,64,8,3,True,4)" --small-configs "(16,32,4,2,False,1)" \
+        > "$W/wave2_extend.log" 2>&1
+    tail -6 "$W/wave2_extend.log" | cut -c1-300
+    timeout -k 10 60 python3 -m benchmarks.long_prefill --out "$W/wave2/long" --prompts 2 > "$W/wave2_long.log" 2>&1
+    grep '^==' "$W/wave2_long.log" | cut -c1-500
+    timeout -k 10 45 python3 -m benchmarks.gpu_bench --out "$W/wave2/small" --model smollm2-135m \
+        --sections decode --batches 64 > "$W/wave2_small.log" 2>&1
+    grep '^==' "$W/wave2_small.log" | cut -c1-500
+    timeout -k 10 150 python3 "${HTTP:?HTTP=path/to/gpu_http.py}" --proj . --tok "${TOK:?TOK=tokenizer dir}" \
+        --out "$W/wave2/http" > "$W/wave2_http.json" 2> "$W/wave2_http.err"
+    cut -c1-900 "$W/wave2_http.json" ;;
   mixed)
     $limit python3 -m benchmarks.mixed_step --out "$W/mixed_step.json" > "$W/mixed.log" 2>&1
     tail -4 "$W/mixed.log" | cut -c1-400 ;;

@@ -29,10 +29,10 @@ ATTN_NAMES = ("extend", "flash", "fmha", "cudnn", "attention", "sdpa")
 
 def phase(kernel: str) -> str:
     name = kernel.lower()
+    if any(s in name for s in ATTN_NAMES):  # first: cuDNN's attention kernels carry "sm90" too
+        return "attention"
     if any(s in name for s in GEMM_NAMES):
         return "matmul"
-    if any(s in name for s in ATTN_NAMES):
-        return "attention"
     return "other"
 
 

@@ -53,7 +53,7 @@ PREFIX_SPLITS = 8  # cascade: the most splits a shared prefix is read in (the gr
 MIXED_DECODE_ROWS = 128  # a mixed step's one-token rows take the decode kernel from this many (module docstring)
 DENSE_MIN_TOKENS = 256  # a step's extends attend in cuDNN's kernels when each has this many (module docstring)
 DENSE_MAX_CALLS = 32  # ... in at most this many groups (runs of fresh prompts, chunks after a prefix) per layer
-CUDNN_NATIVE_GQA = False  # cuDNN's kernel reads grouped K/V heads as they are (else repeated per query head)
+CUDNN_NATIVE_GQA = True  # cuDNN's kernel reads grouped K/V heads as they are (the H200: same output; else repeated)
 
 
 class Dense(NamedTuple):
