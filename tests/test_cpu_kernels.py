@@ -130,6 +130,28 @@ def test_decode_refuses_what_it_does_not_take():
     assert cpu_kernels.takes(torch.float32, k, 4)
 
 
+@pytest.mark.parametrize("block", cpu_kernels.INT4PACK_BLOCKS)
+def test_int4pack_layouts_read_back(block):
+    """Both of torch's CPU int4 packings (blocks of 64 rows, AVX512; of 32, AVX2), written here
+    by hand, read back whichever this machine's torch writes."""
+    if cpu_kernels.library() is None:
+        pytest.skip("no C compiler for radixd's CPU kernels")
+    g = torch.Generator().manual_seed(block)
+    n, k, group = 128, 96, 32
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+    rows = q.reshape(n // block, 2, block // 2, k)  # [block, low/high nibble, byte, k]
+    packed = (rows[:, 0] | rows[:, 1] << 4).permute(0, 2, 1).to(torch.uint8).contiguous()  # [N/B, K, B/2]
+    scales = torch.rand(k // group, n, generator=g) + 0.5
+    zeros = torch.randn(k // group, n, generator=g)
+    sz = torch.stack([scales, zeros], -1).to(torch.bfloat16)
+    got = cpu_kernels._int4pack_to_bf16(packed.view(n, k // 2), sz, n, k, group, block)
+    s, z = (sz[..., i].float().repeat_interleave(group, 0) for i in (0, 1))  # [k, n]
+    want = ((q.t().float() - 8) * s + z).to(torch.bfloat16)
+    assert torch.equal(got, want)
+    other = next(b for b in cpu_kernels.INT4PACK_BLOCKS if b != block)
+    assert not torch.equal(cpu_kernels._int4pack_to_bf16(packed.view(n, k // 2), sz, n, k, group, other), want)
+
+
 def test_int4_weight_read_back_is_what_the_int4_kernel_multiplies(baseline):
     assert cpu_kernels.int4pack_readable()
     g = torch.Generator().manual_seed(1)

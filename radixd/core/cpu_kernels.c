@@ -118,24 +118,33 @@ DEFINE_DECODE(decode_f32, one_f32, float)
  * to bf16 and transposed, out [K, N] (W.T: x @ out is x @ W.T), for the matmuls of many rows,
  * where a bf16 GEMM beats the int4 kernel.
  *
- * p   [N / 64, K, 32] bytes: byte j of (block, k) holds rows block*64 + j (low nibble) and
- *     block*64 + 32 + j (high nibble) at column k (checked at run time by the caller);
+ * p   [N / B, K, B / 2] bytes, B the block's rows (torch's build for AVX512 packs 64, for AVX2
+ *     32): byte j of (block, k) holds rows block*B + j (low nibble) and block*B + B/2 + j (high
+ *     nibble) at column k (which B, checked at run time by the caller);
  * sz  [K / group, N, 2] bf16: scale and zero, w = (q - 8) * scale + zero.
- * Each (block, k) is 32 bytes in and 64 values out, both contiguous.
+ * Each (block, k) is B / 2 bytes in and B values out, both contiguous.
  */
+static inline __attribute__((always_inline)) void int4pack_block(const uint8_t *in, const uint16_t *sc,
+                                                                 uint16_t *o, const int64_t half) {
+    _Pragma("omp simd")
+    for (int64_t j = 0; j < half; j++) {
+        o[j] = f32_to_bf16((float)((in[j] & 15) - 8) * bf16_to_f32(sc[2 * j]) + bf16_to_f32(sc[2 * j + 1]));
+        o[j + half] = f32_to_bf16((float)((in[j] >> 4) - 8) * bf16_to_f32(sc[2 * (j + half)])
+                                  + bf16_to_f32(sc[2 * (j + half) + 1]));
+    }
+}
+
 void int4pack_to_bf16_t(const uint8_t *p, const uint16_t *sz, uint16_t *out, int64_t N, int64_t K,
-                        int64_t group) {
-    for (int64_t nb = 0; nb < N / 64; nb++) {
+                        int64_t group, int64_t block) {
+    for (int64_t nb = 0; nb < N / block; nb++) {
         for (int64_t k = 0; k < K; k++) {
-            const uint8_t *in = p + (nb * K + k) * 32;
-            const uint16_t *sc = sz + ((k / group) * N + nb * 64) * 2;
-            uint16_t *o = out + k * N + nb * 64;
-            _Pragma("omp simd")
-            for (int64_t j = 0; j < 32; j++) {
-                o[j] = f32_to_bf16((float)((in[j] & 15) - 8) * bf16_to_f32(sc[2 * j]) + bf16_to_f32(sc[2 * j + 1]));
-                o[j + 32] = f32_to_bf16((float)((in[j] >> 4) - 8) * bf16_to_f32(sc[2 * (j + 32)])
-                                        + bf16_to_f32(sc[2 * (j + 32) + 1]));
-            }
+            const uint8_t *in = p + (nb * K + k) * (block / 2);
+            const uint16_t *sc = sz + ((k / group) * N + nb * block) * 2;
+            uint16_t *o = out + k * N + nb * block;
+            if (block == 64)  /* constant trip counts: the loops vectorize fully */
+                int4pack_block(in, sc, o, 32);
+            else
+                int4pack_block(in, sc, o, 16);
         }
     }
 }

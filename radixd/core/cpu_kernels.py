@@ -28,8 +28,9 @@ compiler on first use, kept in radixd's cache, called through ``ctypes``.
   without VNNI.)
 - ``int4pack_to_bf16``: an int4 weight in torch's CPU packing, dequantized for a matmul of
   many rows (prefill), where a bf16 GEMM runs 2-3x faster than torch's int4 kernel; decode
-  steps keep the int4 kernel, which reads a quarter of the bytes. ``int4pack_readable``
-  checks once that torch packs as the kernel reads. (CPUs without VNNI.)
+  steps keep the int4 kernel, which reads a quarter of the bytes. ``int4pack_block``
+  finds once which packing this torch writes (its AVX512 build's blocks of 64 rows or its AVX2
+  build's of 32). (CPUs without VNNI.)
 
 Threads (``set_threads``): with 2, a helper thread shares the units of ``qmm``, of the fused
 step's attention and of ``qdequant_bf16`` with the calling thread; a helper the OS preempted
@@ -153,7 +154,7 @@ def library() -> ctypes.CDLL | None:
     lib.int8g_mm.restype = ctypes.c_int
     lib.int8g_mm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     lib.int4pack_to_bf16_t.restype = None
-    lib.int4pack_to_bf16_t.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    lib.int4pack_to_bf16_t.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
     for name in ("vnni_supported", "bf16dp_supported"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []
@@ -306,7 +307,7 @@ def thread_stats() -> dict[str, int]:
 def reset() -> None:
     """Forget what was probed (the library, the CPU's extensions): the environment is read
     again at the next use (tests switching ``RADIXD_CPU_ISA`` or ``RADIXD_CPU_KERNELS``)."""
-    for fn in (library, vnni, bf16dp, int4pack_readable):
+    for fn in (library, vnni, bf16dp, int4pack_block):
         fn.cache_clear()
 
 
@@ -345,29 +346,45 @@ def decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, slots: Tensor, lens: Tensor,
     return out
 
 
+INT4PACK_BLOCKS = (64, 32)  # the rows of a block in torch's CPU int4 packing: its AVX512 build, its AVX2 build
+
+
 def int4pack_to_bf16(packed: Tensor, scales: Tensor, n: int, k: int, group: int) -> Tensor:
     """The weight [n, k] of torch's CPU int4 packing ``packed`` with ``scales`` [k / group, n,
     2] bf16 (scale, zero), ``(q - 8) * scale + zero``, in bf16 and transposed: [k, n]."""
+    return _int4pack_to_bf16(packed, scales, n, k, group, int4pack_block())
+
+
+def _int4pack_to_bf16(packed: Tensor, scales: Tensor, n: int, k: int, group: int, block: int) -> Tensor:
     lib = library()
-    assert lib is not None and n % 64 == 0 and k % group == 0 and scales.dtype == torch.bfloat16
+    assert lib is not None and block in INT4PACK_BLOCKS and n % 64 == 0 and k % group == 0
+    assert scales.dtype == torch.bfloat16
     packed, scales = packed.contiguous(), scales.contiguous()  # (held: the call reads their memory)
     out = torch.empty((k, n), dtype=torch.bfloat16)
-    lib.int4pack_to_bf16_t(packed.data_ptr(), scales.data_ptr(), out.data_ptr(), n, k, group)
+    lib.int4pack_to_bf16_t(packed.data_ptr(), scales.data_ptr(), out.data_ptr(), n, k, group, block)
     return out
 
 
 @functools.cache
-def int4pack_readable() -> bool:
-    """Whether ``int4pack_to_bf16`` reads this torch's packing (a known weight, packed and read back)."""
+def int4pack_block() -> int:
+    """The rows per block of this torch's CPU int4 packing that ``int4pack_to_bf16`` reads (a
+    known weight packed and read back in each layout it knows), 0 where it reads none."""
     if library() is None:
-        return False
+        return 0
     n, k, group = 128, 64, 32
     q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     if packed.shape != (n, k // 2):
-        return False
+        return 0
     unit = torch.tensor([1.0, 8.0], dtype=torch.bfloat16).expand(k // group, n, 2)
-    return bool(torch.equal(int4pack_to_bf16(packed, unit, n, k, group), q.t().to(torch.bfloat16)))
+    want = q.t().to(torch.bfloat16)
+    return next((b for b in INT4PACK_BLOCKS
+                 if torch.equal(_int4pack_to_bf16(packed, unit, n, k, group, b), want)), 0)
+
+
+def int4pack_readable() -> bool:
+    """Whether ``int4pack_to_bf16`` reads this torch's packing."""
+    return int4pack_block() != 0
 
 
 def int8_matmul(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
