@@ -104,8 +104,8 @@ for spec in $PARTS; do
     tail -6 "$W/wave2_extend.log" | cut -c1-300
     timeout -k 10 60 python3 -m benchmarks.long_prefill --out "$W/wave2/long" --prompts 2 > "$W/wave2_long.log" 2>&1
     grep '^==' "$W/wave2_long.log" | cut -c1-500
-    timeout -k 10 45 python3 -m benchmarks.gpu_bench --out "$W/wave2/small" --model smollm2-135m \
-        --sections decode --batches 64 > "$W/wave2_small.log" 2>&1
+    timeout -k 10 60 python3 -m benchmarks.gpu_bench --out "$W/wave2/small" --model smollm2-135m \
+        --sections decode --batches 64,64,64 --decode-new 512 > "$W/wave2_small.log" 2>&1
     grep '^==' "$W/wave2_small.log" | cut -c1-500
     timeout -k 10 150 python3 "${HTTP:?HTTP=path/to/gpu_http.py}" --proj . --tok "${TOK:?TOK=tokenizer dir}" \
         --out "$W/wave2/http" > "$W/wave2_http.json" 2> "$W/wave2_http.err"

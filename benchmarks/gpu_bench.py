@@ -7,8 +7,9 @@ Sections (each writes DIR/<section>.json and a line to stdout; a failing section
 and the run goes on):
   ceilings   copy bandwidth (bytes read + written) and the bf16 matmul rate, measured now
   correct    triton backend (+CUDA graphs) vs the torch backend: logits along greedy decoding
-  decode     output tokens/s at batch 1/16/64/256 (512-token prompts, 128 new tokens), and
-             each as a fraction of its roofline (weights + KV bytes per step / copy bandwidth);
+  decode     output tokens/s at batch 1/16/64/256 (512-token prompts, 128 new tokens or
+             --decode-new), and each as a fraction of its roofline (weights + KV bytes per
+             step / copy bandwidth);
              GPU idle share between decode steps at batch 64 (CUDA events around each step)
   fusions    batch-1 decode with the one-row fusions (the GEMV epilogues: SiLU*up, rotary +
              KV store) on and off
@@ -197,22 +198,22 @@ def decode(args, ctx) -> dict:
             gpu_times: list[float] = []
             if bs == 64:
                 _instrument(eng, gpu_times)
-            r = loop.run_until_complete(_run_batch(eng, prompts, 128))
+            r = loop.run_until_complete(_run_batch(eng, prompts, args.decode_new))
             if bs == 64:
                 _uninstrument(eng, gpu_times)
             dec_t = r["end"] - r["all_first"]
-            dec_tok_s = bs * 127 / dec_t
-            avg_ctx = 512 + 64
+            dec_tok_s = bs * (args.decode_new - 1) / dec_t
+            avg_ctx = 512 + args.decode_new // 2
             step_bytes = ctx["read_bytes"] + bs * avg_ctx * per_tok
             roof = bs / (step_bytes / ctx["copy_Bps"])
             case = {"batch": bs, "decode_tok_s": round(dec_tok_s, 1), "roofline_tok_s": round(roof, 1),
                     "roofline_fraction": round(dec_tok_s / roof, 3),
-                    "e2e_out_tok_s": round(bs * 128 / (r["end"] - r["t0"]), 1),
+                    "e2e_out_tok_s": round(bs * args.decode_new / (r["end"] - r["t0"]), 1),
                     "ttft_p50_s": round(statistics.median(r["ttft"]), 3)}
             if gpu_times:
                 case["gpu_busy_s"] = round(sum(gpu_times), 4)
                 case["decode_wall_s"] = round(dec_t, 4)
-                decode_steps = [t for t in gpu_times[-127:]]
+                decode_steps = gpu_times[-(args.decode_new - 1):]
                 case["gpu_idle_fraction_decode"] = round(1 - sum(decode_steps) / dec_t, 3)
             out["cases"].append(case)
             print(json.dumps(case), flush=True)
@@ -253,7 +254,7 @@ def _switch_ab(ctx, switch: str, batch: int) -> dict:
                 ctx.setdefault("kv_per_tok", pool_kv_bytes_per_token(eng))
                 best = 0.0
                 for _ in range(3):
-                    r = loop.run_until_complete(_run_batch(eng, prompts, 128))
+                    r = loop.run_until_complete(_run_batch(eng, prompts, args.decode_new))
                     best = max(best, batch * 127 / (r["end"] - r["all_first"]))
             finally:
                 loop.run_until_complete(eng.stop())
@@ -434,7 +435,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--sections", default="ceilings,correct,decode,prefill,kernels,shared,peer")
-    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--batches", default="1,16,64,256", help="decode: batch sizes (one may repeat: runs again)")
+    ap.add_argument("--decode-new", type=int, default=128, help="decode: new tokens per request")
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--per-group", type=int, default=16)
     ap.add_argument("--system", type=int, default=1024)
