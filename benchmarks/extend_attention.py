@@ -8,9 +8,10 @@ heads, 8 KV heads, head dim 128, bf16), against torch's SDPA and the bf16 matmul
 
 Every configuration's output is checked against SDPA's (relative error) before it is timed;
 times are device times with the launches queued behind a busy device (``cuda_device_s``).
-For the long cases, ``radixd`` is what a step of such extends runs in serving (the triton
-backend's fused path: q and v strided views of the q/k/v projection's output, K read from the
-pool; a prefix gathered through the table), timed the same way.
+For the long cases, ``radixd`` is what a step of such extends runs with the engine option
+``dense_prefill`` (the triton backend's fused path, off by default: see its docstring; q and
+v strided views of the q/k/v projection's output, K read from the pool, a prefix gathered
+through the table), timed the same way; without the option serving runs the ``default`` row.
 
   python -m benchmarks.extend_attention --out OUT [--configs "(64,64,4,3,True,4);..."] [--small-configs ...]
       [--baseline FILE.py]   (another revision's triton_kernels.py, timed with its default)
@@ -89,7 +90,7 @@ def serving_path(c: dict):
     zeros = torch.zeros(reqs * ext, dtype=torch.int64)
     fb = ForwardBatch(input_ids=zeros, positions=zeros, out_cache_loc=loc.cpu(), rows=list(range(reqs)),
                       prefix_lens=[prefix] * reqs, extend_lens=[ext] * reqs)
-    attn = triton_backend.TritonAttention(pool, num_heads=H, head_dim=D, scale=scale)
+    attn = triton_backend.TritonAttention(pool, num_heads=H, head_dim=D, scale=scale, dense_prefill=True)
     attn.begin(fb)
     assert attn.dense is not None, "the case does not take the fused path"
     return lambda: attn._attend_dense(qv[:, :H], qv[:, H + HKV:], pool.k_buffers[0], pool.v_buffers[0])

@@ -254,7 +254,7 @@ def _switch_ab(ctx, switch: str, batch: int) -> dict:
                 ctx.setdefault("kv_per_tok", pool_kv_bytes_per_token(eng))
                 best = 0.0
                 for _ in range(3):
-                    r = loop.run_until_complete(_run_batch(eng, prompts, args.decode_new))
+                    r = loop.run_until_complete(_run_batch(eng, prompts, 128))
                     best = max(best, batch * 127 / (r["end"] - r["all_first"]))
             finally:
                 loop.run_until_complete(eng.stop())

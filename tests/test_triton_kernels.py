@@ -656,7 +656,7 @@ def test_long_extends_attend_in_fused_kernels(prefix, extend_lens, in_order, mon
     monkeypatch.setattr(triton_backend, "extend_attention", lambda *a, **kw: extends.append(1) or plain(*a, **kw))
     outs, plans = {}, {}
     for name in ("torch", "triton"):
-        attn = make_backend(name, pool, num_heads=heads, head_dim=dim, scale=dim**-0.5)
+        attn = make_backend(name, pool, num_heads=heads, head_dim=dim, scale=dim**-0.5, dense_prefill=True)
         attn.begin(fb)
         plans[name] = getattr(attn, "dense", None)
         outs[name] = attn.forward(q.clone().to(DEV), k.clone().to(DEV), v.clone().to(DEV), 0,
@@ -666,6 +666,9 @@ def test_long_extends_attend_in_fused_kernels(prefix, extend_lens, in_order, mon
         assert plans["triton"] is None and extends == [1]
         return
     assert extends == []
+    default = make_backend("triton", pool, num_heads=heads, head_dim=dim, scale=dim**-0.5)
+    default.begin(fb)
+    assert default.dense is None  # the option is off by default (cuDNN's plan per new shape)
     if any(prefix):
         assert plans["triton"] == (None, [(0, 1, 12), (24, 1, 9)], [(12, 12, 1, 3)])
     else:
@@ -692,7 +695,7 @@ async def test_engine_long_extends_in_fused_kernels_match_transformers(tiny_mode
                         lambda self, *a: plans.append(self.dense) or plain(self, *a))
     path = tiny_models["llama"]
     eng = Engine(model=str(path), kv_cache_tokens=1024, attention_backend="triton", dtype="float32",
-                 chunked_prefill_size=16)
+                 chunked_prefill_size=16, dense_prefill=True)
     eng.step_hook = lambda step: eng.check_accounting()
     ps = prompts(3, 37, seed=9)
     try:

@@ -91,6 +91,7 @@ def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.dev
               cuda_graphs=config.cuda_graphs and setup.pooling is None,  # (embedding engines never decode)
               cascade_attention=config.cascade_attention,
               kernels=KernelChoice(fuse_one_row=config.fuse_one_row, rows_kernel=config.rows_kernel,
+                                   dense_prefill=config.dense_prefill,
                                    prefill_weights=config.prefill_weights),
               head=setup.pooling is None, kv_format=setup.kv_format,
               window_slots=window_region(config, setup),

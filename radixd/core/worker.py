@@ -128,6 +128,7 @@ class ModelWorker:
             scale=model_cfg.attention_scale,
             cascade=cascade_attention,
             fuse_one_row=kernels.fuse_one_row,
+            dense_prefill=kernels.dense_prefill,
             windows=windows,
             softcap=model_cfg.attn_softcap,
         )

@@ -8,15 +8,18 @@ keys beside one chunk (``benchmarks.mixed_step``, two calls): 256 decodes + 512 
 through the extend kernel alone vs 377 us split (1.6-2.0x); + 2048 tokens, 2.1-2.3x; but 64
 decodes + 512 tokens, 222 vs 280 us (0.8-0.9x: the decode kernel's 64 rows are a small grid),
 hence the threshold between them.
-Long extends (each of the step's at least ``DENSE_MIN_TOKENS``) attend through cuDNN's fused
-attention instead (torch's SDPA; on CPU its flash kernel): on an H200, 8B shape, the extend
-kernel reaches 0.57x its speed on 8 x 2048 fresh prompts and 0.77x on a 32k prompt's last
-chunk (``benchmarks.extend_attention``). Prompts with nothing cached attend causally in one call
-per run of equal lengths; a chunk after a cached prefix in two, over the prefix (gathered
-through the request's table row) and over its own tokens causally, merged by their
-log-sum-exps. K is read from the pool (rotated there): a view where the step's slots ascend
-without gaps, else gathered; V as projected. Windows, soft-capping, fp8 pools, float32 on CUDA
-and token trees keep the extend kernel.
+With ``dense_prefill`` (an engine option, off by default), long extends (each of the step's
+at least ``DENSE_MIN_TOKENS``) attend through cuDNN's fused attention instead (torch's SDPA; on
+CPU its flash kernel): on an H200, 8B shape, the extend kernel reaches 0.63x its speed on 8 x
+2048 fresh prompts and 0.73x on a 32k prompt's last chunk (``benchmarks.extend_attention``).
+It is off by default because cuDNN builds an execution plan for every new shape (prompts per
+call, their length, the prefix length): about 70 ms each on an H200, about 1 s where a new
+kernel variant is compiled, which serving with varied prompt lengths pays again and again.
+Prompts with nothing cached attend causally in one call per run of equal lengths; a chunk
+after a cached prefix in two, over the prefix (gathered through the request's table row) and
+over its own tokens causally, merged by their log-sum-exps. K is read from the pool (rotated
+there): a view where the step's slots ascend without gaps, else gathered; V as projected.
+Windows, soft-capping, fp8 pools, float32 on CUDA and token trees keep the extend kernel.
 Token trees run every row through the extend kernel. ``set_decode`` points the backend at
 caller-owned device tensors, which is how CUDA graphs replay it.
 
@@ -97,11 +100,14 @@ def decode_splits(batch: int, kv_heads: int, processors: int) -> int:
 
 
 class TritonAttention:
-    """A ``GraphAttention``. ``fuse_one_row``: take ``project_forward``'s one-kernel path."""
+    """A ``GraphAttention``. ``fuse_one_row``: take ``project_forward``'s one-kernel path;
+    ``dense_prefill``: long extends in cuDNN's kernels (module docstring)."""
 
     def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float, cascade: bool = False,
-                 fuse_one_row: bool = True, windows: tuple[int, ...] = (), softcap: float = 0.0):
+                 fuse_one_row: bool = True, dense_prefill: bool = False, windows: tuple[int, ...] = (),
+                 softcap: float = 0.0):
         self.pool = pool
+        self.dense_prefill = dense_prefill
         self.windows = windows or (0,) * len(pool.k_buffers)
         self.softcap = softcap
         self.mapped = tuple(bool(w) and pool.to_window is not None for w in self.windows)
@@ -208,7 +214,7 @@ class TritonAttention:
         """The cuDNN plan of a step of long extends (module docstring), or None."""
         lens = batch.extend_lens
         dtype = self.pool.k_buffers[0].dtype
-        if min(lens) < DENSE_MIN_TOKENS or self.softcap:
+        if not self.dense_prefill or min(lens) < DENSE_MIN_TOKENS or self.softcap:
             return None
         if dtype not in ((torch.bfloat16, torch.float16) if self.pool.device.type == "cuda" else
                          (torch.bfloat16, torch.float16, torch.float32)):
