@@ -98,8 +98,15 @@ class CpuIntWeight:
             return 0
         if self.kind == "vnni":
             return 2 * self.k * cpu_kernels.padded_ld(self.n)
-        # (torch's int4 packing: dequantized for prefill only where radixd's kernel reads it)
-        return 2 * self.k * self.n if self.n % 64 == 0 and cpu_kernels.int4pack_readable() else 0
+        return 2 * self.k * self.n if self.dequantizable else 0
+
+    @property
+    def dequantizable(self) -> bool:
+        """Whether many rows multiply this torch-packed int4 weight dequantized, in a bf16 GEMM:
+        where radixd's kernel reads torch's packing and torch multiplies bf16 at speed (not on
+        AVX2, where its int4 kernel is faster: ``cpu_kernels.bf16_matmul_fast``)."""
+        return (self.bits == 4 and self.n % 64 == 0 and cpu_kernels.int4pack_readable()
+                and cpu_kernels.bf16_matmul_fast())
 
     def dequantized(self) -> Tensor:
         """The int4 weight in bf16, transposed: [K, N] (a fresh tensor)."""
@@ -193,7 +200,7 @@ def cpu_int_linear(x: Tensor, w: CpuIntWeight, bias: Tensor | None = None) -> Te
     xa = x.to(ACT).contiguous()
     if w.bits == 4 and xa.shape[0] > DEQUANT_ROWS and w.dense is not None:
         y = xa @ w.dense
-    elif w.bits == 4 and xa.shape[0] > DEQUANT_ROWS and w.n % 64 == 0 and cpu_kernels.int4pack_readable():
+    elif xa.shape[0] > DEQUANT_ROWS and w.dequantizable:
         y = xa @ cpu_kernels.int4pack_to_bf16(w.q, w.scales, w.n, w.k, w.group_size)
     elif w.bits == 4:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xa, w.q, w.group_size, w.scales)
