@@ -227,6 +227,7 @@ def test_prefill_weight_copies_change_nothing_but_memory(tiny_gguf, tmp_path, is
     values, so the same logprobs bit for bit; "auto" keeps them while they are small."""
     from radixd.core.quant import cpu_int
 
+    monkeypatch.setattr(cpu_kernels, "bf16_matmul_fast", lambda: True)  # (copies on any CPU; AVX2 takes none)
     prompt = PROMPT * 11  # 77 rows: a prefill GEMM on the dequantized weights
 
     async def run(mode: str):
