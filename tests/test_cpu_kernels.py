@@ -17,7 +17,7 @@ import logging
 import pytest
 import torch
 
-from radixd.core import cpu_kernels
+from radixd.core import cpu_kernels, cpu_setup
 from radixd.core.quant.cpu_int import (
     DEQUANT_ROWS,
     VNNI_GEMM_ROWS,
@@ -154,7 +154,7 @@ def test_int4pack_layouts_read_back(block):
 
 def test_int4_weight_read_back_is_what_the_int4_kernel_multiplies(baseline, monkeypatch):
     assert cpu_kernels.int4pack_readable()
-    monkeypatch.setattr(cpu_kernels, "bf16_matmul_fast", lambda: True)  # (the dequantized path on any CPU)
+    monkeypatch.setattr(cpu_setup, "native_bf16", lambda: True)  # (the dequantized path on any CPU)
     g = torch.Generator().manual_seed(1)
     n, k, group = 192, 256, 64
     q = torch.randint(0, 16, (n, k // 8), dtype=torch.int32, generator=g)  # canonical packed int4
@@ -178,7 +178,7 @@ def test_int4_weight_read_back_is_what_the_int4_kernel_multiplies(baseline, monk
     few = torch.cat([cpu_int_linear(rows[i : i + DEQUANT_ROWS], w) for i in (0, DEQUANT_ROWS)])
     torch.testing.assert_close(cpu_int_linear(rows, w), few, atol=1e-2 * few.abs().max().item(), rtol=0)
     assert w.dense_bytes == 2 * n * k
-    monkeypatch.setattr(cpu_kernels, "bf16_matmul_fast", lambda: False)  # an AVX2 CPU: no bf16 copy, no dequantizing
+    monkeypatch.setattr(cpu_setup, "native_bf16", lambda: False)  # an AVX2 CPU: no bf16 copy, no dequantizing
     assert w.dense_bytes == 0 and not w.dequantizable
     torch.testing.assert_close(cpu_int_linear(rows, w), few, atol=1e-2 * few.abs().max().item(), rtol=0)
 

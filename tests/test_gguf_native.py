@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from radixd import Engine, SamplingParams
-from radixd.core import cpu_kernels
+from radixd.core import cpu_kernels, cpu_setup
 from radixd.core import gguf as native
 from radixd.core.errors import ConfigError
 from radixd.core.quant.formats import IntLayout
@@ -227,7 +227,7 @@ def test_prefill_weight_copies_change_nothing_but_memory(tiny_gguf, tmp_path, is
     values, so the same logprobs bit for bit; "auto" keeps them while they are small."""
     from radixd.core.quant import cpu_int
 
-    monkeypatch.setattr(cpu_kernels, "bf16_matmul_fast", lambda: True)  # (copies on any CPU; AVX2 takes none)
+    monkeypatch.setattr(cpu_setup, "native_bf16", lambda: True)  # (copies on any CPU; AVX2 takes none)
     prompt = PROMPT * 11  # 77 rows: a prefill GEMM on the dequantized weights
 
     async def run(mode: str):

@@ -307,7 +307,7 @@ def thread_stats() -> dict[str, int]:
 def reset() -> None:
     """Forget what was probed (the library, the CPU's extensions): the environment is read
     again at the next use (tests switching ``RADIXD_CPU_ISA`` or ``RADIXD_CPU_KERNELS``)."""
-    for fn in (library, vnni, bf16dp, int4pack_block, bf16_matmul_fast):
+    for fn in (library, vnni, bf16dp, int4pack_block):
         fn.cache_clear()
 
 
@@ -380,14 +380,6 @@ def int4pack_block() -> int:
     want = q.t().to(torch.bfloat16)
     return next((b for b in INT4PACK_BLOCKS
                  if torch.equal(_int4pack_to_bf16(packed, unit, n, k, group, b), want)), 0)
-
-
-@functools.cache
-def bf16_matmul_fast() -> bool:
-    """Whether torch multiplies bf16 matrices at speed on this CPU (AVX512 and newer): on an
-    AVX2-only CPU a bf16 GEMM took 21x a float32 one (300 x 576 by 576 x 1536: 420 vs 20 ms),
-    where torch's int4 kernel took 13 ms."""
-    return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
 
 
 def int4pack_readable() -> bool:
