@@ -63,8 +63,9 @@ def make_backend(name: str, pool: KVPool, *, num_heads: int, head_dim: int, scal
     item (``ForwardBatch.shared``; the ``triton`` backend; ``torch`` attends per request;
     not with windows). ``fuse_one_row``: one-request decode steps project, rotate and store
     K/V in one kernel (``triton``). ``dense_prefill``: long extends attend in cuDNN's fused
-    kernels (``triton``; ``triton_backend``'s docstring says when). ``windows``: each layer's sliding window (0: none; empty:
-    no layer has one); ``softcap``: the score soft-cap (0: none)."""
+    kernels (``triton``; ``triton_backend``'s docstring says when). ``windows``: each layer's
+    sliding window (0: none; empty: no layer has one); ``softcap``: the score soft-cap (0:
+    none)."""
     if name == "torch":
         from radixd.core.attention.torch_backend import TorchAttention
 
