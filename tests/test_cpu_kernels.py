@@ -20,11 +20,11 @@ import torch
 from radixd.core import cpu_kernels, cpu_setup
 from radixd.core.quant.cpu_int import (
     DEQUANT_ROWS,
-    VNNI_GEMM_ROWS,
+    GEMM_ROWS,
     CpuIntWeight,
     cpu_int_linear,
     pack_cpu,
-    pack_vnni,
+    pack_records,
     rows,
 )
 from radixd.core.quant.ops import pack_int4
@@ -49,6 +49,20 @@ def no_amx(monkeypatch):
     monkeypatch.setenv(cpu_kernels.ISA_ENV, "vnni")
     cpu_kernels.reset()
     assert not cpu_kernels.amx()
+    yield
+    monkeypatch.undo()
+    cpu_kernels.reset()
+
+
+@pytest.fixture
+def avx2(monkeypatch):
+    """The AVX2 kernels (``RADIXD_CPU_ISA=avx2``: what a CPU with AVX2, FMA and F16C but no
+    AVX512 runs), on any CPU that has them."""
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx2")
+    cpu_kernels.reset()
+    if not cpu_kernels.avx2():
+        pytest.skip("this CPU has no AVX2 / FMA / F16C")
+    assert not cpu_kernels.vnni() and not cpu_kernels.bf16dp() and not cpu_kernels.amx() and cpu_kernels.records()
     yield
     monkeypatch.undo()
     cpu_kernels.reset()
@@ -311,7 +325,7 @@ def random_q(bits: int, n: int, k: int, g: torch.Generator):
 def test_vnni_matmul_matches_a_float_reference(bits, n, k, act_planes, int_isa):
     g = torch.Generator().manual_seed(bits * n + k)
     q, d, m, w = random_q(bits, n, k, g)
-    rec = pack_vnni(q, d, m)
+    rec = pack_records(q, d, m)
     assert rec.shape == ((n + 15) // 16, k // 32, 320 if bits == 4 else 544)
     for rows_ in (*range(1, 17), 20):  # (the kernel takes rows 8 at a time)
         x = torch.randn(rows_, k, generator=g)
@@ -342,6 +356,35 @@ def test_vnni_matmul_matches_a_float_reference(bits, n, k, act_planes, int_isa):
         cpu_kernels.qmm(torch.randn(2, k + 32), rec, bits, n, k)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("n", "k"), [(37, 64), (301, 576)])
+def test_avx2_matmul_matches_the_float_product(bits, n, k, avx2):
+    """The FMA kernel multiplies the dequantized weight in float32: within float32's rounding
+    of the float product at every row count (up to 6 rows a block's panel at a time, more the
+    whole column group's; rows 6 at a time), odd column counts, both dtypes, SiLU(gate) * up."""
+    g = torch.Generator().manual_seed(bits * n + k)
+    q, d, m, w = random_q(bits, n, k, g)
+    rec = pack_records(q, d, m)
+    for rows_ in (*range(1, 14), 20, 70):
+        x = torch.randn(rows_, k, generator=g)
+        want = x.double() @ w.double().t()
+        scale = want.abs().max().item()
+        got = cpu_kernels.qmm(x, rec, bits, n, k)
+        assert got.shape == (rows_, n) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, atol=1e-5 * scale, rtol=0)
+        got16 = cpu_kernels.qmm(x.to(torch.bfloat16), rec, bits, n, k)  # bf16 in and out
+        want16 = x.to(torch.bfloat16).double() @ w.double().t()
+        assert got16.dtype == torch.bfloat16
+        torch.testing.assert_close(got16.double(), want16, atol=2**-8 * scale, rtol=0)
+    gate_up = torch.randn(9, 2 * k, generator=g)
+    h = torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]
+    want = h.double() @ w.double().t()
+    torch.testing.assert_close(cpu_kernels.qmm(gate_up, rec, bits, n, k, silu=True).double(), want,
+                               atol=1e-5 * want.abs().max().item(), rtol=0)
+    with pytest.raises(ValueError, match="columns"):
+        cpu_kernels.qmm(torch.randn(2, k + 32), rec, bits, n, k)
+
+
 @needs_amx
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(("n", "k"), [(301, 576), (48, 64)])
@@ -354,7 +397,7 @@ def test_amx_matmul_equals_the_vnni_kernel_bit_for_bit(bits, n, k, act_planes):
     lib = cpu_kernels.library()
     g = torch.Generator().manual_seed(bits + n)
     q, d, m, _ = random_q(bits, n, k, g)
-    rec = pack_vnni(q, d, m)
+    rec = pack_records(q, d, m)
     before = cpu_kernels.thread_stats()["amx_units"]
     try:
         for rows_ in (*range(1, 12), 16, 17, 23):
@@ -376,7 +419,7 @@ def test_amx_is_chosen_at_run_time():
     """``amx`` holds only where the CPU has AMX-INT8 (and VNNI), and ``RADIXD_CPU_ISA`` keeps it out."""
     lib = cpu_kernels.library()
     assert cpu_kernels.amx() == bool(lib is not None and cpu_kernels.vnni() and lib.amx_supported())
-    for isa in ("vnni", "baseline"):
+    for isa in ("vnni", "avx2", "baseline"):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv(cpu_kernels.ISA_ENV, isa)
             cpu_kernels.reset()
@@ -394,10 +437,10 @@ def test_packed_linear_takes_vnni_and_its_rows_and_many_rows_agree(bits, group, 
     wf = torch.randn(n, k, generator=g)
     qw, s, z = quantize_int(wf, bits, group, symmetric)
     w = pack_cpu(qw, s, z, bits, group)
-    assert w.kind == "vnni" and w.q.dtype == torch.uint8
+    assert w.kind == "records" and w.q.dtype == torch.uint8
     dense = dequantize_int(qw, s, z, bits, group)
-    x = torch.randn(VNNI_GEMM_ROWS + 3, k, generator=g).to(torch.bfloat16)
-    few = torch.cat([cpu_int_linear(x[i : i + VNNI_GEMM_ROWS], w) for i in range(0, x.shape[0], VNNI_GEMM_ROWS)])
+    x = torch.randn(GEMM_ROWS + 3, k, generator=g).to(torch.bfloat16)
+    few = torch.cat([cpu_int_linear(x[i : i + GEMM_ROWS], w) for i in range(0, x.shape[0], GEMM_ROWS)])
     many = cpu_int_linear(x, w)  # int4: dequantized + bf16 GEMM; int8: the kernel
     scale = (x.float() @ dense.t()).abs().max().item()
     torch.testing.assert_close(few.float(), q8_reference(x) @ dense.t(), atol=2**-7 * scale, rtol=0)
@@ -426,12 +469,24 @@ def test_scales_fp16_cannot_hold_keep_torchs_packing():
     q = torch.randint(0, 16, (32, 64), dtype=torch.uint8)
     tiny = torch.full((32, 2), 1e-6)  # below fp16's normal range
     assert pack_cpu(pack_int4(q), tiny, torch.full_like(tiny, 8.0), 4, 32).kind == "torch"
-    assert pack_cpu(pack_int4(q), tiny * 1e4, torch.full_like(tiny, 8.0), 4, 32).kind == "vnni"
+    assert pack_cpu(pack_int4(q), tiny * 1e4, torch.full_like(tiny, 8.0), 4, 32).kind == "records"
 
 
-def _tiny_int_llama(rows: int):
-    """A random 2-layer Llama (head_dim 32) with int4 projections packed for the CPU, a bf16
-    pool and a decode step of ``rows`` requests (cpu_decode's contract)."""
+@pytest.fixture(params=["bf16", "f32"])
+def fused_dtype(request):
+    """The fused decode step's two kernels: bf16 (a CPU with AVX512-VNNI and AVX512-BF16) and
+    float32 (AVX2's, forced by ``RADIXD_CPU_ISA=avx2`` on any CPU with AVX2)."""
+    if request.param == "bf16":
+        if not (cpu_kernels.vnni() and cpu_kernels.bf16dp()):
+            pytest.skip("this CPU has no AVX512-VNNI / AVX512-BF16")
+        return torch.bfloat16
+    request.getfixturevalue("avx2")
+    return torch.float32
+
+
+def _tiny_int_llama(rows: int, dtype: torch.dtype = torch.bfloat16):
+    """A random 2-layer Llama (head_dim 32) with int4 projections packed for the CPU, a pool
+    and a decode step of ``rows`` requests (cpu_decode's contract), in ``dtype``."""
     from benchmarks.cpu_decode import decode_batch
     from radixd.core.attention import make_backend
     from radixd.core.kv_pool import KVPool
@@ -448,24 +503,22 @@ def _tiny_int_llama(rows: int):
     model = LlamaForCausalLM(cfg)
     for p in model.parameters():
         p.data.normal_(0, 0.2)
-    model = model.to(torch.bfloat16)
+    model = model.to(dtype)
     model.rotary = model.make_rotary(cfg)  # (float32 tables, as the loader rebuilds them)
     quantize_projections(model, IntLayout(4, 32, symmetric=False))
     assert pack_cpu_projections(model) == 8
     ctx = 40
     pool = KVPool(num_layers=2, num_slots=rows * (ctx + 1) + 34, num_kv_heads=2, head_dim=32, max_rows=rows,
-                  max_context_len=ctx + 1, dtype=torch.bfloat16, device=torch.device("cpu"))
+                  max_context_len=ctx + 1, dtype=dtype, device=torch.device("cpu"))
     attn = make_backend("torch", pool, num_heads=4, head_dim=32, scale=32**-0.5)
     return model, pool, attn, decode_batch(pool, cfg, "shared", rows, ctx, 32, 0)
 
 
-@needs_vnni
-@pytest.mark.skipif(not cpu_kernels.bf16dp(), reason="this CPU has no AVX512-BF16")
 @pytest.mark.parametrize("rows", [1, 5, 19])
-def test_fused_decode_layers_equal_the_layer_loop(rows, monkeypatch):
+def test_fused_decode_layers_equal_the_layer_loop(rows, fused_dtype, monkeypatch):
     from radixd.core import cpu_decode
 
-    model, pool, attn, fb = _tiny_int_llama(rows)
+    model, pool, attn, fb = _tiny_int_llama(rows, fused_dtype)
     calls = []
     run = cpu_decode._run
     monkeypatch.setattr(cpu_decode, "_run", lambda *a: calls.append(1) or run(*a))
@@ -515,16 +568,14 @@ def _mixed_prefix_batch(pool, cfg, rows: int):
                         rows=ids, prefix_lens=ctx, extend_lens=[1] * rows, sample_indices=ids)
 
 
-@needs_vnni
-@pytest.mark.skipif(not cpu_kernels.bf16dp(), reason="this CPU has no AVX512-BF16")
 @pytest.mark.parametrize("rows", [2, 7, 13])
-def test_fused_decode_groups_requests_sharing_a_prefix_bit_for_bit(rows, monkeypatch):
-    """Requests whose rows share a prefix attend as members of one unit (at most four a
-    unit), at different lengths, beside requests alone: the same logits as the layer loop,
-    which attends to each request by itself."""
+def test_fused_decode_groups_requests_sharing_a_prefix_bit_for_bit(rows, fused_dtype, monkeypatch):
+    """Requests whose rows share a prefix attend as members of one unit (bf16: at most four a
+    unit; float32 attends per request and KV head), at different lengths, beside requests
+    alone: the same logits as the layer loop, which attends to each request by itself."""
     from radixd.core import cpu_decode
 
-    model, pool, attn, _ = _tiny_int_llama(rows)
+    model, pool, attn, _ = _tiny_int_llama(rows, fused_dtype)
     fb = _mixed_prefix_batch(pool, model.cfg, rows)
     got = {}
     for mode in ("off", "on"):
@@ -554,30 +605,36 @@ def test_fused_decode_declines_what_it_does_not_serve(baseline):
     assert cpu_decode.runner(model, attn, torch.zeros(2, 128, dtype=torch.bfloat16)) is None
 
 
-@needs_vnni
 @pytest.mark.parametrize("delay_us", [0, 300])
-def test_two_threads_give_one_threads_results(delay_us):
-    """The helper thread's units equal the caller's bit for bit, in the int matmuls and the
-    fused decode step; with the helper held up in every unit (as if preempted) the caller takes
-    its units back and the results are still the same."""
+def test_two_threads_give_one_threads_results(delay_us, fused_dtype):
+    """The helper thread's units equal the caller's bit for bit, in the int matmuls, decode
+    attention and the fused decode step; with the helper held up in every unit (as if
+    preempted) the caller takes its units back and the results are still the same."""
     from radixd.core import cpu_decode
 
     lib = cpu_kernels.library()
     g = torch.Generator().manual_seed(11)
     q, d, m, _ = random_q(4, 1000, 256, g)
-    rec = pack_vnni(q, d, m)
-    x = torch.randn(8, 256, generator=g).to(torch.bfloat16)
-    model, pool, attn, fb = _tiny_int_llama(6)
+    rec = pack_records(q, d, m)
+    x = torch.randn(8, 256, generator=g).to(fused_dtype)
+    model, pool, attn, fb = _tiny_int_llama(6, fused_dtype)
+    kv = torch.randn(2, 300, 2, 64, generator=g).to(fused_dtype)
+    qa = torch.randn(6, 8, 64, generator=g).to(fused_dtype)
+    slots = torch.randint(0, 300, (6, 90), generator=g)
+    lens = torch.tensor([1, 90, 45, 7, 64, 33])
 
     def run():
         with torch.inference_mode():
             attn.begin(fb)
             logits = model(fb.input_ids, fb.positions, attn, fb.logits_indices())
-        return cpu_kernels.qmm(x, rec, 4, 1000, 256), logits, cpu_kernels.qdequant_bf16(rec, 4, 1000, 256)
+        out = (cpu_kernels.qmm(x, rec, 4, 1000, 256), logits, cpu_kernels.decode(qa, kv[0], kv[1], slots, lens, 0.125))
+        if fused_dtype == torch.bfloat16:
+            out += (cpu_kernels.qdequant_bf16(rec, 4, 1000, 256),)
+        return out
 
     assert cpu_kernels.set_threads(1) == 1
     want = run()
-    assert cpu_decode.runner(model, attn, torch.zeros(6, 128, dtype=torch.bfloat16)) is not None
+    assert cpu_decode.runner(model, attn, torch.zeros(6, 128, dtype=fused_dtype)) is not None
     before = cpu_kernels.thread_stats()
     try:
         assert cpu_kernels.set_threads(2) == 2

@@ -84,27 +84,30 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                            \
 }
 
-#define CASE(ONE, GG, DD) case GG * 1000 + DD: ONE(qb, k, v, row, n, ob, Hkv, h, scale, scratch, GG, DD); break;
+#define CASE(ONE, GG, DD) case GG * 1000 + DD: ONE(qb, k, v, row, n, ob, Hkv, h, scale, scratch, GG, DD); return;
 
+/* NAME_head: one (request, KV head), qb / ob its G query heads, the kernel specialized for the
+ * usual (G, D); NAME: every request and KV head in turn. */
 #define DEFINE_DECODE(NAME, ONE, T)                                                              \
+static void NAME##_head(const T *qb, const T *k, const T *v, const int64_t *row, int64_t n,      \
+                        T *ob, int64_t Hkv, int64_t h, float scale, float *scratch, int64_t G,   \
+                        int64_t D) {                                                             \
+    switch (G * 1000 + D) {                                                                      \
+        CASE(ONE, 1, 64) CASE(ONE, 2, 64) CASE(ONE, 3, 64) CASE(ONE, 4, 64)                      \
+        CASE(ONE, 5, 64) CASE(ONE, 6, 64) CASE(ONE, 7, 64) CASE(ONE, 8, 64)                      \
+        CASE(ONE, 1, 128) CASE(ONE, 2, 128) CASE(ONE, 4, 128) CASE(ONE, 8, 128)                  \
+        default: ONE(qb, k, v, row, n, ob, Hkv, h, scale, scratch, G, D);                        \
+    }                                                                                            \
+}                                                                                                \
 int NAME(const T *q, const T *k, const T *v, const int64_t *slots, const int64_t *lens,          \
          T *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t L, float scale,          \
          float *scratch) {                                                                       \
     const int64_t G = Hq / Hkv;                                                                  \
     if (G > MAX_G || D > MAX_D || G * Hkv != Hq) return -1;                                      \
-    for (int64_t b = 0; b < B; b++) {                                                            \
-        for (int64_t h = 0; h < Hkv; h++) {                                                      \
-            const int64_t n = lens[b], *row = slots + b * L;                                     \
-            const T *qb = q + (b * Hq + h * G) * D;                                              \
-            T *ob = out + (b * Hq + h * G) * D;                                                  \
-            switch (G * 1000 + D) {                                                              \
-                CASE(ONE, 1, 64) CASE(ONE, 2, 64) CASE(ONE, 3, 64) CASE(ONE, 4, 64)              \
-                CASE(ONE, 5, 64) CASE(ONE, 6, 64) CASE(ONE, 7, 64) CASE(ONE, 8, 64)              \
-                CASE(ONE, 1, 128) CASE(ONE, 2, 128) CASE(ONE, 4, 128) CASE(ONE, 8, 128)          \
-                default: ONE(qb, k, v, row, n, ob, Hkv, h, scale, scratch, G, D);                \
-            }                                                                                    \
-        }                                                                                        \
-    }                                                                                            \
+    for (int64_t b = 0; b < B; b++)                                                              \
+        for (int64_t h = 0; h < Hkv; h++)                                                        \
+            NAME##_head(q + (b * Hq + h * G) * D, k, v, slots + b * L, lens[b],                  \
+                        out + (b * Hq + h * G) * D, Hkv, h, scale, scratch, G, D);               \
     return 0;                                                                                    \
 }
 
@@ -1454,6 +1457,71 @@ VNNI_TARGET void qdequant_bf16_t(int bits, const uint8_t *w, uint16_t *out, int6
     }
 }
 
+/* decode_bf16 / decode_f32 on both threads where the helper runs: one unit per (request, KV
+ * head), the step's queries, slots and lengths copied into the arena first (a late helper reads
+ * only those, its slots checked to lie in the pool), the helper's results through the shadow. */
+typedef struct {
+    const void *q, *k, *v;
+    const int64_t *slots, *lens;
+    void *out, *shadow;
+    float *scratch, *hscratch;
+    int64_t Hq, Hkv, D, L, S, e;
+    float scale;
+} dec_ctx;
+
+static void dec_unit(const void *p, int64_t u, int helper) {
+    const dec_ctx *c = p;
+    const int64_t b = u / c->Hkv, h = u % c->Hkv, G = c->Hq / c->Hkv;
+    const int64_t n = __atomic_load_n(&c->lens[b], __ATOMIC_RELAXED);
+    const int64_t *row = c->slots + b * c->L;
+    if (helper) {
+        if (n < 1 || n > c->L) return;
+        int64_t *mine = (int64_t *)(c->hscratch + G * c->L);
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t s = __atomic_load_n(&row[j], __ATOMIC_RELAXED);
+            if ((uint64_t)s >= (uint64_t)c->S) return;
+            mine[j] = s;
+        }
+        row = mine;
+    }
+    const int64_t off = (b * c->Hq + h * G) * c->D;
+    float *scratch = helper ? c->hscratch : c->scratch;
+    if (c->e == 2)
+        decode_bf16_head((const uint16_t *)c->q + off, c->k, c->v, row, n, (uint16_t *)(helper ? c->shadow : c->out) + off,
+                         c->Hkv, h, c->scale, scratch, G, c->D);
+    else
+        decode_f32_head((const float *)c->q + off, c->k, c->v, row, n, (float *)(helper ? c->shadow : c->out) + off,
+                        c->Hkv, h, c->scale, scratch, G, c->D);
+}
+
+static void dec_copy(const void *p, int64_t u) {
+    const dec_ctx *c = p;
+    const int64_t b = u / c->Hkv, h = u % c->Hkv, G = c->Hq / c->Hkv, off = ((b * c->Hq + h * G) * c->D) * c->e;
+    memcpy((char *)c->out + off, (char *)c->shadow + off, G * c->D * c->e);
+}
+
+/* decode_bf16 (bf16 1) or decode_f32's contract, plus S (the pool's slots): on both threads
+ * where the helper runs, else as they are. */
+int decode_mt(int bf16, const void *q, const void *k, const void *v, const int64_t *slots, const int64_t *lens,
+              void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t L, float scale, float *scratch,
+              int64_t S) {
+    const int64_t G = Hq / Hkv, e = bf16 ? 2 : 4;
+    if (G > MAX_G || D > MAX_D || G * Hkv != Hq) return -1;
+    const size_t qbytes = (B * Hq * D * e + 63) / 64 * 64, sbytes = (B * L + B) * sizeof(int64_t);
+    if (B * Hkv < 2 || B * Hkv > MAX_UNITS || !pool_begin(qbytes + sbytes, B * Hq * D * e, G * L * (sizeof(float) + sizeof(int64_t))))
+        return bf16 ? decode_bf16(q, k, v, slots, lens, out, B, Hq, Hkv, D, L, scale, scratch)
+                    : decode_f32(q, k, v, slots, lens, out, B, Hq, Hkv, D, L, scale, scratch);
+    char *qc = P.arena;
+    int64_t *sc = (int64_t *)(P.arena + qbytes);
+    memcpy(qc, q, B * Hq * D * e);
+    memcpy(sc, slots, B * L * sizeof(int64_t));
+    memcpy(sc + B * L, lens, B * sizeof(int64_t));
+    dec_ctx c = {qc, k, v, sc, sc + B * L, out, P.shadow, scratch, (float *)P.hscratch, Hq, Hkv, D, L, S, e, scale};
+    parallel_for(dec_unit, dec_copy, &c, sizeof c, B * Hkv);
+    pool_end();
+    return 0;
+}
+
 /* ---- A decode step's decoder layers in one call (Llama's block: pre-norms, fused q/k/v and
  * gate/up projections, neox rotary, SiLU), every kernel as the layer-by-layer path calls it
  * (the same functions, the same bf16 roundings between them: bit for bit its result). */
@@ -1499,6 +1567,231 @@ VNNI_TARGET int qmm_vnni(int bits, const void *x, int x_bf16, int64_t ldx, int a
     qmm_par(bits, &a, w, y, y_bf16, ldy, M, N, K, par ? P.shadow : NULL);
     if (par) pool_end();
     else free(mem);
+    return 0;
+}
+
+/* ---- The same records on a CPU with AVX2, FMA and F16C but no AVX512-VNNI: float32
+ * activations (not quantized), each weight dequantized once per call into a float panel,
+ * multiplied in a 6-row x 16-column FMA kernel (12 accumulators in registers).
+ *
+ * A column group's panel holds its 16 columns' weights w = d * q + m (q4) or d * (u - 128)
+ * (q8), input-major: pan[i * 16 + l] = W[16c + l, i]. Up to FMA_ROWS rows it is one block of
+ * 32 inputs at a time (2 KiB, in L1) and the accumulators run over every block; for more rows
+ * (a prefill) the group's whole panel (K * 64 bytes, in L2) is made once and each chunk of 6
+ * rows reads it. Each weight is read from memory once per call; the sums are float32 fused
+ * multiply-adds, in input order within a row. On an AVX2 CPU (a 2-core AMD EPYC) this served
+ * a decode step of 8 requests' int matmuls (the default model) in place of torch's int4
+ * kernel on bf16 activations (see cpu_int). */
+
+#define FMA_TARGET __attribute__((target("avx2,fma,f16c")))
+#define FMA_ROWS 6   /* rows per pass of the kernel (2 x 6 accumulators) */
+
+/* 1 where this CPU runs the AVX2 kernels. */
+int avx2_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+/* Block b's 32 x 16 weights of one column group (its record) into pan [32][16] floats. */
+FMA_TARGET static inline void fma_panel(int bits, const uint8_t *rec, float *pan) {
+    if (bits == 4) {
+        const __m256i low = _mm256_set1_epi32(0x0F);
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
+            for (int j = 0; j < 4; j++) {
+                /* lane l: column 8h + l; byte t: input 8j + t (low nibble), 8j + 4 + t (high) */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h));
+                for (int t = 0; t < 4; t++) {
+                    const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(v, 8 * t), low);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(v, 8 * t + 4), low);
+                    _mm256_store_ps(pan + (8 * j + t) * 16 + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), d, m));
+                    _mm256_store_ps(pan + (8 * j + 4 + t) * 16 + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), d, m));
+                }
+            }
+        }
+    } else {
+        const __m256i low = _mm256_set1_epi32(0xFF);
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + 16 * h)));
+            const __m256 m = _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
+            for (int j = 0; j < 8; j++) {
+                /* lane l: column 8h + l; byte t: input 4j + t, stored + 128 */
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h));
+                for (int t = 0; t < 4; t++) {
+                    const __m256i u = _mm256_and_si256(_mm256_srli_epi32(v, 8 * t), low);
+                    _mm256_store_ps(pan + (4 * j + t) * 16 + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(u), d, m));
+                }
+            }
+        }
+    }
+}
+
+/* acc[2r], acc[2r + 1] += x[r][0 .. n) @ pan[0 .. n) (16 columns), R rows ldx apart (the
+ * accumulators in named registers through the loop: an array of them was kept on the stack). */
+#define FMA_ROW(r) if (R > r) {                                                                   \
+        const __m256 xb = _mm256_broadcast_ss(x + r * ldx + i);                                    \
+        a##r##0 = _mm256_fmadd_ps(xb, w0, a##r##0);                                                \
+        a##r##1 = _mm256_fmadd_ps(xb, w1, a##r##1);                                                \
+    }
+FMA_TARGET static inline __attribute__((always_inline)) void fma_tile(const float *pan, const float *x, int64_t ldx,
+                                                                      int64_t n, const int R, __m256 *acc) {
+    __m256 a00 = acc[0], a01 = acc[1], a10 = acc[2 % (2 * R)], a11 = acc[3 % (2 * R)], a20 = acc[4 % (2 * R)],
+           a21 = acc[5 % (2 * R)], a30 = acc[6 % (2 * R)], a31 = acc[7 % (2 * R)], a40 = acc[8 % (2 * R)],
+           a41 = acc[9 % (2 * R)], a50 = acc[10 % (2 * R)], a51 = acc[11 % (2 * R)];
+    for (int64_t i = 0; i < n; i++) {
+        const __m256 w0 = _mm256_load_ps(pan + 16 * i), w1 = _mm256_load_ps(pan + 16 * i + 8);
+        FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3) FMA_ROW(4) FMA_ROW(5)
+    }
+    acc[0] = a00; acc[1] = a01;
+    if (R > 1) { acc[2] = a10; acc[3] = a11; }
+    if (R > 2) { acc[4] = a20; acc[5] = a21; }
+    if (R > 3) { acc[6] = a30; acc[7] = a31; }
+    if (R > 4) { acc[8] = a40; acc[9] = a41; }
+    if (R > 5) { acc[10] = a50; acc[11] = a51; }
+}
+
+/* Rows r0 .. r0 + R - 1's 16 (or the last N - n0) outputs from the accumulators. */
+FMA_TARGET static inline __attribute__((always_inline)) void fma_store(const __m256 *acc, int R, void *y, int y_bf16, int64_t ldy, int64_t n0, int64_t N) {
+    const int64_t cols = N - n0 < 16 ? N - n0 : 16;
+    for (int r = 0; r < R; r++) {
+        float v[16];
+        _mm256_storeu_ps(v, acc[2 * r]);
+        _mm256_storeu_ps(v + 8, acc[2 * r + 1]);
+        if (y_bf16) {
+            uint16_t *o = (uint16_t *)y + r * ldy + n0;
+            for (int64_t l = 0; l < cols; l++) o[l] = f32_to_bf16(v[l]);
+        } else {
+            memcpy((float *)y + r * ldy + n0, v, cols * sizeof(float));
+        }
+    }
+}
+
+#define FMA_CASE(R) case R: {                                                                       \
+    __m256 acc[2 * R];                                                                             \
+    for (int i = 0; i < 2 * R; i++) acc[i] = _mm256_setzero_ps();                                  \
+    if (whole) fma_tile(pan, xr, K, K, R, acc);                                                    \
+    else for (int64_t b = 0; b < B; b++) {                                                         \
+        fma_panel(bits, wc + b * rec_bytes, pan);                                                  \
+        fma_tile(pan, xr + 32 * b, K, 32, R, acc);                                                 \
+    }                                                                                              \
+    fma_store(acc, R, (char *)y + r0 * ldy * (y_bf16 ? 2 : 4), y_bf16, ldy, n0, N);               \
+    break; }
+
+/* y [M, N] (columns of groups c0 .. c1 - 1) = x [M, K] (float32, rows K apart) @ W.T; pan a
+ * float scratch of K * 16 (whole panels: M > FMA_ROWS) or 32 * 16, 32-byte aligned. */
+FMA_TARGET static void fma_range(int bits, const uint8_t *w, const float *x, int64_t M, int64_t N, int64_t K, void *y,
+                                 int y_bf16, int64_t ldy, int64_t c0, int64_t c1, float *pan) {
+    const int64_t B = K / 32, rec_bytes = bits == 4 ? Q4_REC : Q8_REC;
+    const int whole = M > FMA_ROWS;
+    for (int64_t c = c0; c < c1; c++) {
+        const uint8_t *wc = w + c * B * rec_bytes;
+        const int64_t n0 = c * 16;
+        if (whole)
+            for (int64_t b = 0; b < B; b++) fma_panel(bits, wc + b * rec_bytes, pan + b * 32 * 16);
+        for (int64_t r0 = 0; r0 < M; r0 += FMA_ROWS) {
+            const float *xr = x + r0 * K;
+            switch (M - r0 < FMA_ROWS ? M - r0 : FMA_ROWS) {
+                FMA_CASE(1) FMA_CASE(2) FMA_CASE(3) FMA_CASE(4) FMA_CASE(5) FMA_CASE(6)
+            }
+        }
+    }
+}
+
+/* A thread's panel scratch (grown, never freed: a late helper's unit may still use its own). */
+static float *fma_scratch(int64_t floats) {
+    static __thread float *buf;
+    static __thread int64_t have;
+    if (floats > have) {
+        float *b = aligned_alloc(64, (size_t)(floats * sizeof(float) + 63) / 64 * 64);
+        if (!b) return NULL;
+        buf = b;
+        have = floats;
+    }
+    return buf;
+}
+
+typedef struct {
+    const uint8_t *w;
+    const float *x;
+    void *y, *shadow;
+    float *hpan;                                 /* the helper's panel scratch */
+    int64_t M, N, K, ldy, per, bits;
+    int y_bf16;
+} fma_ctx;
+
+FMA_TARGET static void fma_unit(const void *p, int64_t u, int helper) {
+    const fma_ctx *c = p;
+    const int64_t C = (c->N + 15) / 16, c0 = u * c->per, c1 = c0 + c->per < C ? c0 + c->per : C;
+    /* (the caller's panel was allocated before the step, the helper's is the pool's scratch) */
+    float *pan = helper ? c->hpan : fma_scratch(c->M > FMA_ROWS ? c->K * 16 : 32 * 16);
+    if (c0 >= c1) return;
+    fma_range((int)c->bits, c->w, c->x, c->M, c->N, c->K, helper ? c->shadow : c->y, c->y_bf16, c->ldy, c0, c1, pan);
+}
+
+static void fma_copy(const void *p, int64_t u) {
+    const fma_ctx *c = p;
+    const int64_t C = (c->N + 15) / 16, c0 = u * c->per, c1 = c0 + c->per < C ? c0 + c->per : C;
+    const int64_t n0 = c0 * 16, n1 = c1 * 16 < c->N ? c1 * 16 : c->N, e = c->y_bf16 ? 2 : 4;
+    for (int64_t m = 0; m < c->M; m++)
+        memcpy((char *)c->y + (m * c->ldy + n0) * e, (char *)c->shadow + (m * c->ldy + n0) * e, (n1 - n0) * e);
+}
+
+/* x [M, K] (float32 or bf16, rows ldx apart; act 1: [M, 2K] gate | up, taken as SiLU(gate) *
+ * up) as float32 rows K apart, into xf. */
+FMA_TARGET static void fma_rows_in(const void *x, int x_bf16, int64_t ldx, int act, int64_t M, int64_t K, float *xf) {
+    for (int64_t r = 0; r < M; r++) {
+        float *o = xf + r * K;
+        if (x_bf16) {
+            const uint16_t *xr = (const uint16_t *)x + r * ldx;
+            if (act) {
+                _Pragma("omp simd")
+                for (int64_t i = 0; i < K; i++) o[i] = silu_f(bf16_to_f32(xr[i])) * bf16_to_f32(xr[K + i]);
+            } else {
+                _Pragma("omp simd")
+                for (int64_t i = 0; i < K; i++) o[i] = bf16_to_f32(xr[i]);
+            }
+        } else {
+            const float *xr = (const float *)x + r * ldx;
+            if (act) {
+                _Pragma("omp simd")
+                for (int64_t i = 0; i < K; i++) o[i] = silu_f(xr[i]) * xr[K + i];
+            } else {
+                memcpy(o, xr, K * sizeof(float));
+            }
+        }
+    }
+}
+
+/* y = xf @ W.T (xf float32 rows K apart, in memory a late helper may still read): the column
+ * groups shared with the helper (results through shadow, its panel hpan) where shadow is
+ * given, else all on this thread. */
+FMA_TARGET static void fma_par(int bits, const uint8_t *w, const float *xf, void *y, int y_bf16, int64_t ldy, int64_t M,
+                               int64_t N, int64_t K, void *shadow, float *hpan) {
+    const int64_t C = (N + 15) / 16;
+    int64_t per = (C + 47) / 48;  /* units of 1-2 % of the work, at least 2 column groups each */
+    per = per < 2 ? 2 : per;
+    fma_ctx c = {w, xf, y, shadow, hpan, M, N, K, ldy, shadow ? per : C, bits, y_bf16};
+    if (shadow) parallel_for(fma_unit, fma_copy, &c, sizeof c, (C + per - 1) / per);
+    else fma_unit(&c, 0, 0);
+}
+
+/* qmm_vnni's contract on an AVX2 CPU (the caller checked avx2_supported()): x's rows are
+ * converted to float32 (act 1: SiLU(gate) * up) into the parallel step's arena, then the
+ * column groups are shared between the threads. Returns 0, -1 (shapes), -2 (no memory). */
+FMA_TARGET int qmm_fma(int bits, const void *x, int x_bf16, int64_t ldx, int act, const uint8_t *w, void *y,
+                       int y_bf16, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    if (M < 1 || K % 32 || (bits != 4 && bits != 8)) return -1;
+    const int64_t panel = M > FMA_ROWS ? K * 16 : 32 * 16;
+    if (!fma_scratch(panel)) return -2;
+    const size_t xbytes = M * K * sizeof(float), ybytes = M * ldy * (y_bf16 ? 2 : 4);
+    const int par = pool_begin(xbytes, ybytes, panel * sizeof(float));
+    float *xf = par ? (float *)P.arena : malloc(xbytes);
+    if (!xf) return -2;
+    fma_rows_in(x, x_bf16, ldx, act, M, K, xf);
+    fma_par(bits, w, xf, y, y_bf16, ldy, M, N, K, par ? P.shadow : NULL, (float *)P.hscratch);
+    if (par) pool_end();
+    else free(xf);
     return 0;
 }
 
@@ -1566,6 +1859,66 @@ VNNI_TARGET int decode_layers_bf16(const dmodel_t *m, const dlayer_t *ls, const 
         tmp = act_init(&a, actmem, M, I);
         quantize_act(gu, 1, 2 * I, 1, M, I, &a, tmp);
         qmm_par((int)L->down_bits, &a, L->down, out, 1, H, M, H, I, shadow);
+    }
+    if (par) pool_end();
+    else free(mem);
+    return 0;
+}
+
+/* decode_layers_bf16's step on an AVX2 CPU, in float32: the embeddings, the residual stream,
+ * the layers' norm weights (dlayer_t's norm_in / norm_post) and the pool's buffers are float32
+ * (the structures' bf16 pointers read as float), the projections q4 / q8 records multiplied by
+ * the FMA kernel, decode attention per (request, KV head) as decode_mt runs it: the same
+ * functions in the same order as the layer loop, its result bit for bit. The caller checked
+ * avx2_supported(). Returns as decode_layers_bf16. */
+FMA_TARGET int decode_layers_f32(const dmodel_t *m, const dlayer_t *ls, const dstep_t *st, float *x, float *out) {
+    const int64_t M = st->rows, H = m->hidden, I = m->inter, D = m->dim, Hq = m->hq, Hkv = m->hkv, W = st->width;
+    const int64_t Nqkv = (Hq + 2 * Hkv) * D, slot = Hkv * D, G = Hq / Hkv;
+    if (M < 1 || H % 32 || I % 32 || (Hq * D) % 32 || D % 2 || G * Hkv != Hq || G > MAX_G || D > MAX_D) return -1;
+    for (int64_t t = 0; t < M; t++) {
+        if (st->pos[t] < 0 || st->pos[t] >= m->max_pos) return -3;
+        if (st->lens[t] < 1 || st->lens[t] > W || st->loc[t] < 0 || st->loc[t] >= st->pool_slots) return -4;
+        for (int64_t j = 0; j < st->lens[t]; j++)
+            if (st->slots[t * W + j] < 0 || st->slots[t * W + j] >= st->pool_slots) return -4;
+    }
+    const int64_t kmax = max64(max64(H, I), Hq * D), nmax = max64(max64(Nqkv, 2 * I), max64(H, Hq * D));
+    const int64_t panel = M > FMA_ROWS ? kmax * 16 : 32 * 16;
+    const size_t fl = sizeof(float);
+    const size_t bytes = (M * H + M * Nqkv + 2 * M * Hq * D + M * H + M * 2 * I + M * I + G * W) * fl
+                         + M * (W + 1) * sizeof(int64_t) + 256;
+    const size_t hbytes = max64(panel * fl, G * W * fl + W * sizeof(int64_t) + 64);
+    if (!fma_scratch(panel)) return -2;
+    const int par = pool_begin(bytes, M * nmax * fl, hbytes);
+    char *mem = par ? P.arena : malloc(bytes);
+    if (!mem) return -2;
+    float *h = (float *)mem, *qkv = h + M * H, *q = qkv + M * Nqkv, *att = q + M * Hq * D, *o = att + M * Hq * D,
+          *gu = o + M * H, *act = gu + M * 2 * I, *scores = act + M * I;
+    int64_t *slots = (int64_t *)(((uintptr_t)(scores + G * W) + 63) / 64 * 64), *lens = slots + M * W;
+    memcpy(slots, st->slots, M * W * sizeof(int64_t));  /* (copies: a late helper reads them) */
+    memcpy(lens, st->lens, M * sizeof(int64_t));
+    void *shadow = par ? P.shadow : NULL;
+    float *hscratch = par ? (float *)P.hscratch : NULL;
+    dec_ctx ac = {q, NULL, NULL, slots, lens, att, shadow, scores, hscratch, Hq, Hkv, D, W, st->pool_slots, 4, m->scale};
+    for (int64_t l = 0; l < m->layers; l++) {
+        const dlayer_t *L = &ls[l];
+        float *k_buf = (float *)L->k_buf, *v_buf = (float *)L->v_buf;
+        if (l == 0) add_rmsnorm_f32(x, H, NULL, 0, (const float *)L->norm_in, h, H, M, H, L->eps_in);
+        else add_rmsnorm_f32(out, H, x, H, (const float *)L->norm_in, h, H, M, H, L->eps_in);
+        fma_par((int)L->qkv_bits, L->qkv, h, qkv, 0, Nqkv, M, Nqkv, H, shadow, hscratch);
+        rotary_f32(qkv, Nqkv, M, Hq, D, m->cos, m->sin, st->pos, q);
+        for (int64_t t = 0; t < M; t++) {  /* k rotated into its slot, v copied */
+            rotary_f32(qkv + t * Nqkv + Hq * D, Nqkv, 1, Hkv, D, m->cos, m->sin, st->pos + t, k_buf + st->loc[t] * slot);
+            memcpy(v_buf + st->loc[t] * slot, qkv + t * Nqkv + (Hq + Hkv) * D, slot * fl);
+        }
+        ac.k = k_buf;
+        ac.v = v_buf;
+        if (shadow && M * Hkv >= 2 && M * Hkv <= MAX_UNITS) parallel_for(dec_unit, dec_copy, &ac, sizeof ac, M * Hkv);
+        else for (int64_t u = 0; u < M * Hkv; u++) dec_unit(&ac, u, 0);
+        fma_par((int)L->o_bits, L->o, att, o, 0, H, M, H, Hq * D, shadow, hscratch);
+        add_rmsnorm_f32(o, H, x, H, (const float *)L->norm_post, h, H, M, H, L->eps_post);
+        fma_par((int)L->gate_up_bits, L->gate_up, h, gu, 0, 2 * I, M, 2 * I, H, shadow, hscratch);
+        fma_rows_in(gu, 0, 2 * I, 1, M, I, act);
+        fma_par((int)L->down_bits, L->down, act, out, 0, H, M, H, I, shadow, hscratch);
     }
     if (par) pool_end();
     else free(mem);

@@ -87,7 +87,7 @@ ISA_ENV = "RADIXD_CPU_ISA"  # "baseline": none of the kernels that need a CPU ex
 ACT_ENV = "RADIXD_CPU_ACT_BITS"  # "8": qmm's activations in one int8 plane (llama.cpp's); "16" (default): two
 _FUNCS = {torch.bfloat16: "decode_bf16", torch.float32: "decode_f32"}
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-_MAX_GROUP, _MAX_DIM = 16, 256  # (cpu_kernels.c: MAX_G, MAX_D)
+MAX_GROUP, MAX_DIM = 16, 256  # (cpu_kernels.c: MAX_G, MAX_D): query heads per KV head, head_dim
 _DP_MAX_HD = 8192  # (cpu_kernels.c: DP_MAX_HD) query heads x head_dim of decode_bf16_dp
 
 
@@ -144,6 +144,9 @@ def library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p]
+    lib.decode_mt.restype = ctypes.c_int
+    lib.decode_mt.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5
+                              + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64])
     for name in ("add_rmsnorm_bf16", "add_rmsnorm_f32"):
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
@@ -155,12 +158,13 @@ def library() -> ctypes.CDLL | None:
     lib.int8g_mm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     lib.int4pack_to_bf16_t.restype = None
     lib.int4pack_to_bf16_t.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
-    for name in ("vnni_supported", "bf16dp_supported"):
+    for name in ("vnni_supported", "bf16dp_supported", "avx2_supported"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = []
-    lib.qmm_vnni.restype = ctypes.c_int
-    lib.qmm_vnni.argtypes = ([ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
-                              ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 4)
+    for name in ("qmm_vnni", "qmm_fma"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = ([ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
+                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 4)
     lib.set_act_planes.restype = ctypes.c_int
     lib.set_act_planes.argtypes = [ctypes.c_int]
     lib.set_act_planes(act_planes())
@@ -168,15 +172,16 @@ def library() -> ctypes.CDLL | None:
     lib.amx_supported.argtypes = []
     lib.set_amx.argtypes = [ctypes.c_int]
     isa = os.environ.get(ISA_ENV, "").lower()
-    lib.set_amx(int(isa not in ("baseline", "vnni") and lib.vnni_supported() and lib.amx_supported()))
+    lib.set_amx(int(isa not in ("baseline", "avx2", "vnni") and lib.vnni_supported() and lib.amx_supported()))
     lib.set_threads.restype = ctypes.c_int
     lib.set_threads.argtypes = [ctypes.c_int]
     lib.set_helper_delay.restype = None
     lib.set_helper_delay.argtypes = [ctypes.c_int]
     lib.thread_stats.restype = None
     lib.thread_stats.argtypes = [ctypes.c_void_p]
-    lib.decode_layers_bf16.restype = ctypes.c_int
-    lib.decode_layers_bf16.argtypes = [ctypes.c_void_p] * 5
+    for name in ("decode_layers_bf16", "decode_layers_f32"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 5
     lib.silu_mul_bf16.restype = None
     lib.silu_mul_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     lib.qdequant_bf16_t.restype = None
@@ -196,7 +201,8 @@ def act_planes() -> int:
 
 def _extension(probe: str) -> bool:
     lib = library()
-    if lib is None or os.environ.get(ISA_ENV, "").lower() == "baseline":
+    isa = os.environ.get(ISA_ENV, "").lower()
+    if lib is None or isa == "baseline" or (isa == "avx2" and probe != "avx2_supported"):
         return False
     return bool(getattr(lib, probe)())
 
@@ -219,6 +225,19 @@ def amx() -> bool:
 
 
 @functools.cache
+def avx2() -> bool:
+    """Whether ``qmm`` runs its AVX2 kernel here (a CPU with AVX2, FMA and F16C, where
+    ``vnni()`` does not hold): float32 activations, the weights dequantized in the kernel."""
+    return not vnni() and _extension("avx2_supported")
+
+
+def records() -> bool:
+    """Whether int weights are packed into ``qmm``'s records (``cpu_int``): ``vnni()`` or
+    ``avx2()``."""
+    return vnni() or avx2()
+
+
+@functools.cache
 def bf16dp() -> bool:
     """Whether decode attention over a bf16 pool takes its AVX512-BF16 kernel (as ``vnni``)."""
     return _extension("bf16dp_supported")
@@ -235,7 +254,7 @@ def qmm(x: Tensor, w: Tensor, bits: int, n: int, k: int, *, silu: bool = False) 
         raise ValueError(f"qmm: x has {x.shape[1]} columns, the weight {k}{' (x2: SiLU)' * silu}")
     y = torch.empty((rows, n), dtype=x.dtype)
     bf16 = int(x.dtype == torch.bfloat16)
-    rc = lib.qmm_vnni(bits, x.data_ptr(), bf16, x.stride(0), int(silu), w.data_ptr(), y.data_ptr(), bf16, n, rows, n, k)
+    rc = (lib.qmm_vnni if vnni() else lib.qmm_fma)(bits, x.data_ptr(), bf16, x.stride(0), int(silu), w.data_ptr(), y.data_ptr(), bf16, n, rows, n, k)
     if rc == -1:
         raise ValueError(f"cpu_kernels.qmm: {rows} rows, K {k}, {bits} bits: wants rows >= 1, K a multiple of 32, 4 or 8 bits")
     if rc:
@@ -307,7 +326,7 @@ def thread_stats() -> dict[str, int]:
 def reset() -> None:
     """Forget what was probed (the library, the CPU's extensions): the environment is read
     again at the next use (tests switching ``RADIXD_CPU_ISA`` or ``RADIXD_CPU_KERNELS``)."""
-    for fn in (library, vnni, bf16dp, int4pack_block):
+    for fn in (library, vnni, avx2, bf16dp, int4pack_block):
         fn.cache_clear()
 
 
@@ -315,13 +334,13 @@ def takes(q_dtype: torch.dtype, k_buf: Tensor, num_heads: int) -> bool:
     """Whether ``decode`` serves queries of ``q_dtype`` over ``k_buf`` ([slots, Hkv, D])."""
     kv_heads, dim = k_buf.shape[1], k_buf.shape[2]
     return (k_buf.device.type == "cpu" and k_buf.dtype == q_dtype and q_dtype in _FUNCS and k_buf.is_contiguous()
-            and num_heads % kv_heads == 0 and num_heads // kv_heads <= _MAX_GROUP and dim <= _MAX_DIM
+            and num_heads % kv_heads == 0 and num_heads // kv_heads <= MAX_GROUP and dim <= MAX_DIM
             and library() is not None)
 
 
 def fused_attention_takes(heads: int, kv_heads: int, dim: int) -> bool:
     """Whether ``decode_bf16_dp`` (the AVX512-BF16 decode attention) takes these head shapes."""
-    return (heads % kv_heads == 0 and heads // kv_heads <= _MAX_GROUP and dim % 32 == 0 and dim <= _MAX_DIM
+    return (heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP and dim % 32 == 0 and dim <= MAX_DIM
             and heads * dim <= _DP_MAX_HD)
 
 
@@ -337,10 +356,12 @@ def decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, slots: Tensor, lens: Tensor,
     out = torch.empty_like(q)
     dp = q.dtype == torch.bfloat16 and fused_attention_takes(heads, kv_heads, dim) and bf16dp()
     scratch = torch.empty((heads if dp else heads // kv_heads) * width, dtype=torch.float32)
-    name = "decode_bf16_dp" if dp else _FUNCS[q.dtype]
-    rc = getattr(lib, name)(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), slots.data_ptr(),
-                                       lens.data_ptr(), out.data_ptr(), b, heads, kv_heads, dim, width, scale,
-                                       scratch.data_ptr())
+    args = (q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), slots.data_ptr(), lens.data_ptr(), out.data_ptr(), b,
+            heads, kv_heads, dim, width, scale, scratch.data_ptr())
+    if dp:
+        rc = lib.decode_bf16_dp(*args)
+    else:  # (on both threads where the kernels' helper runs)
+        rc = lib.decode_mt(int(q.dtype == torch.bfloat16), *args, k_buf.shape[0])
     if rc:
         raise ValueError(f"cpu_kernels.decode: shape out of range (heads {heads}, KV heads {kv_heads}, head_dim {dim})")
     return out

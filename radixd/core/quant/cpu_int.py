@@ -6,9 +6,15 @@ layout (``ops``' module docstring) into a ``CpuIntWeight`` once, at load; ``cpu_
 multiplies by it every step. ``None`` from ``pack_cpu``: a shape the kernels do not take (the
 reference path serves it). Two families, chosen at load by the CPU:
 
-* "vnni" (a CPU with AVX512-VNNI, checked at run time: ``cpu_kernels.vnni``): radixd's own
-  integer kernels (``cpu_kernels.qmm``), llama.cpp's way on x86. The weight is repacked into
-  records of 16 output columns by 32 input columns (``pack_vnni``): int4 as unsigned nibbles
+* "records" (a CPU with AVX512-VNNI or with AVX2, FMA and F16C, checked at run time:
+  ``cpu_kernels.records``): radixd's own kernels (``cpu_kernels.qmm``). With AVX512-VNNI they
+  are integer kernels, llama.cpp's way on x86 (below). With AVX2 only the activations stay
+  float32 and each weight is dequantized inside the kernel into a float panel for an FMA
+  kernel (``cpu_kernels.c``: ``qmm_fma``): float32 products of the dequantized weight, at any
+  row count (an AVX2 CPU multiplies bf16 slowly, so no bf16 GEMM and no prefill copies; on a
+  2-core AMD EPYC a 576 x 3072 int4 weight at 300 rows ran at 137 GFLOP/s, float32's GEMM
+  at 114). With VNNI the weight is repacked into
+  records of 16 output columns by 32 input columns (``pack_records``): int4 as unsigned nibbles
   with fp16 ``d`` and ``m`` (``w = d * q + m``: Q4_1 as shipped; canonical ``(q - z) * s`` is
   ``d = s``, ``m = -z * s``, a group of 64..256 repeated per block of 32), int8 as ``w / d +
   128`` bytes with fp16 ``d`` (Q8_0). The activations are quantized per row and block of 32
@@ -23,7 +29,8 @@ reference path serves it). Two families, chosen at load by the CPU:
   fp32, from "The capital of France is Paris." to "L'Étoile, ..."). Scales that fp16 does not
   hold (its subnormals, beyond 65504) keep the torch family. More than ``VNNI_GEMM_ROWS`` rows
   of an int4 weight (a prefill) dequantize it to bf16 (``cpu_kernels.qdequant_bf16``) for one
-  bf16 GEMM (AMX where the CPU has it); int8 weights take the kernel at any row count.
+  bf16 GEMM (AMX where the CPU has it) where the CPU multiplies bf16 natively
+  (``cpu_setup.native_bf16``); int8 weights take the kernel at any row count.
 * "torch" (every other CPU, or ``RADIXD_CPU_ISA=baseline``): torch's packed weight-only
   matmuls on bf16 activations.
 
@@ -44,8 +51,8 @@ reference path serves it). Two families, chosen at load by the CPU:
   zeros are bf16, the result is cast back to ``x``'s dtype.
 
 Contract: a ``CpuIntWeight`` is built once and never mutated; ``rows`` (embedding lookups of
-a tied int8 table) reads it too; a "vnni" weight is only ever multiplied where
-``cpu_kernels.vnni()`` held when it was packed (the process's CPU).
+a tied int8 table) reads it too; a "records" weight is only ever multiplied where
+``cpu_kernels.records()`` held when it was packed (the process's CPU).
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ from radixd.core import cpu_kernels, cpu_setup
 
 INT4_GROUPS = (32, 64, 128, 256)  # what the int4 kernel takes
 DEQUANT_ROWS = 16  # int4 matmuls of more rows dequantize and run a bf16 GEMM; int8 ones of as many take the C kernel
-VNNI_GEMM_ROWS = 64  # "vnni" int4 weights: more rows dequantize and run a bf16 GEMM (int8 ones: the kernel always)
+GEMM_ROWS = 64  # "records" int4 weights: more rows dequantize and run a bf16 GEMM where bf16 is native (else the kernel)
 # ... or more than this many where the weight has its bf16 copy (``dense``): the default
 # model's four projections of 30 layers took 8.7 / 33.8 / 63.8 ms in the int4 kernel at 8 /
 # 32 / 64 rows, 8.6 / 10.8 / 13.4 ms as bf16 GEMMs on the copies (two threads)
@@ -72,7 +79,7 @@ ACT = torch.bfloat16
 class CpuIntWeight:
     """A weight [N, K] packed for the CPU kernels. ``kind`` "torch": int4 ``q`` (torch's packed
     uint8) with ``scales`` [G, N, 2] (scale, zero); int8 ``q`` int8 [G, N, group] with
-    ``scales`` [G, N]. ``kind`` "vnni": ``q`` uint8 [ceil(N / 16), K / 32, record] (radixd's
+    ``scales`` [G, N]. ``kind`` "records": ``q`` uint8 [ceil(N / 16), K / 32, record] (radixd's
     q4 / q8 records, ``cpu_kernels.c``: nibbles or bytes with their fp16 scales inline),
     ``scales`` empty. ``dense``: an int4 weight's bf16 copy [K, N] (a view, as
     ``cpu_kernels.qdequant_bf16`` returns it) that prefill's GEMMs read in place of
@@ -96,8 +103,8 @@ class CpuIntWeight:
         """Bytes of a bf16 copy for prefill (``dense``), 0 where prefill takes no copy (int8)."""
         if self.bits != 4:
             return 0
-        if self.kind == "vnni":
-            return 2 * self.k * cpu_kernels.padded_ld(self.n)
+        if self.kind == "records":
+            return 2 * self.k * cpu_kernels.padded_ld(self.n) if _bf16_gemms() else 0
         return 2 * self.k * self.n if self.dequantizable else 0
 
     @property
@@ -112,7 +119,7 @@ class CpuIntWeight:
 
     def dequantized(self) -> Tensor:
         """The int4 weight in bf16, transposed: [K, N] (a fresh tensor)."""
-        if self.kind == "vnni":
+        if self.kind == "records":
             return cpu_kernels.qdequant_bf16(self.q, self.bits, self.n, self.k)
         return cpu_kernels.int4pack_to_bf16(self.q, self.scales, self.n, self.k, self.group_size)
 
@@ -128,8 +135,8 @@ def pack_cpu(qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int, g
     if k % g or (bits == 4 and (n % 16 or g not in INT4_GROUPS)):
         return None
     s = scales.float()
-    if cpu_kernels.vnni():
-        packed = _pack_vnni_weight(qweight, s, None if zeros is None else zeros.float(), bits, g, n, k)
+    if cpu_kernels.records():
+        packed = _pack_records_weight(qweight, s, None if zeros is None else zeros.float(), bits, g, n, k)
         if packed is not None:
             return packed
     if bits == 4:
@@ -149,7 +156,7 @@ def _fp16_exact_enough(t: Tensor) -> bool:
     return bool(torch.isfinite(h).all() and ((h - t).abs() <= t.abs() * 2.0**-11).all())
 
 
-def pack_vnni(q: Tensor, d: Tensor, m: Tensor | None) -> Tensor:
+def pack_records(q: Tensor, d: Tensor, m: Tensor | None) -> Tensor:
     """Records of ``cpu_kernels.qmm`` from q uint8 [N, K] (int4: 0..15, w = d * q + m; int8:
     u = w / d + 128, ``m`` None) and per-block (32 columns) d, m float [N, K / 32]: uint8
     [ceil(N / 16), K / 32, 320 or 544], columns past N zero."""
@@ -172,7 +179,7 @@ def pack_vnni(q: Tensor, d: Tensor, m: Tensor | None) -> Tensor:
     return torch.cat((qs, half(d)), -1).contiguous()
 
 
-def _pack_vnni_weight(qweight: Tensor, s: Tensor, z: Tensor | None, bits: int, g: int, n: int, k: int
+def _pack_records_weight(qweight: Tensor, s: Tensor, z: Tensor | None, bits: int, g: int, n: int, k: int
                       ) -> CpuIntWeight | None:
     from radixd.core.quant.ops import unpack_int4
 
@@ -183,21 +190,28 @@ def _pack_vnni_weight(qweight: Tensor, s: Tensor, z: Tensor | None, bits: int, g
         m = (-(z if z is not None else torch.full_like(s, 8.0)) * s).repeat_interleave(g // 32, 1)
         if not (_fp16_exact_enough(d) and _fp16_exact_enough(m)):
             return None
-        return CpuIntWeight(4, n, k, g, pack_vnni(unpack_int4(qweight), d, m), torch.empty(0), "vnni")
+        return CpuIntWeight(4, n, k, g, pack_records(unpack_int4(qweight), d, m), torch.empty(0), "records")
     if z is not None or not _fp16_exact_enough(d):
         return None
-    return CpuIntWeight(8, n, k, g, pack_vnni(qweight.view(torch.uint8), d, None), torch.empty(0), "vnni")
+    return CpuIntWeight(8, n, k, g, pack_records(qweight.view(torch.uint8), d, None), torch.empty(0), "records")
+
+
+def _bf16_gemms() -> bool:
+    """Whether "records" int4 weights of many rows (and their prefill copies) are dequantized
+    for bf16 GEMMs: where the CPU multiplies bf16 natively and the dequantization kernel (VNNI
+    code) runs; with AVX2 only the FMA kernel takes every row count."""
+    return cpu_kernels.vnni() and cpu_setup.native_bf16()
 
 
 def cpu_int_linear(x: Tensor, w: CpuIntWeight, bias: Tensor | None = None) -> Tensor:
-    """``x @ W.T + bias`` for x [M, K] (any float dtype; computed in bf16 or, for a "vnni"
-    weight, in int8 x int8 / int4 dot products; returned in x's dtype). No rows (a prefill
+    """``x @ W.T + bias`` for x [M, K] (any float dtype; computed in bf16 or, for a "records"
+    weight, in radixd's kernels; returned in x's dtype). No rows (a prefill
     chunk that computes no logits): no kernel call."""
     if x.shape[0] == 0:
         y = x.new_empty((0, w.n))
         return y if bias is None else y + bias
-    if w.kind == "vnni":
-        y = vnni_linear(x, w)
+    if w.kind == "records":
+        y = records_linear(x, w)
         return y if bias is None else y + bias
     xa = x.to(ACT).contiguous()
     if w.bits == 4 and xa.shape[0] > DEQUANT_ROWS and w.dense is not None:
@@ -221,12 +235,13 @@ def cpu_int_linear(x: Tensor, w: CpuIntWeight, bias: Tensor | None = None) -> Te
     return y if bias is None else y + bias
 
 
-def vnni_linear(x: Tensor, w: CpuIntWeight, silu: bool = False) -> Tensor:
-    """``x @ W.T`` for a "vnni" weight (``silu``: of SiLU(gate) * up, x [M, 2K] gate | up)."""
+def records_linear(x: Tensor, w: CpuIntWeight, silu: bool = False) -> Tensor:
+    """``x @ W.T`` for a "records" weight (``silu``: of SiLU(gate) * up, x [M, 2K] gate | up)."""
     if x.shape[0] == 0:
         return x.new_empty((0, w.n))
     xa = x if x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1 else x.float().contiguous()
-    if w.bits == 4 and xa.shape[0] > (VNNI_GEMM_ROWS if w.dense is None else COPY_GEMM_ROWS):
+    gemm = w.dense is not None or (_bf16_gemms() and xa.shape[0] > GEMM_ROWS)
+    if w.bits == 4 and gemm and xa.shape[0] > COPY_GEMM_ROWS:
         # many rows (a prefill): one bf16 GEMM on the weight dequantized (or its copy)
         if silu:
             xa = cpu_kernels.silu_mul(xa.to(ACT))
@@ -242,7 +257,7 @@ def rows(w: CpuIntWeight, ids: Tensor, dtype: torch.dtype) -> Tensor:
     if w.bits != 8:
         raise ValueError("rows: only int8 weights keep their rows readable (int4 is in the kernel's tile order)")
     flat = ids.reshape(-1)
-    if w.kind == "vnni":  # row n: lane n % 16 of record group n // 16, in every block
+    if w.kind == "records":  # row n: lane n % 16 of record group n // 16, in every block
         blocks, rec = w.q.shape[1], w.q.shape[2]
         lane = flat % 16
         start = (flat // 16 * blocks)[:, None] * rec + torch.arange(blocks) * rec  # [T, B]: the records

@@ -33,8 +33,8 @@ from radixd.core.quant.cpu_int import (
     CpuIntWeight,
     cpu_int_linear,
     pack_cpu,
+    records_linear,
     rows,
-    vnni_linear,
     with_prefill_copies,
 )
 from radixd.core.quant.formats import Fp8Layout, IntLayout, Layout, QuantFormatError
@@ -100,12 +100,12 @@ class QuantLinear(nn.Module):
 
     def forward_of_silu(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """This projection of SiLU(gate) * up, the product formed as the CPU kernel quantizes
-        its input (``cpu_kernels.qmm``); None where that path does not apply (not a "vnni"
+        its input (``cpu_kernels.qmm``); None where that path does not apply (not a "records"
         CPU weight, a bias)."""
         flat = gate_up.reshape(-1, 2 * self.in_features)
-        if self.cpu is None or self.cpu.kind != "vnni" or self.bias is not None:
+        if self.cpu is None or self.cpu.kind != "records" or self.bias is not None:
             return None
-        return vnni_linear(flat, self.cpu, silu=True).view(*gate_up.shape[:-1], self.out_features)
+        return records_linear(flat, self.cpu, silu=True).view(*gate_up.shape[:-1], self.out_features)
 
     def forward_silu(self, x: torch.Tensor) -> torch.Tensor | None:
         """SiLU(gate) * up of this (gate | up) projection of one CUDA row in one GEMV kernel,
