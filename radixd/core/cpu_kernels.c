@@ -1651,6 +1651,51 @@ FMA_TARGET static inline __attribute__((always_inline)) void fma_tile(const floa
     if (R > 5) { acc[10] = a50; acc[11] = a51; }
 }
 
+/* Few rows (a decode step): R <= FMA_FEW rows times one half (8 columns) of a column group,
+ * every block, the weights dequantized in registers (no panel): per input one weight vector,
+ * R fused multiply-adds. a[r] is row r's sum over the 8 columns 8h .. 8h + 7. */
+#define FMA_FEW 8
+#define FEW_ROW(r) if (R > r) a##r = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + r * K + i), w, a##r);
+#define FEW_INPUT(WV, I) { const __m256 w = WV; const int64_t i = (I); FEW_ROW(0) FEW_ROW(1) FEW_ROW(2) FEW_ROW(3) \
+                           FEW_ROW(4) FEW_ROW(5) FEW_ROW(6) FEW_ROW(7) }
+FMA_TARGET static inline __attribute__((always_inline)) void fma_few(int bits, const uint8_t *wc, int64_t B, const float *x,
+                                                                     int64_t K, int h, const int R, __m256 *acc) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    if (bits == 4) {
+        const __m256i low = _mm256_set1_epi32(0x0F);
+        for (int64_t b = 0; b < B; b++) {
+            const uint8_t *rec = wc + b * Q4_REC;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
+            const float *xr = x + 32 * b;
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h));
+                for (int t = 0; t < 4; t++) {
+                    FEW_INPUT(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * t), low)), d, m),
+                              8 * j + t)
+                    FEW_INPUT(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * t + 4), low)), d, m),
+                              8 * j + 4 + t)
+                }
+            }
+        }
+    } else {
+        const __m256i low = _mm256_set1_epi32(0xFF);
+        for (int64_t b = 0; b < B; b++) {
+            const uint8_t *rec = wc + b * Q8_REC;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + 16 * h)));
+            const __m256 m = _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
+            const float *xr = x + 32 * b;
+            for (int j = 0; j < 8; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h));
+                for (int t = 0; t < 4; t++)
+                    FEW_INPUT(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * t), low)), d, m),
+                              4 * j + t)
+            }
+        }
+    }
+    acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3; acc[4] = a4; acc[5] = a5; acc[6] = a6; acc[7] = a7;
+}
+
 /* Rows r0 .. r0 + R - 1's 16 (or the last N - n0) outputs from the accumulators. */
 FMA_TARGET static inline __attribute__((always_inline)) void fma_store(const __m256 *acc, int R, void *y, int y_bf16, int64_t ldy, int64_t n0, int64_t N) {
     const int64_t cols = N - n0 < 16 ? N - n0 : 16;
@@ -1687,6 +1732,25 @@ FMA_TARGET static void fma_range(int bits, const uint8_t *w, const float *x, int
     for (int64_t c = c0; c < c1; c++) {
         const uint8_t *wc = w + c * B * rec_bytes;
         const int64_t n0 = c * 16;
+        if (M <= FMA_FEW) {
+            __m256 acc[2 * FMA_FEW];
+            __m256 half[FMA_FEW];
+            for (int h = 0; h < 2; h++) {
+                switch (M) {
+                    case 1: fma_few(bits, wc, B, x, K, h, 1, half); break;
+                    case 2: fma_few(bits, wc, B, x, K, h, 2, half); break;
+                    case 3: fma_few(bits, wc, B, x, K, h, 3, half); break;
+                    case 4: fma_few(bits, wc, B, x, K, h, 4, half); break;
+                    case 5: fma_few(bits, wc, B, x, K, h, 5, half); break;
+                    case 6: fma_few(bits, wc, B, x, K, h, 6, half); break;
+                    case 7: fma_few(bits, wc, B, x, K, h, 7, half); break;
+                    default: fma_few(bits, wc, B, x, K, h, 8, half); break;
+                }
+                for (int64_t r = 0; r < M; r++) acc[2 * r + h] = half[r];
+            }
+            fma_store(acc, (int)M, y, y_bf16, ldy, n0, N);
+            continue;
+        }
         if (whole)
             for (int64_t b = 0; b < B; b++) fma_panel(bits, wc + b * rec_bytes, pan + b * 32 * 16);
         for (int64_t r0 = 0; r0 < M; r0 += FMA_ROWS) {
