@@ -22,15 +22,23 @@ compiler on first use, kept in radixd's cache, called through ``ctypes``.
   0.65-0.7x its time at 8 and 16 rows (a decode step's matmuls). ``qdequant_bf16``: such a
   weight in bf16 for prefill's GEMMs. ``decode_layers_bf16``: a whole decode step's decoder
   layers in one call (``cpu_decode``).
+- ``qmm`` (AVX2, FMA and F16C without AVX512-VNNI, ``avx2``): the same records times float32
+  activations, the weights dequantized inside the kernel: up to 8 rows in registers (8 rows
+  by 8 columns a pass), more through a float panel of the column group (a 6 x 16 register
+  tile). On a 2-core AMD EPYC at 8 rows 100-116 GFLOP/s on the default model's shapes (torch's
+  int4 kernel on bf16 activations took twice as long), at 300 rows 127-139 (float32's GEMM
+  114-130). ``decode_layers_f32``: the fused decode step in float32 on these kernels.
+- ``decode`` runs on both threads where the helper runs (``decode_mt``: a unit per request
+  and KV head).
 - ``int8_matmul``: x @ W.T for a grouped int8 weight (Q8_0's blocks of 32), few rows: each
   weight read once for up to 8 rows, where torch's int8 kernel takes one group per call and
   adds the partial products up in memory (an LM head of 49k rows at 8 rows: 4x). (CPUs
-  without VNNI.)
+  without VNNI or AVX2.)
 - ``int4pack_to_bf16``: an int4 weight in torch's CPU packing, dequantized for a matmul of
   many rows (prefill), where a bf16 GEMM runs 2-3x faster than torch's int4 kernel; decode
   steps keep the int4 kernel, which reads a quarter of the bytes. ``int4pack_block``
   finds once which packing this torch writes (its AVX512 build's blocks of 64 rows or its AVX2
-  build's of 32). (CPUs without VNNI.)
+  build's of 32). (CPUs without VNNI or AVX2, or ``RADIXD_CPU_ISA=baseline``.)
 
 Threads (``set_threads``): with 2, a helper thread shares the units of ``qmm``, of the fused
 step's attention and of ``qdequant_bf16`` with the calling thread; a helper the OS preempted
@@ -83,7 +91,7 @@ _local = threading.local()  # per thread: qdequant_bf16's scratch
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp-simd", "-fPIC", "-pthread")  # compile only: see _build
 ENV = "RADIXD_CPU_KERNELS"
-ISA_ENV = "RADIXD_CPU_ISA"  # "baseline": none of the kernels that need a CPU extension; "vnni": all but AMX (tests force both)
+ISA_ENV = "RADIXD_CPU_ISA"  # "baseline": none of the kernels that need a CPU extension; "avx2": none of AVX512's; "vnni": all but AMX
 ACT_ENV = "RADIXD_CPU_ACT_BITS"  # "8": qmm's activations in one int8 plane (llama.cpp's); "16" (default): two
 _FUNCS = {torch.bfloat16: "decode_bf16", torch.float32: "decode_f32"}
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
