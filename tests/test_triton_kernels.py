@@ -575,6 +575,10 @@ def test_rope_store_kernel():
     untouched = torch.ones(50, dtype=torch.bool, device=DEV)
     untouched[loc] = False
     assert not kb[untouched].any() and not vb[untouched].any()
+    q_out = torch.full((T, H, D), float("nan"), device=DEV, dtype=dtype)  # (contiguous, poisoned)
+    q_kept = q.clone()
+    rope_store(q, k, v, pos, rot.cos, rot.sin, kb, vb, loc, q_out=q_out)
+    assert torch.equal(q_out, q_in) and torch.equal(q, q_kept)  # rotated into q_out, q left as it was
 
 
 def test_rope_store_applies_the_qk_norms():
