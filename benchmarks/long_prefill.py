@@ -53,6 +53,9 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=16384)
     ap.add_argument("--dense-prefill", action="store_true", help="the engine option: chunks in cuDNN's kernels")
     args = ap.parse_args()
+    from radixd.core.attention import dense_prefill
+
+    dense_prefill.enable_buckets()  # (before the first cuDNN attention: torch reads it then)
     ctx: dict = {}
     res = {"env": environment(), "ceilings": gpu_bench.ceilings(args, ctx),
            "engine": {"chunked_prefill_size": args.chunk, "max_prefill_tokens": args.budget,
