@@ -6,8 +6,12 @@ variable once: ``plain`` (unset) and ``bucketed`` (set). Each times the first ca
 BSHD layout (bucketed where the variable is set) and BHSD (exact shapes either way); the
 bucketed child also checks outputs and log-sum-exps against a float64 reference, and times
 ``DensePlans.warm_up`` for the engine's default limits and ``long_prefill``'s (start-up cost).
+``--host``: a third child (bucketed) times what one call costs the host, its launches queued
+behind a long sleep kernel (so that nothing waits for the device), and whether it waits for
+the device: a fused call with a bucketed and an exact-shape plan, the extend kernel, the
+rotary kernel.
 
-    python3 -m benchmarks.cudnn_buckets --out OUT
+    python3 -m benchmarks.cudnn_buckets --out OUT [--host]
 """
 
 from __future__ import annotations
@@ -81,6 +85,66 @@ def child(mode: str) -> dict:
     return out
 
 
+def host() -> dict:
+    """Host microseconds per call (the mean of 20, queued behind a 50 ms sleep kernel) and
+    whether a call waited for the sleep (it synchronized)."""
+    import torch
+
+    from radixd.core.attention import dense_prefill
+
+    dense_prefill.enable_buckets()
+    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 0.05)  # (clock_rate: kHz)
+    res = {}
+    for n, b in ((512, 1), (2048, 1), (2048, 8)):
+        res.update(host_case(n, b, cycles))
+    return res
+
+
+def host_case(n: int, b: int, cycles: int) -> dict:
+    import torch
+
+    from radixd.core.attention import dense_prefill
+    from radixd.core.attention.triton_kernels import extend_attention
+    from radixd.core.models.layers import Rotary
+    from radixd.core.triton_ops import rope_store
+
+    t = b * n
+    qkv = torch.randn(t, (H + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
+    strided = qkv[:, :H * D].view(t, H, D)
+    q = strided.contiguous()
+    kb = torch.randn(t + 1, HKV, D, device="cuda", dtype=torch.bfloat16)
+    vb = torch.randn_like(kb)
+    k, v = (dense_prefill.bshd(x[1:], b) for x in (kb, vb))
+    table = torch.arange(1, t + 1, device="cuda").view(b, n)
+    i64 = dict(dtype=torch.int64, device="cuda")
+    rows, prefix, lens, starts = torch.arange(b, **i64), torch.zeros(b, **i64), torch.full((b,), n, **i64), \
+        torch.arange(b, **i64) * n
+    rot = Rotary(D, 8192, 500000.0, None).to("cuda")
+    pos = torch.arange(n, device="cuda").repeat(b)
+    loc = torch.arange(1, t + 1, device="cuda")
+    kh, vh = qkv[:, H * D:(H + HKV) * D].view(t, HKV, D), qkv[:, (H + HKV) * D:].view(t, HKV, D)
+    calls = {
+        "fused_bucketed": lambda: dense_prefill.fused(dense_prefill.bshd(q, b), k, v, True, D**-0.5, False),
+        "fused_exact": lambda: dense_prefill.fused(dense_prefill.bshd(strided, b), k, v, True, D**-0.5, False),
+        "extend_kernel": lambda: extend_attention(q, kb, vb, table, rows, prefix, lens, starts, n, D**-0.5),
+        "rope_store": lambda: rope_store(strided, kh, vh, pos, rot.cos, rot.sin, kb, vb, loc, q_out=q),
+    }
+    res = {}
+    for name, fn in calls.items():
+        fn()  # (plans built, kernels compiled)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        fn()
+        first = time.perf_counter() - t0
+        for _ in range(19):
+            fn()
+        each = (time.perf_counter() - t0) / 20
+        torch.cuda.synchronize()
+        res[f"{b}x{n} {name}"] = {"host_us": round(each * 1e6, 1), "waited": first > 0.03}
+    return res
+
+
 def check(tensors) -> list:
     """Bucketed outputs and log-sum-exps against float64 (GQA heads repeated), a few shapes."""
     import torch
@@ -125,15 +189,16 @@ def warm_ups() -> list:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="")
-    ap.add_argument("--child", choices=("plain", "bucketed"), help=argparse.SUPPRESS)
+    ap.add_argument("--host", action="store_true", help="only the host-time child")
+    ap.add_argument("--child", choices=("plain", "bucketed", "host"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child)))
+        print(json.dumps(host() if args.child == "host" else child(args.child)))
         return 0
     from benchmarks.common import write_json
 
     res = {}
-    for mode in ("plain", "bucketed"):
+    for mode in ("host",) if args.host else ("plain", "bucketed"):
         env = {k: v for k, v in os.environ.items() if k != "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"}
         p = subprocess.run([sys.executable, "-m", "benchmarks.cudnn_buckets", "--child", mode], env=env,
                            capture_output=True, text=True, timeout=900)
@@ -142,6 +207,10 @@ def main() -> int:
             res[mode] = {"error": p.stderr[-2000:]}
             continue
         res[mode] = json.loads(p.stdout.strip().splitlines()[-1])
+        if mode == "host":
+            for k, v in res[mode].items():
+                print(f"   host {k:28s} {v['host_us']:8.1f} us a call{'  (waited for the device)' if v['waited'] else ''}")
+            continue
         print(f"== {mode}: torch {res[mode]['torch']} cudnn {res[mode]['cudnn']} env {res[mode]['env']}")
         for row in res[mode]["first_ms"]:
             print(f"   first {row[0]} b={row[1]} q={row[2]} kv={row[3]} causal={row[4]} lse={row[5]}: {row[6]} ms")
@@ -151,7 +220,7 @@ def main() -> int:
             if k in res[mode]:
                 print(f"   {k}: {json.dumps(res[mode][k])}")
     if args.out:
-        write_json(f"{args.out}/cudnn_buckets.json", res)
+        write_json(f"{args.out}/cudnn_{'host' if args.host else 'buckets'}.json", res)
     return 0
 
 

@@ -83,13 +83,13 @@ def serving_path(c: dict):
     q, kb, vb, table, *_, ext, scale = c["args"]
     reqs, width = table.shape
     prefix = width - ext
-    pool = KVPool(num_layers=1, num_slots=kb.shape[0], num_kv_heads=HKV, head_dim=D, max_rows=reqs + 1,
-                  max_context_len=width, dtype=torch.bfloat16, device=torch.device("cuda"))
+    pool = KVPool(num_layers=1, num_slots=2 * kb.shape[0], num_kv_heads=HKV, head_dim=D, max_rows=reqs + 1,
+                  max_context_len=width, dtype=torch.bfloat16, device=torch.device("cuda"))  # (room for every plan)
     attn = triton_backend.TritonAttention(pool, num_heads=H, head_dim=D, scale=scale, dense_prefill=True,
                                           prefill_limits=(ext, reqs * ext))
     attn.warm_up()  # (on the pool's zeros, before the case's K/V go in)
-    pool.k_buffers[0].copy_(kb)
-    pool.v_buffers[0].copy_(vb)
+    pool.k_buffers[0][:kb.shape[0]].copy_(kb)
+    pool.v_buffers[0][:vb.shape[0]].copy_(vb)
     pool.req_to_token[:reqs, :width] = table
     loc = table[:, prefix:].reshape(-1)
     zeros = torch.zeros(reqs * ext, dtype=torch.int64)

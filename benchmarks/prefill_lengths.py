@@ -11,6 +11,7 @@ seen), then ``--burst`` prompts of other new lengths at once. Engine limits: ``-
 ``--budget`` (radixd.toml's defaults 2048 and 4096).
 
     python -m benchmarks.prefill_lengths --out OUT [--lengths 12] [--settings on,off,on,off]
+        [--chunk 2048 --budget 4096 --max-length 4000]
 """
 
 from __future__ import annotations
@@ -67,22 +68,23 @@ def main() -> int:
     ap.add_argument("--burst", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--budget", type=int, default=4096)
+    ap.add_argument("--max-length", type=int, default=4000, help="prompt lengths from 257 to this")
     ap.add_argument("--settings", default="on,off,on,off", help="dense_prefill settings in turn")
     args = ap.parse_args()
     dense_prefill.enable_buckets()
     rng = random.Random(11)
     settings = args.settings.split(",")
-    pool = rng.sample(range(257, 4000), (len(settings) + 1) * (args.lengths + args.burst))
+    pool = rng.sample(range(257, args.max_length), (len(settings) + 1) * (args.lengths + args.burst))
     sets = [pool[i * (args.lengths + args.burst):(i + 1) * (args.lengths + args.burst)] for i in range(len(settings) + 1)]
     path = checkpoint_dir(SHAPES["llama3-8b"], prefix="radixd-lengths-")
-    res = {"env": environment(), "chunk": args.chunk, "budget": args.budget, "runs": []}
+    res = {"env": environment(), "chunk": args.chunk, "budget": args.budget, "max_length": args.max_length, "runs": []}
     run_setting(path, False, args, sets[0][:6], [], rng)  # (once a process: kernels compiled and loaded)
     for setting, ns in zip(settings, sets[1:], strict=True):
         row = run_setting(path, setting == "on", args, ns[:args.lengths], ns[args.lengths:], rng)
         res["runs"].append({"dense_prefill": setting, **row})
         print(f"== {setting}: build {row['engine_build_s']} s, plans {row['plans']}; new lengths {row['new_lengths']}; "
               f"seen {row['seen_lengths']}; burst of {args.burst} {row['burst_all_first_s']} s", flush=True)
-    write_json(f"{args.out}/prefill_lengths.json", res)
+    write_json(f"{args.out}/prefill_lengths_{args.chunk}.json", res)
     return 0
 
 

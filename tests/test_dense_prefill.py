@@ -70,6 +70,38 @@ def test_a_step_has_exact_plans_only_where_every_call_has_one():
         assert not rest and got == exact, (prefixes, lens)
 
 
+def test_a_step_takes_fused_calls_only_with_enough_device_work():
+    """Batch-1 prompts of a few thousand tokens at the 8B shape keep the extend kernel (the
+    fused call's host time would show), 8 x 2048 fresh prompts or a 32k prompt's chunks take
+    the fused calls; the threshold grows with the calls."""
+    from radixd.core.attention.dense_prefill import CALL_FLOPS, layer_flops
+
+    width = 32 * 128
+    assert layer_flops(2048, width, [(2048, 0)]) < CALL_FLOPS
+    assert layer_flops(16384, width, [(2048, 0)] * 8) >= CALL_FLOPS
+    assert layer_flops(8192, width, [(8192, 0)]) >= CALL_FLOPS
+    assert layer_flops(8192, width, [(8192, 24576)]) >= 2 * CALL_FLOPS  # (a split chunk: two calls)
+    assert layer_flops(4096, width, [(2048, 0), (2048, 0)]) < 2 * CALL_FLOPS
+
+
+def test_the_backend_leaves_a_small_step_to_the_extend_kernel(monkeypatch):
+    """A step whose layer work is under ``CALL_FLOPS`` per call plans no fused calls."""
+    from radixd.core.attention.triton_backend import TritonAttention
+    from radixd.core.forward_batch import ForwardBatch
+    from radixd.core.kv_pool import KVPool
+
+    pool = KVPool(num_layers=1, num_slots=1024, num_kv_heads=2, head_dim=32, max_rows=2, max_context_len=512,
+                  dtype=torch.float32, device=torch.device("cpu"))
+    fb = ForwardBatch(input_ids=torch.zeros(300, dtype=torch.int64), positions=torch.arange(300),
+                      out_cache_loc=torch.arange(1, 301), rows=[0], prefix_lens=[0], extend_lens=[300])
+    attn = TritonAttention(pool, num_heads=4, head_dim=32, scale=0.1, dense_prefill=True)
+    attn.begin(fb)
+    assert attn.dense is None and attn.extends is not None
+    monkeypatch.setattr(dense_prefill, "CALL_FLOPS", 0.0)
+    attn.begin(fb)
+    assert attn.dense is not None and attn.dense.fresh == [(0, 1, 300)] and attn.extends is None
+
+
 def test_a_step_makes_at_most_max_calls():
     lens = [300 + i for i in range(40)]  # (all different: a call each)
     fresh, _, _, rest, _ = plan(lens, [0] * 40, list(range(40)), starts_of(lens), lambda k: True)
@@ -145,7 +177,7 @@ def reference(q, k, v, prefix, scale):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
-def test_gpu_plans_built_once_serve_new_lengths_without_planning():
+def test_gpu_plans_built_once_serve_new_lengths_without_planning(monkeypatch):
     """At the 8B shape: ``warm_up`` builds every key and finds bucketing in effect; then steps of
     lengths never seen (fresh runs, a chunk after a short prefix, after a long one) plan
     nothing (each step well under the ~70 ms of a plan) and match a float64 reference."""
@@ -156,6 +188,7 @@ def test_gpu_plans_built_once_serve_new_lengths_without_planning():
 
     H, HKV, D = 32, 8, 128
     slots = 40000
+    monkeypatch.setattr(dense_prefill, "CALL_FLOPS", 0.0)  # (every step fused, small ones too)
     pool = KVPool(num_layers=1, num_slots=slots, num_kv_heads=HKV, head_dim=D, max_rows=8, max_context_len=16384,
                   dtype=torch.bfloat16, device=torch.device("cuda"))
     attn = TritonAttention(pool, num_heads=H, head_dim=D, scale=D**-0.5, dense_prefill=True,

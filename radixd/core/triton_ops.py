@@ -45,7 +45,7 @@ class KernelChoice:
 
     fuse_one_row: bool = True  # one row: the element-wise step after a GEMV in its epilogue
     rows_kernel: bool = True   # 2..ROWS_MAX_M rows: ``rows_linear`` where measured faster
-    dense_prefill: bool = False  # long extends in cuDNN's fused attention (``triton_backend``)
+    dense_prefill: bool = True  # long extends in cuDNN's fused attention (``attention.dense_prefill``)
     prefill_weights: str = "auto"  # CPU int4 weights: a bf16 copy for prefill (``cpu_int.with_prefill_copies``)
 
 

@@ -29,7 +29,10 @@ A step's extends then attend as (``plan``):
 
 Extends shorter than ``min_tokens``, and any whose ``Key`` was not built (longer than the
 engine's chunk, a batch past the step budget, another thread), go to the caller's extend
-kernel: a step never builds a plan. On the CPU (tests) torch's flash kernel stands in,
+kernel: a step never builds a plan. A fused call also costs the host much more than the extend
+kernel's launch, which shows where a step's device work is small (a batch-1 prompt of a few
+thousand tokens at the 8B shape): the caller takes the fused calls only for a step whose layer
+work (``layer_flops``) is at least ``CALL_FLOPS`` per call. On the CPU (tests) torch's flash kernel stands in,
 nothing is planned, and every wanted key counts as built.
 
 q comes from the caller contiguous ([T, H, D]: ``rope_store``'s ``q_out``), or strided for a
@@ -54,6 +57,10 @@ MIN_TOKENS = 256  # an extend attends here from this many new tokens
 MAX_CALLS = 32  # fused calls per layer at most (the rest of the step's extends: the extend kernel)
 PLANNED_S = 0.01  # a warm call's wall time above this means cuDNN built a plan in it (about 0.07 s)
 EXACT_PREFIXES = 16  # exact-shape plans for chunks after at most this many whole chunks
+# A fused call costs the host far more than the extend kernel's launch (the H200 run of
+# benchmarks.cudnn_buckets --host); a step takes the fused calls only where its layer's device work
+# (``layer_flops``) is at least this much per call, enough to keep the device busy meanwhile.
+CALL_FLOPS = 1.5e12
 
 
 def enable_buckets() -> bool:
@@ -88,6 +95,13 @@ class DenseStep(NamedTuple):
     rest: list[int]  # positions (in the extends planned) left to the extend kernel
     tokens: int  # the tokens of the extends planned
     exact: bool  # every call has an exact-shape plan (q may stay strided: no bucketed plan's costs)
+
+
+def layer_flops(tokens: int, width: int, extends: list[tuple[int, int]]) -> float:
+    """A rough count of one layer's device work in a step of ``tokens`` tokens for a model of
+    ``width`` = heads x head dim: its projections and MLP (24 width^2 a token, a Llama-shaped
+    layer) and the causal attention of ``extends`` ((new tokens, prefix) each)."""
+    return 24.0 * width * width * tokens + sum(4.0 * width * n * (p + (n + 1) / 2) for n, p in extends)
 
 
 def joins(prefix: int, n: int, min_tokens: int) -> bool:
@@ -294,15 +308,22 @@ class DensePlans:
         rows = torch.zeros((longest, self.q_strides[0]), dtype=self.dtype, device=self.device)
         strided = rows[:, :self.heads * self.head_dim].view(longest, self.heads, self.head_dim)
         q = torch.zeros((longest, self.heads, self.head_dim), dtype=self.dtype, device=self.device)
-        built = []
+        built, failed = [], []
         for key in self.keys:
             b, sq, skv = key.batch, key.q_len, min(key.kv_len, slots - 1)
             if (skv != key.kv_len and (key.exact or bucket(skv) != key.kv_len)) or b * max(sq, skv) >= slots:
                 continue  # (longer than the pool: never asked for)
             k, v = (bshd(t[1:1 + b * skv], b) for t in (k_buf, v_buf))
-            fused(bshd((strided if key.exact else q)[:b * sq], b), k, v, key.causal, 1.0, key.lse)
+            try:
+                fused(bshd((strided if key.exact else q)[:b * sq], b), k, v, key.causal, 1.0, key.lse)
+            except RuntimeError as exc:  # (a GPU, torch or cuDNN without this shape: the extend kernel's)
+                failed.append((key, exc))
+                continue
             built.append(key)
         torch.cuda.synchronize(self.device)
+        if failed:
+            log.warning("dense prefill: cuDNN refused %d of %d attention shapes (first: %s: %s); those keep "
+                        "the extend kernel", len(failed), len(self.keys), failed[0][0], failed[0][1])
         probe = self._probe(q, k_buf, v_buf, built)
         seconds = time.perf_counter() - t0
         if probe is None:

@@ -8,10 +8,11 @@ keys beside one chunk (``benchmarks.mixed_step``, two calls): 256 decodes + 512 
 through the extend kernel alone vs 377 us split (1.6-2.0x); + 2048 tokens, 2.1-2.3x; but 64
 decodes + 512 tokens, 222 vs 280 us (0.8-0.9x: the decode kernel's 64 rows are a small grid),
 hence the threshold between them.
-With ``dense_prefill`` (an engine option) the step's extends of at least
+With ``dense_prefill`` (an engine option, on by default) the step's extends of at least
 ``dense_prefill.MIN_TOKENS`` new tokens attend in cuDNN's fused kernels instead, over a fixed
 set of execution plans built at start (``dense_prefill``'s docstring; ``warm_up``), and the
-others in the extend kernel. On an H200, 8B shape, the extend kernel reaches 0.63x cuDNN's
+others in the extend kernel; a step with too little device work to hide the fused calls' host
+time (``dense_prefill.CALL_FLOPS``) keeps the extend kernel. On an H200, 8B shape, the extend kernel reaches 0.63x cuDNN's
 speed on 8 x 2048 fresh prompts and 0.73x on a 32k prompt's last chunk
 (``benchmarks.extend_attention``). Windows, soft-capping, fp8 pools, float32 on CUDA and token
 trees keep the extend kernel; a model's window layers run it over every extend of the step.
@@ -227,8 +228,12 @@ class TritonAttention:
         fresh, joined, split, rest, exact = dense_prefill.plan(
             pick(batch.extend_lens), pick(batch.prefix_lens), pick(batch.rows), pick(starts), self.plans.ready,
             self.plans.min_tokens)
-        if not (fresh or joined or split):
-            return None
+        calls = len(fresh) + len(joined) + 2 * len(split)
+        kept = set(range(len(ext))) - set(rest)
+        fused = [(batch.extend_lens[ext[j]], batch.prefix_lens[ext[j]]) for j in sorted(kept)]
+        if not calls or dense_prefill.layer_flops(batch.num_tokens, self.num_heads * self.head_dim, fused) \
+                < dense_prefill.CALL_FLOPS * calls:
+            return None  # (too little device work to hide the fused calls' host time: the extend kernel's)
         loc = batch.out_cache_loc
         first = int(loc[0])
         in_order = int(loc[-1]) - first == loc.numel() - 1 and bool((loc.diff() == 1).all())
