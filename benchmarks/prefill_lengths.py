@@ -76,7 +76,8 @@ def main() -> int:
     settings = args.settings.split(",")
     pool = rng.sample(range(257, args.max_length), (len(settings) + 1) * (args.lengths + args.burst))
     sets = [pool[i * (args.lengths + args.burst):(i + 1) * (args.lengths + args.burst)] for i in range(len(settings) + 1)]
-    path = checkpoint_dir(SHAPES["llama3-8b"], prefix="radixd-lengths-")
+    cfg = {**SHAPES["llama3-8b"], "max_position_embeddings": max(8192, 2 * args.max_length)}
+    path = checkpoint_dir(cfg, prefix="radixd-lengths-")
     res = {"env": environment(), "chunk": args.chunk, "budget": args.budget, "max_length": args.max_length, "runs": []}
     run_setting(path, False, args, sets[0][:6], [], rng)  # (once a process: kernels compiled and loaded)
     for setting, ns in zip(settings, sets[1:], strict=True):

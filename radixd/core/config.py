@@ -172,8 +172,9 @@ class EngineConfig:
     fuse_one_row: bool = option(True)
     rows_kernel: bool = option(True)
     # Prompt chunks of 256+ tokens attend in cuDNN's fused kernels (triton backend, 16-bit KV)
-    # over a fixed set of plans built at start (a few seconds; attention.dense_prefill): on an
-    # H200 1.6x the extend kernel's speed on 8 x 2048 fresh prompts, 1.3x on a 32k prompt's
+    # over a fixed set of plans built at start (2.4 s on an H200 at the default limits;
+    # attention.dense_prefill), in steps with enough device work to hide their host time: on an
+    # H200 1.6x the extend kernel's speed on 8 x 2048 fresh prompts, 1.4x on a 32k prompt's
     # last chunk, and no plan built while serving.
     dense_prefill: bool = option(True, key="model.dense_prefill")
     cache_dir: str | None = option(None, key="model.cache_dir")

@@ -57,9 +57,12 @@ MIN_TOKENS = 256  # an extend attends here from this many new tokens
 MAX_CALLS = 32  # fused calls per layer at most (the rest of the step's extends: the extend kernel)
 PLANNED_S = 0.01  # a warm call's wall time above this means cuDNN built a plan in it (about 0.07 s)
 EXACT_PREFIXES = 16  # exact-shape plans for chunks after at most this many whole chunks
-# A fused call costs the host far more than the extend kernel's launch (the H200 run of
-# benchmarks.cudnn_buckets --host); a step takes the fused calls only where its layer's device work
-# (``layer_flops``) is at least this much per call, enough to keep the device busy meanwhile.
+# A fused call costs the host more than the extend kernel's launch (an H200: 138-250 us with a
+# bucketed plan, 36-60 with an exact one, 36-76 for the kernel; benchmarks.cudnn_buckets
+# --host), and with every long extend fused batch-1 prompts of 257-4000 tokens took about 17
+# ms longer (benchmarks.prefill_lengths; docs/benchmarks/gpu_wave2.md): a step takes the
+# fused calls only where its layer's device work (``layer_flops``) is at least this much per
+# call, between the 2048-token steps that were slower and the 8192-token ones that were faster.
 CALL_FLOPS = 1.5e12
 
 
