@@ -2,7 +2,8 @@
 length) against the warm one, 8B heads (32 query, 8 KV, head dim 128, bf16), for torch's SDPA
 (causal; cuDNN's kernel on Hopper), the private cuDNN op over a 4096-token prefix (what
 ``dense_prefill``'s chunks after a cached prefix call) and the flash kernel's varlen entry,
-which plans nothing. Why the triton backend's ``dense_prefill`` is off by default.
+which plans nothing: why ``dense_prefill`` builds its plans at start, bucketed
+(``benchmarks.cudnn_buckets``).
 
     python3 -m benchmarks.cudnn_plans
 """

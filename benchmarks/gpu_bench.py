@@ -449,6 +449,10 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the logic")
     args = ap.parse_args()
     DEVICE["name"] = args.device
+    if args.device == "cuda":
+        from radixd.core.attention import dense_prefill
+
+        dense_prefill.enable_buckets()  # (before the first cuDNN attention: torch reads it then)
     args.batches = [int(b) for b in args.batches.split(",")]
     args.peer_batches = [int(b) for b in args.peer_batches.split(",")]
     args.peer_flavours = args.peer_flavours.split(",")

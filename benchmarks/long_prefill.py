@@ -2,7 +2,7 @@
 weights): what limits a 32k-token TTFT.
 
     python -m benchmarks.long_prefill --out OUT [--tokens 32768] [--chunk 8192] [--budget 16384]
-                                      [--dense-prefill]
+                                      [--dense-prefill on|off]
 
 The engine is set as ``gpu_long.sh``'s (``chunked_prefill_size`` 8192, ``max_prefill_tokens``
 16384). After a warm-up prompt, ``--prompts`` prompts of ``--tokens`` random tokens run one at a
@@ -51,16 +51,20 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--budget", type=int, default=16384)
-    ap.add_argument("--dense-prefill", action="store_true", help="the engine option: chunks in cuDNN's kernels")
+    ap.add_argument("--dense-prefill", default="on", choices=("on", "off"),
+                    help="the engine option (default on): chunks in cuDNN's kernels")
     args = ap.parse_args()
+    from radixd.core.attention import dense_prefill
+
+    dense_prefill.enable_buckets()  # (before the first cuDNN attention: torch reads it then)
     ctx: dict = {}
     res = {"env": environment(), "ceilings": gpu_bench.ceilings(args, ctx),
            "engine": {"chunked_prefill_size": args.chunk, "max_prefill_tokens": args.budget,
-                      "dense_prefill": args.dense_prefill}}
+                      "dense_prefill": args.dense_prefill == "on"}}
     cfg = {**SHAPES["llama3-8b"], "max_position_embeddings": max(131072, args.tokens + 16)}
     eng = gpu_bench.engine(checkpoint_dir(cfg, prefix="radixd-long-"), chunked_prefill_size=args.chunk,
                            max_prefill_tokens=args.budget, kv_cache_tokens=4 * args.tokens, max_running_requests=8,
-                           dense_prefill=args.dense_prefill)
+                           dense_prefill=args.dense_prefill == "on")
     model = eng.worker.model
     # the projections' parameters (the embedding table is read a row per token, the LM head
     # computes the last token's logits only)

@@ -575,6 +575,10 @@ def test_rope_store_kernel():
     untouched = torch.ones(50, dtype=torch.bool, device=DEV)
     untouched[loc] = False
     assert not kb[untouched].any() and not vb[untouched].any()
+    q_out = torch.full((T, H, D), float("nan"), device=DEV, dtype=dtype)  # (contiguous, poisoned)
+    q_kept = q.clone()
+    rope_store(q, k, v, pos, rot.cos, rot.sin, kb, vb, loc, q_out=q_out)
+    assert torch.equal(q_out, q_in) and torch.equal(q, q_kept)  # rotated into q_out, q left as it was
 
 
 def test_rope_store_applies_the_qk_norms():
@@ -615,84 +619,112 @@ def test_decode_splits_fill_the_device():
         assert MIN_SPLITS <= s <= MAX_SPLITS and s & (s - 1) == 0
 
 
+FUSED_STEPS = {
+    # name: (prefixes, new tokens) of a step's extends, and its fused calls at MIN_TOKENS 8
+    # as (fresh, joined, split, rest, exact) with table rows = positions
+    "fresh runs": ([0, 0, 0, 0], [12, 12, 12, 9], ([(0, 2, 12), (24, 1, 12), (36, 1, 9)], [], [], [], False)),
+    "exact shapes": ([0, 0, 0], [16, 16, 8], ([(0, 2, 16), (32, 1, 8)], [], [], [], True)),
+    "all kinds": ([0, 3, 0, 30, 0, 8], [12, 12, 9, 10, 3, 40],
+                  ([(0, 1, 12), (24, 1, 9)], [(12, 12, 1, 3), (46, 40, 5, 8)], [(33, 10, 3, 30)], [4], False)),
+}
+
+
 @pytest.mark.parametrize("in_order", [True, False])
-@pytest.mark.parametrize("prefix,extend_lens", [([0, 0, 0], [12, 12, 9]), ([0, 3, 0], [12, 12, 9]),
-                                                ([0, 3, 0], [12, 5, 9])])
-def test_long_extends_attend_in_fused_kernels(prefix, extend_lens, in_order, monkeypatch):
-    """A step whose extends are all long attends through the fused kernels (cuDNN's; on CPU the
-    flash kernel): fresh prompts a call per run of equal lengths, a chunk after a prefix over
-    the prefix and its own tokens merged by log-sum-exp; K read from the pool as a view where
-    the slots ascend, else gathered. Rows equal the torch backend's; one short extend sends the
-    step to the extend kernel."""
-    from radixd.core.attention import make_backend, triton_backend
+@pytest.mark.parametrize("case", FUSED_STEPS)
+def test_long_extends_attend_in_fused_kernels(case, in_order, monkeypatch):
+    """With ``dense_prefill``, a step's long extends attend in the fused kernels (cuDNN's; on
+    the CPU the flash kernel) and the short ones in the extend kernel, in one step: fresh
+    prompts in power-of-two batches of a run of one length, a chunk after a short prefix in
+    one causal call led by zero rows, after a longer one in two calls merged by log-sum-exp;
+    K/V read from the pool as views where the slots ascend, else gathered; q rotated into a
+    contiguous copy, or in place (strided, as projected) where every call has an exact-shape
+    plan. Rows equal the torch backend's; with the option off every extend takes the extend
+    kernel."""
+    from radixd.core.attention import dense_prefill, make_backend, triton_backend
     from radixd.core.forward_batch import ForwardBatch
     from radixd.core.kv_pool import KVPool
     from radixd.core.models.layers import Rotary
 
+    prefix, extend_lens, calls = FUSED_STEPS[case]
     heads, kv_heads, dim = 4, 2, 32
     dtype = torch.bfloat16 if GPU else torch.float32  # (CUDA's fused path is for 16-bit pools)
     b = len(extend_lens)
-    pool = KVPool(num_layers=1, num_slots=128, num_kv_heads=kv_heads, head_dim=dim, max_rows=b + 1,
+    pool = KVPool(num_layers=1, num_slots=256, num_kv_heads=kv_heads, head_dim=dim, max_rows=b + 1,
                   max_context_len=64, dtype=dtype, device=torch.device(DEV))
     g = torch.Generator().manual_seed(8)
-    slots = torch.arange(1, 128) if in_order else torch.randperm(127, generator=g) + 1
+    slots = torch.arange(1, 256) if in_order else torch.randperm(255, generator=g) + 1
     off, locs, pos = 0, [], []
+    for i in range(b):  # (prefixes first, then the step's new tokens: in order, the step's slots ascend)
+        pool.req_to_token[i, :prefix[i]] = slots[off : off + prefix[i]].to(DEV)
+        off += prefix[i]
     for i in range(b):
-        n = prefix[i] + extend_lens[i]
-        pool.req_to_token[i, :n] = slots[off : off + n].to(DEV)
-        locs.append(slots[off + prefix[i] : off + n])
-        pos.append(torch.arange(prefix[i], n))
+        n = extend_lens[i]
+        pool.req_to_token[i, prefix[i] : prefix[i] + n] = slots[off : off + n].to(DEV)
+        locs.append(slots[off : off + n])
+        pos.append(torch.arange(prefix[i], prefix[i] + n))
         off += n
     pool.k_buffers[0].copy_(torch.randn(pool.k_buffers[0].shape, generator=g))
     pool.v_buffers[0].copy_(torch.randn(pool.v_buffers[0].shape, generator=g))
     t = sum(extend_lens)
     fb = ForwardBatch(input_ids=torch.zeros(t, dtype=torch.int64), positions=torch.cat(pos),
                       out_cache_loc=torch.cat(locs), rows=list(range(b)), prefix_lens=prefix, extend_lens=extend_lens)
-    q, k, v = (torch.randn(t, h, dim, generator=g, dtype=dtype) for h in (heads, kv_heads, kv_heads))
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g, dtype=dtype)
     rotary = Rotary(dim, 64, 10000.0, None).to(DEV)
-    monkeypatch.setattr(triton_backend, "DENSE_MIN_TOKENS", 8)
+    monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 8)
+    monkeypatch.setattr(dense_prefill, "CALL_FLOPS", 0.0)  # (these tiny steps: fused calls whatever their work)
+
+    def projected():  # (strided views of a fresh q/k/v projection's output, as the model passes them)
+        q, k, v = qkv.clone().to(DEV).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        return q.view(t, heads, dim), k.view(t, kv_heads, dim), v.view(t, kv_heads, dim)
+
     extends = []
     plain = triton_backend.extend_attention
-    monkeypatch.setattr(triton_backend, "extend_attention", lambda *a, **kw: extends.append(1) or plain(*a, **kw))
-    outs, plans = {}, {}
-    for name in ("torch", "triton"):
-        attn = make_backend(name, pool, num_heads=heads, head_dim=dim, scale=dim**-0.5, dense_prefill=True)
+    monkeypatch.setattr(triton_backend, "extend_attention",
+                        lambda *a, **kw: extends.append(a[6].tolist()) or plain(*a, **kw))
+    outs, steps = {}, {}
+    for name, on in (("torch", True), ("triton", True), ("kernel", False)):
+        attn = make_backend("torch" if name == "torch" else "triton", pool, num_heads=heads, head_dim=dim,
+                            scale=dim**-0.5, dense_prefill=on)
+        attn.warm_up()
         attn.begin(fb)
-        plans[name] = getattr(attn, "dense", None)
-        outs[name] = attn.forward(q.clone().to(DEV), k.clone().to(DEV), v.clone().to(DEV), 0,
-                                  fb.positions.to(DEV), rotary).cpu()
-    assert rel_err(outs["triton"], outs["torch"].double()) < (2e-2 if dtype == torch.bfloat16 else 1e-4)
-    if min(extend_lens) < 8:
-        assert plans["triton"] is None and extends == [1]
-        return
-    assert extends == []
-    default = make_backend("triton", pool, num_heads=heads, head_dim=dim, scale=dim**-0.5)
-    default.begin(fb)
-    assert default.dense is None  # the option is off by default (cuDNN's plan per new shape)
-    if any(prefix):
-        assert plans["triton"] == (None, [(0, 1, 12), (24, 1, 9)], [(12, 12, 1, 3)])
-    else:
-        assert plans["triton"] == (1 if in_order else None, [(0, 2, 12), (24, 1, 9)], [])
+        steps[name] = getattr(attn, "dense", None)
+        q, k, v = projected()
+        outs[name] = attn.forward(q, k, v, 0, fb.positions.to(DEV), rotary).cpu()
+        if name == "triton" and steps[name] is not None:
+            assert q.stride() == attn.plans.q_strides
+            rotated = not torch.equal(q.cpu(), projected()[0].cpu())
+            assert rotated == steps[name].exact  # (rotated in place only for a step of exact-shape plans)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert rel_err(outs["triton"], outs["torch"].double()) < tol
+    assert rel_err(outs["kernel"], outs["torch"].double()) < tol
+    step = steps["triton"]
+    assert (step.fresh, step.joined, step.split, step.rest, step.exact) == calls
+    rest = calls[3]
+    assert step.first == (1 + sum(prefix) if in_order else None)
+    assert steps["kernel"] is None
+    # the extend kernel: the short extends of the fused step, then every extend with the option off
+    assert extends == ([[extend_lens[i] for i in rest]] if rest else []) + [extend_lens]
 
 
 async def test_engine_long_extends_in_fused_kernels_match_transformers(tiny_models, monkeypatch):
-    """The engine on the triton backend with prompts' chunks through the fused kernels (the
-    first with nothing cached, the next after it): greedy tokens equal transformers' (the CPU
-    oracle, fp32; CUDA's fused path is for 16-bit pools, checked against the extend kernel above)."""
+    """The engine on the triton backend with ``dense_prefill``: prompts' chunks in the fused
+    kernels (fresh, after a short prefix in one call, after a longer one in two) and their
+    short tails in the extend kernel; greedy tokens equal transformers' (the CPU oracle, fp32;
+    CUDA's fused path is for 16-bit pools, checked against the torch backend above)."""
     import asyncio
 
     from test_engine import assert_greedy_matches, collect, prompts
 
     from radixd import Engine
-    from radixd.core.attention import triton_backend
+    from radixd.core.attention import dense_prefill
 
     if GPU:
         pytest.skip("fp32 greedy equality is the CPU oracle; on CUDA this path takes 16-bit pools")
-    monkeypatch.setattr(triton_backend, "DENSE_MIN_TOKENS", 4)
-    plans = []
-    plain = triton_backend.TritonAttention._attend_dense
-    monkeypatch.setattr(triton_backend.TritonAttention, "_attend_dense",
-                        lambda self, *a: plans.append(self.dense) or plain(self, *a))
+    monkeypatch.setattr(dense_prefill, "MIN_TOKENS", 4)
+    monkeypatch.setattr(dense_prefill, "CALL_FLOPS", 0.0)
+    steps = []
+    plain = dense_prefill.attend
+    monkeypatch.setattr(dense_prefill, "attend", lambda step, *a: steps.append(step) or plain(step, *a))
     path = tiny_models["llama"]
     eng = Engine(model=str(path), kv_cache_tokens=1024, attention_backend="triton", dtype="float32",
                  chunked_prefill_size=16, dense_prefill=True)
@@ -700,9 +732,11 @@ async def test_engine_long_extends_in_fused_kernels_match_transformers(tiny_mode
     ps = prompts(3, 37, seed=9)
     try:
         outs = await asyncio.gather(*(collect(eng, p, 5) for p in ps))
+        ps.append(ps[0][:2] + prompts(1, 30, seed=10)[0])  # (2 tokens cached: one call, led by 2 zero rows)
+        outs.append(await collect(eng, ps[-1], 5))
     finally:
         await eng.stop()
-    assert any(pl.runs for pl in plans) and any(pl.prefixed for pl in plans)
+    assert any(s.fresh for s in steps) and any(s.joined for s in steps) and any(s.split for s in steps)
     for p, got in zip(ps, outs, strict=True):
         assert_greedy_matches(path, p, got, 5)
 

@@ -95,7 +95,8 @@ def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.dev
                                    prefill_weights=config.prefill_weights),
               head=setup.pooling is None, kv_format=setup.kv_format,
               window_slots=window_region(config, setup),
-              tree_graphs=bool(config.speculative_algorithm) and config.speculative_eagle_topk > 1)
+              tree_graphs=bool(config.speculative_algorithm) and config.speculative_eagle_topk > 1,
+              prefill_limits=(config.chunked_prefill_size, config.max_prefill_tokens))
     if len(devices) > 1:
         from radixd.core.tensor_parallel import TPWorker
 

@@ -171,12 +171,12 @@ class EngineConfig:
     # projection kernel where it was measured faster than cuBLAS. Engine options only.
     fuse_one_row: bool = option(True)
     rows_kernel: bool = option(True)
-    # Prompt chunks of 256+ tokens attend in cuDNN's fused kernels (triton backend, 16-bit KV):
-    # on an H200 1.6x the extend kernel's speed on 8 x 2048 fresh prompts, 1.4x on a 32k
-    # prompt's last chunk, but cuDNN builds a plan for every new (batch, length, prefix)
-    # shape, about 70 ms each and about 1 s where it compiles a kernel: for workloads of few
-    # distinct prompt lengths only.
-    dense_prefill: bool = option(False, key="model.dense_prefill")
+    # Prompt chunks of 256+ tokens attend in cuDNN's fused kernels (triton backend, 16-bit KV)
+    # over a fixed set of plans built at start (2.4 s on an H200 at the default limits;
+    # attention.dense_prefill), in steps with enough device work to hide their host time: on an
+    # H200 1.6x the extend kernel's speed on 8 x 2048 fresh prompts, 1.4x on a 32k prompt's
+    # last chunk, and no plan built while serving.
+    dense_prefill: bool = option(True, key="model.dense_prefill")
     cache_dir: str | None = option(None, key="model.cache_dir")
     max_context_len: int | None = option(None, key="model.max_context_len", min=2)
     # "dummy": random weights of the checkpoint's shape, no weight files (benchmarks).

@@ -107,6 +107,7 @@ class Replica:
         device = worker.device
         self.executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix=f"radixd-worker-{device}", initializer=bind_device, initargs=(device,))
+        self.executor.submit(worker.warm_up).result()  # (on the thread that will run the steps)
         self.reader = reader  # reads a step's picks while the worker waits for grammar masks
         self.on_step = on_step
         self.inflight: Launched | None = None

@@ -217,7 +217,7 @@ class TPWorker:
                  attention_backend: str, load_format: str, kv_slots, max_rows: int, max_context_len: int,
                  cuda_graphs: bool = False, cascade_attention: bool = False, peer_all_reduce: bool = True,
                  kernels: KernelChoice = ALL_KERNELS, head: bool = True, kv_format=None, window_slots=None,
-                 tree_graphs: bool = False):
+                 tree_graphs: bool = False, prefill_limits: tuple[int, int] = (2048, 4096)):
         tp = len(devices)
         self.devices = devices
         self.device = devices[0]
@@ -252,7 +252,7 @@ class TPWorker:
                                                max_context_len=max_context_len, cuda_graphs=cuda_graphs,
                                                cascade_attention=cascade_attention, kernels=kernels,
                                                kv_format=kv_format, window_slots=window_slots,
-                                               tree_graphs=tree_graphs))
+                                               tree_graphs=tree_graphs, prefill_limits=prefill_limits))
         self.pool = self.shards[0].pool
         self.cascade_members = self.shards[0].cascade_members
         self.model = self.shards[0].model
@@ -398,3 +398,11 @@ class TPWorker:
 
     def step(self, batch: ForwardBatch) -> StepOutput:
         return self.resolve(self.launch(batch))
+
+    def warm_up(self) -> None:
+        """Each shard's on the thread that runs its forwards: shard 0's on this (the replica's)
+        thread, the others' on their own."""
+        futures = [self.executors[r].submit(self.shards[r].warm_up) for r in range(1, self.tp)]
+        self.shards[0].warm_up()
+        for f in futures:
+            f.result()

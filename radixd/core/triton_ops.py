@@ -2,7 +2,8 @@
 small torch ops, with torch fallbacks used on CPU:
 
 * ``add_rmsnorm``: residual += x; out = RMSNorm(residual) (or just RMSNorm(x)).
-* ``rope_store``: rotate q in place and write rotated k and v into the KV pool slots.
+* ``rope_store``: rotate q (in place, or into another tensor) and write rotated k and v into
+  the KV pool slots.
 * ``silu_mul``: SiLU(gate) * up from the fused gate/up projection.
 * ``linear``: a projection; one token's (decode at batch 1) goes through ``gemv``, a
   matrix-vector kernel that reads each weight row in long contiguous runs (cuBLAS's kernels
@@ -44,7 +45,7 @@ class KernelChoice:
 
     fuse_one_row: bool = True  # one row: the element-wise step after a GEMV in its epilogue
     rows_kernel: bool = True   # 2..ROWS_MAX_M rows: ``rows_linear`` where measured faster
-    dense_prefill: bool = False  # long extends in cuDNN's fused attention (``triton_backend``)
+    dense_prefill: bool = True  # long extends in cuDNN's fused attention (``attention.dense_prefill``)
     prefill_weights: str = "auto"  # CPU int4 weights: a bf16 copy for prefill (``cpu_int.with_prefill_copies``)
 
 
@@ -127,8 +128,8 @@ def _kv_value(x, scale, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr):
 
 
 @triton.jit
-def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, KBuf, VBuf, Loc, k_scale, v_scale,
-                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+def _rope_store_kernel(Q, QOut, K, V, Pos, Cos, Sin, KBuf, VBuf, Loc, k_scale, v_scale,
+                       stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_cos, stride_bn, stride_bh, stride_vbn, stride_vbh,
                        H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, FP8_MAX: tl.constexpr,
@@ -147,8 +148,9 @@ def _rope_store_kernel(Q, K, V, Pos, Cos, Sin, KBuf, VBuf, Loc, k_scale, v_scale
     q2 = tl.load(q1p + HALF, mask=mq, other=0.0).to(tl.float32)
     if QK_NORM:
         q1, q2 = _head_rmsnorm(q1, q2, QW, offs, mask_d, eps, Q.dtype.element_ty, HALF)
-    tl.store(q1p, (q1 * cos - q2 * sin).to(Q.dtype.element_ty), mask=mq)
-    tl.store(q1p + HALF, (q2 * cos + q1 * sin).to(Q.dtype.element_ty), mask=mq)
+    q1o = QOut + t * stride_ot + hq[:, None] * stride_oh + offs[None, :]
+    tl.store(q1o, (q1 * cos - q2 * sin).to(QOut.dtype.element_ty), mask=mq)
+    tl.store(q1o + HALF, (q2 * cos + q1 * sin).to(QOut.dtype.element_ty), mask=mq)
     hk = tl.arange(0, BLOCK_HKV)
     mk = (hk < HKV)[:, None] & mask_d[None, :]
     k1p = K + t * stride_kt + hk[:, None] * stride_kh + offs[None, :]
@@ -180,19 +182,21 @@ def _head_rmsnorm(x1, x2, W, offs, mask_d, eps, dtype, HALF: tl.constexpr):
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                loc: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
-               qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
-    """Neox-style rotary on ``q`` [T, H, D] (in place) and ``k`` [T, Hkv, D]; rotated k and
-    v go to ``k_buf[loc]``/``v_buf[loc]`` (fp8 buffers: divided by ``k_scale``/``v_scale``,
-    saturated). ``cos``/``sin``: [max_pos, D/2] float32. ``qk_norm``: (q weight [D], k weight
+               qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+               q_out: torch.Tensor | None = None) -> None:
+    """Neox-style rotary on ``q`` [T, H, D] (in place, or into ``q_out`` of its shape) and
+    ``k`` [T, Hkv, D]; rotated k and v go to ``k_buf[loc]``/``v_buf[loc]`` (fp8 buffers:
+    divided by ``k_scale``/``v_scale``, saturated). ``cos``/``sin``: [max_pos, D/2] float32. ``qk_norm``: (q weight [D], k weight
     [D], eps): each q and k head RMS-normalised first (Qwen3's q/k norms; ``add_rmsnorm``'s
     rounding), so the norms take no kernels of their own."""
     T, H, D = q.shape
     hkv = k.shape[1]
     half = D // 2
     qw, kw, eps = qk_norm if qk_norm is not None else (q, q, 0.0)  # (unread without)
+    q_out = q if q_out is None else q_out
     _rope_store_kernel[(T,)](
-        q, k, v, positions, cos, sin, k_buf, v_buf, loc, k_scale, v_scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q, q_out, k, v, positions, cos, sin, k_buf, v_buf, loc, k_scale, v_scale,
+        q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         H=H, HKV=hkv, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_H=triton.next_power_of_2(H), BLOCK_HKV=triton.next_power_of_2(hkv), **fp8_format(k_buf), QW=qw, KW=kw, eps=eps,

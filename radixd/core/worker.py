@@ -53,6 +53,10 @@ class Worker(Protocol):
     def step(self, batch: ForwardBatch) -> StepOutput:
         """``resolve(launch(batch))``."""
 
+    def warm_up(self) -> None:
+        """Build what the first steps would build (the attention backend's ``warm_up``): on
+        the replica's worker thread, once, before the first ``launch``."""
+
     def close(self) -> None:
         """Release the worker's own threads (its devices' memory goes with the object)."""
 
@@ -81,6 +85,7 @@ class ModelWorker:
         window_slots: Callable[[int], int] | None = None,
         tree_graphs: bool = False,
         aux_layers: tuple[int, ...] = (),
+        prefill_limits: tuple[int, int] = (2048, 4096),
     ):
         """``model``: already built on ``device`` (a tensor-parallel shard; ``model_cfg`` is
         then the shard's shape); otherwise loaded from ``model_path``. ``kernels``: the
@@ -92,7 +97,8 @@ class ModelWorker:
         steps with token trees (speculative decoding that drafts them). ``aux_layers``: the
         target layers an EAGLE-3 drafter reads (``speculative.drafter.ReadsTarget``): every step
         but embedding ones also hands back the residual stream after them at each of its tokens
-        (``StepOutput.aux``); (): none."""
+        (``StepOutput.aux``); (): none. ``prefill_limits``: the most new tokens of one extend
+        and of a step (the scheduler's chunk and budget), for ``dense_prefill``'s plans."""
         self.device = device
         self.aux_layers = aux_layers
         self.model_cfg = model_cfg
@@ -131,6 +137,7 @@ class ModelWorker:
             dense_prefill=kernels.dense_prefill,
             windows=windows,
             softcap=model_cfg.attn_softcap,
+            prefill_limits=prefill_limits,
         )
         self.cascade_members = self.attn.cascade_members
         self.stager = Stager(device)
@@ -266,6 +273,10 @@ class ModelWorker:
 
     def step(self, batch: ForwardBatch) -> StepOutput:
         return self.resolve(self.launch(batch))
+
+    def warm_up(self) -> None:
+        with torch.inference_mode():
+            self.attn.warm_up()
 
     def close(self) -> None:
         """Nothing of its own: it computes on the replica's thread."""

@@ -42,6 +42,11 @@ class AttentionBackend(Protocol):
         where the backend has a faster way (projection, rotary and store in one kernel); None
         where it has not: the caller projects and calls ``forward``."""
 
+    def warm_up(self) -> None:
+        """Build what the first steps would otherwise build on the thread that runs them
+        (cuDNN's attention plans): called once on that thread, before the first step, with
+        the pool idle."""
+
 
 class GraphAttention(AttentionBackend, Protocol):
     def set_decode(self, rows: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
@@ -58,12 +63,14 @@ class GraphAttention(AttentionBackend, Protocol):
 
 def make_backend(name: str, pool: KVPool, *, num_heads: int, head_dim: int, scale: float,
                  cascade: bool = False, fuse_one_row: bool = True, dense_prefill: bool = False,
-                 windows: tuple[int, ...] = (), softcap: float = 0.0) -> AttentionBackend:
+                 windows: tuple[int, ...] = (), softcap: float = 0.0,
+                 prefill_limits: tuple[int, int] = (2048, 4096)) -> AttentionBackend:
     """``cascade``: decode batches whose requests share a cached prefix read it once per
     item (``ForwardBatch.shared``; the ``triton`` backend; ``torch`` attends per request;
     not with windows). ``fuse_one_row``: one-request decode steps project, rotate and store
     K/V in one kernel (``triton``). ``dense_prefill``: long extends attend in cuDNN's fused
-    kernels (``triton``; ``triton_backend``'s docstring says when). ``windows``: each layer's
+    kernels (``triton``; ``triton_backend``'s docstring says when), of up to
+    ``prefill_limits`` (new tokens of one extend, of a step) tokens. ``windows``: each layer's
     sliding window (0: none; empty: no layer has one); ``softcap``: the score soft-cap (0:
     none)."""
     if name == "torch":
@@ -77,5 +84,5 @@ def make_backend(name: str, pool: KVPool, *, num_heads: int, head_dim: int, scal
         return TritonAttention(pool, num_heads=num_heads, head_dim=head_dim, scale=scale,
                                cascade=cascade and not any(windows), fuse_one_row=fuse_one_row,
                                dense_prefill=dense_prefill, windows=windows,
-                               softcap=softcap)
+                               softcap=softcap, prefill_limits=prefill_limits)
     raise ValueError(f"attention backend {name!r} is not available (available: 'torch', 'triton')")

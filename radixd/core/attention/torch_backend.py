@@ -130,6 +130,9 @@ class TorchAttention:
     def project_forward(self, x, proj, layer: int, positions, rotary) -> None:
         return None  # no fused projection: the layer projects and calls forward
 
+    def warm_up(self) -> None:
+        """Nothing to build (torch's SDPA, decode kernels that plan nothing)."""
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 positions: torch.Tensor, rotary) -> torch.Tensor:
         q, k = rotary(positions, q, k)

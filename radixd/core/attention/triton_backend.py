@@ -8,18 +8,14 @@ keys beside one chunk (``benchmarks.mixed_step``, two calls): 256 decodes + 512 
 through the extend kernel alone vs 377 us split (1.6-2.0x); + 2048 tokens, 2.1-2.3x; but 64
 decodes + 512 tokens, 222 vs 280 us (0.8-0.9x: the decode kernel's 64 rows are a small grid),
 hence the threshold between them.
-With ``dense_prefill`` (an engine option, off by default), long extends (each of the step's
-at least ``DENSE_MIN_TOKENS``) attend through cuDNN's fused attention instead (torch's SDPA; on
-CPU its flash kernel): on an H200, 8B shape, the extend kernel reaches 0.63x its speed on 8 x
-2048 fresh prompts and 0.73x on a 32k prompt's last chunk (``benchmarks.extend_attention``).
-It is off by default because cuDNN builds an execution plan for every new shape (prompts per
-call, their length, the prefix length): about 70 ms each on an H200, about 1 s where a new
-kernel variant is compiled, which serving with varied prompt lengths pays again and again.
-Prompts with nothing cached attend causally in one call per run of equal lengths; a chunk
-after a cached prefix in two, over the prefix (gathered through the request's table row) and
-over its own tokens causally, merged by their log-sum-exps. K is read from the pool (rotated
-there): a view where the step's slots ascend without gaps, else gathered; V as projected.
-Windows, soft-capping, fp8 pools, float32 on CUDA and token trees keep the extend kernel.
+With ``dense_prefill`` (an engine option, on by default) the step's extends of at least
+``dense_prefill.MIN_TOKENS`` new tokens attend in cuDNN's fused kernels instead, over a fixed
+set of execution plans built at start (``dense_prefill``'s docstring; ``warm_up``), and the
+others in the extend kernel; a step with too little device work to hide the fused calls' host
+time (``dense_prefill.CALL_FLOPS``) keeps the extend kernel. On an H200, 8B shape, the extend kernel reaches 0.63x cuDNN's
+speed on 8 x 2048 fresh prompts and 0.73x on a 32k prompt's last chunk
+(``benchmarks.extend_attention``). Windows, soft-capping, fp8 pools, float32 on CUDA and token
+trees keep the extend kernel; a model's window layers run it over every extend of the step.
 Token trees run every row through the extend kernel. ``set_decode`` points the backend at
 caller-owned device tensors, which is how CUDA graphs replay it.
 
@@ -37,9 +33,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 
+from radixd.core.attention import dense_prefill
+from radixd.core.attention.dense_prefill import DensePlans, DenseStep
 from radixd.core.attention.triton_kernels import (
     cascade_decode_attention,
     decode_attention,
@@ -54,39 +51,16 @@ from radixd.core.triton_ops import gemv_rope_store, one_row, rope_store
 MIN_SPLITS, MAX_SPLITS = 1, 32
 PREFIX_SPLITS = 8  # cascade: the most splits a shared prefix is read in (the grid's)
 MIXED_DECODE_ROWS = 128  # a mixed step's one-token rows take the decode kernel from this many (module docstring)
-DENSE_MIN_TOKENS = 256  # a step's extends attend in cuDNN's kernels when each has this many (module docstring)
-DENSE_MAX_CALLS = 32  # ... in at most this many groups (runs of fresh prompts, chunks after a prefix) per layer
-CUDNN_NATIVE_GQA = True  # cuDNN's kernel reads grouped K/V heads as they are (the H200: same output; else repeated)
 
 
-class Dense(NamedTuple):
-    """A step of long extends, attended in cuDNN's kernels (module docstring)."""
+class Extends(NamedTuple):
+    """The extend kernel's inputs for some of a step's extends (device tensors)."""
 
-    first: int | None  # the first token's slot where the step's slots ascend without gaps, else None (K gathered)
-    runs: list[tuple[int, int, int]]  # (first token, requests, tokens each): consecutive fresh prompts of one length
-    prefixed: list[tuple[int, int, int, int]]  # (first token, tokens, table row, prefix length): chunks after a prefix
-
-
-def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused attention of q [B, H, L, D] over k/v [B, Hkv, S, D] (``causal``: L == S) and its
-    log-sum-exp [B, H, L, 1] (float32): cuDNN's kernel on CUDA, the flash kernel on CPU."""
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1 and not (q.is_cuda and CUDNN_NATIVE_GQA):
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    if q.is_cuda:
-        o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
-                                                                     scale=scale)[:2]
-    else:
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return o, lse.reshape(*q.shape[:3], 1).float()
-
-
-def merge_lse(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
-    """Attention over the union of two key sets from each set's output and log-sum-exp."""
-    m = torch.maximum(l1, l2)
-    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
-    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(o1.dtype)
+    rows: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    q_starts: torch.Tensor
+    max_extend: int
 
 
 def decode_splits(batch: int, kv_heads: int, processors: int) -> int:
@@ -101,13 +75,14 @@ def decode_splits(batch: int, kv_heads: int, processors: int) -> int:
 
 class TritonAttention:
     """A ``GraphAttention``. ``fuse_one_row``: take ``project_forward``'s one-kernel path;
-    ``dense_prefill``: long extends in cuDNN's kernels (module docstring)."""
+    ``dense_prefill``: long extends in cuDNN's kernels (module docstring), for extends of up
+    to ``prefill_limits[0]`` new tokens, ``prefill_limits[1]`` in a step (the scheduler's
+    chunk and step budget: what ``warm_up`` builds plans for)."""
 
     def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float, cascade: bool = False,
                  fuse_one_row: bool = True, dense_prefill: bool = False, windows: tuple[int, ...] = (),
-                 softcap: float = 0.0):
+                 softcap: float = 0.0, prefill_limits: tuple[int, int] = (2048, 4096)):
         self.pool = pool
-        self.dense_prefill = dense_prefill
         self.windows = windows or (0,) * len(pool.k_buffers)
         self.softcap = softcap
         self.mapped = tuple(bool(w) and pool.to_window is not None for w in self.windows)
@@ -120,7 +95,10 @@ class TritonAttention:
         self.processors = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
         self.decode = False
         self.mixed = None
-        self.dense: Dense | None = None
+        self.plans = self._dense_plans(prefill_limits) if dense_prefill else None
+        self.dense: DenseStep | None = None
+        self.extends: Extends | None = None  # the extend kernel's share of a step (None: nothing)
+        self.window_extends: Extends | None = None  # ... on window layers (every extend)
         self.shared = None
         self.tree: tuple[torch.Tensor, torch.Tensor] | None = None
         # Requests per shared-prefix item when decoding in cascade (ForwardBatch.shared);
@@ -128,6 +106,27 @@ class TritonAttention:
         self.cascade_members = prefix_members(num_heads // pool.k_buffers[0].shape[1]) if cascade else 0
         self.num_splits = MAX_SPLITS + (PREFIX_SPLITS if cascade else 0)  # partials' slots per request
         self._mid: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _dense_plans(self, limits: tuple[int, int]) -> DensePlans | None:
+        """``dense_prefill``'s plans, or None where the fused path does not apply (module docstring)."""
+        pool = self.pool
+        dtype = pool.k_buffers[0].dtype
+        cuda = pool.device.type == "cuda"
+        if self.softcap or all(self.windows) or dtype not in (
+                (torch.bfloat16, torch.float16) if cuda else (torch.bfloat16, torch.float16, torch.float32)):
+            return None
+        layer = self.windows.index(0)
+        return DensePlans(heads=self.num_heads, kv_heads=pool.k_buffers[0].shape[1], head_dim=self.head_dim,
+                          dtype=dtype, device=pool.device,
+                          max_extend=min(limits), max_tokens=limits[1],
+                          max_context=min(pool.req_to_token.shape[1], pool.k_buffers[layer].shape[0] - 1))
+
+    def warm_up(self) -> None:
+        """Build on this thread the cuDNN plans the steps' fused attention may take (the
+        thread that runs the steps: torch keeps them per thread), before the first step."""
+        if self.plans is not None:
+            layer = self.windows.index(0)
+            self.plans.warm_up(self.pool.k_buffers[layer], self.pool.v_buffers[layer])
 
     def _scratch(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Split-KV partials for up to ``batch`` requests (grown, never shrunk)."""
@@ -185,81 +184,60 @@ class TritonAttention:
             starts.append(starts[-1] + e)
         if batch.trees is not None:
             self._begin_trees(batch, starts, stage)
+            self.window_extends = self.extends
             return
         ones = [i for i, e in enumerate(batch.extend_lens) if e == 1]
-        if len(ones) < MIXED_DECODE_ROWS:
-            self.dense = self._plan_dense(batch)
-            self.rows = rows
-            self.prefix_lens = stage(batch.prefix_lens)
-            self.extend_lens = stage(batch.extend_lens)
-            self.q_starts = stage(starts)
-            self.max_extend = max(batch.extend_lens)
-            return
-        # a mixed step: the one-token rows decode, the others extend
-        ext = [i for i, e in enumerate(batch.extend_lens) if e != 1]
-        self.rows = stage([batch.rows[i] for i in ext])
-        self.prefix_lens = stage([batch.prefix_lens[i] for i in ext])
-        self.extend_lens = stage([batch.extend_lens[i] for i in ext])
-        self.q_starts = stage([starts[i] for i in ext])
-        self.max_extend = max(batch.extend_lens[i] for i in ext)
-        n = len(ones)
-        # their tokens: the step's first n when the decodes lead (the scheduler's order), else gathered
-        tokens = slice(0, n) if ones[-1] == n - 1 else stage([starts[i] for i in ones])
-        splits = decode_splits(n, self.pool.k_buffers[0].shape[1], self.processors)
-        mid_o, mid_lse = self._scratch(n)
-        self.mixed = (tokens, stage([batch.rows[i] for i in ones]), stage([batch.seq_lens[i] for i in ones]), splits,
-                      mid_o[:, :, :splits], mid_lse[:, :, :splits])
+        ext = list(range(len(batch.extend_lens)))
+        if len(ones) >= MIXED_DECODE_ROWS:  # a mixed step: the one-token rows decode
+            ext = [i for i, e in enumerate(batch.extend_lens) if e != 1]
+            n = len(ones)
+            # their tokens: the step's first n when the decodes lead (the scheduler's order), else gathered
+            tokens = slice(0, n) if ones[-1] == n - 1 else stage([starts[i] for i in ones])
+            splits = decode_splits(n, self.pool.k_buffers[0].shape[1], self.processors)
+            mid_o, mid_lse = self._scratch(n)
+            self.mixed = (tokens, stage([batch.rows[i] for i in ones]), stage([batch.seq_lens[i] for i in ones]),
+                          splits, mid_o[:, :, :splits], mid_lse[:, :, :splits])
+        kernel = ext
+        if self.plans is not None and ext:
+            self.dense = self._plan_dense(batch, ext, starts)
+            if self.dense is not None:
+                kernel = [ext[j] for j in self.dense.rest]
+        self.extends = self._stage_extends(batch, kernel, starts, stage, rows)
+        self.window_extends = self.extends
+        if self.dense is not None and any(self.windows):
+            self.window_extends = self._stage_extends(batch, ext, starts, stage, rows)
 
-    def _plan_dense(self, batch: ForwardBatch) -> Dense | None:
-        """The cuDNN plan of a step of long extends (module docstring), or None."""
-        lens = batch.extend_lens
-        dtype = self.pool.k_buffers[0].dtype
-        if not self.dense_prefill or min(lens) < DENSE_MIN_TOKENS or self.softcap:
+    @staticmethod
+    def _stage_extends(batch: ForwardBatch, which: list[int], starts: list[int], stage,
+                       rows: torch.Tensor) -> Extends | None:
+        """The extend kernel's inputs for the extends ``which`` (indices into the batch), None
+        if none; ``rows``: the batch's rows, staged."""
+        if not which:
             return None
-        if dtype not in ((torch.bfloat16, torch.float16) if self.pool.device.type == "cuda" else
-                         (torch.bfloat16, torch.float16, torch.float32)):
-            return None
-        runs: list[tuple[int, int, int]] = []
-        prefixed: list[tuple[int, int, int, int]] = []
-        start = 0
-        for n, p, row in zip(lens, batch.prefix_lens, batch.rows, strict=True):
-            if p:
-                prefixed.append((start, n, row, p))
-            elif runs and runs[-1][2] == n and runs[-1][0] + runs[-1][1] * n == start:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1, n)
-            else:
-                runs.append((start, 1, n))
-            start += n
-        if len(runs) + len(prefixed) > DENSE_MAX_CALLS:
-            return None
+        if len(which) == len(batch.extend_lens):
+            return Extends(rows, stage(batch.prefix_lens), stage(batch.extend_lens), stage(starts),
+                           max(batch.extend_lens))
+        lens = [batch.extend_lens[i] for i in which]
+        return Extends(stage([batch.rows[i] for i in which]), stage([batch.prefix_lens[i] for i in which]),
+                       stage(lens), stage([starts[i] for i in which]), max(lens))
+
+    def _plan_dense(self, batch: ForwardBatch, ext: list[int], starts: list[int]) -> DenseStep | None:
+        """The fused calls of the step's extends ``ext`` (``dense_prefill.plan``), or None if
+        none is long enough and warmed."""
+        pick = lambda xs: [xs[i] for i in ext]  # noqa: E731
+        fresh, joined, split, rest, exact = dense_prefill.plan(
+            pick(batch.extend_lens), pick(batch.prefix_lens), pick(batch.rows), pick(starts), self.plans.ready,
+            self.plans.min_tokens)
+        calls = len(fresh) + len(joined) + 2 * len(split)
+        kept = set(range(len(ext))) - set(rest)
+        fused = [(batch.extend_lens[ext[j]], batch.prefix_lens[ext[j]]) for j in sorted(kept)]
+        if not calls or dense_prefill.layer_flops(batch.num_tokens, self.num_heads * self.head_dim, fused) \
+                < dense_prefill.CALL_FLOPS * calls:
+            return None  # (too little device work to hide the fused calls' host time: the extend kernel's)
         loc = batch.out_cache_loc
         first = int(loc[0])
         in_order = int(loc[-1]) - first == loc.numel() - 1 and bool((loc.diff() == 1).all())
-        return Dense(first if in_order else None, runs, prefixed)
-
-    def _attend_dense(self, q: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
-        """``forward``'s attention for a ``Dense`` step (module docstring)."""
-        first, runs, prefixed = self.dense
-        T, H, D = q.shape
-        k = k_buf[first:first + T] if first is not None else k_buf[self.out_cache_loc]
-        out = None if len(runs) == 1 and not prefixed else torch.empty((T, H, D), dtype=q.dtype, device=q.device)
-        for start, count, n in runs:
-            span = slice(start, start + count * n)
-            o = F.scaled_dot_product_attention(
-                *(t[span].view(count, n, t.shape[1], D).transpose(1, 2) for t in (q, k, v)),
-                is_causal=True, scale=self.scale, enable_gqa=True).transpose(1, 2)
-            if out is None:
-                return o.reshape(T, H, D)
-            out[span].view(count, n, H, D).copy_(o)
-        for start, n, row, p in prefixed:
-            span = slice(start, start + n)
-            slots = self.pool.req_to_token[row, :p]
-            qs = q[span].view(1, n, H, D).transpose(1, 2)
-            o1, l1 = attention_lse(qs, *(b[slots].view(1, p, -1, D).transpose(1, 2) for b in (k_buf, v_buf)),
-                                   False, self.scale)
-            o2, l2 = attention_lse(qs, *(t[span].view(1, n, -1, D).transpose(1, 2) for t in (k, v)), True, self.scale)
-            out[span].view(1, n, H, D).copy_(merge_lse(o1, l1, o2, l2).transpose(1, 2))
-        return out
+        return DenseStep(first if in_order else None, fresh, joined, split, rest, batch.num_tokens, exact)
 
     def _begin_trees(self, batch: ForwardBatch, starts: list[int], stage) -> None:
         """The extend kernel's inputs for a batch with token trees: each tree's rows are one
@@ -280,9 +258,7 @@ class TritonAttention:
                 masks.append(trees.masks[t].reshape(-1))
                 off += n * n
             i += 1 if t is None else n
-        self.rows, self.prefix_lens, self.extend_lens = stage(rows), stage(prefix), stage(extend)
-        self.q_starts = stage(q_starts)
-        self.max_extend = max(extend)
+        self.extends = Extends(stage(rows), stage(prefix), stage(extend), stage(q_starts), max(extend))
         self.tree_offsets = stage(offsets)
         self.tree_mask = torch.cat(masks).to(torch.int8).to(self.pool.device)
 
@@ -302,16 +278,26 @@ class TritonAttention:
                 positions: torch.Tensor, rotary, qk_norm=None) -> torch.Tensor:
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
         scales = self._scales(layer)
+        dense = None if self.decode or self.windows[layer] else self.dense
+        # the fused calls' q: as projected for a step of exact-shape plans, else contiguous (bucketed plans)
+        strided = dense is None or (dense.exact and q.stride() == self.plans.q_strides)
+        q_out = q if strided else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         rope_store(q, k, v, positions, rotary.cos, rotary.sin, k_buf, v_buf, self._loc(layer), *scales,
-                   qk_norm=qk_norm)
+                   qk_norm=qk_norm, q_out=q_out)
+        q = q_out
         if self.decode:
             return self._decode(q, layer)
-        if self.dense is not None and not self.windows[layer]:
-            return self._attend_dense(q, v, k_buf, v_buf)
+        ext = self.window_extends if self.windows[layer] else self.extends
+        if dense is not None and ext is None and self.mixed is None and len(dense.fresh) == 1 \
+                and not (dense.joined or dense.split) and dense.fresh[0][1] * dense.fresh[0][2] == q.shape[0]:
+            return dense_prefill.attend(dense, q, k_buf, v_buf, self.out_cache_loc, self.pool.req_to_token,
+                                        self.scale, None)  # (one call, the whole step: its output as it is)
         out = torch.empty_like(q)
-        if self.max_extend:
-            extend_attention(q, k_buf, v_buf, self.pool.req_to_token, self.rows, self.prefix_lens,
-                             self.extend_lens, self.q_starts, self.max_extend, self.scale, out=out,
+        if dense is not None:
+            dense_prefill.attend(dense, q, k_buf, v_buf, self.out_cache_loc, self.pool.req_to_token, self.scale, out)
+        if ext is not None:
+            extend_attention(q, k_buf, v_buf, self.pool.req_to_token, ext.rows, ext.prefix_lens,
+                             ext.extend_lens, ext.q_starts, ext.max_extend, self.scale, out=out,
                              window=self.windows[layer], softcap=self.softcap, k_scale=scales[0],
                              v_scale=scales[1], slot_map=self._map(layer), tree_mask=self.tree_mask,
                              tree_offsets=self.tree_offsets)
