@@ -286,6 +286,8 @@ DEFINE_ROTARY(rotary_f32, float, IDENT, IDENT)
 #include <immintrin.h>
 #include <stdlib.h>
 
+#define FMA_TARGET __attribute__((target("avx2,fma,f16c")))  /* (the AVX2 kernels: avx2_supported) */
+
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")))
 #define Q4_REC 320
 #define Q8_REC 544
@@ -1467,7 +1469,100 @@ typedef struct {
     float *scratch, *hscratch;
     int64_t Hq, Hkv, D, L, S, e;
     float scale;
+    int fast;                                    /* float32: att_f32_avx2 (head_dim a multiple of 8) */
 } dec_ctx;
+
+/* Four floats' sums of four vectors: {sum a0, sum a1, sum a2, sum a3}. */
+FMA_TARGET static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+FMA_TARGET static inline float hsum1(__m256 a) {
+    const __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
+}
+
+/* decode_f32_head's contract on an AVX2 CPU, D a multiple of 8 (at most MAX_D): the query
+ * heads three at a time, scores four keys at a time (12 sums in registers, each key's row
+ * loaded once for the three heads), the values' weighted sums a quarter of a row (4 vectors)
+ * at a time for the three heads (12 sums). The generic kernel kept every head's sums in
+ * memory, a load and a store per multiply-add. */
+#define ATT_GH 3
+FMA_TARGET static void att_f32_avx2(const float *q, const float *k, const float *v, const int64_t *row, int64_t n,
+                                    float *out, int64_t Hkv, int64_t h, float scale, float *scratch, int64_t G,
+                                    int64_t D) {
+    const int64_t DV = D / 8;
+    for (int64_t g0 = 0; g0 < G; g0 += ATT_GH) {
+        const int gh = G - g0 < ATT_GH ? (int)(G - g0) : ATT_GH;
+        const float *qg = q + g0 * D;
+        float *sc[ATT_GH], top[ATT_GH], inv[ATT_GH];
+        for (int i = 0; i < ATT_GH; i++) { sc[i] = scratch + (g0 + (i < gh ? i : 0)) * n; top[i] = -FLT_MAX; }
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) {
+            const float *kr[4];
+            for (int t = 0; t < 4; t++) kr[t] = k + (row[j + t] * Hkv + h) * D;
+            __m256 a[ATT_GH][4];
+            for (int i = 0; i < ATT_GH; i++) for (int t = 0; t < 4; t++) a[i][t] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < DV; d++) {
+                const __m256 q0 = _mm256_loadu_ps(qg + 8 * d);
+                const __m256 q1 = gh > 1 ? _mm256_loadu_ps(qg + D + 8 * d) : q0;
+                const __m256 q2 = gh > 2 ? _mm256_loadu_ps(qg + 2 * D + 8 * d) : q0;
+                for (int t = 0; t < 4; t++) {
+                    const __m256 kv = _mm256_loadu_ps(kr[t] + 8 * d);
+                    a[0][t] = _mm256_fmadd_ps(q0, kv, a[0][t]);
+                    a[1][t] = _mm256_fmadd_ps(q1, kv, a[1][t]);
+                    a[2][t] = _mm256_fmadd_ps(q2, kv, a[2][t]);
+                }
+            }
+            for (int i = 0; i < gh; i++) {
+                const __m128 s4 = _mm_mul_ps(hsum4(a[i][0], a[i][1], a[i][2], a[i][3]), _mm_set1_ps(scale));
+                _mm_storeu_ps(sc[i] + j, s4);
+                float m4[4];
+                _mm_storeu_ps(m4, s4);
+                for (int t = 0; t < 4; t++) top[i] = m4[t] > top[i] ? m4[t] : top[i];
+            }
+        }
+        for (; j < n; j++) {
+            const float *kr = k + (row[j] * Hkv + h) * D;
+            for (int i = 0; i < gh; i++) {
+                __m256 a = _mm256_setzero_ps();
+                for (int64_t d = 0; d < DV; d++) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i * D + 8 * d), _mm256_loadu_ps(kr + 8 * d), a);
+                const float s1 = hsum1(a) * scale;
+                sc[i][j] = s1;
+                top[i] = s1 > top[i] ? s1 : top[i];
+            }
+        }
+        for (int i = 0; i < gh; i++) {
+            float z = 0.f, *si = sc[i];
+            const float ti = top[i];
+            _Pragma("omp simd reduction(+:z)")
+            for (int64_t jj = 0; jj < n; jj++) { si[jj] = expf(si[jj] - ti); z += si[jj]; }
+            inv[i] = 1.f / z;
+        }
+        for (int64_t d0 = 0; d0 < DV; d0 += 4) {
+            const int nd = DV - d0 < 4 ? (int)(DV - d0) : 4;
+            __m256 a[ATT_GH][4];
+            for (int i = 0; i < ATT_GH; i++) for (int t = 0; t < 4; t++) a[i][t] = _mm256_setzero_ps();
+            for (int64_t jj = 0; jj < n; jj++) {
+                const float *vr = v + (row[jj] * Hkv + h) * D + 8 * d0;
+                const __m256 p0 = _mm256_broadcast_ss(sc[0] + jj), p1 = _mm256_broadcast_ss(sc[1] + jj),
+                             p2 = _mm256_broadcast_ss(sc[2] + jj);
+                for (int t = 0; t < 4; t++) {
+                    if (t >= nd) break;
+                    const __m256 vv = _mm256_loadu_ps(vr + 8 * t);
+                    a[0][t] = _mm256_fmadd_ps(p0, vv, a[0][t]);
+                    a[1][t] = _mm256_fmadd_ps(p1, vv, a[1][t]);
+                    a[2][t] = _mm256_fmadd_ps(p2, vv, a[2][t]);
+                }
+            }
+            for (int i = 0; i < gh; i++)
+                for (int t = 0; t < nd; t++)
+                    _mm256_storeu_ps(out + (g0 + i) * D + 8 * (d0 + t), _mm256_mul_ps(a[i][t], _mm256_set1_ps(inv[i])));
+        }
+    }
+}
 
 static void dec_unit(const void *p, int64_t u, int helper) {
     const dec_ctx *c = p;
@@ -1489,6 +1584,9 @@ static void dec_unit(const void *p, int64_t u, int helper) {
     if (c->e == 2)
         decode_bf16_head((const uint16_t *)c->q + off, c->k, c->v, row, n, (uint16_t *)(helper ? c->shadow : c->out) + off,
                          c->Hkv, h, c->scale, scratch, G, c->D);
+    else if (c->fast)
+        att_f32_avx2((const float *)c->q + off, c->k, c->v, row, n, (float *)(helper ? c->shadow : c->out) + off,
+                     c->Hkv, h, c->scale, scratch, G, c->D);
     else
         decode_f32_head((const float *)c->q + off, c->k, c->v, row, n, (float *)(helper ? c->shadow : c->out) + off,
                         c->Hkv, h, c->scale, scratch, G, c->D);
@@ -1504,19 +1602,22 @@ static void dec_copy(const void *p, int64_t u) {
  * where the helper runs, else as they are. */
 int decode_mt(int bf16, const void *q, const void *k, const void *v, const int64_t *slots, const int64_t *lens,
               void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t L, float scale, float *scratch,
-              int64_t S) {
+              int64_t S, int fast) {
     const int64_t G = Hq / Hkv, e = bf16 ? 2 : 4;
     if (G > MAX_G || D > MAX_D || G * Hkv != Hq) return -1;
+    fast = fast && !bf16 && D % 8 == 0;
     const size_t qbytes = (B * Hq * D * e + 63) / 64 * 64, sbytes = (B * L + B) * sizeof(int64_t);
-    if (B * Hkv < 2 || B * Hkv > MAX_UNITS || !pool_begin(qbytes + sbytes, B * Hq * D * e, G * L * (sizeof(float) + sizeof(int64_t))))
-        return bf16 ? decode_bf16(q, k, v, slots, lens, out, B, Hq, Hkv, D, L, scale, scratch)
-                    : decode_f32(q, k, v, slots, lens, out, B, Hq, Hkv, D, L, scale, scratch);
+    if (B * Hkv < 2 || B * Hkv > MAX_UNITS || !pool_begin(qbytes + sbytes, B * Hq * D * e, G * L * (sizeof(float) + sizeof(int64_t)))) {
+        dec_ctx c = {q, k, v, slots, lens, out, NULL, scratch, NULL, Hq, Hkv, D, L, S, e, scale, fast};
+        for (int64_t u = 0; u < B * Hkv; u++) dec_unit(&c, u, 0);
+        return 0;
+    }
     char *qc = P.arena;
     int64_t *sc = (int64_t *)(P.arena + qbytes);
     memcpy(qc, q, B * Hq * D * e);
     memcpy(sc, slots, B * L * sizeof(int64_t));
     memcpy(sc + B * L, lens, B * sizeof(int64_t));
-    dec_ctx c = {qc, k, v, sc, sc + B * L, out, P.shadow, scratch, (float *)P.hscratch, Hq, Hkv, D, L, S, e, scale};
+    dec_ctx c = {qc, k, v, sc, sc + B * L, out, P.shadow, scratch, (float *)P.hscratch, Hq, Hkv, D, L, S, e, scale, fast};
     parallel_for(dec_unit, dec_copy, &c, sizeof c, B * Hkv);
     pool_end();
     return 0;
@@ -1583,7 +1684,6 @@ VNNI_TARGET int qmm_vnni(int bits, const void *x, int x_bf16, int64_t ldx, int a
  * a decode step of 8 requests' int matmuls (the default model) in place of torch's int4
  * kernel on bf16 activations (see cpu_int). */
 
-#define FMA_TARGET __attribute__((target("avx2,fma,f16c")))
 #define FMA_ROWS 6   /* rows per pass of the kernel (2 x 6 accumulators) */
 
 /* 1 where this CPU runs the AVX2 kernels. */
@@ -1962,7 +2062,8 @@ FMA_TARGET int decode_layers_f32(const dmodel_t *m, const dlayer_t *ls, const ds
     memcpy(lens, st->lens, M * sizeof(int64_t));
     void *shadow = par ? P.shadow : NULL;
     float *hscratch = par ? (float *)P.hscratch : NULL;
-    dec_ctx ac = {q, NULL, NULL, slots, lens, att, shadow, scores, hscratch, Hq, Hkv, D, W, st->pool_slots, 4, m->scale};
+    dec_ctx ac = {q, NULL, NULL, slots, lens, att, shadow, scores, hscratch, Hq, Hkv, D, W, st->pool_slots, 4, m->scale,
+                  D % 8 == 0};
     for (int64_t l = 0; l < m->layers; l++) {
         const dlayer_t *L = &ls[l];
         float *k_buf = (float *)L->k_buf, *v_buf = (float *)L->v_buf;

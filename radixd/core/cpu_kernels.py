@@ -154,7 +154,7 @@ def library() -> ctypes.CDLL | None:
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p]
     lib.decode_mt.restype = ctypes.c_int
     lib.decode_mt.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5
-                              + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64])
+                              + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int])
     for name in ("add_rmsnorm_bf16", "add_rmsnorm_f32"):
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
@@ -369,7 +369,7 @@ def decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, slots: Tensor, lens: Tensor,
     if dp:
         rc = lib.decode_bf16_dp(*args)
     else:  # (on both threads where the kernels' helper runs)
-        rc = lib.decode_mt(int(q.dtype == torch.bfloat16), *args, k_buf.shape[0])
+        rc = lib.decode_mt(int(q.dtype == torch.bfloat16), *args, k_buf.shape[0], int(_extension("avx2_supported")))
     if rc:
         raise ValueError(f"cpu_kernels.decode: shape out of range (heads {heads}, KV heads {kv_heads}, head_dim {dim})")
     return out
