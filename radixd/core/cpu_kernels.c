@@ -384,32 +384,35 @@ static inline void act_rows(const act_t *a, int64_t M, int64_t K, int64_t r, int
     *q2 = a->q2 ? a->q2 + r * K : NULL;
 }
 
+/* Row r of x [M, K] (float32 or bf16, rows ldx apart; act 1: [M, 2K] gate | up, taken as
+ * SiLU(gate) * up) in float32, into o [K]. */
+static void row_in(const void *x, int x_bf16, int64_t ldx, int act, int64_t r, int64_t K, float *o) {
+    if (x_bf16) {
+        const uint16_t *xr = (const uint16_t *)x + r * ldx;
+        if (act) {
+            _Pragma("omp simd")
+            for (int64_t i = 0; i < K; i++) o[i] = silu_f(bf16_to_f32(xr[i])) * bf16_to_f32(xr[K + i]);
+        } else {
+            _Pragma("omp simd")
+            for (int64_t i = 0; i < K; i++) o[i] = bf16_to_f32(xr[i]);
+        }
+    } else {
+        const float *xr = (const float *)x + r * ldx;
+        if (act) {
+            _Pragma("omp simd")
+            for (int64_t i = 0; i < K; i++) o[i] = silu_f(xr[i]) * xr[K + i];
+        } else {
+            memcpy(o, xr, K * sizeof(float));
+        }
+    }
+}
+
 /* x rows to float (and SiLU(gate) * up), then quantized; tmp holds one row of K floats. */
 static void quantize_act(const void *x, int x_bf16, int64_t ldx, int act, int64_t M, int64_t K, act_t *a,
                          float *tmp) {
     const int64_t B = K / 32;
     for (int64_t r = 0; r < M; r++) {
-        if (x_bf16) {
-            const uint16_t *xr = (const uint16_t *)x + r * ldx;
-            if (act) {
-                _Pragma("omp simd")
-                for (int64_t i = 0; i < K; i++) {
-                    const float g = bf16_to_f32(xr[i]);
-                    tmp[i] = silu_f(g) * bf16_to_f32(xr[K + i]);
-                }
-            } else {
-                _Pragma("omp simd")
-                for (int64_t i = 0; i < K; i++) tmp[i] = bf16_to_f32(xr[i]);
-            }
-        } else {
-            const float *xr = (const float *)x + r * ldx;
-            if (act) {
-                _Pragma("omp simd")
-                for (int64_t i = 0; i < K; i++) tmp[i] = silu_f(xr[i]) * xr[K + i];
-            } else {
-                memcpy(tmp, xr, K * sizeof(float));
-            }
-        }
+        row_in(x, x_bf16, ldx, act, r, K, tmp);
         int8_t *q1, *q2;
         act_rows(a, M, K, r, &q1, &q2);
         quantize_row(tmp, K, q1, q2, a->d + r * B, a->s + r * B, a->neg + r * B);
@@ -1903,28 +1906,8 @@ static void fma_copy(const void *p, int64_t u) {
 
 /* x [M, K] (float32 or bf16, rows ldx apart; act 1: [M, 2K] gate | up, taken as SiLU(gate) *
  * up) as float32 rows K apart, into xf. */
-FMA_TARGET static void fma_rows_in(const void *x, int x_bf16, int64_t ldx, int act, int64_t M, int64_t K, float *xf) {
-    for (int64_t r = 0; r < M; r++) {
-        float *o = xf + r * K;
-        if (x_bf16) {
-            const uint16_t *xr = (const uint16_t *)x + r * ldx;
-            if (act) {
-                _Pragma("omp simd")
-                for (int64_t i = 0; i < K; i++) o[i] = silu_f(bf16_to_f32(xr[i])) * bf16_to_f32(xr[K + i]);
-            } else {
-                _Pragma("omp simd")
-                for (int64_t i = 0; i < K; i++) o[i] = bf16_to_f32(xr[i]);
-            }
-        } else {
-            const float *xr = (const float *)x + r * ldx;
-            if (act) {
-                _Pragma("omp simd")
-                for (int64_t i = 0; i < K; i++) o[i] = silu_f(xr[i]) * xr[K + i];
-            } else {
-                memcpy(o, xr, K * sizeof(float));
-            }
-        }
-    }
+static void fma_rows_in(const void *x, int x_bf16, int64_t ldx, int act, int64_t M, int64_t K, float *xf) {
+    for (int64_t r = 0; r < M; r++) row_in(x, x_bf16, ldx, act, r, K, xf + r * K);
 }
 
 /* y = xf @ W.T (xf float32 rows K apart, in memory a late helper may still read): the column

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from radixd.core.attention import dense_prefill
+import radixd.core.attention.dense_prefill as dense_prefill
 from radixd.core.attention.dense_prefill import DensePlans, DenseStep
 from radixd.core.attention.triton_kernels import (
     cascade_decode_attention,
