@@ -11,6 +11,10 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # dtype "auto" on a CPU picks float32 whatever the CPU (the tests compare with float32 references).
 os.environ.setdefault("RADIXD_CPU_AUTO_DTYPE", "float32")
+# cuDNN attention's bucketed plans (attention.dense_prefill), asked for before the process's first
+# cuDNN attention, as a daemon's engine asks: else an engine made after a test that ran torch's
+# SDPA keeps its long prompts on the extend kernel (torch reads the setting once).
+os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
 if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors through the interpreter (set before triton is used).
     os.environ.setdefault("TRITON_INTERPRET", "1")
