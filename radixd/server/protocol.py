@@ -169,7 +169,9 @@ NATIVE_SCHEMAS = {
     "stream": _opt(_BOOL),
     "priority": _opt(_INT),
     "rid": _one_or_list({"type": "string", "minLength": 1}),
-    "model": _opt(_MODEL),
+    # any string: gateways name one (smg sends "unknown" when the client names none) and, as in
+    # SGLang's GenerateReqInput, nothing reads it (native_protocol.parse_native)
+    "model": _opt(_STR),
     "return_logprob": _one_or_list(_BOOL),
     "logprob_start_len": _one_or_list({"type": "integer", "minimum": -1}),  # -1: the last prompt token
     "top_logprobs_num": _one_or_list(_TOP_LOGPROBS),
