@@ -1302,13 +1302,20 @@ VNNI_TARGET static void qmm_unit(const void *p, int64_t u, int helper) {
     else q8mm_range(c->w, &c->a, c->M, c->N, c->K, y, c->y_bf16, c->ldy, c0, c1);
 }
 
+/* Column groups [c0, c1) of every row of y [M, N] (elements of e bytes, rows ldy apart) from
+ * the helper's shadow: a matmul unit's results. */
+static void copy_groups(void *y, const void *shadow, int64_t M, int64_t N, int64_t ldy, int64_t e, int64_t c0,
+                        int64_t c1) {
+    const int64_t n0 = c0 * 16, n1 = c1 * 16 < N ? c1 * 16 : N;
+    for (int64_t m = 0; m < M; m++)
+        memcpy((char *)y + (m * ldy + n0) * e, (const char *)shadow + (m * ldy + n0) * e, (n1 - n0) * e);
+}
+
 static void qmm_copy(const void *p, int64_t u) {
     const qmm_ctx *c = p;
     int64_t c0, c1;
     qmm_groups(c, u, &c0, &c1);
-    const int64_t n0 = c0 * 16, n1 = c1 * 16 < c->N ? c1 * 16 : c->N, e = c->y_bf16 ? 2 : 4;
-    for (int64_t m = 0; m < c->M; m++)
-        memcpy((char *)c->y + (m * c->ldy + n0) * e, (char *)c->shadow + (m * c->ldy + n0) * e, (n1 - n0) * e);
+    copy_groups(c->y, c->shadow, c->M, c->N, c->ldy, c->y_bf16 ? 2 : 4, c0, c1);
 }
 
 /* qmm_run's matmul (activations already quantized into a) on both threads where allowed. */
@@ -1653,6 +1660,20 @@ typedef struct {
 
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
+/* A decode step's positions, new slots, lengths and slots checked against the rotary table and
+ * the pool: 0, -3 (a position past the table) or -4 (a slot outside the pool, a length outside
+ * the table row). */
+static int step_bad(const dmodel_t *m, const dstep_t *st) {
+    const int64_t W = st->width;
+    for (int64_t t = 0; t < st->rows; t++) {
+        if (st->pos[t] < 0 || st->pos[t] >= m->max_pos) return -3;
+        if (st->lens[t] < 1 || st->lens[t] > W || st->loc[t] < 0 || st->loc[t] >= st->pool_slots) return -4;
+        for (int64_t j = 0; j < st->lens[t]; j++)
+            if (st->slots[t * W + j] < 0 || st->slots[t * W + j] >= st->pool_slots) return -4;
+    }
+    return 0;
+}
+
 /* y [M, N] = x [M, K] @ W.T for a q4 (bits 4) or q8 (bits 8) weight; K a multiple of 32; x
  * float32 or bf16 (x_bf16), y likewise; act 1: x is [M, 2K] gate | up, multiplied as
  * SiLU(gate) * up. Any M: each column group's weights are read once from memory for all rows
@@ -1679,10 +1700,9 @@ VNNI_TARGET int qmm_vnni(int bits, const void *x, int x_bf16, int64_t ldx, int a
  * multiplied in a 6-row x 16-column FMA kernel (12 accumulators in registers).
  *
  * A column group's panel holds its 16 columns' weights w = d * q + m (q4) or d * (u - 128)
- * (q8), input-major: pan[i * 16 + l] = W[16c + l, i]. Up to FMA_ROWS rows it is one block of
- * 32 inputs at a time (2 KiB, in L1) and the accumulators run over every block; for more rows
- * (a prefill) the group's whole panel (K * 64 bytes, in L2) is made once and each chunk of 6
- * rows reads it. Each weight is read from memory once per call; the sums are float32 fused
+ * (q8), input-major: pan[i * 16 + l] = W[16c + l, i]. Up to FMA_FEW rows (a decode step) take
+ * no panel: the weights are dequantized in registers (fma_few); for more rows (a prefill) the
+ * group's whole panel (K * 64 bytes, in L2) is made once and each chunk of 6 rows reads it. Each weight is read from memory once per call; the sums are float32 fused
  * multiply-adds, in input order within a row. On an AVX2 CPU (a 2-core AMD EPYC) this served
  * a decode step of 8 requests' int matmuls (the default model) in place of torch's int4
  * kernel on bf16 activations (see cpu_int). */
@@ -1818,20 +1838,15 @@ FMA_TARGET static inline __attribute__((always_inline)) void fma_store(const __m
 #define FMA_CASE(R) case R: {                                                                       \
     __m256 acc[2 * R];                                                                             \
     for (int i = 0; i < 2 * R; i++) acc[i] = _mm256_setzero_ps();                                  \
-    if (whole) fma_tile(pan, xr, K, K, R, acc);                                                    \
-    else for (int64_t b = 0; b < B; b++) {                                                         \
-        fma_panel(bits, wc + b * rec_bytes, pan);                                                  \
-        fma_tile(pan, xr + 32 * b, K, 32, R, acc);                                                 \
-    }                                                                                              \
+    fma_tile(pan, xr, K, K, R, acc);                                                               \
     fma_store(acc, R, (char *)y + r0 * ldy * (y_bf16 ? 2 : 4), y_bf16, ldy, n0, N);               \
     break; }
 
 /* y [M, N] (columns of groups c0 .. c1 - 1) = x [M, K] (float32, rows K apart) @ W.T; pan a
- * float scratch of K * 16 (whole panels: M > FMA_ROWS) or 32 * 16, 32-byte aligned. */
+ * float scratch of K * 16 (fma_panel_floats), 32-byte aligned, where M > FMA_FEW. */
 FMA_TARGET static void fma_range(int bits, const uint8_t *w, const float *x, int64_t M, int64_t N, int64_t K, void *y,
                                  int y_bf16, int64_t ldy, int64_t c0, int64_t c1, float *pan) {
     const int64_t B = K / 32, rec_bytes = bits == 4 ? Q4_REC : Q8_REC;
-    const int whole = M > FMA_ROWS;
     for (int64_t c = c0; c < c1; c++) {
         const uint8_t *wc = w + c * B * rec_bytes;
         const int64_t n0 = c * 16;
@@ -1854,8 +1869,7 @@ FMA_TARGET static void fma_range(int bits, const uint8_t *w, const float *x, int
             fma_store(acc, (int)M, y, y_bf16, ldy, n0, N);
             continue;
         }
-        if (whole)
-            for (int64_t b = 0; b < B; b++) fma_panel(bits, wc + b * rec_bytes, pan + b * 32 * 16);
+        for (int64_t b = 0; b < B; b++) fma_panel(bits, wc + b * rec_bytes, pan + b * 32 * 16);
         for (int64_t r0 = 0; r0 < M; r0 += FMA_ROWS) {
             const float *xr = x + r0 * K;
             switch (M - r0 < FMA_ROWS ? M - r0 : FMA_ROWS) {
@@ -1864,6 +1878,9 @@ FMA_TARGET static void fma_range(int bits, const uint8_t *w, const float *x, int
         }
     }
 }
+
+/* The panel floats a matmul of M rows by K inputs needs (fma_range): none up to FMA_FEW rows. */
+static inline int64_t fma_panel_floats(int64_t M, int64_t K) { return M > FMA_FEW ? K * 16 : 16; }
 
 /* A thread's panel scratch (grown, never freed: a late helper's unit may still use its own). */
 static float *fma_scratch(int64_t floats) {
@@ -1891,7 +1908,7 @@ FMA_TARGET static void fma_unit(const void *p, int64_t u, int helper) {
     const fma_ctx *c = p;
     const int64_t C = (c->N + 15) / 16, c0 = u * c->per, c1 = c0 + c->per < C ? c0 + c->per : C;
     /* (the caller's panel was allocated before the step, the helper's is the pool's scratch) */
-    float *pan = helper ? c->hpan : fma_scratch(c->M > FMA_ROWS ? c->K * 16 : 32 * 16);
+    float *pan = helper ? c->hpan : fma_scratch(fma_panel_floats(c->M, c->K));
     if (c0 >= c1) return;
     fma_range((int)c->bits, c->w, c->x, c->M, c->N, c->K, helper ? c->shadow : c->y, c->y_bf16, c->ldy, c0, c1, pan);
 }
@@ -1899,9 +1916,7 @@ FMA_TARGET static void fma_unit(const void *p, int64_t u, int helper) {
 static void fma_copy(const void *p, int64_t u) {
     const fma_ctx *c = p;
     const int64_t C = (c->N + 15) / 16, c0 = u * c->per, c1 = c0 + c->per < C ? c0 + c->per : C;
-    const int64_t n0 = c0 * 16, n1 = c1 * 16 < c->N ? c1 * 16 : c->N, e = c->y_bf16 ? 2 : 4;
-    for (int64_t m = 0; m < c->M; m++)
-        memcpy((char *)c->y + (m * c->ldy + n0) * e, (char *)c->shadow + (m * c->ldy + n0) * e, (n1 - n0) * e);
+    copy_groups(c->y, c->shadow, c->M, c->N, c->ldy, c->y_bf16 ? 2 : 4, c0, c1);
 }
 
 /* x [M, K] (float32 or bf16, rows ldx apart; act 1: [M, 2K] gate | up, taken as SiLU(gate) *
@@ -1929,7 +1944,7 @@ FMA_TARGET static void fma_par(int bits, const uint8_t *w, const float *xf, void
 FMA_TARGET int qmm_fma(int bits, const void *x, int x_bf16, int64_t ldx, int act, const uint8_t *w, void *y,
                        int y_bf16, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     if (M < 1 || K % 32 || (bits != 4 && bits != 8)) return -1;
-    const int64_t panel = M > FMA_ROWS ? K * 16 : 32 * 16;
+    const int64_t panel = fma_panel_floats(M, K);
     if (!fma_scratch(panel)) return -2;
     const size_t xbytes = M * K * sizeof(float), ybytes = M * ldy * (y_bf16 ? 2 : 4);
     const int par = pool_begin(xbytes, ybytes, panel * sizeof(float));
@@ -1950,12 +1965,8 @@ VNNI_TARGET int decode_layers_bf16(const dmodel_t *m, const dlayer_t *ls, const 
     const int64_t M = st->rows, H = m->hidden, I = m->inter, D = m->dim, Hq = m->hq, Hkv = m->hkv, W = st->width;
     const int64_t Nqkv = (Hq + 2 * Hkv) * D, slot = Hkv * D;
     if (M < 1 || H % 32 || I % 32 || (Hq * D) % 32 || D % 2 || !dp_takes(Hq, Hkv, D)) return -1;
-    for (int64_t t = 0; t < M; t++) {
-        if (st->pos[t] < 0 || st->pos[t] >= m->max_pos) return -3;
-        if (st->lens[t] < 1 || st->lens[t] > W || st->loc[t] < 0 || st->loc[t] >= st->pool_slots) return -4;
-        for (int64_t j = 0; j < st->lens[t]; j++)
-            if (st->slots[t * W + j] < 0 || st->slots[t * W + j] >= st->pool_slots) return -4;
-    }
+    const int bad = step_bad(m, st);
+    if (bad) return bad;
     const int64_t kmax = max64(max64(H, I), Hq * D), nmax = max64(max64(Nqkv, 2 * I), max64(H, Hq * D));
     const size_t bf = sizeof(uint16_t);
     const size_t bytes = (M * H + M * Nqkv + 2 * M * Hq * D + M * H + M * 2 * I) * bf + GRP_MAX * Hq * W * sizeof(float)
@@ -2022,14 +2033,10 @@ FMA_TARGET int decode_layers_f32(const dmodel_t *m, const dlayer_t *ls, const ds
     const int64_t M = st->rows, H = m->hidden, I = m->inter, D = m->dim, Hq = m->hq, Hkv = m->hkv, W = st->width;
     const int64_t Nqkv = (Hq + 2 * Hkv) * D, slot = Hkv * D, G = Hq / Hkv;
     if (M < 1 || H % 32 || I % 32 || (Hq * D) % 32 || D % 2 || G * Hkv != Hq || G > MAX_G || D > MAX_D) return -1;
-    for (int64_t t = 0; t < M; t++) {
-        if (st->pos[t] < 0 || st->pos[t] >= m->max_pos) return -3;
-        if (st->lens[t] < 1 || st->lens[t] > W || st->loc[t] < 0 || st->loc[t] >= st->pool_slots) return -4;
-        for (int64_t j = 0; j < st->lens[t]; j++)
-            if (st->slots[t * W + j] < 0 || st->slots[t * W + j] >= st->pool_slots) return -4;
-    }
+    const int bad = step_bad(m, st);
+    if (bad) return bad;
     const int64_t kmax = max64(max64(H, I), Hq * D), nmax = max64(max64(Nqkv, 2 * I), max64(H, Hq * D));
-    const int64_t panel = M > FMA_ROWS ? kmax * 16 : 32 * 16;
+    const int64_t panel = fma_panel_floats(M, kmax);
     const size_t fl = sizeof(float);
     const size_t bytes = (M * H + M * Nqkv + 2 * M * Hq * D + M * H + M * 2 * I + M * I + G * W) * fl
                          + M * (W + 1) * sizeof(int64_t) + 256;
