@@ -1470,7 +1470,8 @@ VNNI_TARGET void qdequant_bf16_t(int bits, const uint8_t *w, uint16_t *out, int6
 }
 
 /* decode_bf16 / decode_f32 on both threads where the helper runs: one unit per (request, KV
- * head), the step's queries, slots and lengths copied into the arena first (a late helper reads
+ * head), KV head by KV head (the requests' units of a head one after another: a prefix they
+ * share is read from memory by the first and from the caches by the next), the step's queries, slots and lengths copied into the arena first (a late helper reads
  * only those, its slots checked to lie in the pool), the helper's results through the shadow. */
 typedef struct {
     const void *q, *k, *v;
@@ -1480,6 +1481,7 @@ typedef struct {
     int64_t Hq, Hkv, D, L, S, e;
     float scale;
     int fast;                                    /* float32: att_f32_avx2 (head_dim a multiple of 8) */
+    int64_t B;                                   /* the requests */
 } dec_ctx;
 
 /* Four floats' sums of four vectors: {sum a0, sum a1, sum a2, sum a3}. */
@@ -1494,89 +1496,138 @@ FMA_TARGET static inline float hsum1(__m256 a) {
     return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
 }
 
-/* decode_f32_head's contract on an AVX2 CPU, D a multiple of 8 (at most MAX_D): the query
- * heads three at a time, scores four keys at a time (12 sums in registers, each key's row
- * loaded once for the three heads), the values' weighted sums a quarter of a row (4 vectors)
- * at a time for the three heads (12 sums). The generic kernel kept every head's sums in
- * memory, a load and a store per multiply-add. */
-#define ATT_GH 3
+/* decode_f32_head's contract on an AVX2 CPU, D a multiple of 8 (at most MAX_D), for GH query
+ * heads of the KV head at once (GH and DV = D / 8 known when compiled, so that every sum stays
+ * in a register; the first version kept some on the stack, a store and a load per multiply-add,
+ * and ran at a third of this speed):
+ * - scores two keys at a time, each key's row loaded once for the GH heads (2 GH sums), the
+ *   running maximum in vector lanes;
+ * - the values' weighted sums in tiles of ATT_TK keys (their rows stay in the L1 cache), two
+ *   vectors of the row at a time for the GH heads (2 GH sums), the sums kept in acc between
+ *   tiles. Each output sums its keys in order, as decode_f32_head does. */
+#define ATT_TK 32
+FMA_TARGET static inline __attribute__((always_inline)) void att_f32_tile(
+        const float *q, const float *k, const float *v, const int64_t *row, int64_t n, float *out, int64_t Hkv,
+        int64_t h, float scale, float *sc, const int GH, const int64_t DV) {
+    const int64_t D = 8 * DV;
+    const __m128 vscale = _mm_set1_ps(scale);
+    __m128 top01 = _mm_set1_ps(-FLT_MAX), top2 = _mm_set1_ps(-FLT_MAX);  /* lanes: (h0 h0 h1 h1), (h2 h2 . .) */
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+        const float *ka = k + (row[j] * Hkv + h) * D, *kb = k + (row[j + 1] * Hkv + h) * D;
+        __m256 a[3], b[3];
+#pragma GCC unroll 3
+        for (int i = 0; i < 3; i++) a[i] = b[i] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+        for (int64_t d = 0; d < DV; d++) {
+            const __m256 x = _mm256_loadu_ps(ka + 8 * d), y = _mm256_loadu_ps(kb + 8 * d);
+#pragma GCC unroll 3
+            for (int i = 0; i < GH; i++) {
+                const __m256 u = _mm256_loadu_ps(q + i * D + 8 * d);
+                a[i] = _mm256_fmadd_ps(u, x, a[i]);
+                b[i] = _mm256_fmadd_ps(u, y, b[i]);
+            }
+        }
+        const __m128 s01 = _mm_mul_ps(hsum4(a[0], b[0], GH > 1 ? a[1] : a[0], GH > 1 ? b[1] : b[0]), vscale);
+        top01 = _mm_max_ps(top01, s01);
+        _mm_storel_pi((__m64 *)(sc + j), s01);
+        if (GH > 1) _mm_storeh_pi((__m64 *)(sc + n + j), s01);
+        if (GH > 2) {
+            const __m128 s2 = _mm_mul_ps(hsum4(a[2], b[2], a[2], b[2]), vscale);
+            top2 = _mm_max_ps(top2, s2);
+            _mm_storel_pi((__m64 *)(sc + 2 * n + j), s2);
+        }
+    }
+    float top[3];
+    {
+        float t4[4], u4[4];
+        _mm_storeu_ps(t4, top01);
+        _mm_storeu_ps(u4, top2);
+        top[0] = t4[0] > t4[1] ? t4[0] : t4[1];
+        top[1] = t4[2] > t4[3] ? t4[2] : t4[3];
+        top[2] = u4[0] > u4[1] ? u4[0] : u4[1];
+    }
+    for (; j < n; j++) {
+        const float *kr = k + (row[j] * Hkv + h) * D;
+        for (int i = 0; i < GH; i++) {
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t d = 0; d < DV; d++) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * D + 8 * d), _mm256_loadu_ps(kr + 8 * d), a);
+            const float s1 = hsum1(a) * scale;
+            sc[i * n + j] = s1;
+            top[i] = s1 > top[i] ? s1 : top[i];
+        }
+    }
+    float inv[3];
+    for (int i = 0; i < GH; i++) {
+        float z = 0.f, *si = sc + i * n;
+        const float ti = top[i];
+        _Pragma("omp simd reduction(+:z)")
+        for (int64_t jj = 0; jj < n; jj++) { si[jj] = expf(si[jj] - ti); z += si[jj]; }
+        inv[i] = 1.f / z;
+    }
+    float acc[3][MAX_D] __attribute__((aligned(32)));
+    for (int i = 0; i < GH; i++) memset(acc[i], 0, D * sizeof(float));
+    for (int64_t j0 = 0; j0 < n; j0 += ATT_TK) {
+        const int64_t t = n - j0 < ATT_TK ? n - j0 : ATT_TK;
+        const float *vr[ATT_TK];
+        for (int64_t jj = 0; jj < t; jj++) vr[jj] = v + (row[j0 + jj] * Hkv + h) * D;
+#pragma GCC unroll 8
+        for (int64_t d = 0; d < DV; d += 2) {
+            const int two = d + 1 < DV;  /* (an odd last vector alone) */
+            __m256 a[3], b[3];
+#pragma GCC unroll 3
+            for (int i = 0; i < GH; i++) {
+                a[i] = _mm256_load_ps(acc[i] + 8 * d);
+                b[i] = two ? _mm256_load_ps(acc[i] + 8 * d + 8) : _mm256_setzero_ps();
+            }
+            for (int64_t jj = 0; jj < t; jj++) {
+                const __m256 x = _mm256_loadu_ps(vr[jj] + 8 * d), y = two ? _mm256_loadu_ps(vr[jj] + 8 * d + 8) : x;
+#pragma GCC unroll 3
+                for (int i = 0; i < GH; i++) {
+                    const __m256 p = _mm256_broadcast_ss(sc + i * n + j0 + jj);
+                    a[i] = _mm256_fmadd_ps(p, x, a[i]);
+                    if (two) b[i] = _mm256_fmadd_ps(p, y, b[i]);
+                }
+            }
+#pragma GCC unroll 3
+            for (int i = 0; i < GH; i++) {
+                _mm256_store_ps(acc[i] + 8 * d, a[i]);
+                if (two) _mm256_store_ps(acc[i] + 8 * d + 8, b[i]);
+            }
+        }
+    }
+    for (int i = 0; i < GH; i++) {
+        const __m256 w = _mm256_set1_ps(inv[i]);
+        for (int64_t d = 0; d < DV; d++) _mm256_storeu_ps(out + i * D + 8 * d, _mm256_mul_ps(_mm256_load_ps(acc[i] + 8 * d), w));
+    }
+}
+
+#define ATT_CASE(GG, VV) case GG * 100 + VV: att_f32_tile(qg, k, v, row, n, o, Hkv, h, scale, sc, GG, VV); break;
+
+/* decode_f32_head's contract on an AVX2 CPU, D a multiple of 8: the G query heads in groups
+ * of three (two where G is even and no multiple of three), each through att_f32_tile. */
 FMA_TARGET static void att_f32_avx2(const float *q, const float *k, const float *v, const int64_t *row, int64_t n,
                                     float *out, int64_t Hkv, int64_t h, float scale, float *scratch, int64_t G,
                                     int64_t D) {
-    const int64_t DV = D / 8;
-    for (int64_t g0 = 0; g0 < G; g0 += ATT_GH) {
-        const int gh = G - g0 < ATT_GH ? (int)(G - g0) : ATT_GH;
+    const int64_t DV = D / 8, step = G % 3 == 0 || G % 2 ? 3 : 2;
+    for (int64_t g0 = 0; g0 < G; g0 += step) {
+        const int64_t gh = G - g0 < step ? G - g0 : step;
         const float *qg = q + g0 * D;
-        float *sc[ATT_GH], top[ATT_GH], inv[ATT_GH];
-        for (int i = 0; i < ATT_GH; i++) { sc[i] = scratch + (g0 + (i < gh ? i : 0)) * n; top[i] = -FLT_MAX; }
-        int64_t j = 0;
-        for (; j + 4 <= n; j += 4) {
-            const float *kr[4];
-            for (int t = 0; t < 4; t++) kr[t] = k + (row[j + t] * Hkv + h) * D;
-            __m256 a[ATT_GH][4];
-            for (int i = 0; i < ATT_GH; i++) for (int t = 0; t < 4; t++) a[i][t] = _mm256_setzero_ps();
-            for (int64_t d = 0; d < DV; d++) {
-                const __m256 q0 = _mm256_loadu_ps(qg + 8 * d);
-                const __m256 q1 = gh > 1 ? _mm256_loadu_ps(qg + D + 8 * d) : q0;
-                const __m256 q2 = gh > 2 ? _mm256_loadu_ps(qg + 2 * D + 8 * d) : q0;
-                for (int t = 0; t < 4; t++) {
-                    const __m256 kv = _mm256_loadu_ps(kr[t] + 8 * d);
-                    a[0][t] = _mm256_fmadd_ps(q0, kv, a[0][t]);
-                    a[1][t] = _mm256_fmadd_ps(q1, kv, a[1][t]);
-                    a[2][t] = _mm256_fmadd_ps(q2, kv, a[2][t]);
-                }
-            }
-            for (int i = 0; i < gh; i++) {
-                const __m128 s4 = _mm_mul_ps(hsum4(a[i][0], a[i][1], a[i][2], a[i][3]), _mm_set1_ps(scale));
-                _mm_storeu_ps(sc[i] + j, s4);
-                float m4[4];
-                _mm_storeu_ps(m4, s4);
-                for (int t = 0; t < 4; t++) top[i] = m4[t] > top[i] ? m4[t] : top[i];
-            }
-        }
-        for (; j < n; j++) {
-            const float *kr = k + (row[j] * Hkv + h) * D;
-            for (int i = 0; i < gh; i++) {
-                __m256 a = _mm256_setzero_ps();
-                for (int64_t d = 0; d < DV; d++) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i * D + 8 * d), _mm256_loadu_ps(kr + 8 * d), a);
-                const float s1 = hsum1(a) * scale;
-                sc[i][j] = s1;
-                top[i] = s1 > top[i] ? s1 : top[i];
-            }
-        }
-        for (int i = 0; i < gh; i++) {
-            float z = 0.f, *si = sc[i];
-            const float ti = top[i];
-            _Pragma("omp simd reduction(+:z)")
-            for (int64_t jj = 0; jj < n; jj++) { si[jj] = expf(si[jj] - ti); z += si[jj]; }
-            inv[i] = 1.f / z;
-        }
-        for (int64_t d0 = 0; d0 < DV; d0 += 4) {
-            const int nd = DV - d0 < 4 ? (int)(DV - d0) : 4;
-            __m256 a[ATT_GH][4];
-            for (int i = 0; i < ATT_GH; i++) for (int t = 0; t < 4; t++) a[i][t] = _mm256_setzero_ps();
-            for (int64_t jj = 0; jj < n; jj++) {
-                const float *vr = v + (row[jj] * Hkv + h) * D + 8 * d0;
-                const __m256 p0 = _mm256_broadcast_ss(sc[0] + jj), p1 = _mm256_broadcast_ss(sc[1] + jj),
-                             p2 = _mm256_broadcast_ss(sc[2] + jj);
-                for (int t = 0; t < 4; t++) {
-                    if (t >= nd) break;
-                    const __m256 vv = _mm256_loadu_ps(vr + 8 * t);
-                    a[0][t] = _mm256_fmadd_ps(p0, vv, a[0][t]);
-                    a[1][t] = _mm256_fmadd_ps(p1, vv, a[1][t]);
-                    a[2][t] = _mm256_fmadd_ps(p2, vv, a[2][t]);
-                }
-            }
-            for (int i = 0; i < gh; i++)
-                for (int t = 0; t < nd; t++)
-                    _mm256_storeu_ps(out + (g0 + i) * D + 8 * (d0 + t), _mm256_mul_ps(a[i][t], _mm256_set1_ps(inv[i])));
+        float *o = out + g0 * D, *sc = scratch + g0 * n;
+        switch (gh * 100 + (DV == 4 || DV == 8 || DV == 16 ? DV : 0)) {
+            ATT_CASE(1, 4) ATT_CASE(2, 4) ATT_CASE(3, 4)
+            ATT_CASE(1, 8) ATT_CASE(2, 8) ATT_CASE(3, 8)
+            ATT_CASE(1, 16) ATT_CASE(2, 16) ATT_CASE(3, 16)
+            case 100: att_f32_tile(qg, k, v, row, n, o, Hkv, h, scale, sc, 1, DV); break;
+            case 200: att_f32_tile(qg, k, v, row, n, o, Hkv, h, scale, sc, 2, DV); break;
+            default: att_f32_tile(qg, k, v, row, n, o, Hkv, h, scale, sc, 3, DV); break;
         }
     }
 }
 
 static void dec_unit(const void *p, int64_t u, int helper) {
     const dec_ctx *c = p;
-    const int64_t b = u / c->Hkv, h = u % c->Hkv, G = c->Hq / c->Hkv;
+    const int64_t b = u % c->B, h = u / c->B, G = c->Hq / c->Hkv;  /* (KV head by KV head: see decode_mt) */
     const int64_t n = __atomic_load_n(&c->lens[b], __ATOMIC_RELAXED);
     const int64_t *row = c->slots + b * c->L;
     if (helper) {
@@ -1604,7 +1655,7 @@ static void dec_unit(const void *p, int64_t u, int helper) {
 
 static void dec_copy(const void *p, int64_t u) {
     const dec_ctx *c = p;
-    const int64_t b = u / c->Hkv, h = u % c->Hkv, G = c->Hq / c->Hkv, off = ((b * c->Hq + h * G) * c->D) * c->e;
+    const int64_t b = u % c->B, h = u / c->B, G = c->Hq / c->Hkv, off = ((b * c->Hq + h * G) * c->D) * c->e;
     memcpy((char *)c->out + off, (char *)c->shadow + off, G * c->D * c->e);
 }
 
@@ -1618,7 +1669,7 @@ int decode_mt(int bf16, const void *q, const void *k, const void *v, const int64
     fast = fast && !bf16 && D % 8 == 0;
     const size_t qbytes = (B * Hq * D * e + 63) / 64 * 64, sbytes = (B * L + B) * sizeof(int64_t);
     if (B * Hkv < 2 || B * Hkv > MAX_UNITS || !pool_begin(qbytes + sbytes, B * Hq * D * e, G * L * (sizeof(float) + sizeof(int64_t)))) {
-        dec_ctx c = {q, k, v, slots, lens, out, NULL, scratch, NULL, Hq, Hkv, D, L, S, e, scale, fast};
+        dec_ctx c = {q, k, v, slots, lens, out, NULL, scratch, NULL, Hq, Hkv, D, L, S, e, scale, fast, B};
         for (int64_t u = 0; u < B * Hkv; u++) dec_unit(&c, u, 0);
         return 0;
     }
@@ -1627,7 +1678,7 @@ int decode_mt(int bf16, const void *q, const void *k, const void *v, const int64
     memcpy(qc, q, B * Hq * D * e);
     memcpy(sc, slots, B * L * sizeof(int64_t));
     memcpy(sc + B * L, lens, B * sizeof(int64_t));
-    dec_ctx c = {qc, k, v, sc, sc + B * L, out, P.shadow, scratch, (float *)P.hscratch, Hq, Hkv, D, L, S, e, scale, fast};
+    dec_ctx c = {qc, k, v, sc, sc + B * L, out, P.shadow, scratch, (float *)P.hscratch, Hq, Hkv, D, L, S, e, scale, fast, B};
     parallel_for(dec_unit, dec_copy, &c, sizeof c, B * Hkv);
     pool_end();
     return 0;
@@ -2053,7 +2104,7 @@ FMA_TARGET int decode_layers_f32(const dmodel_t *m, const dlayer_t *ls, const ds
     void *shadow = par ? P.shadow : NULL;
     float *hscratch = par ? (float *)P.hscratch : NULL;
     dec_ctx ac = {q, NULL, NULL, slots, lens, att, shadow, scores, hscratch, Hq, Hkv, D, W, st->pool_slots, 4, m->scale,
-                  D % 8 == 0};
+                  D % 8 == 0, M};
     for (int64_t l = 0; l < m->layers; l++) {
         const dlayer_t *L = &ls[l];
         float *k_buf = (float *)L->k_buf, *v_buf = (float *)L->v_buf;

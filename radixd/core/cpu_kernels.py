@@ -29,7 +29,10 @@ compiler on first use, kept in radixd's cache, called through ``ctypes``.
   int4 kernel on bf16 activations took twice as long), at 300 rows 127-139 (float32's GEMM
   114-130). ``decode_layers_f32``: the fused decode step in float32 on these kernels.
 - ``decode`` runs on both threads where the helper runs (``decode_mt``: a unit per request
-  and KV head).
+  and KV head, KV head by KV head, so that a prefix the requests share comes from the caches
+  after the first). On AVX2 a float32 pool's attention holds its sums in registers (its query
+  heads three at a time, keys two at a time, values in tiles of 32 keys): on the 2-core EPYC,
+  8 requests over a shared 512-token prefix, 30 layers, 10.7 -> 6.1 ms.
 - ``int8_matmul``: x @ W.T for a grouped int8 weight (Q8_0's blocks of 32), few rows: each
   weight read once for up to 8 rows, where torch's int8 kernel takes one group per call and
   adds the partial products up in memory (an LM head of 49k rows at 8 rows: 4x). (CPUs
