@@ -357,11 +357,12 @@ def test_vnni_matmul_matches_a_float_reference(bits, n, k, act_planes, int_isa):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize(("n", "k"), [(37, 64), (301, 576)])
+@pytest.mark.parametrize(("n", "k"), [(37, 64), (301, 576), (40, 4096)])
 def test_avx2_matmul_matches_the_float_product(bits, n, k, avx2):
     """The FMA kernel multiplies the dequantized weight in float32: within float32's rounding
-    of the float product at every row count (up to 6 rows a block's panel at a time, more the
-    whole column group's; rows 6 at a time), odd column counts, both dtypes, SiLU(gate) * up."""
+    of the float product at every row count (up to 8 rows dequantized in registers, more
+    through the column group's panel, 6 rows at a time, in row blocks: at K 4096 blocks of 24
+    rows), odd column counts, both dtypes, SiLU(gate) * up."""
     g = torch.Generator().manual_seed(bits * n + k)
     q, d, m, w = random_q(bits, n, k, g)
     rec = pack_records(q, d, m)
@@ -623,11 +624,15 @@ def test_two_threads_give_one_threads_results(delay_us, fused_dtype):
     slots = torch.randint(0, 300, (6, 90), generator=g)
     lens = torch.tensor([1, 90, 45, 7, 64, 33])
 
+    q2, d2, m2, _ = random_q(8, 100, 4096, g)  # (many rows at a long K: row blocks x column ranges)
+    rec2, x2 = pack_records(q2, d2, None), torch.randn(100, 4096, generator=g).to(fused_dtype)
+
     def run():
         with torch.inference_mode():
             attn.begin(fb)
             logits = model(fb.input_ids, fb.positions, attn, fb.logits_indices())
-        out = (cpu_kernels.qmm(x, rec, 4, 1000, 256), logits, cpu_kernels.decode(qa, kv[0], kv[1], slots, lens, 0.125))
+        out = (cpu_kernels.qmm(x, rec, 4, 1000, 256), logits, cpu_kernels.decode(qa, kv[0], kv[1], slots, lens, 0.125),
+               cpu_kernels.qmm(x2, rec2, 8, 100, 4096))
         if fused_dtype == torch.bfloat16:
             out += (cpu_kernels.qdequant_bf16(rec, 4, 1000, 256),)
         return out

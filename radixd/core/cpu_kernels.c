@@ -1952,7 +1952,7 @@ static float *fma_scratch(int64_t floats) {
  * a prompt's GEMM read hundreds of MB of activations per call from L3 or memory and ran at
  * 100-120 GFLOP/s on the 2-core EPYC where 256 rows ran at 170. A panel is dequantized once
  * per block (about 3 / mc of the multiply-adds' work). */
-#define FMA_XBLOCK (256 * 1024)   /* bytes of a block's activations */
+#define FMA_L2 (384 * 1024)       /* bytes of a block's activations and its panel */
 #define FMA_MIN_MC 24
 #define FMA_UNITS 48              /* units of 1-2 % of the work where the row blocks are fewer */
 typedef struct {
@@ -2001,16 +2001,17 @@ static void fma_rows_in(const void *x, int x_bf16, int64_t ldx, int act, int64_t
 /* y = xf @ W.T (xf float32 rows K apart, in memory a late helper may still read): the units
  * (fma_ctx) shared with the helper (results through shadow, its panel hpan) where shadow is
  * given, else all on this thread. Up to FMA_FEW rows: one row block; else blocks of mc rows
- * (FMA_XBLOCK), and where they are fewer than FMA_UNITS, each split in column ranges so that
+ * (FMA_L2), and where they are fewer than FMA_UNITS, each split in column ranges so that
  * there are about FMA_UNITS units (each range at least 2 column groups). */
 FMA_TARGET static void fma_par(int bits, const uint8_t *w, const float *xf, void *y, int y_bf16, int64_t ldy, int64_t M,
                                int64_t N, int64_t K, void *shadow, float *hpan) {
     const int64_t C = (N + 15) / 16;
     int64_t mc = M, blocks = 1;
-    if (M > FMA_FEW) {
-        mc = FMA_XBLOCK / (K * (int64_t)sizeof(float)) / FMA_ROWS * FMA_ROWS;
-        mc = mc < FMA_MIN_MC ? FMA_MIN_MC : mc;
-        if ((M + mc - 1) / mc > MAX_UNITS) mc = ((M + MAX_UNITS - 1) / MAX_UNITS + FMA_ROWS - 1) / FMA_ROWS * FMA_ROWS;
+    if (M > FMA_FEW) {  /* blocks of at most the rows that fit, all of about the same size */
+        const int64_t fit = (FMA_L2 - 16 * K * (int64_t)sizeof(float)) / (K * (int64_t)sizeof(float));
+        blocks = (M + (fit > FMA_MIN_MC ? fit : FMA_MIN_MC) - 1) / (fit > FMA_MIN_MC ? fit : FMA_MIN_MC);
+        blocks = blocks > MAX_UNITS ? MAX_UNITS : blocks;
+        mc = ((M + blocks - 1) / blocks + FMA_ROWS - 1) / FMA_ROWS * FMA_ROWS;
         blocks = (M + mc - 1) / mc;
     }
     int64_t parts = blocks >= FMA_UNITS ? 1 : (FMA_UNITS + blocks - 1) / blocks;
