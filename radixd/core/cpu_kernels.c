@@ -1826,48 +1826,64 @@ FMA_TARGET static inline __attribute__((always_inline)) void fma_tile(const floa
 }
 
 /* Few rows (a decode step): R <= FMA_FEW rows times one half (8 columns) of a column group,
- * every block, the weights dequantized in registers (no panel): per input one weight vector,
- * R fused multiply-adds. a[r] is row r's sum over the 8 columns 8h .. 8h + 7. */
+ * every block, the weights' integers converted in registers (no panel): per input one vector
+ * of them, R fused multiply-adds, summed over the block's 32 inputs and only then scaled:
+ * sum_i x_i (d q_i + m) = d sum_i x_i q_i + m sum_i x_i, with xs[r * B + b] row r's sum over
+ * block b (q4; q8 stores u = q + 128 and has no m: its bytes are read back as q). Each
+ * dequantized weight cost a fused multiply-add (d q + m) the products did not need, and its
+ * latency on the way to them. t[r] is row r's result over the 8 columns 8h .. 8h + 7. */
 #define FMA_FEW 8
 #define FEW_ROW(r) if (R > r) a##r = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + r * K + i), w, a##r);
 #define FEW_INPUT(WV, I) { const __m256 w = WV; const int64_t i = (I); FEW_ROW(0) FEW_ROW(1) FEW_ROW(2) FEW_ROW(3) \
                            FEW_ROW(4) FEW_ROW(5) FEW_ROW(6) FEW_ROW(7) }
+#define FEW_SCALE(r) if (R > r) {                                                                  \
+        t[r] = _mm256_fmadd_ps(d, a##r, t[r]);                                                     \
+        if (bits == 4) t[r] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + r * B + b), t[r]);       \
+        a##r = _mm256_setzero_ps();                                                                \
+    }
 FMA_TARGET static inline __attribute__((always_inline)) void fma_few(int bits, const uint8_t *wc, int64_t B, const float *x,
-                                                                     int64_t K, int h, const int R, __m256 *acc) {
+                                                                     const float *xs, int64_t K, int h, const int R,
+                                                                     __m256 *t) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int r = 0; r < R; r++) t[r] = a0;
     if (bits == 4) {
-        const __m256i low = _mm256_set1_epi32(0x0F);
         for (int64_t b = 0; b < B; b++) {
             const uint8_t *rec = wc + b * Q4_REC;
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
             const float *xr = x + 32 * b;
             for (int j = 0; j < 4; j++) {
+                /* byte u of a lane: input 8j + u in its low nibble, 8j + 4 + u in its high one,
+                 * each moved to the top of the lane and shifted back down (no mask to hold) */
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h));
-                for (int t = 0; t < 4; t++) {
-                    FEW_INPUT(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * t), low)), d, m),
-                              8 * j + t)
-                    FEW_INPUT(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * t + 4), low)), d, m),
-                              8 * j + 4 + t)
-                }
+#define Q4_NIBBLE(s) _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_slli_epi32(v, s), 28))
+                FEW_INPUT(Q4_NIBBLE(28), 8 * j) FEW_INPUT(Q4_NIBBLE(24), 8 * j + 4)
+                FEW_INPUT(Q4_NIBBLE(20), 8 * j + 1) FEW_INPUT(Q4_NIBBLE(16), 8 * j + 5)
+                FEW_INPUT(Q4_NIBBLE(12), 8 * j + 2) FEW_INPUT(Q4_NIBBLE(8), 8 * j + 6)
+                FEW_INPUT(Q4_NIBBLE(4), 8 * j + 3) FEW_INPUT(Q4_NIBBLE(0), 8 * j + 7)
+#undef Q4_NIBBLE
             }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
+            FEW_SCALE(0) FEW_SCALE(1) FEW_SCALE(2) FEW_SCALE(3) FEW_SCALE(4) FEW_SCALE(5) FEW_SCALE(6) FEW_SCALE(7)
         }
     } else {
-        const __m256i low = _mm256_set1_epi32(0xFF);
+        const __m256i top = _mm256_set1_epi32((int)0x80808080u);
         for (int64_t b = 0; b < B; b++) {
             const uint8_t *rec = wc + b * Q8_REC;
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + 16 * h)));
-            const __m256 m = _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
             const float *xr = x + 32 * b;
             for (int j = 0; j < 8; j++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h));
-                for (int t = 0; t < 4; t++)
-                    FEW_INPUT(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * t), low)), d, m),
-                              4 * j + t)
+                /* bytes u = q + 128: with the top bit flipped, q as a signed byte, moved to the top and shifted back */
+                const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h)), top);
+                FEW_INPUT(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24)), 4 * j)
+                FEW_INPUT(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24)), 4 * j + 1)
+                FEW_INPUT(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24)), 4 * j + 2)
+                FEW_INPUT(_mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24)), 4 * j + 3)
             }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + 16 * h)));
+            const __m256 m = d;  /* (unread: no m term) */
+            (void)m;
+            FEW_SCALE(0) FEW_SCALE(1) FEW_SCALE(2) FEW_SCALE(3) FEW_SCALE(4) FEW_SCALE(5) FEW_SCALE(6) FEW_SCALE(7)
         }
     }
-    acc[0] = a0; acc[1] = a1; acc[2] = a2; acc[3] = a3; acc[4] = a4; acc[5] = a5; acc[6] = a6; acc[7] = a7;
 }
 
 /* Rows r0 .. r0 + R - 1's 16 (or the last N - n0) outputs from the accumulators. */
@@ -1898,6 +1914,14 @@ FMA_TARGET static inline __attribute__((always_inline)) void fma_store(const __m
 FMA_TARGET static void fma_range(int bits, const uint8_t *w, const float *x, int64_t M, int64_t N, int64_t K, void *y,
                                  int y_bf16, int64_t ldy, int64_t c0, int64_t c1, float *pan) {
     const int64_t B = K / 32, rec_bytes = bits == 4 ? Q4_REC : Q8_REC;
+    float xs[M <= FMA_FEW && bits == 4 ? M * B : 1];  /* (fma_few: the rows' sums per block) */
+    if (M <= FMA_FEW && bits == 4)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t b = 0; b < B; b++) {
+                float z = 0.f;
+                for (int i = 0; i < 32; i++) z += x[r * K + 32 * b + i];
+                xs[r * B + b] = z;
+            }
     for (int64_t c = c0; c < c1; c++) {
         const uint8_t *wc = w + c * B * rec_bytes;
         const int64_t n0 = c * 16;
@@ -1906,14 +1930,14 @@ FMA_TARGET static void fma_range(int bits, const uint8_t *w, const float *x, int
             __m256 half[FMA_FEW];
             for (int h = 0; h < 2; h++) {
                 switch (M) {
-                    case 1: fma_few(bits, wc, B, x, K, h, 1, half); break;
-                    case 2: fma_few(bits, wc, B, x, K, h, 2, half); break;
-                    case 3: fma_few(bits, wc, B, x, K, h, 3, half); break;
-                    case 4: fma_few(bits, wc, B, x, K, h, 4, half); break;
-                    case 5: fma_few(bits, wc, B, x, K, h, 5, half); break;
-                    case 6: fma_few(bits, wc, B, x, K, h, 6, half); break;
-                    case 7: fma_few(bits, wc, B, x, K, h, 7, half); break;
-                    default: fma_few(bits, wc, B, x, K, h, 8, half); break;
+                    case 1: fma_few(bits, wc, B, x, xs, K, h, 1, half); break;
+                    case 2: fma_few(bits, wc, B, x, xs, K, h, 2, half); break;
+                    case 3: fma_few(bits, wc, B, x, xs, K, h, 3, half); break;
+                    case 4: fma_few(bits, wc, B, x, xs, K, h, 4, half); break;
+                    case 5: fma_few(bits, wc, B, x, xs, K, h, 5, half); break;
+                    case 6: fma_few(bits, wc, B, x, xs, K, h, 6, half); break;
+                    case 7: fma_few(bits, wc, B, x, xs, K, h, 7, half); break;
+                    default: fma_few(bits, wc, B, x, xs, K, h, 8, half); break;
                 }
                 for (int64_t r = 0; r < M; r++) acc[2 * r + h] = half[r];
             }

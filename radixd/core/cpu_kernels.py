@@ -25,9 +25,10 @@ compiler on first use, kept in radixd's cache, called through ``ctypes``.
 - ``qmm`` (AVX2, FMA and F16C without AVX512-VNNI, ``avx2``): the same records times float32
   activations, the weights dequantized inside the kernel: up to 8 rows in registers (8 rows
   by 8 columns a pass), more through a float panel of the column group (a 6 x 16 register
-  tile) in row blocks whose activations stay in the L2 cache. On a 2-core AMD EPYC at 8 rows
-  100-116 GFLOP/s on the default model's shapes (torch's int4 kernel on bf16 activations took
-  twice as long), at 256-2176 rows 150-175 (float32's GEMM 114-130; without the row blocks
+  tile) in row blocks whose activations stay in the L2 cache. Few rows sum a block's
+  products of the integers and scale the sum (d sum x q + m sum x), without dequantizing each
+  weight. On a 2-core AMD EPYC at 8 rows 109-133 GFLOP/s on the default model's shapes
+  (torch's int4 kernel on bf16 activations took twice as long), at 256-2176 rows 150-175 (float32's GEMM 114-130; without the row blocks
   100-125 at 544 rows and more). ``decode_layers_f32``: the fused decode step in float32 on these kernels.
 - ``decode`` runs on both threads where the helper runs (``decode_mt``: a unit per request
   and KV head, KV head by KV head, so that a prefix the requests share comes from the caches
