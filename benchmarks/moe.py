@@ -222,18 +222,21 @@ def _few_tokens(run: Run, x, gate_up, down, weights, ids, moved: int) -> dict:
             "route_then_dot_graph_us": round(old * 1e6, 1), "routed_gemv_graph_us": round(new * 1e6, 1)}
 
 
-GEMV_UP = [(1, 256, 4), (1, 512, 8), (2, 128, 4), (2, 256, 8), (2, 512, 8), (4, 128, 8), (4, 256, 8), (8, 64, 8),
-           (1, 1024, 8)]
-GEMV_DOWN = [(2, 256, 4), (4, 128, 4), (4, 256, 8), (8, 64, 4), (8, 128, 8), (8, 256, 8), (16, 64, 8), (16, 128, 8),
-             (32, 64, 8)]
+# (rows, K step, warps, prefetch): ``moe_ops.GemvTiles``
+GEMV_UP = [(4, 256, 8), (4, 256, 8, 1), (4, 256, 16, 1), (4, 128, 16, 1), (8, 256, 16, 1), (4, 512, 16, 1),
+           (2, 256, 16, 1), (4, 128, 8, 1), (8, 128, 16, 1), (4, 256, 32, 1)]
+GEMV_DOWN = [(8, 128, 8), (8, 256, 8, 1), (4, 256, 8, 1), (8, 256, 16, 1), (16, 256, 16, 1), (8, 256, 4, 1),
+             (4, 256, 4, 1), (2, 128, 4, 1), (16, 128, 16, 1)]
 ROUTINGS = 4  # gemv_tiles: routings per timed graph (4 x 8 experts' 75 MB: no replay served from the L2)
 
 
 def gemv_tiles(run: Run) -> dict:
     """The GEMV kernels' tiles at 1 token (CUDA graph time of ``ROUTINGS`` tokens routed
-    apart, each from its logits in the kernel): the gate/up kernel's over ``GEMV_UP`` with the default down tiles, then the down
-    kernel's over ``GEMV_DOWN`` with the best gate/up tiles; the best against the default,
-    and each kernel's fraction of the copy bandwidth (the chosen experts' bytes it reads)."""
+    apart): the gate/up kernel alone (routing from the logits in it) over ``GEMV_UP``, the
+    down kernel alone over ``GEMV_DOWN``, each against its experts' bytes as a fraction of the
+    copy bandwidth, with its output's error against the default tiles'; the best gate/up
+    tiles again with the routing given (what routing in the kernel costs); and the two
+    kernels together, the defaults against the best of each."""
     from radixd.core import moe_ops
 
     sh = run.shape
@@ -244,34 +247,65 @@ def gemv_tiles(run: Run) -> dict:
     xs = [torch.randn(1, h, device=run.device, generator=g).to(dtype) for _ in range(ROUTINGS)]
     logits = [torch.randn(1, e, device=run.device, generator=g).to(dtype) for _ in range(ROUTINGS)]
     esize = xs[0].element_size()
+    routed = [moe_ops.gemv_gate_up(x, gate_up, logits=lg, top_k=k, renormalize=True) for x, lg in zip(xs, logits, strict=True)]
 
-    def timed(up, dn) -> float:
-        def calls():
-            for x, lg in zip(xs, logits, strict=True):
-                experts_gemv(x, gate_up, down, logits=lg, top_k=k, renormalize=True, up_tiles=up, down_tiles=dn)
+    def timed(calls) -> float:
         try:
-            return _time(run, calls, graph=not run.tiny) / ROUTINGS
+            return _time(run, lambda: [c() for c in calls], graph=not run.tiny) / ROUTINGS
         except OutOfResources:
             return float("inf")
 
+    def rel(a, b) -> float:
+        return round(float((a.double() - b.double()).norm() / b.double().norm()), 5)
+
+    up_ref = routed[0][0]
+    down_ref = moe_ops.gemv_down(routed[0][0], down, *routed[0][1:], k)
     ups = GEMV_UP[:2] if run.tiny else GEMV_UP
     downs = GEMV_DOWN[:2] if run.tiny else GEMV_DOWN
+    up_bytes, down_bytes = 2 * k * h * i * esize, k * h * i * esize
+    up_sweep, down_sweep = {}, {}
+    for c in ups:
+        try:
+            err = rel(moe_ops.gemv_gate_up(xs[0], gate_up, logits=logits[0], top_k=k, renormalize=True, tiles=c)[0],
+                      up_ref)
+        except OutOfResources:
+            continue
+        s = timed([lambda x=x, lg=lg, c=c: moe_ops.gemv_gate_up(x, gate_up, logits=lg, top_k=k, renormalize=True,
+                                                                 tiles=c) for x, lg in zip(xs, logits, strict=True)])
+        up_sweep[c] = s
+        print(json.dumps({"up": c, "us": round(s * 1e6, 2), "copy_fraction": round(up_bytes / s / run.copy_Bps, 3),
+                          "rel_err": err}), flush=True)
+    for c in downs:
+        try:
+            err = rel(moe_ops.gemv_down(routed[0][0], down, *routed[0][1:], k, tiles=c), down_ref)
+        except OutOfResources:
+            continue
+        s = timed([lambda r=r, c=c: moe_ops.gemv_down(r[0], down, *r[1:], k, tiles=c) for r in routed])
+        down_sweep[c] = s
+        print(json.dumps({"down": c, "us": round(s * 1e6, 2), "copy_fraction": round(down_bytes / s / run.copy_Bps, 3),
+                          "rel_err": err}), flush=True)
+    best_up = min(up_sweep, key=up_sweep.get)
+    best_down = min(down_sweep, key=down_sweep.get)
+    given = timed([lambda x=x, r=r: moe_ops.gemv_gate_up(x, gate_up, weights=r[2].view(1, k), ids=r[1].view(1, k),
+                                                          tiles=best_up) for x, r in zip(xs, routed, strict=True)])
+
+    def both(up, dn) -> float:
+        return timed([lambda x=x, lg=lg: experts_gemv(x, gate_up, down, logits=lg, top_k=k, renormalize=True,
+                                                      up_tiles=up, down_tiles=dn) for x, lg in zip(xs, logits, strict=True)])
+
     default = (moe_ops.GEMV_UP_TILES, moe_ops.GEMV_DOWN_TILES)
-    default_s = timed(*default)
-    up_times = {c: timed(c, default[1]) for c in ups}
-    best_up = min(up_times, key=up_times.get)
-    down_times = {c: timed(best_up, c) for c in downs}
-    best_down = min(down_times, key=down_times.get)
-    both = k * expert_bytes(h, i, esize)
+    default_s, best_s = both(*default), both(best_up, best_down)
     adopted = None
-    if run.args.adopt_tiles and down_times[best_down] < 0.97 * default_s:  # (the sections after use them)
-        moe_ops.GEMV_UP_TILES, moe_ops.GEMV_DOWN_TILES = adopted = best_up, best_down
-    return {"adopted": adopted and [list(c) for c in adopted],"default": [list(c) for c in default], "default_us": round(default_s * 1e6, 1),
-            "default_copy_fraction": round(both / default_s / run.copy_Bps, 3),
-            "best": [list(best_up), list(best_down)], "best_us": round(down_times[best_down] * 1e6, 1),
-            "best_copy_fraction": round(both / down_times[best_down] / run.copy_Bps, 3),
-            "up_sweep_us": {str(c): round(t * 1e6, 1) for c, t in up_times.items()},
-            "down_sweep_us": {str(c): round(t * 1e6, 1) for c, t in down_times.items()}}
+    if run.args.adopt_tiles and best_s < 0.97 * default_s:  # (the sections after use them)
+        moe_ops.GEMV_UP_TILES, moe_ops.GEMV_DOWN_TILES = adopted = moe_ops.GemvTiles(*best_up), moe_ops.GemvTiles(*best_down)
+    return {"adopted": adopted and [list(c) for c in adopted], "default": [list(c) for c in default],
+            "default_us": round(default_s * 1e6, 1),
+            "default_copy_fraction": round((up_bytes + down_bytes) / default_s / run.copy_Bps, 3),
+            "best": [list(best_up), list(best_down)], "best_us": round(best_s * 1e6, 1),
+            "best_copy_fraction": round((up_bytes + down_bytes) / best_s / run.copy_Bps, 3),
+            "best_up_routing_given_us": round(given * 1e6, 2), "best_up_routed_us": round(up_sweep[best_up] * 1e6, 2),
+            "up_sweep_us": {str(c): round(t * 1e6, 2) for c, t in up_sweep.items()},
+            "down_sweep_us": {str(c): round(t * 1e6, 2) for c, t in down_sweep.items()}}
 
 
 def profile(run: Run) -> dict:

@@ -305,11 +305,13 @@ def test_experts_triton_matches_the_reference(t, e, k, h, i, idle, tiles):
 
 
 GEMV_SMALL = dict(up_tiles=(4, 32, 1), down_tiles=(2, 16, 1))  # (K steps that 48 and 40 do not divide)
+GEMV_SMALL_STREAMED = dict(up_tiles=(4, 16, 1, True), down_tiles=(2, 8, 1, True))  # (each next step prefetched)
 
 
 @pytest.mark.parametrize("t,e,k,h,i", [(1, 8, 2, 64, 32), (1, 8, 2, 48, 40), (3, 6, 3, 32, 24), (1, 16, 8, 64, 32)])
 @pytest.mark.parametrize("renormalize", [None, False, True])
-def test_experts_gemv_matches_the_reference(t, e, k, h, i, renormalize):
+@pytest.mark.parametrize("tiles", [GEMV_SMALL, GEMV_SMALL_STREAMED], ids=["small", "streamed"])
+def test_experts_gemv_matches_the_reference(t, e, k, h, i, renormalize, tiles):
     """The few-token GEMV kernels, routed by the caller (``renormalize`` None) or from the
     router's logits inside the kernel (``route``'s softmax, top-k and rescaling): the MLP of
     the same routing, and the routing itself."""
@@ -318,11 +320,11 @@ def test_experts_gemv_matches_the_reference(t, e, k, h, i, renormalize):
     dev = "cuda" if GPU else "cpu"  # (the interpreter runs CPU tensors only where no GPU is)
     x, gate_up, down, weights, ids = moe_case(t, e, k, h, i, seed=t + e, device=dev)
     if renormalize is None:
-        got = experts_gemv(x, gate_up, down, weights=weights, ids=ids, **GEMV_SMALL)
+        got = experts_gemv(x, gate_up, down, weights=weights, ids=ids, **tiles)
     else:
         logits = torch.randn(t, e, generator=torch.Generator().manual_seed(i)).to(dev)
         weights, ids = route(logits, k, renormalize)
-        got = experts_gemv(x, gate_up, down, logits=logits, top_k=k, renormalize=renormalize, **GEMV_SMALL)
+        got = experts_gemv(x, gate_up, down, logits=logits, top_k=k, renormalize=renormalize, **tiles)
     torch.testing.assert_close(got.double(), naive_moe(x, gate_up, down, weights, ids), rtol=1e-5, atol=1e-5)
     if t == 1:  # (experts_triton's own choice at one token: tl.dot tiles, TF32 products on a GPU)
         tol = 2e-3 if GPU else 1e-5
@@ -372,7 +374,8 @@ def test_fp8_experts_compute_the_dequantized_experts(t, block):
     (gq, gs, gd), (dq, ds, dd) = fp8_experts(gate_up, down, block)
     want = naive_moe(x, gd, dd, weights, ids)
     for fn in (experts_torch, lambda *a, **kw: experts_triton(*a, **kw, tiles=SMALL_TILES),
-               lambda x, g, d, w, i, **kw: experts_gemv(x, g, d, weights=w, ids=i, **kw, **GEMV_SMALL)):
+               lambda x, g, d, w, i, **kw: experts_gemv(x, g, d, weights=w, ids=i, **kw, **GEMV_SMALL),
+               lambda x, g, d, w, i, **kw: experts_gemv(x, g, d, weights=w, ids=i, **kw, **GEMV_SMALL_STREAMED)):
         got = fn(x, gq, dq, weights, ids, scales=(gs, ds), block=block)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
@@ -388,8 +391,9 @@ def test_experts_triton_reads_only_the_chosen_experts(t):
     down[~chosen] = float("nan")
     got = experts_triton(x, gate_up, down, weights, ids, tiles=SMALL_TILES)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    got = experts_gemv(x, gate_up, down, weights=weights, ids=ids, **GEMV_SMALL)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for tiles in (GEMV_SMALL, GEMV_SMALL_STREAMED):
+        got = experts_gemv(x, gate_up, down, weights=weights, ids=ids, **tiles)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("t,k,e,bm", [(1, 8, 128, 16), (2, 8, 128, 16), (33, 2, 8, 16), (500, 8, 16, 64)])

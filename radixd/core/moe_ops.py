@@ -257,43 +257,58 @@ def _experts_triton(x, gate_up, down, weights, ids, tiles: MoETiles | None, scal
 # ----------------------------------------------------------------------------- a few tokens: GEMVs
 
 GEMV_MAX_TOKENS = 1  # up to this many tokens ``SparseMoE`` routes in the GEMV kernels (``experts_gemv``)
+
+
+class GemvTiles(NamedTuple):
+    """Launch shape of one of ``experts_gemv``'s kernels (a plain tuple of its first three or
+    more fields is taken too)."""
+
+    rows: int               # output rows per program (gate/up: gate rows, each with its up row)
+    k_step: int             # K per loop step
+    warps: int
+    prefetch: bool = False  # step i + 1's loads issued before step i's products (K a multiple of k_step)
+
+
 # The fastest of ``benchmarks.moe --sections gemv_tiles`` on an H200 (1 token, Qwen3-30B-A3B's layer)
-GEMV_UP_TILES = (4, 256, 8)    # gate/up kernel: (gate rows per program, K per step, warps)
-GEMV_DOWN_TILES = (8, 128, 8)  # down kernel: (output rows per program, K per step, warps)
+GEMV_UP_TILES = GemvTiles(4, 256, 16, prefetch=True)
+GEMV_DOWN_TILES = GemvTiles(8, 256, 8, prefetch=True)
 
 
 @triton.jit
 def _route_token(Logits, t, E, stride_lt, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
                  BLOCK_J: tl.constexpr):
     """``route``'s choice for token ``t`` from its router logits: expert ids and float32
-    weights of its slots [BLOCK_J] (slots from TOP_K on: expert 0, weight 0). The softmax over
-    the E experts in float32; each expert's rank (how many beat it; among equals the lower id
-    first) in one comparison of all pairs, and slot j the expert of rank j; the k weights
-    rescaled to sum to 1 with RENORM."""
+    weights of its slots [BLOCK_J] (slots from TOP_K on: expert 0, weight 0). Each expert's
+    rank (how many beat it; among equals the lower id first) from one comparison of all pairs
+    of logits (the softmax keeps their order, so the ranks need not wait for it), and slot j
+    the expert of rank j; its weight exp(logit - max) over the sum of that over all E experts
+    (the softmax) or, with RENORM, over the TOP_K chosen (the softmax's denominator cancels in
+    the rescaling)."""
     offs = tl.arange(0, BLOCK_E)
     live = offs < E
     logit = tl.load(Logits + t * stride_lt + offs, mask=live, other=float("-inf")).to(tl.float32)
-    p = tl.exp(logit - tl.max(logit, 0))
-    p = tl.where(live, p / tl.sum(p, 0), -1.0)
-    mine = p[:, None]
-    other = p[None, :]
+    mine = logit[:, None]
+    other = logit[None, :]
     beats = (other > mine) | ((other == mine) & (offs[None, :] < offs[:, None]))
     rank = tl.sum(beats.to(tl.int32), 1)
+    p = tl.where(live, tl.exp(logit - tl.max(logit, 0)), 0.0)
     slot = tl.arange(0, BLOCK_J)
     sel = (rank[None, :] == slot[:, None]) & live[None, :] & (slot < TOP_K)[:, None]
     ids = tl.sum(tl.where(sel, offs[None, :], 0), 1)
     w = tl.sum(tl.where(sel, p[None, :], 0.0), 1)
     if RENORM:
-        w = w / tl.sum(w, 0)
+        w = w / tl.sum(tl.where(rank < TOP_K, p, 0.0), 0)
+    else:
+        w = w / tl.sum(p, 0)
     return ids, w
 
 
 @triton.jit
-def _gemv_weight(w_ptrs, mask, S, e, rows, offs_k, stride_se, stride_sn, dtype,
-                 FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr):
-    """A weight tile (rows x K step) as float32: fp8 weights with block scales dequantized
-    and rounded to the activations' ``dtype`` (as ``dequantize_fp8(...).to(dtype)`` would)."""
-    w = tl.load(w_ptrs, mask=mask, other=0.0)
+def _gemv_dequant(w, mask, S, e, rows, offs_k, stride_se, stride_sn, dtype,
+                  FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr):
+    """A loaded weight tile (rows x K step) as float32: fp8 weights with block scales
+    dequantized and rounded to the activations' ``dtype`` (as ``dequantize_fp8(...).to(dtype)``
+    would)."""
     if FP8:
         w = w.to(tl.float32)
         if SCALE_K > 0:
@@ -306,13 +321,15 @@ def _gemv_weight(w_ptrs, mask, S, e, rows, offs_k, stride_se, stride_sn, dtype,
 def _moe_gemv_up_kernel(X, W, S, Act, Ids, Wts, Logits, N, K, E, stride_xt, stride_we, stride_wn, stride_se,
                         stride_sn, stride_lt, TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, ROUTE: tl.constexpr,
                         RENORM: tl.constexpr, BLOCK_E: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr,
-                        SCALE_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        SCALE_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Act[p, n] = SiLU(gate[e] @ x) * (up[e] @ x) for BLOCK_N gate rows n (with their up
     rows n + N) of all TOP_K experts e of token t (pair p = t * TOP_K + slot), the k experts'
     rows read side by side ([BLOCK_J, BLOCK_N, BLOCK_K] tiles). ROUTE: the experts and their
     weights from the token's router logits (``_route_token``, once per program), written to
-    Ids/Wts by the token's first program; else read from Ids."""
+    Ids/Wts by the token's first program; else read from Ids. PREFETCH (EVEN_K only): the
+    loads of step i + 1 (weights and x) are issued before step i's products, so that a
+    program keeps two steps' reads in flight instead of waiting out each step's latency."""
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     slot = tl.arange(0, BLOCK_J)
@@ -330,24 +347,48 @@ def _moe_gemv_up_kernel(X, W, S, Act, Ids, Wts, Logits, N, K, E, stride_xt, stri
     mask_jn = live[:, None] & (rows < N)[None, :]
     e3 = e[:, None, None]
     rows3 = rows[None, :, None]
-    w_rows = W + e3 * stride_we + rows3 * stride_wn
+    gate_rows = W + e3 * stride_we + rows3 * stride_wn
+    up_rows = gate_rows + N * stride_wn
+    x_row = X + t * stride_xt
+    kk = tl.arange(0, BLOCK_K)
+    dt = X.dtype.element_ty
     gate = tl.zeros([BLOCK_J, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_J, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k3 = offs_k[None, None, :]
-        if EVEN_K:
-            x = tl.load(X + t * stride_xt + offs_k)
-            mask = mask_jn[:, :, None]
-        else:
-            x = tl.load(X + t * stride_xt + offs_k, mask=offs_k < K, other=0.0)
-            mask = mask_jn[:, :, None] & (k3 < K)
-        x = x.to(tl.float32)[None, None, :]
-        ptrs = w_rows + k3
-        gate += tl.sum(_gemv_weight(ptrs, mask, S, e3, rows3, k3, stride_se, stride_sn, X.dtype.element_ty,
-                                    FP8, SCALE_N, SCALE_K) * x, 2)
-        up += tl.sum(_gemv_weight(ptrs + N * stride_wn, mask, S, e3, rows3 + N, k3, stride_se, stride_sn,
-                                  X.dtype.element_ty, FP8, SCALE_N, SCALE_K) * x, 2)
+    if PREFETCH:
+        mask = mask_jn[:, :, None]
+        g_next = tl.load(gate_rows + kk[None, None, :], mask=mask, other=0.0)
+        u_next = tl.load(up_rows + kk[None, None, :], mask=mask, other=0.0)
+        x_next = tl.load(x_row + kk)
+        for k0 in range(0, K, BLOCK_K):
+            g_w = g_next
+            u_w = u_next
+            x = x_next.to(tl.float32)[None, None, :]
+            k3 = (k0 + kk)[None, None, :]
+            more = mask & (k3 + BLOCK_K < K)
+            g_next = tl.load(gate_rows + k3 + BLOCK_K, mask=more, other=0.0)
+            u_next = tl.load(up_rows + k3 + BLOCK_K, mask=more, other=0.0)
+            x_next = tl.load(x_row + k0 + BLOCK_K + kk, mask=k0 + BLOCK_K + kk < K, other=0.0)
+            gate += tl.sum(_gemv_dequant(g_w, mask, S, e3, rows3, k3, stride_se, stride_sn, dt, FP8, SCALE_N,
+                                         SCALE_K) * x, 2)
+            up += tl.sum(_gemv_dequant(u_w, mask, S, e3, rows3 + N, k3, stride_se, stride_sn, dt, FP8, SCALE_N,
+                                       SCALE_K) * x, 2)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + kk
+            k3 = offs_k[None, None, :]
+            if EVEN_K:
+                x = tl.load(x_row + offs_k)
+                mask = mask_jn[:, :, None]
+            else:
+                x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0)
+                mask = mask_jn[:, :, None] & (k3 < K)
+            x = x.to(tl.float32)[None, None, :]
+            g_w = tl.load(gate_rows + k3, mask=mask, other=0.0)
+            u_w = tl.load(up_rows + k3, mask=mask, other=0.0)
+            gate += tl.sum(_gemv_dequant(g_w, mask, S, e3, rows3, k3, stride_se, stride_sn, dt, FP8, SCALE_N,
+                                         SCALE_K) * x, 2)
+            up += tl.sum(_gemv_dequant(u_w, mask, S, e3, rows3 + N, k3, stride_se, stride_sn, dt, FP8, SCALE_N,
+                                       SCALE_K) * x, 2)
     if FP8 and SCALE_K == 0:  # (per output row)
         s_row = S + e[:, None] * stride_se + rows[None, :] * stride_sn
         gate = gate * tl.load(s_row, mask=mask_jn, other=0.0)
@@ -360,12 +401,12 @@ def _moe_gemv_up_kernel(X, W, S, Act, Ids, Wts, Logits, N, K, E, stride_xt, stri
 @triton.jit
 def _moe_gemv_down_kernel(Act, W, S, Y, Ids, Wts, N, K, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
                           TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr,
-                          SCALE_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          SCALE_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Y[t, n] = sum over the token's TOP_K slots j of Wts[p] * down[e] @ Act[p] (p = t *
     TOP_K + j, e = Ids[p]) for BLOCK_N output rows n: the k experts' rows read side by side
     ([BLOCK_J, BLOCK_N, BLOCK_K] tiles) and summed in float32 in the program, so the token's
-    output is written once, whole."""
+    output is written once, whole. PREFETCH as in ``_moe_gemv_up_kernel`` (weights and Act)."""
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     slot = tl.arange(0, BLOCK_J)
@@ -379,19 +420,35 @@ def _moe_gemv_down_kernel(Act, W, S, Y, Ids, Wts, N, K, stride_we, stride_wn, st
     rows3 = rows[None, :, None]
     w_rows = W + e3 * stride_we + rows3 * stride_wn
     a_rows = Act + pair.to(tl.int64)[:, None, None] * K
+    kk = tl.arange(0, BLOCK_K)
+    dt = Act.dtype.element_ty
     acc = tl.zeros([BLOCK_J, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k3 = offs_k[None, None, :]
-        if EVEN_K:
-            mask_a = live[:, None, None]
-            mask = mask_jn[:, :, None]
-        else:
-            mask_a = live[:, None, None] & (k3 < K)
-            mask = mask_jn[:, :, None] & (k3 < K)
-        a = tl.load(a_rows + k3, mask=mask_a, other=0.0).to(tl.float32)
-        acc += tl.sum(_gemv_weight(w_rows + k3, mask, S, e3, rows3, k3, stride_se, stride_sn, Act.dtype.element_ty,
-                                   FP8, SCALE_N, SCALE_K) * a, 2)
+    if PREFETCH:
+        mask = mask_jn[:, :, None]
+        mask_a = live[:, None, None]
+        w_next = tl.load(w_rows + kk[None, None, :], mask=mask, other=0.0)
+        a_next = tl.load(a_rows + kk[None, None, :], mask=mask_a, other=0.0)
+        for k0 in range(0, K, BLOCK_K):
+            w = w_next
+            a = a_next.to(tl.float32)
+            k3 = (k0 + kk)[None, None, :]
+            w_next = tl.load(w_rows + k3 + BLOCK_K, mask=mask & (k3 + BLOCK_K < K), other=0.0)
+            a_next = tl.load(a_rows + k3 + BLOCK_K, mask=mask_a & (k3 + BLOCK_K < K), other=0.0)
+            acc += tl.sum(_gemv_dequant(w, mask, S, e3, rows3, k3, stride_se, stride_sn, dt, FP8, SCALE_N,
+                                        SCALE_K) * a, 2)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            k3 = (k0 + kk)[None, None, :]
+            if EVEN_K:
+                mask_a = live[:, None, None]
+                mask = mask_jn[:, :, None]
+            else:
+                mask_a = live[:, None, None] & (k3 < K)
+                mask = mask_jn[:, :, None] & (k3 < K)
+            a = tl.load(a_rows + k3, mask=mask_a, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + k3, mask=mask, other=0.0)
+            acc += tl.sum(_gemv_dequant(w, mask, S, e3, rows3, k3, stride_se, stride_sn, dt, FP8, SCALE_N,
+                                        SCALE_K) * a, 2)
     if FP8 and SCALE_K == 0:
         acc = acc * tl.load(S + e[:, None] * stride_se + rows[None, :] * stride_sn, mask=mask_jn, other=0.0)
     y = tl.sum(acc * wt[:, None], 0)
@@ -401,23 +458,36 @@ def _moe_gemv_down_kernel(Act, W, S, Y, Ids, Wts, N, K, stride_we, stride_wn, st
 def experts_gemv(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, weights: torch.Tensor | None = None,
                  ids: torch.Tensor | None = None, logits: torch.Tensor | None = None, top_k: int = 0,
                  renormalize: bool = False, scales: Scales = None, block: tuple[int, int] | None = None,
-                 up_tiles: tuple[int, int, int] | None = None,
-                 down_tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                 up_tiles: tuple | None = None, down_tiles: tuple | None = None) -> torch.Tensor:
     """The MoE MLP of a few tokens (decode at batch 1) as two matrix-vector kernels, each
     reading every chosen expert's weights once in long contiguous rows (no tl.dot, whose
     smallest tile would be 16 rows of which one is real):
 
-    * gate/up: a program per (``BLOCK_N`` gate rows, token) reads those rows (and their up
-      rows) of all k chosen experts side by side, SiLU(gate) * up in its epilogue;
-    * down: a program per (``BLOCK_N`` output rows, token) reads those rows of all k chosen
-      experts, weighs each by the router and sums them: the token's output, no [T, k, H]
-      partials and no sum kernel after.
+    * gate/up (``gemv_gate_up``): a program per (``rows`` gate rows, token) reads those rows
+      (and their up rows) of all k chosen experts side by side, SiLU(gate) * up in its
+      epilogue;
+    * down (``gemv_down``): a program per (``rows`` output rows, token) reads those rows of
+      all k chosen experts, weighs each by the router and sums them: the token's output, no
+      [T, k, H] partials and no sum kernel after.
 
     The routing: ``weights``/``ids`` [T, k] (``route``'s), or the router's ``logits`` [T, E]
     with ``top_k`` and ``renormalize``, ``route``'s softmax, top-k and rescaling then done in
     the gate/up kernel (no kernels for them). fp8 experts as ``experts_triton`` takes them.
-    Sizes from T alone: CUDA-graph safe. ``up_tiles``/``down_tiles``: (rows per program, K per
-    step, warps) instead of ``GEMV_UP_TILES``/``GEMV_DOWN_TILES`` (benchmarks sweep them)."""
+    Sizes from T alone: CUDA-graph safe. ``up_tiles``/``down_tiles``: ``GemvTiles`` instead of
+    ``GEMV_UP_TILES``/``GEMV_DOWN_TILES`` (benchmarks sweep them)."""
+    k = top_k if logits is not None else ids.shape[1]
+    gs, ds = scales if scales is not None else (None, None)
+    act, ids_, wts = gemv_gate_up(x, gate_up, weights=weights, ids=ids, logits=logits, top_k=k,
+                                  renormalize=renormalize, scales=gs, block=block, tiles=up_tiles)
+    return gemv_down(act, down, ids_, wts, k, scales=ds, block=block, tiles=down_tiles)
+
+
+def gemv_gate_up(x: torch.Tensor, gate_up: torch.Tensor, *, weights: torch.Tensor | None = None,
+                 ids: torch.Tensor | None = None, logits: torch.Tensor | None = None, top_k: int = 0,
+                 renormalize: bool = False, scales: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                 tiles: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``experts_gemv``'s first kernel: (act [T * k, I], ids [T * k], weights [T * k]), the
+    pairs' SiLU(gate) * up and their routing (the caller's, or the kernel's from ``logits``)."""
     t, h = x.shape
     num_experts, two_i, _ = gate_up.shape
     inter = two_i // 2
@@ -426,7 +496,6 @@ def experts_gemv(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, 
     pairs = t * top_k
     dev = x.device
     act = torch.empty((pairs, inter), dtype=x.dtype, device=dev)
-    out = torch.empty((t, h), dtype=x.dtype, device=dev)
     route = logits is not None
     if not route:
         ids_, wts = ids.reshape(-1), weights.reshape(-1)
@@ -437,22 +506,35 @@ def experts_gemv(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, 
         wts = torch.empty(pairs, dtype=torch.float32, device=dev)
         stride_lt = logits.stride(0)
     scale_n, scale_k = block or (1, 0)
-    gs, ds = scales if scales is not None else (gate_up, down)  # (unread without fp8)
-    fp8 = scales is not None
-    bn, bk, warps = up_tiles or GEMV_UP_TILES
+    gs = scales if scales is not None else gate_up  # (unread without fp8)
+    bn, bk, warps, prefetch = GemvTiles(*(tiles or GEMV_UP_TILES))
     bk = min(bk, triton.next_power_of_2(h))
     _moe_gemv_up_kernel[(triton.cdiv(inter, bn), t)](
         x, gate_up, gs, act, ids_, wts, logits, inter, h, num_experts, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), gs.stride(0), gs.stride(1), stride_lt, TOP_K=top_k,
-        BLOCK_J=triton.next_power_of_2(top_k), ROUTE=route,
-        RENORM=renormalize, BLOCK_E=triton.next_power_of_2(num_experts), FP8=fp8, SCALE_N=scale_n, SCALE_K=scale_k,
-        EVEN_K=h % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
-    bn, bk, warps = down_tiles or GEMV_DOWN_TILES
+        BLOCK_J=triton.next_power_of_2(top_k), ROUTE=route, RENORM=renormalize,
+        BLOCK_E=triton.next_power_of_2(num_experts), FP8=scales is not None, SCALE_N=scale_n, SCALE_K=scale_k,
+        EVEN_K=h % bk == 0, PREFETCH=bool(prefetch) and h % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    return act, ids_, wts
+
+
+def gemv_down(act: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, top_k: int, *,
+              scales: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+              tiles: tuple | None = None) -> torch.Tensor:
+    """``experts_gemv``'s second kernel: each token's output [T, H] from its ``top_k`` pairs'
+    rows of ``act`` [T * k, I], ``ids`` and ``weights`` [T * k] (``gemv_gate_up``'s)."""
+    pairs, inter = act.shape
+    t, h = pairs // top_k, down.shape[1]
+    out = torch.empty((t, h), dtype=act.dtype, device=act.device)
+    scale_n, scale_k = block or (1, 0)
+    ds = scales if scales is not None else down  # (unread without fp8)
+    bn, bk, warps, prefetch = GemvTiles(*(tiles or GEMV_DOWN_TILES))
     bk = min(bk, triton.next_power_of_2(inter))
     _moe_gemv_down_kernel[(triton.cdiv(h, bn), t)](
-        act, down, ds, out, ids_, wts, h, inter, down.stride(0), down.stride(1), ds.stride(0), ds.stride(1),
-        out.stride(0), TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), FP8=fp8, SCALE_N=scale_n,
-        SCALE_K=scale_k, EVEN_K=inter % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        act, down, ds, out, ids, weights, h, inter, down.stride(0), down.stride(1), ds.stride(0), ds.stride(1),
+        out.stride(0), TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), FP8=scales is not None,
+        SCALE_N=scale_n, SCALE_K=scale_k, EVEN_K=inter % bk == 0, PREFETCH=bool(prefetch) and inter % bk == 0,
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return out
 
 
