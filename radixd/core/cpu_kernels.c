@@ -1471,8 +1471,9 @@ VNNI_TARGET void qdequant_bf16_t(int bits, const uint8_t *w, uint16_t *out, int6
 
 /* decode_bf16 / decode_f32 on both threads where the helper runs: one unit per (request, KV
  * head), KV head by KV head (the requests' units of a head one after another: a prefix they
- * share is read from memory by the first and from the caches by the next), the step's queries, slots and lengths copied into the arena first (a late helper reads
- * only those, its slots checked to lie in the pool), the helper's results through the shadow. */
+ * share is read from memory by the first and from the caches by the next); the step's queries,
+ * slots and lengths copied into the arena first (a late helper reads only those, its slots
+ * checked to lie in the pool), the helper's results through the shadow. */
 typedef struct {
     const void *q, *k, *v;
     const int64_t *slots, *lens;
@@ -1836,11 +1837,8 @@ FMA_TARGET static inline __attribute__((always_inline)) void fma_tile(const floa
 #define FEW_ROW(r) if (R > r) a##r = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + r * K + i), w, a##r);
 #define FEW_INPUT(WV, I) { const __m256 w = WV; const int64_t i = (I); FEW_ROW(0) FEW_ROW(1) FEW_ROW(2) FEW_ROW(3) \
                            FEW_ROW(4) FEW_ROW(5) FEW_ROW(6) FEW_ROW(7) }
-#define FEW_SCALE(r) if (R > r) {                                                                  \
-        t[r] = _mm256_fmadd_ps(d, a##r, t[r]);                                                     \
-        if (bits == 4) t[r] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + r * B + b), t[r]);       \
-        a##r = _mm256_setzero_ps();                                                                \
-    }
+#define FEW_SCALE(r) if (R > r) { t[r] = _mm256_fmadd_ps(d, a##r, t[r]); a##r = _mm256_setzero_ps(); }
+#define FEW_MIN(r) if (R > r) t[r] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + r * B + b), t[r]);
 FMA_TARGET static inline __attribute__((always_inline)) void fma_few(int bits, const uint8_t *wc, int64_t B, const float *x,
                                                                      const float *xs, int64_t K, int h, const int R,
                                                                      __m256 *t) {
@@ -1864,6 +1862,7 @@ FMA_TARGET static inline __attribute__((always_inline)) void fma_few(int bits, c
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
             FEW_SCALE(0) FEW_SCALE(1) FEW_SCALE(2) FEW_SCALE(3) FEW_SCALE(4) FEW_SCALE(5) FEW_SCALE(6) FEW_SCALE(7)
+            FEW_MIN(0) FEW_MIN(1) FEW_MIN(2) FEW_MIN(3) FEW_MIN(4) FEW_MIN(5) FEW_MIN(6) FEW_MIN(7)
         }
     } else {
         const __m256i top = _mm256_set1_epi32((int)0x80808080u);
@@ -1879,8 +1878,6 @@ FMA_TARGET static inline __attribute__((always_inline)) void fma_few(int bits, c
                 FEW_INPUT(_mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24)), 4 * j + 3)
             }
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + 16 * h)));
-            const __m256 m = d;  /* (unread: no m term) */
-            (void)m;
             FEW_SCALE(0) FEW_SCALE(1) FEW_SCALE(2) FEW_SCALE(3) FEW_SCALE(4) FEW_SCALE(5) FEW_SCALE(6) FEW_SCALE(7)
         }
     }
@@ -1910,18 +1907,11 @@ FMA_TARGET static inline __attribute__((always_inline)) void fma_store(const __m
     break; }
 
 /* y [M, N] (columns of groups c0 .. c1 - 1) = x [M, K] (float32, rows K apart) @ W.T; pan a
- * float scratch of K * 16 (fma_panel_floats), 32-byte aligned, where M > FMA_FEW. */
-FMA_TARGET static void fma_range(int bits, const uint8_t *w, const float *x, int64_t M, int64_t N, int64_t K, void *y,
-                                 int y_bf16, int64_t ldy, int64_t c0, int64_t c1, float *pan) {
+ * float scratch of K * 16 (fma_panel_floats), 32-byte aligned, where M > FMA_FEW; else xs the
+ * rows' sums over each block of 32 inputs (fma_block_sums; q4 only). */
+FMA_TARGET static void fma_range(int bits, const uint8_t *w, const float *x, const float *xs, int64_t M, int64_t N,
+                                 int64_t K, void *y, int y_bf16, int64_t ldy, int64_t c0, int64_t c1, float *pan) {
     const int64_t B = K / 32, rec_bytes = bits == 4 ? Q4_REC : Q8_REC;
-    float xs[M <= FMA_FEW && bits == 4 ? M * B : 1];  /* (fma_few: the rows' sums per block) */
-    if (M <= FMA_FEW && bits == 4)
-        for (int64_t r = 0; r < M; r++)
-            for (int64_t b = 0; b < B; b++) {
-                float z = 0.f;
-                for (int i = 0; i < 32; i++) z += x[r * K + 32 * b + i];
-                xs[r * B + b] = z;
-            }
     for (int64_t c = c0; c < c1; c++) {
         const uint8_t *wc = w + c * B * rec_bytes;
         const int64_t n0 = c * 16;
@@ -1954,8 +1944,9 @@ FMA_TARGET static void fma_range(int bits, const uint8_t *w, const float *x, int
     }
 }
 
-/* The panel floats a matmul of M rows by K inputs needs (fma_range): none up to FMA_FEW rows. */
-static inline int64_t fma_panel_floats(int64_t M, int64_t K) { return M > FMA_FEW ? K * 16 : 16; }
+/* The scratch floats a matmul of M rows by K inputs needs: the panel (fma_range), or up to
+ * FMA_FEW rows the rows' block sums (fma_block_sums). */
+static inline int64_t fma_panel_floats(int64_t M, int64_t K) { return M > FMA_FEW ? K * 16 : M * (K / 32) + 16; }
 
 /* A thread's panel scratch (grown, never freed: a late helper's unit may still use its own). */
 static float *fma_scratch(int64_t floats) {
@@ -1970,6 +1961,21 @@ static float *fma_scratch(int64_t floats) {
     return buf;
 }
 
+/* Up to FMA_FEW rows of x [M, K]: each row's sums over its blocks of 32 inputs (fma_few's m
+ * term), once per matmul, in the calling thread's scratch (grown before the call by its
+ * fma_scratch(fma_panel_floats(M, K)); never freed: a late helper may still read it). */
+static const float *fma_block_sums(const float *x, int64_t M, int64_t K) {
+    float *xs = fma_scratch(fma_panel_floats(M, K));
+    const int64_t B = K / 32;
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < B; b++) {
+            float z = 0.f;
+            for (int i = 0; i < 32; i++) z += x[r * K + 32 * b + i];
+            xs[r * B + b] = z;
+        }
+    return xs;
+}
+
 /* The units of a matmul (fma_par): row blocks of mc rows times column ranges of per groups.
  * A block's activations (mc x K floats) stay in the L2 cache while each column group of its
  * unit passes over them; with the whole of x read once per column group (the first version),
@@ -1981,7 +1987,7 @@ static float *fma_scratch(int64_t floats) {
 #define FMA_UNITS 48              /* units of 1-2 % of the work where the row blocks are fewer */
 typedef struct {
     const uint8_t *w;
-    const float *x;
+    const float *x, *xs;                         /* xs: up to FMA_FEW rows, their block sums */
     void *y, *shadow;
     float *hpan;                                 /* the helper's panel scratch */
     int64_t M, N, K, ldy, per, bits, mc, parts;  /* parts: column ranges per row block */
@@ -2005,7 +2011,7 @@ FMA_TARGET static void fma_unit(const void *p, int64_t u, int helper) {
     float *pan = helper ? c->hpan : fma_scratch(fma_panel_floats(c->M, c->K));
     if (c0 >= c1 || m < 1) return;
     char *y = (char *)(helper ? c->shadow : c->y) + r0 * c->ldy * (c->y_bf16 ? 2 : 4);
-    fma_range((int)c->bits, c->w, c->x + r0 * c->K, m, c->N, c->K, y, c->y_bf16, c->ldy, c0, c1, pan);
+    fma_range((int)c->bits, c->w, c->x + r0 * c->K, c->xs, m, c->N, c->K, y, c->y_bf16, c->ldy, c0, c1, pan);
 }
 
 static void fma_copy(const void *p, int64_t u) {
@@ -2031,19 +2037,22 @@ FMA_TARGET static void fma_par(int bits, const uint8_t *w, const float *xf, void
                                int64_t N, int64_t K, void *shadow, float *hpan) {
     const int64_t C = (N + 15) / 16;
     int64_t mc = M, blocks = 1;
+    const float *xs = NULL;
     if (M > FMA_FEW) {  /* blocks of at most the rows that fit, all of about the same size */
-        const int64_t fit = (FMA_L2 - 16 * K * (int64_t)sizeof(float)) / (K * (int64_t)sizeof(float));
-        blocks = (M + (fit > FMA_MIN_MC ? fit : FMA_MIN_MC) - 1) / (fit > FMA_MIN_MC ? fit : FMA_MIN_MC);
+        const int64_t most = max64((FMA_L2 - 16 * K * (int64_t)sizeof(float)) / (K * (int64_t)sizeof(float)), FMA_MIN_MC);
+        blocks = (M + most - 1) / most;
         blocks = blocks > MAX_UNITS ? MAX_UNITS : blocks;
         mc = ((M + blocks - 1) / blocks + FMA_ROWS - 1) / FMA_ROWS * FMA_ROWS;
         blocks = (M + mc - 1) / mc;
+    } else if (bits == 4) {
+        xs = fma_block_sums(xf, M, K);
     }
     int64_t parts = blocks >= FMA_UNITS ? 1 : (FMA_UNITS + blocks - 1) / blocks;
     parts = parts > C / 2 ? (C / 2 > 0 ? C / 2 : 1) : parts;
     if (blocks * parts > MAX_UNITS) parts = MAX_UNITS / blocks;
     const int64_t per = (C + parts - 1) / parts;
     parts = (C + per - 1) / per;
-    fma_ctx c = {w, xf, y, shadow, hpan, M, N, K, ldy, per, bits, mc, parts, y_bf16};
+    fma_ctx c = {w, xf, xs, y, shadow, hpan, M, N, K, ldy, per, bits, mc, parts, y_bf16};
     if (shadow) {
         parallel_for(fma_unit, fma_copy, &c, sizeof c, blocks * parts);
     } else {
