@@ -1906,16 +1906,19 @@ FMA_TARGET static inline __attribute__((always_inline)) void fma_store(const __m
     fma_store(acc, R, (char *)y + r0 * ldy * (y_bf16 ? 2 : 4), y_bf16, ldy, n0, N);               \
     break; }
 
-/* y [M, N] (columns of groups c0 .. c1 - 1) = x [M, K] (float32, rows K apart) @ W.T; pan a
- * float scratch of K * 16 (fma_panel_floats), 32-byte aligned, where M > FMA_FEW; else xs the
- * rows' sums over each block of 32 inputs (fma_block_sums; q4 only). */
-FMA_TARGET static void fma_range(int bits, const uint8_t *w, const float *x, const float *xs, int64_t M, int64_t N,
-                                 int64_t K, void *y, int y_bf16, int64_t ldy, int64_t c0, int64_t c1, float *pan) {
+/* y [M, N] (columns of groups c0 .. c1 - 1) = x [M, K] (float32, rows K apart) @ W.T: with
+ * few (a matmul of at most FMA_FEW rows: M of them) through fma_few, xs the rows' sums over
+ * each block of 32 inputs (fma_block_sums; q4 only); else (M rows of a row block of a larger
+ * matmul, any number of them) through the panel, pan a float scratch of K * 16
+ * (fma_panel_floats), 32-byte aligned. */
+FMA_TARGET static void fma_range(int bits, const uint8_t *w, const float *x, const float *xs, int few, int64_t M,
+                                 int64_t N, int64_t K, void *y, int y_bf16, int64_t ldy, int64_t c0, int64_t c1,
+                                 float *pan) {
     const int64_t B = K / 32, rec_bytes = bits == 4 ? Q4_REC : Q8_REC;
     for (int64_t c = c0; c < c1; c++) {
         const uint8_t *wc = w + c * B * rec_bytes;
         const int64_t n0 = c * 16;
-        if (M <= FMA_FEW) {
+        if (few) {
             __m256 acc[2 * FMA_FEW];
             __m256 half[FMA_FEW];
             for (int h = 0; h < 2; h++) {
@@ -2011,7 +2014,8 @@ FMA_TARGET static void fma_unit(const void *p, int64_t u, int helper) {
     float *pan = helper ? c->hpan : fma_scratch(fma_panel_floats(c->M, c->K));
     if (c0 >= c1 || m < 1) return;
     char *y = (char *)(helper ? c->shadow : c->y) + r0 * c->ldy * (c->y_bf16 ? 2 : 4);
-    fma_range((int)c->bits, c->w, c->x + r0 * c->K, c->xs, m, c->N, c->K, y, c->y_bf16, c->ldy, c0, c1, pan);
+    fma_range((int)c->bits, c->w, c->x + r0 * c->K, c->xs, c->M <= FMA_FEW, m, c->N, c->K, y, c->y_bf16, c->ldy, c0,
+              c1, pan);
 }
 
 static void fma_copy(const void *p, int64_t u) {
