@@ -523,3 +523,16 @@ def test_fp8_rows_at_8b_shapes_on_gpu(n, k, silu, mode):
             want = silu_of(want)
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
         assert rel_err(y, want) < 1e-2, (m, tiles)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k", [(3, 4096), (64, 4096), (64, 14336), (300, 14336), (512, 4096)])
+def test_act_quant_kernel_on_gpu_matches_the_reference_exactly(m, k):
+    """The per-token activation quantization on the GPU (its own fp8 conversion, the few-rows
+    launch up to ``FEW_ROWS``, one pass or two) gives the reference's bytes and scales."""
+    x = _gpu_input(m, k, m) * 3
+    x[1] = 0.0
+    q, s = fp8_gemm.quantize_act(x)
+    rq, rs = quantize_act_fp8(x)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
