@@ -103,14 +103,21 @@ def eager_step_s(eng, batch: int, context: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def sweep(batch: int, context: int, copy_bps: float) -> dict:
+SWEEP_CONFIGS = tuple((n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4))
+
+
+def sweep(batch: int, context: int, copy_bps: float, configs=SWEEP_CONFIGS, fp8_dot: bool = False) -> dict:
     """(``--sweep``) The decode kernel alone on one layer's K/V at the run's batch and context,
     bf16 against fp8, over stage 1's (tokens per tile, warps, stages): device time and the K/V
-    bytes read over the copy bandwidth. Every request reads its own slots."""
-    import itertools
+    bytes read over the copy bandwidth. Every request reads its own slots. ``fp8_dot``:
+    fp8 with ``decode_attention``'s ``fp8_dot`` (q.K on the fp8 tensor cores) timed too."""
 
     from radixd.core.attention.triton_backend import decode_splits
-    from radixd.core.attention.triton_kernels import DECODE_CONFIG, decode_attention
+    from radixd.core.attention.triton_kernels import (
+        DECODE_CONFIG,
+        FP8_DECODE_CONFIG,
+        decode_attention,
+    )
 
     heads, kv_heads, dim = 32, 8, 128
     dev = torch.device("cuda")
@@ -120,7 +127,7 @@ def sweep(batch: int, context: int, copy_bps: float) -> dict:
     lens = torch.full((batch,), context, device=dev, dtype=torch.int64)
     q = torch.randn(batch, heads, dim, device=dev, dtype=torch.bfloat16)
     splits = decode_splits(batch, kv_heads, torch.cuda.get_device_properties(dev).multi_processor_count)
-    out: dict = {"splits": splits, "default": list(DECODE_CONFIG), "configs": {}}
+    out: dict = {"splits": splits, "default": list(DECODE_CONFIG), "fp8_default": list(FP8_DECODE_CONFIG), "configs": {}}
     ref = None
     kb = (torch.randn(slots, kv_heads, dim, device=dev) * 0.5).to(torch.bfloat16)
     vb = (torch.randn(slots, kv_heads, dim, device=dev) * 0.5).to(torch.bfloat16)
@@ -128,13 +135,14 @@ def sweep(batch: int, context: int, copy_bps: float) -> dict:
         k, v = kb.to(dtype), vb.to(dtype)
         by = 2 * batch * context * kv_heads * dim * k.element_size()
         name = str(dtype).removeprefix("torch.")
-        for f16 in (False, True) if k.element_size() == 1 else (False,):
-            tag = name + (" fp16 products" if f16 else "")
+        variants = [(False, False), (True, False)] + [(False, True)] * fp8_dot if k.element_size() == 1 else [(False, False)]
+        for f16, f8 in variants:
+            tag = name + (" fp16 products" if f16 else "") + (" fp8 q.K" if f8 else "")
             best = None
-            for cfg in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
-                def call(cfg=cfg, k=k, v=v, f16=f16):
+            for cfg in configs:
+                def call(cfg=cfg, k=k, v=v, f16=f16, f8=f8):
                     return decode_attention(q, k, v, table, rows, lens, dim ** -0.5, num_splits=splits, config=cfg,
-                                            fp16_dot=f16)
+                                            fp16_dot=f16, fp8_dot=f8)
                 try:
                     o = call()
                     if dtype == torch.bfloat16 and cfg == tuple(DECODE_CONFIG):
@@ -150,6 +158,8 @@ def sweep(batch: int, context: int, copy_bps: float) -> dict:
                 if best is None or s < best[1]:
                     best = (cfg, s)
                 print(f"sweep {tag} {cfg}: {row}", flush=True)
+            if best is None:
+                continue
             out[f"best {tag}"] = {"config": list(best[0]), "us": round(best[1] * 1e6, 1),
                                   "fraction": round(by / copy_bps / best[1], 3)}
         del k, v
@@ -165,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--quick", action="store_true", help="a tiny model on the CPU (the logic, not a figure)")
     ap.add_argument("--sweep", action="store_true", help="first, the decode kernel alone over its tile configs")
+    ap.add_argument("--sweep-configs", default="", help="the sweep's configs, 'tokens,warps,stages;...' (default: 18)")
+    ap.add_argument("--sweep-fp8-dot", action="store_true", help="the sweep times fp8 with fp8_dot too")
+    ap.add_argument("--sweep-only", action="store_true", help="the sweep alone, no engines")
     args = ap.parse_args(argv)
     if args.quick:
         gpu_bench.DEVICE["name"] = "cpu"
@@ -175,9 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         ctx: dict = {}
         doc = {"ceilings": gpu_bench.ceilings(None, ctx)}
         copy_bps = ctx["copy_Bps"]
-        if args.sweep:
-            doc["sweep"] = sweep(args.batch, args.context, copy_bps)
+        if args.sweep or args.sweep_only:
+            configs = (tuple(tuple(map(int, c.split(","))) for c in args.sweep_configs.split(";"))
+                       if args.sweep_configs else SWEEP_CONFIGS)
+            doc["sweep"] = sweep(args.batch, args.context, copy_bps, configs, args.sweep_fp8_dot)
             write_json(Path(args.out), doc)
+            if args.sweep_only:
+                return 0
     path = checkpoint_dir(shape, prefix="radixd-fp8kv-")
     budget = budget_bytes(shape, batch, context)
     doc.update(environment=environment(), model="llama3-8b" if not args.quick else "tiny", batch=batch,

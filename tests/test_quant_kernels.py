@@ -10,7 +10,7 @@ import ast
 import pytest
 import torch
 
-from radixd.core.quant import fp8_gemm, gemv, ops
+from radixd.core.quant import fp8_gemm, fp8_rows, gemv, ops
 from radixd.core.quant.ops import (
     FP8,
     FP8_MAX,
@@ -214,6 +214,33 @@ def test_fp8_gemm_kernel(granularity, k, with_bias):
     assert rel_err(y, fp8_linear_reference(x, wq, s, block=block, bias=b)) < 1e-5
 
 
+ROWS_CASES = [  # (rows, N, K, silu, bias, granularity, mode, tiles)
+    (5, 40, 256, False, True, "channel", fp8_rows.W8A16, (16, 64, 1, 1, 1)),
+    (3, 48, 256, True, False, "channel", fp8_rows.W8A16, (16, 64, 1, 1, 2)),
+    (20, 72, 300, False, True, "channel", fp8_rows.A8W8, (16, 64, 1, 1, 2)),   # K not a multiple of the step
+    (7, 64, 512, False, False, "tensor", fp8_rows.W8A16, (32, 64, 1, 1, 4)),
+    (9, 40, 256, True, False, "tensor", fp8_rows.A8W8, (16, 32, 1, 1, 3)),     # splits not dividing K evenly
+]
+
+
+@interpreter
+@pytest.mark.parametrize("m,n,k,silu,with_bias,granularity,mode,tiles", ROWS_CASES)
+def test_fp8_rows_kernel(m, n, k, silu, with_bias, granularity, mode, tiles):
+    """The few-rows kernel in both modes, with SiLU * up, a bias and K split over programs:
+    W8A16 is the product with x unquantized, A8W8 the reference's fake-quantized one."""
+    wq, s = quantize_fp8(rand(2 * n if silu else n, k, seed=40), granularity)
+    x = rand(m, k, seed=41)
+    b = rand(n, seed=42) if with_bias else None
+    y = fp8_rows.fp8_rows(x, wq, s, b, silu=silu, mode=mode, tiles=tiles)
+    if mode == fp8_rows.W8A16:
+        want = weight_only(x, dequantize_fp8(wq, s), b)
+    else:
+        want = fp8_linear_reference(x, wq, s, bias=b).double()
+    if silu:
+        want = silu_of(want)
+    assert y.shape == (m, n) and rel_err(y, want) < 1e-5
+
+
 INT_CASES = [(4, 32, True, False, 256), (4, 64, False, True, 256), (4, 256, False, False, 256),
              (8, 64, False, False, 256), (8, 128, True, True, 256),
              (4, 320, False, True, 320),   # per channel, K not a multiple of 128
@@ -400,7 +427,9 @@ def test_fp8_kernels_at_8b_shapes_on_gpu(n, k, granularity):
         y = fp8_linear(x, wq, s, block=block)
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
         ref = fp8_linear_reference(x, wq, s, block=block)
-        if m <= gemv.GEMV_MAX_M:  # x unquantized: against the weight-only product, and loosely the reference
+        choice = fp8_rows.choose(m, n, k, False, x.device) if granularity == "channel" else None
+        if m <= gemv.GEMV_MAX_M or (choice and choice[:2] == ["rows", fp8_rows.W8A16]):
+            # x unquantized: against the weight-only product, and loosely the reference
             assert rel_err(y, weight_only(x, w_deq)) < 1e-2, m
             assert rel_err(y, ref) < 0.05, m
         else:  # bf16 output rounding and fp32 accumulation order
@@ -470,3 +499,40 @@ def test_gemv_with_rope_on_gpu(fmt, kv):
     for got, want in zip(fused, unfused, strict=True):
         assert torch.isfinite(got.float()).all() and rel_err(got, want) < 1e-2
     assert not stray
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,silu", [(6144, 4096, False), (4096, 14336, False), (14336, 4096, True)])
+@pytest.mark.parametrize("mode", [fp8_rows.W8A16, fp8_rows.A8W8])
+def test_fp8_rows_at_8b_shapes_on_gpu(n, k, silu, mode):
+    """``fp8_rows`` on the GPU (W8A16 through the inline-PTX widening for bf16 x) at decode
+    batch sizes, with K split, against the float64 product of what each mode multiplies."""
+    w = torch.randn(2 * n if silu else n, k, device="cuda") * k**-0.5
+    wq, s = quantize_fp8(w, "channel")
+    w_deq = dequantize_fp8(wq, s)
+    for m, tiles in ((2, (64, 128, 4, 4, 1)), (16, (64, 256, 4, 3, 2)), (64, (64, 128, 4, 4, 4)),
+                     (100, (128, 128, 8, 4, 1))):
+        x = _gpu_input(m, k, m)
+        y = fp8_rows.fp8_rows(x, wq, s, silu=silu, mode=mode, tiles=tiles)
+        if mode == fp8_rows.W8A16:
+            want = weight_only(x, w_deq)
+        else:
+            xq, xs = quantize_act_fp8(x)
+            want = weight_only(xq.double() * xs.double(), w_deq)
+        if silu:
+            want = silu_of(want)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        assert rel_err(y, want) < 1e-2, (m, tiles)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k", [(3, 4096), (64, 4096), (64, 14336), (300, 14336), (512, 4096)])
+def test_act_quant_kernel_on_gpu_matches_the_reference_exactly(m, k):
+    """The per-token activation quantization on the GPU (its own fp8 conversion, the few-rows
+    launch up to ``FEW_ROWS``, one pass or two) gives the reference's bytes and scales."""
+    x = _gpu_input(m, k, m) * 3
+    x[1] = 0.0
+    q, s = fp8_gemm.quantize_act(x)
+    rq, rs = quantize_act_fp8(x)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+

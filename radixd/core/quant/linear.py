@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from radixd.core.errors import ConfigError
-from radixd.core.quant import ops
+from radixd.core.quant import fp8_rows, ops
 from radixd.core.quant.cpu_int import (
     CpuIntWeight,
     cpu_int_linear,
@@ -108,12 +108,28 @@ class QuantLinear(nn.Module):
         return records_linear(flat, self.cpu, silu=True).view(*gate_up.shape[:-1], self.out_features)
 
     def forward_silu(self, x: torch.Tensor) -> torch.Tensor | None:
-        """SiLU(gate) * up of this (gate | up) projection of one CUDA row in one GEMV kernel,
-        the activation in its epilogue; None where that path does not apply (more rows, the
-        CPU, a bias): the caller then takes ``forward`` and its own activation."""
-        if self.bias is not None or not self._one_gemv_row(x):
+        """SiLU(gate) * up of this (gate | up) projection in one kernel, the activation in its
+        epilogue: one CUDA row through the GEMV, a decode batch of a per-channel fp8 weight
+        through ``fp8_rows`` where that was measured fastest for the shape; None where no such
+        path applies (the CPU, a bias, ...): the caller then takes ``forward`` and its own
+        activation."""
+        if self.bias is not None:
             return None
-        return self._gemv(x.reshape(1, -1), silu=True).view(*x.shape[:-1], self.out_features // 2)
+        if self._one_gemv_row(x):
+            return self._gemv(x.reshape(1, -1), silu=True).view(*x.shape[:-1], self.out_features // 2)
+        lay = self.layout
+        if (self.cpu is not None or not x.is_cuda or not isinstance(lay, Fp8Layout) or lay.block
+                or self.weight_scale.dim() != 1):
+            return None
+        flat = x.reshape(-1, self.in_features)
+        if not 1 < flat.shape[0] <= fp8_rows.ROWS_MAX_M:
+            return None
+        choice = fp8_rows.choose(flat.shape[0], self.out_features // 2, self.in_features, True, x.device)
+        if not choice or choice[0] != "rows":
+            return None
+        flat = flat if flat.stride(1) == 1 else flat.contiguous()
+        y = fp8_rows.run_choice(choice, flat, self.weight, self.weight_scale, silu=True)
+        return y.view(*x.shape[:-1], self.out_features // 2)
 
     def forward_rope(self, x: torch.Tensor, rope: RopeStore) -> torch.Tensor | None:
         """This q/k/v projection of one CUDA row with ``rope``'s epilogue (rotary, the K/V

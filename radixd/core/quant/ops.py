@@ -35,8 +35,11 @@ Layouts (N output features, K input features; a row of ``weight`` is one output 
 
 Dispatch (``use_triton``, as ``radixd.core.triton_ops``): CUDA tensors take the Triton
 kernels, others the references; up to ``GEMV_MAX_M`` rows a weight-streaming GEMV
-(``gemv``; its fp8 path multiplies the unquantized x, the one place the activation is not
-rounded to fp8), more rows a tensor-core GEMM (``fp8_gemm``, ``int_gemm``).
+(``gemv``; its fp8 path multiplies the unquantized x), more rows a tensor-core GEMM
+(``fp8_gemm``, ``int_gemm``). A per-channel fp8 weight at a decode batch's rows takes what
+was measured fastest for its shape on the GPU model (``fp8_rows.choose``: the few-rows
+kernel ``fp8_rows``, in one of its two modes, ``torch._scaled_mm``, or ``fp8_gemm``); the
+few-rows kernel's W8A16 mode, like the GEMV, leaves x unquantized.
 
 The references here (``*_reference``) dequantize the weight and the fake-quantized
 activation to ``x.dtype`` and multiply in ``x.dtype``: they are the CPU path and what the
@@ -51,7 +54,7 @@ import math
 import torch
 from torch import Tensor
 
-from radixd.core.quant import AMAX_EPS, FP8, FP8_MAX
+from radixd.core.quant import AMAX_EPS, FP8, FP8_MAX, fp8_rows
 from radixd.core.quant.fp8_gemm import fp8_gemm
 from radixd.core.quant.gemv import GEMV_MAX_M, fp8_gemv, int_gemv
 from radixd.core.quant.int_gemm import int_gemm
@@ -264,6 +267,11 @@ def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, *, block: tuple[
     x = x if x.stride(1) == 1 else x.contiguous()
     if x.shape[0] <= GEMV_MAX_M:
         return fp8_gemv(x, weight, weight_scale, block, bias)
+    if block is None and weight_scale.dim() == 1:
+        choice = fp8_rows.choose(x.shape[0], weight.shape[0], x.shape[1], False, x.device)
+        y = fp8_rows.run_choice(choice, x, weight, weight_scale, bias) if choice else None
+        if y is not None:
+            return y
     return fp8_gemm(x, weight, weight_scale, block, bias)
 
 
