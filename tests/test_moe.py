@@ -142,7 +142,10 @@ async def test_fp8_experts_checkpoint_gives_its_dequantized_twins_tokens(tiny_mo
     base = tiny_moe_models["qwen3-moe"]
     path, dense = fp8_experts_checkpoint(base, tmp_path / "fp8", block=block)
     twin = dense_twin(base, tmp_path / "twin", dense)
-    eng = make_engine(path, chunked_prefill_size=7)
+    # On the CPU, where the oracle is exact (float32 against float32): on a CUDA device the
+    # engine runs bf16, whose logits differ from transformers' float32 ones by more than a tie
+    # (there the gpu-marked tests compare within bf16 tolerances).
+    eng = make_engine(path, chunked_prefill_size=7, device="cpu")
     try:
         experts = eng.worker.model.layers[0].mlp.experts
         assert experts.gate_up_proj.dtype == FP8 and experts.down_proj.dtype == FP8
