@@ -414,18 +414,9 @@ def gemv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 @triton.jit
-def _rows_kernel(X, W, B, Y, Part, Count, M, N, K, stride_xm, stride_w, stride_ym, HALF,
-                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Y[:M, tile] = X[:M] @ W[tile].T for one tile of BLOCK_N weight rows and all M (<=
-    BLOCK_M) rows of X, accumulated as W-tile x X-tile.T (the weights are the wide side of the
-    product). With SILU, W is (gate | up) with HALF rows each: the tile's gate rows and the
-    matching up rows are read, and Y gets SiLU(gate) * up.
-
-    SPLIT_K > 1: program (tile, s) sums the s-th of SPLIT_K slices of K and leaves it in
-    ``Part``; the tile's last program to finish (``Count``, a per-tile arrival counter it
-    sets back to 0) adds the slices in order and writes Y, so one launch does the whole
-    product and the result does not depend on which program came last."""
+def _rows_tile(M, N, K, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A rows kernel's program (tile, split): its tile, the masks of its weight rows and of X's
+    rows, and its slice [k_lo, k_hi) of K (whole steps of BLOCK_K)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -435,22 +426,16 @@ def _rows_kernel(X, W, B, Y, Part, Count, M, N, K, stride_xm, stride_w, stride_y
     k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = split * k_per
     k_hi = tl.minimum(k_lo + k_per, K)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # (SILU only)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        w_ptrs = W + offs_n[:, None] * stride_w + offs_k[None, :]
-        x_ptrs = X + offs_m[None, :] * stride_xm + offs_k[:, None]
-        if EVEN_K:
-            mask_w = mask_n[:, None]
-            mask_x = mask_m[None, :]
-        else:
-            mask_w = mask_n[:, None] & (offs_k[None, :] < k_hi)
-            mask_x = mask_m[None, :] & (offs_k[:, None] < k_hi)
-        x = tl.load(x_ptrs, mask=mask_x, other=0.0)
-        acc = tl.dot(tl.load(w_ptrs, mask=mask_w, other=0.0), x, acc)
-        if SILU:
-            acc_up = tl.dot(tl.load(w_ptrs + HALF * stride_w, mask=mask_w, other=0.0), x, acc_up)
+    return pid, split, offs_n, offs_m, mask_n, mask_m, k_lo, k_hi
+
+
+@triton.jit
+def _rows_epilogue(acc, acc_up, B, Y, Part, Count, pid, split, offs_m, offs_n, mask_n, mask_m, stride_ym, SPLIT_K,
+                   HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The end of a rows kernel (``_rows_kernel``, ``quant.fp8_rows``) for one tile's program:
+    with SPLIT_K > 1 its slice's sums go to ``Part`` and the tile's last program to arrive
+    (``Count``, set back to 0) adds the slices in order; then the bias, SiLU(gate) * up with
+    SILU, and the store of Y[:M, tile]."""
     last = True
     if SPLIT_K > 1:
         parts = 2 if SILU else 1
@@ -478,6 +463,40 @@ def _rows_kernel(X, W, B, Y, Part, Count, M, N, K, stride_xm, stride_w, stride_y
             acc = g / (1.0 + tl.exp(-g)) * acc_up.to(Y.dtype.element_ty).to(tl.float32)
         tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty),
                  mask=mask_n[:, None] & mask_m[None, :])
+
+
+@triton.jit
+def _rows_kernel(X, W, B, Y, Part, Count, M, N, K, stride_xm, stride_w, stride_ym, HALF,
+                 HAS_BIAS: tl.constexpr, SILU: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Y[:M, tile] = X[:M] @ W[tile].T for one tile of BLOCK_N weight rows and all M (<=
+    BLOCK_M) rows of X, accumulated as W-tile x X-tile.T (the weights are the wide side of the
+    product). With SILU, W is (gate | up) with HALF rows each: the tile's gate rows and the
+    matching up rows are read, and Y gets SiLU(gate) * up.
+
+    SPLIT_K > 1: program (tile, s) sums the s-th of SPLIT_K slices of K and leaves it in
+    ``Part``; the tile's last program to finish (``Count``, a per-tile arrival counter it
+    sets back to 0) adds the slices in order and writes Y, so one launch does the whole
+    product and the result does not depend on which program came last."""
+    pid, split, offs_n, offs_m, mask_n, mask_m, k_lo, k_hi = _rows_tile(M, N, K, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # (SILU only)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w_ptrs = W + offs_n[:, None] * stride_w + offs_k[None, :]
+        x_ptrs = X + offs_m[None, :] * stride_xm + offs_k[:, None]
+        if EVEN_K:
+            mask_w = mask_n[:, None]
+            mask_x = mask_m[None, :]
+        else:
+            mask_w = mask_n[:, None] & (offs_k[None, :] < k_hi)
+            mask_x = mask_m[None, :] & (offs_k[:, None] < k_hi)
+        x = tl.load(x_ptrs, mask=mask_x, other=0.0)
+        acc = tl.dot(tl.load(w_ptrs, mask=mask_w, other=0.0), x, acc)
+        if SILU:
+            acc_up = tl.dot(tl.load(w_ptrs + HALF * stride_w, mask=mask_w, other=0.0), x, acc_up)
+    _rows_epilogue(acc, acc_up, B, Y, Part, Count, pid, split, offs_m, offs_n, mask_n, mask_m, stride_ym, SPLIT_K,
+                   HAS_BIAS, SILU, BLOCK_M, BLOCK_N)
 
 
 ROWS_MAX_M = 128

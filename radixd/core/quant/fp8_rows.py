@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixd.core.triton_ops import _rows_epilogue, _rows_tile, _split_scratch
+
 ROWS_MAX_M = 128
 W8A16, A8W8 = 0, 1
 
@@ -44,16 +46,8 @@ def _fp8_rows_kernel(X, XS, W, WS, B, Y, Part, Count, M, N, K, stride_xm, stride
     (<= BLOCK_M) rows, accumulated as W-tile x X-tile.T; ``triton_ops._rows_kernel``'s split-K
     and SILU. X: x (W8A16) or fp8 x with per-row scales XS [M, 1] (A8W8); WS: the weight's
     scales ([N] PER_CHANNEL, else []), applied with XS's to each slice's sums."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_n = offs_n < N
-    mask_m = offs_m < M
+    pid, split, offs_n, offs_m, mask_n, mask_m, k_lo, k_hi = _rows_tile(M, N, K, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
     rows_n = tl.where(mask_n, offs_n, 0)
-    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_lo = split * k_per
-    k_hi = tl.minimum(k_lo + k_per, K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # (SILU only)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -92,33 +86,8 @@ def _fp8_rows_kernel(X, XS, W, WS, B, Y, Part, Count, M, N, K, stride_xm, stride
         acc *= xs
         if SILU:
             acc_up *= xs
-    last = True
-    if SPLIT_K > 1:
-        parts = 2 if SILU else 1
-        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
-        mine = Part + ((pid * SPLIT_K + split) * parts) * (BLOCK_N * BLOCK_M) + tile
-        tl.store(mine, acc)
-        if SILU:
-            tl.store(mine + BLOCK_N * BLOCK_M, acc_up)
-        tl.debug_barrier()  # every thread's slice stored before the arrival is counted
-        last = tl.atomic_add(Count + pid, 1, sem="acq_rel") == SPLIT_K - 1
-        if last:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in range(SPLIT_K):
-                src = Part + ((pid * SPLIT_K + s) * parts) * (BLOCK_N * BLOCK_M) + tile
-                acc += tl.load(src, cache_modifier=".cg")
-                if SILU:
-                    acc_up += tl.load(src + BLOCK_N * BLOCK_M, cache_modifier=".cg")
-            tl.store(Count + pid, 0)
-    if last:
-        if HAS_BIAS:
-            acc += tl.load(B + rows_n).to(tl.float32)[:, None]
-        if SILU:  # (rounded as the unfused projection's output would be)
-            g = acc.to(Y.dtype.element_ty).to(tl.float32)
-            acc = g / (1.0 + tl.exp(-g)) * acc_up.to(Y.dtype.element_ty).to(tl.float32)
-        tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty),
-                 mask=mask_n[:, None] & mask_m[None, :])
+    _rows_epilogue(acc, acc_up, B, Y, Part, Count, pid, split, offs_m, offs_n, mask_n, mask_m, stride_ym, SPLIT_K,
+                   HAS_BIAS, SILU, BLOCK_M, BLOCK_N)
 
 
 TUNED = Path(__file__).parents[1] / "tuned" / "fp8_rows.json"
@@ -159,7 +128,6 @@ def fp8_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     bias) for a per-tensor or per-channel fp8 weight and 1..ROWS_MAX_M rows x. ``tiles``:
     (weight rows per program, K step, warps, stages, K splits); the splits fall back to one
     where the stream's split-K scratch cannot hold them."""
-    from radixd.core.triton_ops import _split_scratch
 
     assert not (silu and bias is not None), "the fused gate/up projection has no bias"
     m, k = x.shape
