@@ -12,8 +12,9 @@ Setting the peers up (``VENV``s of their own; see docs/benchmarks/cpu_peers.md):
 and ``pip install 'llama-cpp-python[server]==0.3.36'``.
 
 The servers, as each is meant to be run on this machine (2 cores):
-- radixd: ``python -m radixd --config`` a file with the KV pool at 32,768 tokens, the rest as
-  shipped (``[model] path = "default"``), plus ``--radixd-toml`` lines;
+- radixd: ``python -m radixd --config`` a file with the KV pool at 32,768 tokens (of
+  ``--radixd-kv-cache-dtype``, "auto" unless given), the rest as shipped (``[model] path =
+  "default"``), plus ``--radixd-toml`` lines;
 - vLLM: ``vllm.entrypoints.openai.api_server`` on radixd's converted checkpoint of the default
   model (fp32; a copy of its config without the ``gguf`` quantization_config vLLM refuses),
   ``--dtype float32 --max-model-len 4096``, ``VLLM_CPU_KVCACHE_SPACE=4`` and both cores
@@ -105,11 +106,11 @@ class Server:
         stop_process(self.proc)
 
 
-def start_radixd(workdir: Path, toml_lines: list[str]) -> Server:
+def start_radixd(workdir: Path, toml_lines: list[str], kv_cache_dtype: str = "auto") -> Server:
     cfg = workdir / "radixd.toml"
     port = free_port()
-    cfg.write_text(f"[server]\nport = {port}\n[memory]\nkv_cache_tokens = 32768\n[logging]\naccess_log = false\n"
-                   + "".join(line + "\n" for line in toml_lines))
+    cfg.write_text(f"[server]\nport = {port}\n[memory]\nkv_cache_tokens = 32768\nkv_cache_dtype = \"{kv_cache_dtype}\"\n"
+                   "[logging]\naccess_log = false\n" + "".join(line + "\n" for line in toml_lines))
     return Server("radixd", [sys.executable, "-m", "radixd", "--config", str(cfg)], {**os.environ}, port, workdir)
 
 
@@ -191,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-python", help="the python of llama-cpp-python[server]'s environment")
     ap.add_argument("--radixd-toml", action="append", default=[], metavar="LINE",
                     help="a line added to radixd's config, e.g. '[model]' then 'dtype = \"bfloat16\"' (repeatable)")
+    ap.add_argument("--radixd-kv-cache-dtype", default="auto",
+                    help="radixd's [memory] kv_cache_dtype (e.g. float16: a float32 model's K/V in 16 bits)")
     ap.add_argument("--workloads", default="random,shared,single")
     ap.add_argument("--quick", action="store_true", help="tiny workloads, one round (radixd alone unless --servers)")
     ap.add_argument("--out", default=str(RESULTS / "cpu_peers" / "cpu_peers.json"))
@@ -216,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for rnd in range(rounds):
             for name in servers:
-                server = (start_radixd(workdir, a.radixd_toml) if name == "radixd"
+                server = (start_radixd(workdir, a.radixd_toml, a.radixd_kv_cache_dtype) if name == "radixd"
                           else start_vllm(a.vllm_python, model_dir, workdir) if name == "vllm"
                           else start_vllm(a.vllm_python, model_dir, workdir, "bfloat16") if name == "vllm-bf16"
                           else start_llama(a.llama_python, gguf, workdir))

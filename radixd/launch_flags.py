@@ -138,7 +138,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--context-length", "model.max_context_len", int, "context length (at most the model's)"),
     Flag("--reasoning-parser", "model.reasoning_parser", str, "qwen3, qwen3-thinking, deepseek-r1 or a plugin's "
          "(radixd also takes auto and none)"),
-    Flag("--kv-cache-dtype", "memory.kv_cache_dtype", str, "what the KV pool stores: auto, fp8_e4m3 or fp8_e5m2"),
+    Flag("--kv-cache-dtype", "memory.kv_cache_dtype", str, "what the KV pool stores: auto, bfloat16, float16, fp8_e4m3 or fp8_e5m2"),
     Flag("--disaggregation-mode", "disaggregation.mode", str, "null (colocated), prefill or decode",
          lambda v: "off" if v == "null" else v),
     Flag("--disaggregation-bootstrap-port", "disaggregation.bootstrap_port", int,

@@ -485,12 +485,14 @@ def fused_dtype(request):
     return torch.float32
 
 
-def _tiny_int_llama(rows: int, dtype: torch.dtype = torch.bfloat16):
+def _tiny_int_llama(rows: int, dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None):
     """A random 2-layer Llama (head_dim 32) with int4 projections packed for the CPU, a pool
-    and a decode step of ``rows`` requests (cpu_decode's contract), in ``dtype``."""
+    (of ``kv_dtype``; None: the model's) and a decode step of ``rows`` requests (cpu_decode's
+    contract), in ``dtype``."""
     from benchmarks.cpu_decode import decode_batch
     from radixd.core.attention import make_backend
     from radixd.core.kv_pool import KVPool
+    from radixd.core.kv_quant import KVFormat
     from radixd.core.models.config import ModelConfig
     from radixd.core.models.llama import LlamaForCausalLM
     from radixd.core.quant.formats import IntLayout
@@ -510,7 +512,8 @@ def _tiny_int_llama(rows: int, dtype: torch.dtype = torch.bfloat16):
     assert pack_cpu_projections(model) == 8
     ctx = 40
     pool = KVPool(num_layers=2, num_slots=rows * (ctx + 1) + 34, num_kv_heads=2, head_dim=32, max_rows=rows,
-                  max_context_len=ctx + 1, dtype=dtype, device=torch.device("cpu"))
+                  max_context_len=ctx + 1, dtype=dtype, device=torch.device("cpu"),
+                  kv_format=KVFormat(kv_dtype) if kv_dtype is not None else None)
     attn = make_backend("torch", pool, num_heads=4, head_dim=32, scale=32**-0.5)
     return model, pool, attn, decode_batch(pool, cfg, "shared", rows, ctx, 32, 0)
 

@@ -49,8 +49,10 @@ def test_peers_need_their_environments():
 def test_quick_run_on_the_default_model(tmp_path):
     out = tmp_path / "peers.json"
     # one workload: each is a client process of its own, and the others differ only in flags
-    assert cpu_peers.main(["--quick", "--workloads", "shared", "--out", str(out)]) == 0
+    assert cpu_peers.main(["--quick", "--workloads", "shared", "--radixd-kv-cache-dtype", "float16",
+                           "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
+    assert doc["config"]["radixd_kv_cache_dtype"] == "float16"  # (the server's pool: a float32 model's K/V in 16 bits)
     assert [(r["server"], r["workload"]) for r in doc["runs"]] == [("radixd", "shared")]
     run = doc["runs"][0]
     assert run["completed"] == 4 and run["failed"] == 0 and run["output_tokens"] == 16

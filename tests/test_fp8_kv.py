@@ -258,7 +258,7 @@ def test_bad_kv_cache_dtype_is_refused_naming_the_key(tiny_models):
     from radixd.launch_flags import overrides
     from radixd.settings import settings_from_dict
 
-    with pytest.raises(ConfigError, match="'kv_cache_dtype'.*'fp8'.*'auto', 'fp8_e4m3', 'fp8_e5m2'"):
+    with pytest.raises(ConfigError, match="'kv_cache_dtype'.*'fp8'.*'auto', 'bfloat16', 'float16', 'fp8_e4m3', 'fp8_e5m2'"):
         EngineConfig(kv_cache_dtype="fp8")
     with pytest.raises(ConfigError, match="'memory.kv_cache_dtype'.*'int8'"):
         settings_from_dict({"memory": {"kv_cache_dtype": "int8"}})

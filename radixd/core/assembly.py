@@ -25,7 +25,7 @@ from radixd.core.errors import ConfigError
 from radixd.core.hf_names import hf_names
 from radixd.core.kv_manager import FREE_EVERY
 from radixd.core.kv_pool import kv_bytes_per_token
-from radixd.core.kv_quant import KVFormat, is_scale_name, kv_format
+from radixd.core.kv_quant import FP8_DTYPES, KVFormat, is_scale_name, kv_format
 from radixd.core.model_loader import iter_safetensors, read_config, resolve_model
 from radixd.core.models.config import ModelConfig
 from radixd.core.pooling import Pooling, engine_pooling
@@ -71,13 +71,13 @@ class ModelSetup:
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "torch"
         dtype = pick_dtype(config.dtype, device)
-        quantized = config.kv_cache_dtype != "auto" and config.load_format != "dummy"
+        quantized = config.kv_cache_dtype in FP8_DTYPES and config.load_format != "dummy"
         scales = iter_safetensors(path, only=is_scale_name) if quantized else ()
         return cls(device=device, dtype=dtype, path=path, cfg=cfg, tokenizer=tokenizer,
                    context_len=min(cfg.context_len, config.max_context_len or 1 << 62),
                    eos_token_ids=eos_ids(cfg, tokenizer), attention_backend=backend,
                    pooling=engine_pooling(config.task, path),
-                   kv_format=kv_format(config.kv_cache_dtype, dtype, cfg.num_layers, scales))
+                   kv_format=kv_format(config.kv_cache_dtype, dtype, cfg.num_layers, scales, device.type))
 
 
 def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.device],
@@ -212,8 +212,9 @@ def tier_context(config: EngineConfig, setup: ModelSetup) -> TierContext:
 
 def kv_identity(config: EngineConfig, setup: ModelSetup) -> str:
     """What makes stored KV valid for this engine: the model's config and weights files,
-    dtype, device kind, attention backend, page size and, for an fp8 pool, its format and
-    scales (pages of another identity are misses)."""
+    dtype, device kind, attention backend, page size and, for a pool not in the model's dtype
+    (fp8, or a float32 model's 16-bit pool), its format and scales (pages of another identity
+    are misses)."""
     h = hashlib.sha256(b"radixd-kv-pages-1")
     path = setup.path
     files = sorted(path.iterdir()) if path.is_dir() else [path]
@@ -225,6 +226,6 @@ def kv_identity(config: EngineConfig, setup: ModelSetup) -> str:
             h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     c = config
     h.update(f"{c.load_format}|{setup.dtype}|{setup.device.type}|{c.attention_backend}|{c.cache_page_tokens}".encode())
-    if setup.kv_format.quantized:  # (unquantized pools keep the identity their stored pages have)
+    if setup.kv_format.dtype != setup.dtype:  # (pools of the model's dtype keep the identity their pages have)
         h.update(f"|kv {setup.kv_format.identity}".encode())
     return h.hexdigest()

@@ -33,7 +33,7 @@ LOAD_FORMATS = ("auto", "dummy")
 WRITE_POLICIES = ("write_back", "write_through", "write_through_hits")
 ROUTING_POLICIES = ("cache_aware", "round_robin")
 TASKS = ("auto", "generate", "embed")
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # see core.kv_quant
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")  # see core.kv_quant
 GGUF_WEIGHTS = ("auto", "native", "fp32")  # (core.gguf serves "native")
 PREFILL_WEIGHTS = ("auto", "bf16", "dequantize")  # (quant.cpu_int.with_prefill_copies)
 QUANTIZATION = ("auto", "none", "compressed-tensors", "fp8", "gptq", "awq")  # (core.quant.formats reads them)
@@ -199,7 +199,9 @@ class EngineConfig:
     # On CUDA without an explicit size: share of the free memory after the weights.
     mem_fraction: float = option(0.85, key="memory.mem_fraction", min=0.05, max=0.98)
     # What the pool stores K and V in: "auto" (the model's dtype), "fp8_e4m3" or "fp8_e5m2"
-    # (half the bytes of bf16 per token; per-layer scales from the checkpoint, else 1.0).
+    # (half the bytes of bf16 per token; per-layer scales from the checkpoint, else 1.0), or
+    # "bfloat16" / "float16": the model's dtype, or on the CPU a float32 model's K/V in half
+    # its bytes (read in float32 by the decode kernels).
     kv_cache_dtype: str = option("auto", key="memory.kv_cache_dtype", choices=KV_CACHE_DTYPES)
     # Models with sliding-window layers: their KV in a region of its own, this many window
     # tokens per pool slot (at least a prefill chunk and a window), freed behind the windows

@@ -17,7 +17,8 @@ step or the model is not one it serves; the caller then runs its layers as usual
   or in float32 on a CPU with AVX2 (``cpu_kernels.avx2``: ``decode_layers_f32``);
 - a decode step of the torch attention backend whose every token is a request's one new
   token attended through the C kernel (``TorchAttention.decode_lens``), over a pool of the
-  step's dtype.
+  step's dtype, or (float32 steps) a float16 / bfloat16 pool (``kv_cache_dtype``: K and V
+  rounded to it as they are stored, read in float32).
 
 The C function calls the same kernels the layer-by-layer path calls, in the same order, with
 the same roundings between them: its result is that path's bit for bit (tested).
@@ -50,7 +51,7 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [("hidden", I64), ("inter", I64), ("hq", I64), ("hkv", I64), ("dim", I64), ("layers", I64),
-                ("max_pos", I64), ("scale", F32), ("cos", P), ("sin", P)]
+                ("max_pos", I64), ("scale", F32), ("cos", P), ("sin", P), ("kvt", I64)]
 
 
 class _Step(ctypes.Structure):
@@ -78,8 +79,17 @@ class _Plan:
         rot = model.rotary
         self.model = _Model(model.cfg.hidden_size, mlp.down_proj.in_features, att.num_heads, att.num_kv_heads,
                             att.head_dim, len(model.layers), rot.cos.shape[0], scale, rot.cos.data_ptr(),
-                            rot.sin.data_ptr())
+                            rot.sin.data_ptr(), cpu_kernels.kv_type(pool.model_dtype, pool.dtype))
         self.keep += [rot.cos, rot.sin]
+
+
+def _pool_fits(pool, dtype: torch.dtype, kernel: str) -> bool:
+    """Whether ``kernel``'s steps in ``dtype`` read and write ``pool``: a pool of their dtype,
+    or a float32 step's float16 / bfloat16 pool (``decode_layers_f32``, head_dim a multiple of 8)."""
+    if pool.dtype == dtype:
+        return True
+    return (kernel == _KERNELS[torch.float32] and cpu_kernels.kv_type(dtype, pool.dtype) is not None
+            and pool.k_buffers[0].shape[-1] % 8 == 0)
 
 
 def _pool_key(pool) -> tuple:
@@ -147,7 +157,7 @@ def runner(model, attn, x: Tensor):
     if kernel is False:
         kernel = model._cpu_fused_kernel = _kernel(model)
     pool = attn.pool
-    if kernel is None or _KERNELS.get(x.dtype) != kernel or pool.dtype != x.dtype or pool.quantized:
+    if kernel is None or _KERNELS.get(x.dtype) != kernel or pool.quantized or not _pool_fits(pool, x.dtype, kernel):
         return None
     if any(attn.windows) or attn.softcap:
         return None

@@ -1483,6 +1483,7 @@ typedef struct {
     float scale;
     int fast;                                    /* float32: att_f32_avx2 (head_dim a multiple of 8) */
     int64_t B;                                   /* the requests */
+    int kvt;                                     /* the pool's elements (KV_F32, KV_F16, KV_BF16; fast only) */
 } dec_ctx;
 
 /* Four floats' sums of four vectors: {sum a0, sum a1, sum a2, sum a3}. */
@@ -1507,21 +1508,50 @@ FMA_TARGET static inline float hsum1(__m256 a) {
  *   vectors of the row at a time for the GH heads (2 GH sums), the sums kept in acc between
  *   tiles. Each output sums its keys in order, as decode_f32_head does. */
 #define ATT_TK 32
+
+/* The pool's element types the AVX2 decode attention reads (q and out are float32): */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+
+/* Eight elements of a pool row at p (elements of type kvt), as float32. */
+FMA_TARGET static inline __attribute__((always_inline)) __m256 kv_load8(const void *p, const int kvt) {
+    if (kvt == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    if (kvt == KV_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    return _mm256_loadu_ps((const float *)p);
+}
+
+/* n float32 values (n a multiple of 8) into a pool row of float16 or bfloat16 (kvt), rounded
+ * to nearest even as torch's conversions round. */
+FMA_TARGET static inline void kv_store(const float *x, uint16_t *out, int64_t n, const int kvt) {
+    for (int64_t i = 0; i < n; i += 8) {
+        if (kvt == KV_F16) {
+            _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+        } else {
+            for (int64_t l = 0; l < 8; l++) out[i + l] = f32_to_bf16(x[i + l]);
+        }
+    }
+}
+
+/* Element e of a pool buffer of element type kvt. */
+static inline __attribute__((always_inline)) const void *kv_at(const void *buf, int64_t e, const int kvt) {
+    return (const char *)buf + e * (kvt == KV_F32 ? 4 : 2);
+}
+
 FMA_TARGET static inline __attribute__((always_inline)) void att_f32_tile(
-        const float *q, const float *k, const float *v, const int64_t *row, int64_t n, float *out, int64_t Hkv,
-        int64_t h, float scale, float *sc, const int GH, const int64_t DV) {
+        const float *q, const void *k, const void *v, const int64_t *row, int64_t n, float *out, int64_t Hkv,
+        int64_t h, float scale, float *sc, const int GH, const int64_t DV, const int kvt) {
     const int64_t D = 8 * DV;
     const __m128 vscale = _mm_set1_ps(scale);
     __m128 top01 = _mm_set1_ps(-FLT_MAX), top2 = _mm_set1_ps(-FLT_MAX);  /* lanes: (h0 h0 h1 h1), (h2 h2 . .) */
     int64_t j = 0;
     for (; j + 2 <= n; j += 2) {
-        const float *ka = k + (row[j] * Hkv + h) * D, *kb = k + (row[j + 1] * Hkv + h) * D;
+        const void *ka = kv_at(k, (row[j] * Hkv + h) * D, kvt), *kb = kv_at(k, (row[j + 1] * Hkv + h) * D, kvt);
         __m256 a[3], b[3];
 #pragma GCC unroll 3
         for (int i = 0; i < 3; i++) a[i] = b[i] = _mm256_setzero_ps();
 #pragma GCC unroll 16
         for (int64_t d = 0; d < DV; d++) {
-            const __m256 x = _mm256_loadu_ps(ka + 8 * d), y = _mm256_loadu_ps(kb + 8 * d);
+            const __m256 x = kv_load8(kv_at(ka, 8 * d, kvt), kvt), y = kv_load8(kv_at(kb, 8 * d, kvt), kvt);
 #pragma GCC unroll 3
             for (int i = 0; i < GH; i++) {
                 const __m256 u = _mm256_loadu_ps(q + i * D + 8 * d);
@@ -1549,10 +1579,11 @@ FMA_TARGET static inline __attribute__((always_inline)) void att_f32_tile(
         top[2] = u4[0] > u4[1] ? u4[0] : u4[1];
     }
     for (; j < n; j++) {
-        const float *kr = k + (row[j] * Hkv + h) * D;
+        const void *kr = kv_at(k, (row[j] * Hkv + h) * D, kvt);
         for (int i = 0; i < GH; i++) {
             __m256 a = _mm256_setzero_ps();
-            for (int64_t d = 0; d < DV; d++) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * D + 8 * d), _mm256_loadu_ps(kr + 8 * d), a);
+            for (int64_t d = 0; d < DV; d++)
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * D + 8 * d), kv_load8(kv_at(kr, 8 * d, kvt), kvt), a);
             const float s1 = hsum1(a) * scale;
             sc[i * n + j] = s1;
             top[i] = s1 > top[i] ? s1 : top[i];
@@ -1570,8 +1601,8 @@ FMA_TARGET static inline __attribute__((always_inline)) void att_f32_tile(
     for (int i = 0; i < GH; i++) memset(acc[i], 0, D * sizeof(float));
     for (int64_t j0 = 0; j0 < n; j0 += ATT_TK) {
         const int64_t t = n - j0 < ATT_TK ? n - j0 : ATT_TK;
-        const float *vr[ATT_TK];
-        for (int64_t jj = 0; jj < t; jj++) vr[jj] = v + (row[j0 + jj] * Hkv + h) * D;
+        const void *vr[ATT_TK];
+        for (int64_t jj = 0; jj < t; jj++) vr[jj] = kv_at(v, (row[j0 + jj] * Hkv + h) * D, kvt);
 #pragma GCC unroll 8
         for (int64_t d = 0; d < DV; d += 2) {
             const int two = d + 1 < DV;  /* (an odd last vector alone) */
@@ -1582,7 +1613,8 @@ FMA_TARGET static inline __attribute__((always_inline)) void att_f32_tile(
                 b[i] = two ? _mm256_load_ps(acc[i] + 8 * d + 8) : _mm256_setzero_ps();
             }
             for (int64_t jj = 0; jj < t; jj++) {
-                const __m256 x = _mm256_loadu_ps(vr[jj] + 8 * d), y = two ? _mm256_loadu_ps(vr[jj] + 8 * d + 8) : x;
+                const __m256 x = kv_load8(kv_at(vr[jj], 8 * d, kvt), kvt);
+                const __m256 y = two ? kv_load8(kv_at(vr[jj], 8 * d + 8, kvt), kvt) : x;
 #pragma GCC unroll 3
                 for (int i = 0; i < GH; i++) {
                     const __m256 p = _mm256_broadcast_ss(sc + i * n + j0 + jj);
@@ -1603,27 +1635,42 @@ FMA_TARGET static inline __attribute__((always_inline)) void att_f32_tile(
     }
 }
 
-#define ATT_CASE(GG, VV) case GG * 100 + VV: att_f32_tile(qg, k, v, row, n, o, Hkv, h, scale, sc, GG, VV); break;
-
-/* decode_f32_head's contract on an AVX2 CPU, D a multiple of 8: the G query heads in groups
- * of three (two where G is even and no multiple of three), each through att_f32_tile. */
-FMA_TARGET static void att_f32_avx2(const float *q, const float *k, const float *v, const int64_t *row, int64_t n,
-                                    float *out, int64_t Hkv, int64_t h, float scale, float *scratch, int64_t G,
-                                    int64_t D) {
-    const int64_t DV = D / 8, step = G % 3 == 0 || G % 2 ? 3 : 2;
-    for (int64_t g0 = 0; g0 < G; g0 += step) {
-        const int64_t gh = G - g0 < step ? G - g0 : step;
-        const float *qg = q + g0 * D;
-        float *o = out + g0 * D, *sc = scratch + g0 * n;
-        switch (gh * 100 + (DV == 4 || DV == 8 || DV == 16 ? DV : 0)) {
-            ATT_CASE(1, 4) ATT_CASE(2, 4) ATT_CASE(3, 4)
-            ATT_CASE(1, 8) ATT_CASE(2, 8) ATT_CASE(3, 8)
-            ATT_CASE(1, 16) ATT_CASE(2, 16) ATT_CASE(3, 16)
-            case 100: att_f32_tile(qg, k, v, row, n, o, Hkv, h, scale, sc, 1, DV); break;
-            case 200: att_f32_tile(qg, k, v, row, n, o, Hkv, h, scale, sc, 2, DV); break;
-            default: att_f32_tile(qg, k, v, row, n, o, Hkv, h, scale, sc, 3, DV); break;
-        }
+#define ATT_CASE(GG, VV, T) case GG * 100 + VV: att_f32_tile(qg, k, v, row, n, o, Hkv, h, scale, sc, GG, VV, T); break;
+#define ATT_SWITCH(T)                                                                                 \
+    switch (gh * 100 + (DV == 4 || DV == 8 || DV == 16 ? DV : 0)) {                                 \
+        ATT_CASE(1, 4, T) ATT_CASE(2, 4, T) ATT_CASE(3, 4, T)                                       \
+        ATT_CASE(1, 8, T) ATT_CASE(2, 8, T) ATT_CASE(3, 8, T)                                       \
+        ATT_CASE(1, 16, T) ATT_CASE(2, 16, T) ATT_CASE(3, 16, T)                                    \
+        case 100: att_f32_tile(qg, k, v, row, n, o, Hkv, h, scale, sc, 1, DV, T); break;            \
+        case 200: att_f32_tile(qg, k, v, row, n, o, Hkv, h, scale, sc, 2, DV, T); break;            \
+        default: att_f32_tile(qg, k, v, row, n, o, Hkv, h, scale, sc, 3, DV, T); break;             \
     }
+
+/* decode_f32_head's contract on an AVX2 CPU, D a multiple of 8, over a pool of float32,
+ * float16 or bfloat16 (att_f32_avx2's kvt; a function of its own for each, so that each
+ * compiles as the float32 one alone did): the G query heads in groups of three (two where G
+ * is even and no multiple of three), each through att_f32_tile. */
+#define DEFINE_ATT_AVX2(NAME, T)                                                                      \
+FMA_TARGET static void NAME(const float *q, const void *k, const void *v, const int64_t *row, int64_t n, \
+                            float *out, int64_t Hkv, int64_t h, float scale, float *scratch, int64_t G,  \
+                            int64_t D) {                                                              \
+    const int64_t DV = D / 8, step = G % 3 == 0 || G % 2 ? 3 : 2;                                     \
+    for (int64_t g0 = 0; g0 < G; g0 += step) {                                                        \
+        const int64_t gh = G - g0 < step ? G - g0 : step;                                             \
+        const float *qg = q + g0 * D;                                                                 \
+        float *o = out + g0 * D, *sc = scratch + g0 * n;                                              \
+        ATT_SWITCH(T)                                                                                 \
+    }                                                                                                 \
+}
+DEFINE_ATT_AVX2(att_avx2_f32, KV_F32)
+DEFINE_ATT_AVX2(att_avx2_f16, KV_F16)
+DEFINE_ATT_AVX2(att_avx2_bf16, KV_BF16)
+
+static void att_f32_avx2(const float *q, const void *k, const void *v, const int64_t *row, int64_t n, float *out,
+                         int64_t Hkv, int64_t h, float scale, float *scratch, int64_t G, int64_t D, int kvt) {
+    if (kvt == KV_F16) att_avx2_f16(q, k, v, row, n, out, Hkv, h, scale, scratch, G, D);
+    else if (kvt == KV_BF16) att_avx2_bf16(q, k, v, row, n, out, Hkv, h, scale, scratch, G, D);
+    else att_avx2_f32(q, k, v, row, n, out, Hkv, h, scale, scratch, G, D);
 }
 
 static void dec_unit(const void *p, int64_t u, int helper) {
@@ -1648,7 +1695,7 @@ static void dec_unit(const void *p, int64_t u, int helper) {
                          c->Hkv, h, c->scale, scratch, G, c->D);
     else if (c->fast)
         att_f32_avx2((const float *)c->q + off, c->k, c->v, row, n, (float *)(helper ? c->shadow : c->out) + off,
-                     c->Hkv, h, c->scale, scratch, G, c->D);
+                     c->Hkv, h, c->scale, scratch, G, c->D, c->kvt);
     else
         decode_f32_head((const float *)c->q + off, c->k, c->v, row, n, (float *)(helper ? c->shadow : c->out) + off,
                         c->Hkv, h, c->scale, scratch, G, c->D);
@@ -1661,16 +1708,19 @@ static void dec_copy(const void *p, int64_t u) {
 }
 
 /* decode_bf16 (bf16 1) or decode_f32's contract, plus S (the pool's slots): on both threads
- * where the helper runs, else as they are. */
+ * where the helper runs, else as they are. kvt: the pool's elements where they are not the
+ * queries' (KV_F16, KV_BF16: float32 queries on an AVX2 CPU, fast, head_dim a multiple of 8;
+ * else -1). */
 int decode_mt(int bf16, const void *q, const void *k, const void *v, const int64_t *slots, const int64_t *lens,
               void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t L, float scale, float *scratch,
-              int64_t S, int fast) {
+              int64_t S, int fast, int kvt) {
     const int64_t G = Hq / Hkv, e = bf16 ? 2 : 4;
     if (G > MAX_G || D > MAX_D || G * Hkv != Hq) return -1;
     fast = fast && !bf16 && D % 8 == 0;
+    if (kvt != KV_F32 && (!fast || (kvt != KV_F16 && kvt != KV_BF16))) return -1;
     const size_t qbytes = (B * Hq * D * e + 63) / 64 * 64, sbytes = (B * L + B) * sizeof(int64_t);
     if (B * Hkv < 2 || B * Hkv > MAX_UNITS || !pool_begin(qbytes + sbytes, B * Hq * D * e, G * L * (sizeof(float) + sizeof(int64_t)))) {
-        dec_ctx c = {q, k, v, slots, lens, out, NULL, scratch, NULL, Hq, Hkv, D, L, S, e, scale, fast, B};
+        dec_ctx c = {q, k, v, slots, lens, out, NULL, scratch, NULL, Hq, Hkv, D, L, S, e, scale, fast, B, kvt};
         for (int64_t u = 0; u < B * Hkv; u++) dec_unit(&c, u, 0);
         return 0;
     }
@@ -1679,7 +1729,8 @@ int decode_mt(int bf16, const void *q, const void *k, const void *v, const int64
     memcpy(qc, q, B * Hq * D * e);
     memcpy(sc, slots, B * L * sizeof(int64_t));
     memcpy(sc + B * L, lens, B * sizeof(int64_t));
-    dec_ctx c = {qc, k, v, sc, sc + B * L, out, P.shadow, scratch, (float *)P.hscratch, Hq, Hkv, D, L, S, e, scale, fast, B};
+    dec_ctx c = {qc, k, v, sc, sc + B * L, out, P.shadow, scratch, (float *)P.hscratch, Hq, Hkv, D, L, S, e, scale, fast, B,
+                 kvt};
     parallel_for(dec_unit, dec_copy, &c, sizeof c, B * Hkv);
     pool_end();
     return 0;
@@ -1701,6 +1752,7 @@ typedef struct {
     int64_t hidden, inter, hq, hkv, dim, layers, max_pos;
     float scale;
     const float *cos, *sin;                      /* [max_pos, dim / 2] */
+    int64_t kvt;                                 /* decode_layers_f32: the pool's elements (KV_F32, KV_F16, KV_BF16) */
 } dmodel_t;
 
 typedef struct {
@@ -2164,7 +2216,9 @@ FMA_TARGET int decode_layers_f32(const dmodel_t *m, const dlayer_t *ls, const ds
     const int64_t kmax = max64(max64(H, I), Hq * D), nmax = max64(max64(Nqkv, 2 * I), max64(H, Hq * D));
     const int64_t panel = fma_panel_floats(M, kmax);
     const size_t fl = sizeof(float);
-    const size_t bytes = (M * H + M * Nqkv + 2 * M * Hq * D + M * H + M * 2 * I + M * I + G * W) * fl
+    const int kvt = (int)m->kvt;
+    if (kvt != KV_F32 && (D % 8 || (kvt != KV_F16 && kvt != KV_BF16))) return -1;
+    const size_t bytes = (M * H + M * Nqkv + 2 * M * Hq * D + M * H + M * 2 * I + M * I + G * W + 2 * slot) * fl
                          + M * (W + 1) * sizeof(int64_t) + 256;
     const size_t hbytes = max64(panel * fl, G * W * fl + W * sizeof(int64_t) + 64);
     if (!fma_scratch(panel)) return -2;
@@ -2172,24 +2226,32 @@ FMA_TARGET int decode_layers_f32(const dmodel_t *m, const dlayer_t *ls, const ds
     char *mem = par ? P.arena : malloc(bytes);
     if (!mem) return -2;
     float *h = (float *)mem, *qkv = h + M * H, *q = qkv + M * Nqkv, *att = q + M * Hq * D, *o = att + M * Hq * D,
-          *gu = o + M * H, *act = gu + M * 2 * I, *scores = act + M * I;
-    int64_t *slots = (int64_t *)(((uintptr_t)(scores + G * W) + 63) / 64 * 64), *lens = slots + M * W;
+          *gu = o + M * H, *act = gu + M * 2 * I, *scores = act + M * I, *kv_row = scores + G * W;
+    int64_t *slots = (int64_t *)(((uintptr_t)(kv_row + 2 * slot) + 63) / 64 * 64), *lens = slots + M * W;
     memcpy(slots, st->slots, M * W * sizeof(int64_t));  /* (copies: a late helper reads them) */
     memcpy(lens, st->lens, M * sizeof(int64_t));
     void *shadow = par ? P.shadow : NULL;
     float *hscratch = par ? (float *)P.hscratch : NULL;
     dec_ctx ac = {q, NULL, NULL, slots, lens, att, shadow, scores, hscratch, Hq, Hkv, D, W, st->pool_slots, 4, m->scale,
-                  D % 8 == 0, M};
+                  D % 8 == 0, M, kvt};
     for (int64_t l = 0; l < m->layers; l++) {
         const dlayer_t *L = &ls[l];
-        float *k_buf = (float *)L->k_buf, *v_buf = (float *)L->v_buf;
+        void *k_buf = L->k_buf, *v_buf = L->v_buf;
         if (l == 0) add_rmsnorm_f32(x, H, NULL, 0, (const float *)L->norm_in, h, H, M, H, L->eps_in);
         else add_rmsnorm_f32(out, H, x, H, (const float *)L->norm_in, h, H, M, H, L->eps_in);
         fma_par((int)L->qkv_bits, L->qkv, h, qkv, 0, Nqkv, M, Nqkv, H, shadow, hscratch);
         rotary_f32(qkv, Nqkv, M, Hq, D, m->cos, m->sin, st->pos, q);
-        for (int64_t t = 0; t < M; t++) {  /* k rotated into its slot, v copied */
-            rotary_f32(qkv + t * Nqkv + Hq * D, Nqkv, 1, Hkv, D, m->cos, m->sin, st->pos + t, k_buf + st->loc[t] * slot);
-            memcpy(v_buf + st->loc[t] * slot, qkv + t * Nqkv + (Hq + Hkv) * D, slot * fl);
+        for (int64_t t = 0; t < M; t++) {  /* k rotated into its slot, v copied (in the pool's elements) */
+            const float *vt = qkv + t * Nqkv + (Hq + Hkv) * D;
+            if (kvt == KV_F32) {
+                rotary_f32(qkv + t * Nqkv + Hq * D, Nqkv, 1, Hkv, D, m->cos, m->sin, st->pos + t,
+                           (float *)k_buf + st->loc[t] * slot);
+                memcpy((float *)v_buf + st->loc[t] * slot, vt, slot * fl);
+            } else {
+                rotary_f32(qkv + t * Nqkv + Hq * D, Nqkv, 1, Hkv, D, m->cos, m->sin, st->pos + t, kv_row);
+                kv_store(kv_row, (uint16_t *)k_buf + st->loc[t] * slot, slot, kvt);
+                kv_store(vt, (uint16_t *)v_buf + st->loc[t] * slot, slot, kvt);
+            }
         }
         ac.k = k_buf;
         ac.v = v_buf;

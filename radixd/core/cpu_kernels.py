@@ -34,7 +34,11 @@ compiler on first use, kept in radixd's cache, called through ``ctypes``.
   and KV head, KV head by KV head, so that a prefix the requests share comes from the caches
   after the first). On AVX2 a float32 pool's attention holds its sums in registers (its query
   heads three at a time, keys two at a time, values in tiles of 32 keys): on the 2-core EPYC,
-  8 requests over a shared 512-token prefix, 30 layers, 10.7 -> 6.1 ms.
+  8 requests over a shared 512-token prefix, 30 layers, 10.7 -> 6.1 ms. A float32 step's
+  pool may hold float16 or bfloat16 (``kv_cache_dtype``; ``kv_type``): the same kernel reads
+  its rows converted to float32 (F16C, or a shift), the same arithmetic after, so half the
+  bytes come from memory (8 requests over four 512-token prefixes, two threads: 8.0-8.2 ->
+  6.1-7.4 ms over 30 layers).
 - ``int8_matmul``: x @ W.T for a grouped int8 weight (Q8_0's blocks of 32), few rows: each
   weight read once for up to 8 rows, where torch's int8 kernel takes one group per call and
   adds the partial products up in memory (an LM head of 49k rows at 8 rows: 4x). (CPUs
@@ -159,7 +163,7 @@ def library() -> ctypes.CDLL | None:
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p]
     lib.decode_mt.restype = ctypes.c_int
     lib.decode_mt.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5
-                              + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int])
+                              + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int])
     for name in ("add_rmsnorm_bf16", "add_rmsnorm_f32"):
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
@@ -343,12 +347,30 @@ def reset() -> None:
         fn.cache_clear()
 
 
+# A float32 step's pool in 16 bits (``kv_cache_dtype``): the element type the AVX2 kernels read
+# (cpu_kernels.c: KV_F16, KV_BF16; 0 is a pool of the queries' dtype).
+KV_TYPES = {torch.float16: 1, torch.bfloat16: 2}
+
+
+def kv_type(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> int | None:
+    """The kernels' code for a pool of ``kv_dtype`` read by queries of ``q_dtype`` (0: the
+    same dtype), or None where no kernel reads it: a 16-bit pool under float32 queries needs
+    the AVX2 kernels."""
+    if kv_dtype == q_dtype:
+        return 0
+    if q_dtype == torch.float32 and kv_dtype in KV_TYPES and _extension("avx2_supported"):
+        return KV_TYPES[kv_dtype]
+    return None
+
+
 def takes(q_dtype: torch.dtype, k_buf: Tensor, num_heads: int) -> bool:
-    """Whether ``decode`` serves queries of ``q_dtype`` over ``k_buf`` ([slots, Hkv, D])."""
+    """Whether ``decode`` serves queries of ``q_dtype`` over ``k_buf`` ([slots, Hkv, D]): a
+    pool of their dtype, or a float32 step's 16-bit pool on an AVX2 CPU (head_dim a multiple of 8)."""
     kv_heads, dim = k_buf.shape[1], k_buf.shape[2]
-    return (k_buf.device.type == "cpu" and k_buf.dtype == q_dtype and q_dtype in _FUNCS and k_buf.is_contiguous()
+    kvt = kv_type(q_dtype, k_buf.dtype) if library() is not None else None
+    return (k_buf.device.type == "cpu" and kvt is not None and q_dtype in _FUNCS and k_buf.is_contiguous()
             and num_heads % kv_heads == 0 and num_heads // kv_heads <= MAX_GROUP and dim <= MAX_DIM
-            and library() is not None)
+            and (kvt == 0 or dim % 8 == 0))
 
 
 def fused_attention_takes(heads: int, kv_heads: int, dim: int) -> bool:
@@ -359,7 +381,8 @@ def fused_attention_takes(heads: int, kv_heads: int, dim: int) -> bool:
 
 def decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, slots: Tensor, lens: Tensor, scale: float) -> Tensor:
     """Attention of ``q`` [B, H, D] (request b's one query) over the pool's ``k_buf``/``v_buf``
-    [slots, Hkv, D] at ``slots[b, :lens[b]]`` (int64 [B, L], [B]) -> [B, H, D]."""
+    [slots, Hkv, D] at ``slots[b, :lens[b]]`` (int64 [B, L], [B]) -> [B, H, D] (``takes``: a
+    pool of q's dtype, or a float32 step's float16 / bfloat16 pool, read in float32)."""
     lib = library()
     assert lib is not None and v_buf.is_contiguous() and slots.dtype == lens.dtype == torch.int64
     q = q.contiguous()
@@ -374,7 +397,10 @@ def decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, slots: Tensor, lens: Tensor,
     if dp:
         rc = lib.decode_bf16_dp(*args)
     else:  # (on both threads where the kernels' helper runs)
-        rc = lib.decode_mt(int(q.dtype == torch.bfloat16), *args, k_buf.shape[0], int(_extension("avx2_supported")))
+        kvt = kv_type(q.dtype, k_buf.dtype)
+        assert kvt is not None and v_buf.dtype == k_buf.dtype
+        rc = lib.decode_mt(int(q.dtype == torch.bfloat16), *args, k_buf.shape[0], int(_extension("avx2_supported")),
+                           kvt)
     if rc:
         raise ValueError(f"cpu_kernels.decode: shape out of range (heads {heads}, KV heads {kv_heads}, head_dim {dim})")
     return out

@@ -73,6 +73,7 @@ class Engine:
         self.config = config
         setup = setup or ModelSetup.load(config)
         self.dtype, self.model_path, self.model_cfg = setup.dtype, setup.path, setup.cfg
+        self.kv_dtype = setup.kv_format.dtype  # what the KV pool holds (kv_cache_dtype)
         self.tokenizer = setup.tokenizer  # None: token ids in and out only
         self.context_len, self.eos_token_ids = setup.context_len, setup.eos_token_ids
         self.pooling = setup.pooling  # an embedding engine's (core.pooling); None: it generates

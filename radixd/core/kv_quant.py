@@ -1,6 +1,10 @@
 """What the KV pool stores K and V in: the model's dtype, or fp8 with per-layer scales.
 
-``kv_cache_dtype`` "auto" keeps K/V in the model's dtype. "fp8_e4m3" (``float8_e4m3fn``,
+``kv_cache_dtype`` "auto" keeps K/V in the model's dtype. "bfloat16" and "float16" name a
+16-bit dtype: the model's own (the same as "auto"), or on the CPU a float32 model's K/V
+stored in half the bytes, rounded to nearest even when stored and read back exactly (the CPU
+decode kernels read them in float32, ``cpu_kernels``; a step's fresh prompt attends to its
+K/V rounded alike). "fp8_e4m3" (``float8_e4m3fn``,
 finite range +-448) and "fp8_e5m2" (``float8_e5m2``, +-57344) store each with one scale per
 layer for K and one for V: a write stores ``value / scale`` saturated to the format's finite
 range, a read gives ``fp8 * scale``. The scales come from the checkpoint where it has them
@@ -30,6 +34,7 @@ from radixd.core.config import KV_CACHE_DTYPES
 from radixd.core.errors import ConfigError
 
 FP8_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+HALF_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 MANTISSA_BITS: dict[torch.dtype, int] = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 
 # A checkpoint tensor holding a KV scale: (layer, which of "k", "v", "kv").
@@ -56,12 +61,20 @@ class KVFormat:
 
 
 def kv_format(name: str, model_dtype: torch.dtype, num_layers: int,
-              tensors: Iterable[tuple[str, torch.Tensor]] = ()) -> KVFormat:
+              tensors: Iterable[tuple[str, torch.Tensor]] = (), device: str = "cpu") -> KVFormat:
     """The format ``kv_cache_dtype = name`` gives a model of ``num_layers`` layers in
-    ``model_dtype``; fp8 scales from the checkpoint's KV-scale ``tensors`` (``is_scale_name``;
-    none: 1.0)."""
+    ``model_dtype`` on ``device`` (its type); fp8 scales from the checkpoint's KV-scale
+    ``tensors`` (``is_scale_name``; none: 1.0)."""
     if name == "auto":
         return KVFormat(model_dtype)
+    if name in HALF_DTYPES:
+        dtype = HALF_DTYPES[name]
+        if dtype != model_dtype and not (device == "cpu" and model_dtype == torch.float32):
+            own = str(model_dtype).removeprefix("torch.")
+            raise ConfigError("kv_cache_dtype", name,
+                              f"'auto' or {own!r} for a {own} model on {device} (a 16-bit pool under another "
+                              "dtype: a float32 model on the CPU), or an fp8 format")
+        return KVFormat(dtype)
     if name not in FP8_DTYPES:
         raise ConfigError("kv_cache_dtype", name, "one of " + ", ".join(map(repr, KV_CACHE_DTYPES)))
     ks, vs = read_scales(tensors, num_layers)

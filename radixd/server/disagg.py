@@ -336,7 +336,7 @@ class Disagg:
         rank = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1,
                 "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
                 "rank_ip": host, "rank_port": cfg.bootstrap_port, "page_size": 1,
-                "kv_cache_dtype": str(self.engine.dtype).removeprefix("torch."),
+                "kv_cache_dtype": str(self.engine.kv_dtype).removeprefix("torch."),
                 "prefill_http_port": self.st.settings.server.port}
         deadline = time.monotonic() + 10.0
         while True:

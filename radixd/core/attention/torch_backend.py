@@ -117,10 +117,10 @@ class TorchAttention:
             kv_idx = torch.where(valid, kv_idx, torch.zeros_like(kv_idx))
             self.decode_tok = torch.tensor([starts[i] for i in decode], device=device)
             if device.type == "cpu" and not self.pool.quantized and not self.softcap:
-                if cpu_kernels.takes(self.pool.dtype, self.pool.k_buffers[0], self.num_heads):
+                if cpu_kernels.takes(self.pool.model_dtype, self.pool.k_buffers[0], self.num_heads):
                     self.decode_lens = lens
                     self.decode_all = not self.extends and len(decode) == len(batch.extend_lens)
-                else:
+                elif self.pool.dtype == self.pool.model_dtype:
                     self.decode_runs = run_plan(kv_idx, lens.tolist(), self.pool.dtype)
             self.decode_kv_idx = kv_idx
             self.decode_window_idx = mapped(kv_idx)
@@ -144,8 +144,10 @@ class TorchAttention:
             if mapped:
                 kv_idx = window_idx
             qi = q[start : start + e].transpose(0, 1)[None]          # [1, H, e, D]
-            if fresh:  # (begin's comment)
+            if fresh:  # (begin's comment; a 16-bit pool under a float32 model: K/V rounded as stored)
                 ki, vi = k[start : start + e].transpose(0, 1)[None], v[start : start + e].transpose(0, 1)[None]
+                if self.pool.dtype != q.dtype:
+                    ki, vi = ki.to(self.pool.dtype).to(q.dtype), vi.to(self.pool.dtype).to(q.dtype)
                 out[start : start + e] = F.scaled_dot_product_attention(
                     qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)[0].transpose(0, 1)
                 continue
@@ -157,7 +159,7 @@ class TorchAttention:
             kg, vg = self.pool.read(layer, kv_idx, q.dtype)          # [S, Hkv, D]: the prefix once
             kg, vg = kg.transpose(0, 1)[None], vg.transpose(0, 1)[None]
             out[q_rows] = self._attend(qg, kg, vg, mask)[0].transpose(0, 1)
-        if self.decode_lens is not None and not window and q.dtype == self.pool.dtype:
+        if self.decode_lens is not None and not window and q.dtype == self.pool.model_dtype:
             k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
             out[self.decode_tok] = cpu_kernels.decode(q[self.decode_tok], k_buf, v_buf, self.decode_kv_idx,
                                                       self.decode_lens, self.scale)
