@@ -16,6 +16,7 @@ The default model (SmolLM2-135M-Instruct) decodes a batch of ``--batch`` request
 
     python -m benchmarks.cpu_decode --layout shared --batch 8 --out benchmarks/results/cpu_decode.json
     python -m benchmarks.cpu_decode --layout random --batch 1 --gguf-weights native --ab 6
+    python -m benchmarks.cpu_decode --layout random --batch 8 --gguf-weights native --kv-cache-dtype float16
     python -m benchmarks.cpu_decode --layout random --batch 8 --gguf-weights native --ab 6 \
         --variant "" --variant RADIXD_CPU_FUSED=off --variant RADIXD_CPU_ISA=baseline
 """
@@ -38,6 +39,7 @@ from radixd.core.attention import make_backend
 from radixd.core.cascade import chain, plan
 from radixd.core.forward_batch import ForwardBatch
 from radixd.core.kv_pool import KVPool
+from radixd.core.kv_quant import kv_format
 from radixd.core.model_loader import load_model, resolve_model
 from radixd.core.models.config import ModelConfig
 
@@ -80,6 +82,7 @@ def main() -> None:
     ap.add_argument("--shared", type=int, default=512)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--backend", default="torch")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the pool's (kv_cache_dtype; e.g. float16 under float32)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--gather", action="store_true", help="decode attention by gathering each request's KV")
@@ -123,7 +126,7 @@ def main() -> None:
         for v, r in result["ab"].items():
             print(f"  {v or '(as shipped)':<40} min {r['min_ms']:7.2f} ms  median {r['median_ms']:7.2f} ms  "
                   f"x{r['median_vs_first']:.2f} of the first's median")
-    print(f"{args.layout} batch {args.batch} {dtype} {args.backend}{' gather' * args.gather}: step {result['step_ms']:.1f} ms wall, "
+    print(f"{args.layout} batch {args.batch} {dtype} KV {args.kv_cache_dtype} {args.backend}{' gather' * args.gather}: step {result['step_ms']:.1f} ms wall, "
           f"{result['step_cpu_ms']:.1f} ms cpu ({torch.get_num_threads()} torch threads, "
           f"{result['kernel_threads']} for radixd's kernels)")
     for t in top:
@@ -140,7 +143,8 @@ def make_step(args, path: Path, cfg: ModelConfig):
     model = load_model(path, cfg, dtype, device)
     slots = args.batch * (args.context + 1) + args.shared + 2
     pool = KVPool(num_layers=cfg.num_layers, num_slots=slots, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                  max_rows=args.batch, max_context_len=args.context + 1, dtype=dtype, device=device)
+                  max_rows=args.batch, max_context_len=args.context + 1, dtype=dtype, device=device,
+                  kv_format=kv_format(args.kv_cache_dtype, dtype, cfg.num_layers))
     attn = make_backend(args.backend, pool, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
                         scale=cfg.attention_scale, cascade=True)
     fb = decode_batch(pool, cfg, args.layout, args.batch, args.context, args.shared, attn.cascade_members)
