@@ -146,6 +146,15 @@ def test_a_half_pool_holds_twice_the_tokens_and_keeps_its_own_pages(tiny_models)
     assert len({ident for _, ident in got.values()}) == 3  # stored pages never cross formats
 
 
+def test_a_half_pool_the_triton_backend_cannot_read_is_refused_by_name(tiny_models):
+    from radixd.core.assembly import ModelSetup
+    from radixd.core.config import EngineConfig
+
+    cfg = EngineConfig(model=str(tiny_models["llama"]), kv_cache_dtype="float16", attention_backend="triton")
+    with pytest.raises(ConfigError, match="'kv_cache_dtype'.*'float16'.*torch backend"):
+        ModelSetup.load(cfg)
+
+
 def test_a_half_pool_a_device_cannot_read_is_refused_by_name():
     assert kv_format("bfloat16", torch.bfloat16, 2, device="cuda").dtype == torch.bfloat16  # the model's own
     assert kv_format("float16", torch.float32, 2, device="cpu").dtype == torch.float16
