@@ -518,11 +518,17 @@ def _tiny_int_llama(rows: int, dtype: torch.dtype = torch.bfloat16, kv_dtype: to
     return model, pool, attn, decode_batch(pool, cfg, "shared", rows, ctx, 32, 0)
 
 
+@pytest.mark.parametrize("kv", [None, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 19])
-def test_fused_decode_layers_equal_the_layer_loop(rows, fused_dtype, monkeypatch):
+def test_fused_decode_layers_equal_the_layer_loop(rows, kv, fused_dtype, monkeypatch):
+    """(``kv``: the pool's dtype, None the model's; a float32 step's 16-bit pool has its new
+    K/V rounded as torch's ``to`` rounds and is read as the layer loop's kernel reads it)"""
     from radixd.core import cpu_decode
 
-    model, pool, attn, fb = _tiny_int_llama(rows, fused_dtype)
+    if kv is not None and fused_dtype != torch.float32:
+        pytest.skip("a 16-bit pool under another dtype: float32 steps only")
+    model, pool, attn, fb = _tiny_int_llama(rows, fused_dtype, kv_dtype=kv)
+    assert pool.k_buffers[0].dtype == (kv or fused_dtype)
     calls = []
     run = cpu_decode._run
     monkeypatch.setattr(cpu_decode, "_run", lambda *a: calls.append(1) or run(*a))
@@ -533,13 +539,13 @@ def test_fused_decode_layers_equal_the_layer_loop(rows, fused_dtype, monkeypatch
             k[fb.out_cache_loc] = 0
         with torch.inference_mode():
             attn.begin(fb)
-            assert attn.decode_all
+            assert attn.decode_all and attn.decode_lens is not None  # (the C kernel's path, not torch's)
             logits = model(fb.input_ids, fb.positions, attn, fb.logits_indices())
         got[mode] = logits, [b[fb.out_cache_loc].clone() for b in pool.k_buffers + pool.v_buffers]
     assert calls == [1]  # the fused path ran once, with "on"
     assert torch.equal(got["on"][0], got["off"][0])  # the same kernels in the same order: bit for bit
     for a, b in zip(got["on"][1], got["off"][1], strict=True):
-        assert torch.equal(a, b) and a.abs().sum() > 0  # the new tokens' K and V, stored alike
+        assert torch.equal(a, b) and a.float().abs().sum() > 0  # the new tokens' K and V, stored alike
     with pytest.raises(IndexError, match="past the table"):
         with torch.inference_mode():
             attn.begin(fb)

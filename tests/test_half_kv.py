@@ -1,7 +1,7 @@
 """A 16-bit KV pool under a float32 model on the CPU (``kv_cache_dtype = "float16"`` or
 ``"bfloat16"``): the decode kernels read it in float32 (the same results as over float32
-copies of its values), the fused decode step stores and reads it as the layer loop does, the
-engine's greedy tokens stay transformers' (float16) or its logits close to them (bfloat16),
+copies of its values; the fused decode step over it: ``test_cpu_kernels``'s
+``test_fused_decode_layers_equal_the_layer_loop``), the engine's greedy tokens stay transformers' (float16) or its logits close to them (bfloat16),
 the pool holds twice the tokens in the same bytes, stored pages keep to their own pool's
 format, and a 16-bit pool a device cannot read under its model is refused by name.
 
@@ -16,7 +16,7 @@ import asyncio
 import pytest
 import torch
 from conftest import hf_greedy
-from test_cpu_kernels import _tiny_int_llama, avx2, reference_decode  # noqa: F401 (avx2: a fixture)
+from test_cpu_kernels import reference_decode
 from test_engine import assert_greedy_matches, assert_idle, make_engine, prompts
 
 from radixd import SamplingParams
@@ -54,37 +54,6 @@ def test_decode_reads_a_half_pool_as_float32_copies_of_it(name, heads, kv_heads,
     assert torch.equal(got, cpu_kernels.decode(q, k_buf.float(), v_buf.float(), slots, lens, dim**-0.5))
     want = reference_decode(q, k_buf.float(), v_buf.float(), slots, lens, dim**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.usefixtures("avx2")
-@pytest.mark.parametrize("rows", [1, 5, 19])
-@pytest.mark.parametrize("name", HALF)
-def test_fused_decode_over_a_half_pool_equals_the_layer_loop(rows, name, monkeypatch):
-    """decode_layers_f32 rounds the new K/V into the 16-bit pool as torch's ``to`` does and
-    reads the pool as the layer loop's attention kernel does: the same logits and the same
-    stored bits."""
-    from radixd.core import cpu_decode
-
-    half = HALF_DTYPES[name]
-    model, pool, attn, fb = _tiny_int_llama(rows, torch.float32, kv_dtype=half)
-    assert pool.dtype == half and pool.k_buffers[0].dtype == half
-    calls = []
-    run = cpu_decode._run
-    monkeypatch.setattr(cpu_decode, "_run", lambda *a: calls.append(1) or run(*a))
-    got = {}
-    for mode in ("off", "on"):
-        monkeypatch.setenv(cpu_decode.ENV, mode)
-        for k in pool.k_buffers + pool.v_buffers:
-            k[fb.out_cache_loc] = 0
-        with torch.inference_mode():
-            attn.begin(fb)
-            assert attn.decode_all and attn.decode_lens is not None  # (the C kernel's path, not torch's)
-            logits = model(fb.input_ids, fb.positions, attn, fb.logits_indices())
-        got[mode] = logits, [b[fb.out_cache_loc].clone() for b in pool.k_buffers + pool.v_buffers]
-    assert calls == [1]  # the fused path ran once, with "on"
-    assert torch.equal(got["on"][0], got["off"][0]) and got["on"][0].isfinite().all()
-    for a, b in zip(got["on"][1], got["off"][1], strict=True):
-        assert torch.equal(a, b) and a.float().abs().sum() > 0
 
 
 @pytest.mark.parametrize("name", HALF)
