@@ -73,13 +73,7 @@ class ModelSetup:
         dtype = pick_dtype(config.dtype, device)
         quantized = config.kv_cache_dtype in FP8_DTYPES and config.load_format != "dummy"
         scales = iter_safetensors(path, only=is_scale_name) if quantized else ()
-        fmt = kv_format(config.kv_cache_dtype, dtype, cfg.num_layers, scales, device.type)
-        if not fmt.quantized and fmt.dtype != dtype and backend != "torch":
-            # (a 16-bit pool under a float32 model: the torch backend's reads convert, the
-            # Triton kernels read the pool in the queries' dtype)
-            raise ConfigError("kv_cache_dtype", config.kv_cache_dtype,
-                              f"'auto' with attention_backend {backend!r} on a {dtype} model "
-                              "(a 16-bit pool under float32 needs the torch backend)")
+        fmt = kv_format(config.kv_cache_dtype, dtype, cfg.num_layers, scales, device.type, backend)
         return cls(device=device, dtype=dtype, path=path, cfg=cfg, tokenizer=tokenizer,
                    context_len=min(cfg.context_len, config.max_context_len or 1 << 62),
                    eos_token_ids=eos_ids(cfg, tokenizer), attention_backend=backend,

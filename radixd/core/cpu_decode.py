@@ -83,15 +83,6 @@ class _Plan:
         self.keep += [rot.cos, rot.sin]
 
 
-def _pool_fits(pool, dtype: torch.dtype, kernel: str) -> bool:
-    """Whether ``kernel``'s steps in ``dtype`` read and write ``pool``: a pool of their dtype,
-    or a float32 step's float16 / bfloat16 pool (``decode_layers_f32``, head_dim a multiple of 8)."""
-    if pool.dtype == dtype:
-        return True
-    return (kernel == _KERNELS[torch.float32] and cpu_kernels.kv_type(dtype, pool.dtype) is not None
-            and pool.k_buffers[0].shape[-1] % 8 == 0)
-
-
 def _pool_key(pool) -> tuple:
     return id(pool), pool.k_buffers[0].data_ptr(), len(pool.k_buffers)
 
@@ -157,7 +148,9 @@ def runner(model, attn, x: Tensor):
     if kernel is False:
         kernel = model._cpu_fused_kernel = _kernel(model)
     pool = attn.pool
-    if kernel is None or _KERNELS.get(x.dtype) != kernel or pool.quantized or not _pool_fits(pool, x.dtype, kernel):
+    # (decode_all: the C decode kernel takes this pool under the model's dtype, a 16-bit pool
+    # under float32 included, which only decode_layers_f32 is then given)
+    if kernel is None or _KERNELS.get(x.dtype) != kernel or pool.quantized:
         return None
     if any(attn.windows) or attn.softcap:
         return None

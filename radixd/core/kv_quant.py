@@ -61,19 +61,23 @@ class KVFormat:
 
 
 def kv_format(name: str, model_dtype: torch.dtype, num_layers: int,
-              tensors: Iterable[tuple[str, torch.Tensor]] = (), device: str = "cpu") -> KVFormat:
+              tensors: Iterable[tuple[str, torch.Tensor]] = (), device: str = "cpu",
+              backend: str = "torch") -> KVFormat:
     """The format ``kv_cache_dtype = name`` gives a model of ``num_layers`` layers in
-    ``model_dtype`` on ``device`` (its type); fp8 scales from the checkpoint's KV-scale
-    ``tensors`` (``is_scale_name``; none: 1.0)."""
+    ``model_dtype`` on ``device`` (its type) under the attention ``backend``; fp8 scales from
+    the checkpoint's KV-scale ``tensors`` (``is_scale_name``; none: 1.0). A 16-bit pool under
+    another dtype is read only by the torch backend on the CPU (its reads convert; the Triton
+    kernels read the pool in the queries' dtype)."""
     if name == "auto":
         return KVFormat(model_dtype)
     if name in HALF_DTYPES:
         dtype = HALF_DTYPES[name]
-        if dtype != model_dtype and not (device == "cpu" and model_dtype == torch.float32):
+        if dtype != model_dtype and not (device == "cpu" and model_dtype == torch.float32 and backend == "torch"):
             own = str(model_dtype).removeprefix("torch.")
             raise ConfigError("kv_cache_dtype", name,
-                              f"'auto' or {own!r} for a {own} model on {device} (a 16-bit pool under another "
-                              "dtype: a float32 model on the CPU), or an fp8 format")
+                              f"'auto' or {own!r} for a {own} model on {device} with the {backend} backend (a "
+                              "16-bit pool under another dtype: a float32 model on the CPU with the torch "
+                              "backend), or an fp8 format")
         return KVFormat(dtype)
     if name not in FP8_DTYPES:
         raise ConfigError("kv_cache_dtype", name, "one of " + ", ".join(map(repr, KV_CACHE_DTYPES)))
