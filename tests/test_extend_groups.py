@@ -1,6 +1,8 @@
-"""CPU extend attention for requests sharing a cached prefix (``torch_backend._group_extends``):
-one SDPA over the prefix's KV, read once, and each member's own KV under a mask, equal to
-each request attended alone; the engine's greedy tokens with such steps equal transformers'."""
+"""CPU extend attention through torch, where radixd's C kernel does not take the step (a bf16
+model, no C compiler, no AVX2): requests sharing a cached prefix (``torch_backend._group_extends``)
+attend in one SDPA over the prefix's KV, read once, and each member's own KV under a mask,
+equal to each request attended alone; the engine's greedy tokens with such steps equal
+transformers'. (The C kernel's path: ``test_cpu_extend``.)"""
 
 from __future__ import annotations
 
@@ -11,8 +13,15 @@ import torch
 from test_engine import assert_greedy_matches, assert_idle, collect, make_engine, prompts
 from test_run_decode import DIM, HEADS, KV_HEADS, layout, make
 
+from radixd.core import cpu_kernels
 from radixd.core.attention import torch_backend
 from radixd.core.forward_batch import ForwardBatch
+
+
+@pytest.fixture(autouse=True)
+def torch_extends(monkeypatch):
+    """Every extend on torch's path (the C kernel would take the float32 ones)."""
+    monkeypatch.setattr(cpu_kernels, "extend_takes", lambda *a: False)
 
 
 def extend_step(attn, steps: list[tuple[int, int, int]], layer: int = 0) -> torch.Tensor:
@@ -27,7 +36,7 @@ def extend_step(attn, steps: list[tuple[int, int, int]], layer: int = 0) -> torc
     attn.begin(batch)
     g = torch.Generator().manual_seed(layer)
     t = loc.numel()
-    q, k, v = (torch.randn(t, h, DIM, generator=g).to(pool.dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
+    q, k, v = (torch.randn(t, h, DIM, generator=g).to(pool.model_dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
     return attn.forward(q, k, v, layer, positions, lambda pos, q, k: (q, k))
 
 

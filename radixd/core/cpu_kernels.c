@@ -1252,7 +1252,8 @@ void thread_stats(int64_t *out) {
 }
 
 static char *grow(char **buf, size_t *have, size_t need) {
-    if (need > *have) {
+    if (need > *have || !*buf) {  /* (a first call asking for nothing gets a buffer too: NULL means no memory) */
+        need = need > 64 ? need : 64;
         char *b = aligned_alloc(64, (need + 63) / 64 * 64);  /* the old one stays: a late helper may use it */
         if (!b) return NULL;
         *buf = b;
@@ -1733,6 +1734,274 @@ int decode_mt(int bf16, const void *q, const void *k, const void *v, const int64
                  kvt};
     parallel_for(dec_unit, dec_copy, &c, sizeof c, B * Hkv);
     pool_end();
+    return 0;
+}
+
+/* A step's new K or V rows into the pool: n rows of row float32 elements (ld apart) into
+ * dst's slots loc (elements of type kvt: rounded to nearest even, as torch's to() rounds).
+ * In the calling thread: torch's index_put here ran in its OpenMP threads beside radixd's
+ * helper and took 46-470 us for 96 rows of the default model where 11 us was its own time.
+ * Returns 0, -1 (a 16-bit pool without the AVX2 kernels, row not a multiple of 8), -4 (a slot
+ * outside the pool). */
+int avx2_supported(void);
+
+int kv_store_rows(const float *src, int64_t ld, const int64_t *loc, int64_t n, void *dst, int64_t row, int64_t S, int kvt) {
+    if (kvt != KV_F32 && (!avx2_supported() || row % 8 || (kvt != KV_F16 && kvt != KV_BF16))) return -1;
+    for (int64_t t = 0; t < n; t++)
+        if ((uint64_t)loc[t] >= (uint64_t)S) return -4;
+    for (int64_t t = 0; t < n; t++) {
+        if (kvt == KV_F32) memcpy((float *)dst + loc[t] * row, src + t * ld, row * sizeof(float));
+        else kv_store(src + t * ld, (uint16_t *)dst + loc[t] * row, row, kvt);
+    }
+    return 0;
+}
+
+/* ---- Prompt attention on an AVX2 CPU: every extend of a step (a prompt, or its chunk after
+ * the request's cached prefix of p tokens) over the pool, read through its slots where they
+ * lie (no gather), float32 queries over a pool of float32, float16 or bfloat16 (kvt).
+ *
+ * Query row i of an extend (position p + i) attends to its first p + i + 1 slots. A task is an
+ * extend's KV head and a block of its rows: EXT_R query vectors (the block's rows times the
+ * head's G query heads) held transposed, one per vector lane (qt[d][r]), so that a block of
+ * EXT_KB keys' scores is an outer-product kernel (3 lane vectors x 4 keys, 12 sums in
+ * registers), their running maximum, exponentials and sums are lane-wise (no horizontal
+ * sums), and the values' weighted sums go into the output held transposed likewise
+ * (ot[d][r], rescaled lane-wise where a lane's maximum rises). Exponentials are 2^x of
+ * scores pre-scaled by log2(e) (a degree-6 polynomial, about 1 ulp). The keys above the
+ * diagonal are left out block by block and masked inside the diagonal's blocks. */
+#define EXT_R 24   /* query vectors of a task (three 8-lane vectors) */
+#define EXT_KB 16  /* keys per block */
+
+FMA_TARGET static inline __m256 exp2_neg(__m256 x) {  /* 2^x for x <= 0 (below -126: 2^-126) */
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.5403530e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+typedef struct {
+    const float *q;
+    const void *k, *v;
+    const int64_t *slots, *meta;                 /* meta: per extend its first row, rows, prefix, first slot */
+    const int64_t *tasks, *bounds;               /* tasks: (extend, KV head, first row); unit u: tasks [bounds[u], bounds[u + 1]) */
+    float *out;
+    int64_t ldq, ldo, Hq, Hkv, D, QB;
+    float c;                                     /* scale * log2(e) */
+    int kvt;
+} ext_ctx;
+
+/* One block of keys' scores: st[jj][r] = qt[.][r] . key jj, for the t keys at kr (three keys
+ * at a time: 9 sums and the 3 query vectors in registers; with four keys' 12 sums the
+ * compiler reloaded the query vectors for each key, and the loads, not the multiply-adds,
+ * set the pace). */
+FMA_TARGET static inline __attribute__((always_inline)) void ext_scores(const float *qt, const float *const *kr, int64_t t,
+                                                                        int64_t D, float *st) {
+    for (int64_t j = 0; j < t; j += 4) {
+        const float *k0 = kr[j], *k1 = kr[j + 1 < t ? j + 1 : j], *k2 = kr[j + 2 < t ? j + 2 : j], *k3 = kr[j + 3 < t ? j + 3 : j];
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, b0 = a0, b1 = a0, b2 = a0, c0 = a0, c1 = a0, c2 = a0, d0 = a0,
+               d1 = a0, d2 = a0;
+        for (int64_t d = 0; d < D; d++) {
+            __m256 x0 = _mm256_load_ps(qt + d * EXT_R), x1 = _mm256_load_ps(qt + d * EXT_R + 8),
+                   x2 = _mm256_load_ps(qt + d * EXT_R + 16);
+            __asm__("" : "+x"(x0), "+x"(x1), "+x"(x2));
+            __m256 y = _mm256_broadcast_ss(k0 + d);
+            a0 = _mm256_fmadd_ps(x0, y, a0); a1 = _mm256_fmadd_ps(x1, y, a1); a2 = _mm256_fmadd_ps(x2, y, a2);
+            y = _mm256_broadcast_ss(k1 + d);
+            b0 = _mm256_fmadd_ps(x0, y, b0); b1 = _mm256_fmadd_ps(x1, y, b1); b2 = _mm256_fmadd_ps(x2, y, b2);
+            y = _mm256_broadcast_ss(k2 + d);
+            c0 = _mm256_fmadd_ps(x0, y, c0); c1 = _mm256_fmadd_ps(x1, y, c1); c2 = _mm256_fmadd_ps(x2, y, c2);
+            y = _mm256_broadcast_ss(k3 + d);
+            d0 = _mm256_fmadd_ps(x0, y, d0); d1 = _mm256_fmadd_ps(x1, y, d1); d2 = _mm256_fmadd_ps(x2, y, d2);
+        }
+        float *s = st + j * EXT_R;  /* (rows past t: scratch the caller never reads) */
+        _mm256_store_ps(s, a0); _mm256_store_ps(s + 8, a1); _mm256_store_ps(s + 16, a2);
+        _mm256_store_ps(s + EXT_R, b0); _mm256_store_ps(s + EXT_R + 8, b1); _mm256_store_ps(s + EXT_R + 16, b2);
+        _mm256_store_ps(s + 2 * EXT_R, c0); _mm256_store_ps(s + 2 * EXT_R + 8, c1); _mm256_store_ps(s + 2 * EXT_R + 16, c2);
+        _mm256_store_ps(s + 3 * EXT_R, d0); _mm256_store_ps(s + 3 * EXT_R + 8, d1); _mm256_store_ps(s + 3 * EXT_R + 16, d2);
+    }
+}
+
+/* ot[d][r] = ot[d][r] * alpha[r] + sum_jj pt[jj][r] * value jj [d], for the t values at vr
+ * (four of the values' elements at a time, as the scores take four keys; D a multiple of 8). */
+FMA_TARGET static inline __attribute__((always_inline)) void ext_values(const float *pt, const float *const *vr, int64_t t,
+                                                                        int64_t D, const __m256 *alpha, float *ot) {
+    for (int64_t d = 0; d < D; d += 4) {
+        float *o = ot + d * EXT_R;
+        __m256 a0 = _mm256_mul_ps(_mm256_load_ps(o), alpha[0]), a1 = _mm256_mul_ps(_mm256_load_ps(o + 8), alpha[1]),
+               a2 = _mm256_mul_ps(_mm256_load_ps(o + 16), alpha[2]);
+        __m256 b0 = _mm256_mul_ps(_mm256_load_ps(o + EXT_R), alpha[0]), b1 = _mm256_mul_ps(_mm256_load_ps(o + EXT_R + 8), alpha[1]),
+               b2 = _mm256_mul_ps(_mm256_load_ps(o + EXT_R + 16), alpha[2]);
+        __m256 c0 = _mm256_mul_ps(_mm256_load_ps(o + 2 * EXT_R), alpha[0]),
+               c1 = _mm256_mul_ps(_mm256_load_ps(o + 2 * EXT_R + 8), alpha[1]),
+               c2 = _mm256_mul_ps(_mm256_load_ps(o + 2 * EXT_R + 16), alpha[2]);
+        __m256 d0 = _mm256_mul_ps(_mm256_load_ps(o + 3 * EXT_R), alpha[0]),
+               d1 = _mm256_mul_ps(_mm256_load_ps(o + 3 * EXT_R + 8), alpha[1]),
+               d2 = _mm256_mul_ps(_mm256_load_ps(o + 3 * EXT_R + 16), alpha[2]);
+        for (int64_t j = 0; j < t; j++) {
+            const float *p = pt + j * EXT_R, *w = vr[j] + d;
+            __m256 x0 = _mm256_load_ps(p), x1 = _mm256_load_ps(p + 8), x2 = _mm256_load_ps(p + 16);
+            __asm__("" : "+x"(x0), "+x"(x1), "+x"(x2));
+            __m256 y = _mm256_broadcast_ss(w);
+            a0 = _mm256_fmadd_ps(x0, y, a0); a1 = _mm256_fmadd_ps(x1, y, a1); a2 = _mm256_fmadd_ps(x2, y, a2);
+            y = _mm256_broadcast_ss(w + 1);
+            b0 = _mm256_fmadd_ps(x0, y, b0); b1 = _mm256_fmadd_ps(x1, y, b1); b2 = _mm256_fmadd_ps(x2, y, b2);
+            y = _mm256_broadcast_ss(w + 2);
+            c0 = _mm256_fmadd_ps(x0, y, c0); c1 = _mm256_fmadd_ps(x1, y, c1); c2 = _mm256_fmadd_ps(x2, y, c2);
+            y = _mm256_broadcast_ss(w + 3);
+            d0 = _mm256_fmadd_ps(x0, y, d0); d1 = _mm256_fmadd_ps(x1, y, d1); d2 = _mm256_fmadd_ps(x2, y, d2);
+        }
+        _mm256_store_ps(o, a0); _mm256_store_ps(o + 8, a1); _mm256_store_ps(o + 16, a2);
+        _mm256_store_ps(o + EXT_R, b0); _mm256_store_ps(o + EXT_R + 8, b1); _mm256_store_ps(o + EXT_R + 16, b2);
+        _mm256_store_ps(o + 2 * EXT_R, c0); _mm256_store_ps(o + 2 * EXT_R + 8, c1); _mm256_store_ps(o + 2 * EXT_R + 16, c2);
+        _mm256_store_ps(o + 3 * EXT_R, d0); _mm256_store_ps(o + 3 * EXT_R + 8, d1); _mm256_store_ps(o + 3 * EXT_R + 16, d2);
+    }
+}
+
+/* Pool row of slot s, KV head h, as float32: in place (a float32 pool) or converted into buf. */
+FMA_TARGET static inline const float *ext_row(const void *buf, int64_t s, int64_t h, int64_t Hkv, int64_t D, int kvt, float *conv) {
+    const int64_t e = (s * Hkv + h) * D;
+    if (kvt == KV_F32) return (const float *)buf + e;
+    for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(conv + d, kv_load8(kv_at(buf, e + d, kvt), kvt));
+    return conv;
+}
+
+/* Task (extend x, KV head h, rows i0 .. i0 + QB - 1 of it). */
+FMA_TARGET static void ext_task(const ext_ctx *c, int64_t x, int64_t h, int64_t i0) {
+    const int64_t *mt = c->meta + 4 * x, *slots = c->slots + mt[3];
+    const int64_t q0 = mt[0], e = mt[1], p = mt[2], G = c->Hq / c->Hkv, D = c->D, Hkv = c->Hkv;
+    const int64_t m = e - i0 < c->QB ? e - i0 : c->QB, last = p + i0 + m, full = p + i0 + 1;
+    float qt[MAX_D * EXT_R] __attribute__((aligned(32))), ot[MAX_D * EXT_R] __attribute__((aligned(32)));
+    float st[(EXT_KB + 3) * EXT_R] __attribute__((aligned(32))), conv[2 * EXT_KB * MAX_D] __attribute__((aligned(32)));
+    memset(qt, 0, D * EXT_R * sizeof(float));
+    memset(ot, 0, D * EXT_R * sizeof(float));
+    float seen[EXT_R];                           /* lane r: the keys its row sees (padding lanes: all) */
+    for (int64_t r = 0; r < EXT_R; r++) seen[r] = (float)(r < m * G ? p + i0 + r / G + 1 : last);
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *qr = c->q + (q0 + i0 + i) * c->ldq + (h * G + g) * D;
+            for (int64_t d = 0; d < D; d++) qt[d * EXT_R + i * G + g] = qr[d] * c->c;
+        }
+    __m256 top[3], sum[3], alpha[3], vis[3];
+    for (int v = 0; v < 3; v++) {
+        top[v] = _mm256_set1_ps(-FLT_MAX);
+        sum[v] = _mm256_setzero_ps();
+        vis[v] = _mm256_loadu_ps(seen + 8 * v);
+    }
+    const float *kr[EXT_KB], *vr[EXT_KB];
+    for (int64_t j0 = 0; j0 < last; j0 += EXT_KB) {
+        const int64_t t = last - j0 < EXT_KB ? last - j0 : EXT_KB;
+        for (int64_t j = 0; j < t; j++) {
+            kr[j] = ext_row(c->k, slots[j0 + j], h, Hkv, D, c->kvt, conv + j * D);
+            vr[j] = ext_row(c->v, slots[j0 + j], h, Hkv, D, c->kvt, conv + (EXT_KB + j) * D);
+        }
+        ext_scores(qt, kr, t, D, st);
+        const int masked = j0 + t > full;
+        __m256 hi[3] = {top[0], top[1], top[2]};
+        for (int64_t j = 0; j < t; j++) {
+            const __m256 at = _mm256_set1_ps((float)(j0 + j));
+            for (int v = 0; v < 3; v++) {
+                __m256 s = _mm256_load_ps(st + j * EXT_R + 8 * v);
+                if (masked) {
+                    s = _mm256_blendv_ps(s, _mm256_set1_ps(-FLT_MAX), _mm256_cmp_ps(at, vis[v], _CMP_GE_OQ));
+                    _mm256_store_ps(st + j * EXT_R + 8 * v, s);
+                }
+                hi[v] = _mm256_max_ps(hi[v], s);
+            }
+        }
+        for (int v = 0; v < 3; v++) {
+            alpha[v] = exp2_neg(_mm256_sub_ps(top[v], hi[v]));
+            top[v] = hi[v];
+            sum[v] = _mm256_mul_ps(sum[v], alpha[v]);
+        }
+        for (int64_t j = 0; j < t; j++) {
+            const __m256 at = _mm256_set1_ps((float)(j0 + j));
+            for (int v = 0; v < 3; v++) {
+                __m256 w = exp2_neg(_mm256_sub_ps(_mm256_load_ps(st + j * EXT_R + 8 * v), top[v]));
+                if (masked) w = _mm256_andnot_ps(_mm256_cmp_ps(at, vis[v], _CMP_GE_OQ), w);
+                _mm256_store_ps(st + j * EXT_R + 8 * v, w);
+                sum[v] = _mm256_add_ps(sum[v], w);
+            }
+        }
+        ext_values(st, vr, t, D, alpha, ot);
+    }
+    float inv[EXT_R];
+    for (int v = 0; v < 3; v++) _mm256_storeu_ps(inv + 8 * v, _mm256_div_ps(_mm256_set1_ps(1.f), sum[v]));
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t r = i * G + g;
+            float *o = c->out + (q0 + i0 + i) * c->ldo + (h * G + g) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = ot[d * EXT_R + r] * inv[r];
+        }
+}
+
+static void ext_unit(const void *p, int64_t u, int helper) {
+    (void)helper;
+    const ext_ctx *c = p;
+    for (int64_t t = c->bounds[u]; t < c->bounds[u + 1]; t++) ext_task(c, c->tasks[3 * t], c->tasks[3 * t + 1], c->tasks[3 * t + 2]);
+}
+
+/* out[row, head, :] for the E extends of meta (int64 [E, 4]: first row, rows e >= 1, cached
+ * prefix p >= 0, offset in slots of its p + e slots): softmax(q k^T * scale) v over its slots'
+ * keys up to its own position, q and out float32 rows of Hq x D (ldq, ldo floats apart), T
+ * rows in all; k / v the pool's buffers [S, Hkv, D] of element type kvt. On both threads
+ * where the helper runs (no shadow: the caller waits for the helper's units, as for prefill's
+ * GEMMs). The caller checked avx2_supported(). Returns 0, -1 (shapes), -2 (no memory), -4 (a
+ * slot outside the pool, an extend outside the rows or the slots). */
+FMA_TARGET int extend_mt(const float *q, int64_t ldq, const void *k, const void *v, int kvt, int64_t S,
+                         const int64_t *slots, int64_t nslots, const int64_t *meta, int64_t E, int64_t T, float *out,
+                         int64_t ldo, int64_t Hq, int64_t Hkv, int64_t D, float scale) {
+    if (Hkv < 1 || Hq % Hkv || Hq / Hkv > MAX_G || D % 8 || D > MAX_D || D < 8 || (kvt != KV_F32 && kvt != KV_F16 && kvt != KV_BF16))
+        return -1;
+    const int64_t G = Hq / Hkv, QB = EXT_R / G > 0 ? EXT_R / G : 1;
+    int64_t ntasks = 0;
+    double total = 0;
+    for (int64_t x = 0; x < E; x++) {
+        const int64_t *mt = meta + 4 * x;
+        if (mt[1] < 1 || mt[2] < 0 || mt[0] < 0 || mt[0] + mt[1] > T || mt[3] < 0 || mt[3] + mt[2] + mt[1] > nslots) return -4;
+        ntasks += Hkv * ((mt[1] + QB - 1) / QB);
+    }
+    for (int64_t j = 0; j < nslots; j++)
+        if ((uint64_t)slots[j] >= (uint64_t)S) return -4;
+    int64_t *tasks = malloc((3 * ntasks + MAX_UNITS + 1) * sizeof(int64_t)), *bounds = tasks + 3 * ntasks;
+    double *cost = malloc((ntasks + 1) * sizeof(double));
+    if (!tasks || !cost) { free(tasks); free(cost); return -2; }
+    /* KV head by KV head, then extend by extend: requests sharing a prefix one after another */
+    int64_t n = 0;
+    for (int64_t h = 0; h < Hkv; h++)
+        for (int64_t x = 0; x < E; x++) {
+            const int64_t *mt = meta + 4 * x;
+            for (int64_t i0 = 0; i0 < mt[1]; i0 += QB) {
+                tasks[3 * n] = x; tasks[3 * n + 1] = h; tasks[3 * n + 2] = i0;
+                cost[n] = (double)(mt[2] + i0 + (mt[1] - i0 < QB ? mt[1] - i0 : QB)) + 64;
+                total += cost[n++];
+            }
+        }
+    /* units of about equal work, consecutive tasks each */
+    int64_t units = 0;
+    bounds[0] = 0;
+    const double per = total / (ntasks < MAX_UNITS ? ntasks : MAX_UNITS);
+    double acc = 0;
+    for (int64_t t = 0; t < ntasks; t++) {
+        acc += cost[t];
+        if (acc >= per * (units + 1) - 1e-9 || t == ntasks - 1) bounds[++units] = t + 1;
+        if (units == MAX_UNITS) { bounds[units] = ntasks; break; }
+    }
+    free(cost);
+    ext_ctx c = {q, k, v, slots, meta, tasks, bounds, out, ldq, ldo, Hq, Hkv, D, QB, scale * 1.4426950408889634f, kvt};
+    if (pool_begin(0, 0, 0)) {
+        parallel_for(ext_unit, NULL, &c, sizeof c, units);
+        pool_end();
+    } else {
+        for (int64_t u = 0; u < units; u++) ext_unit(&c, u, 0);
+    }
+    free(tasks);
     return 0;
 }
 

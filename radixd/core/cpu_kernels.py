@@ -164,6 +164,13 @@ def library() -> ctypes.CDLL | None:
     lib.decode_mt.restype = ctypes.c_int
     lib.decode_mt.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5
                               + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int])
+    lib.extend_mt.restype = ctypes.c_int
+    lib.extend_mt.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 2
+                              + [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_float])
+    lib.kv_store_rows.restype = ctypes.c_int
+    lib.kv_store_rows.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+                                  + [ctypes.c_int64] * 2 + [ctypes.c_int])
     for name in ("add_rmsnorm_bf16", "add_rmsnorm_f32"):
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
@@ -404,6 +411,54 @@ def decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, slots: Tensor, lens: Tensor,
     if rc:
         raise ValueError(f"cpu_kernels.decode: shape out of range (heads {heads}, KV heads {kv_heads}, head_dim {dim})")
     return out
+
+
+def store_takes(x: Tensor, buf: Tensor) -> bool:
+    """Whether ``store_rows`` writes ``x`` [T, Hkv, D] into the pool's ``buf``: float32 rows
+    into a CPU pool of float32, or of float16 / bfloat16 on an AVX2 CPU (D a multiple of 8)."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and buf.device.type == "cpu" and buf.is_contiguous()
+            and x.dim() == 3 and x.shape[1:] == buf.shape[1:] and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+            and library() is not None and kv_type(torch.float32, buf.dtype) is not None
+            and (buf.dtype == torch.float32 or x.shape[1] * x.shape[2] % 8 == 0))
+
+
+def store_rows(buf: Tensor, loc: Tensor, x: Tensor) -> None:
+    """``buf[loc] = x.to(buf.dtype)`` in the calling thread (``store_takes``); ``loc`` int64."""
+    lib = library()
+    assert lib is not None and loc.dtype == torch.int64
+    loc = loc.contiguous()
+    rc = lib.kv_store_rows(x.data_ptr(), x.stride(0), loc.data_ptr(), loc.numel(), buf.data_ptr(),
+                           buf.shape[1] * buf.shape[2], buf.shape[0], kv_type(torch.float32, buf.dtype))
+    if rc:
+        raise ValueError(f"cpu_kernels.store_rows: {'a slot outside the pool' if rc == -4 else 'unsupported rows'}")
+
+
+def extend_takes(q_dtype: torch.dtype, k_buf: Tensor, num_heads: int) -> bool:
+    """Whether ``extend`` serves float32 queries over ``k_buf`` ([slots, Hkv, D]) on this CPU:
+    the AVX2 kernels, a pool of float32, float16 or bfloat16, head_dim a multiple of 8."""
+    kv_heads, dim = k_buf.shape[1], k_buf.shape[2]
+    return (q_dtype == torch.float32 and library() is not None and _extension("avx2_supported")
+            and k_buf.device.type == "cpu" and k_buf.is_contiguous() and kv_type(q_dtype, k_buf.dtype) is not None
+            and num_heads % kv_heads == 0 and num_heads // kv_heads <= MAX_GROUP and dim % 8 == 0 and dim <= MAX_DIM)
+
+
+def extend(q: Tensor, k_buf: Tensor, v_buf: Tensor, slots: Tensor, meta: Tensor, scale: float, out: Tensor) -> None:
+    """Attention of a step's extends into ``out`` (``extend_takes``): q and out [T, H, D]
+    float32 (rows contiguous), ``meta`` int64 [E, 4] per extend (its first row in q, its rows
+    e, its cached prefix p, where its p + e slots start in ``slots``), each row i attending to
+    the first p + i + 1 of its slots in the pool's ``k_buf``/``v_buf`` [S, Hkv, D]."""
+    lib = library()
+    assert lib is not None and v_buf.dtype == k_buf.dtype and v_buf.is_contiguous()
+    assert q.dtype == out.dtype == torch.float32 and k_buf.is_contiguous()
+    assert slots.dtype == meta.dtype == torch.int64 and slots.is_contiguous() and meta.is_contiguous()
+    t, heads, dim = q.shape
+    assert q.stride(2) == 1 and q.stride(1) == dim and out.stride(2) == 1 and out.stride(1) == dim
+    kvt = kv_type(q.dtype, k_buf.dtype)
+    rc = lib.extend_mt(q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), kvt, k_buf.shape[0],
+                       slots.data_ptr(), slots.numel(), meta.data_ptr(), meta.shape[0], t, out.data_ptr(), out.stride(0),
+                       heads, k_buf.shape[1], dim, scale)
+    if rc:
+        raise ValueError(f"cpu_kernels.extend: {'no memory' if rc == -2 else 'shapes or slots out of range'} (rc {rc})")
 
 
 INT4PACK_BLOCKS = (64, 32)  # the rows of a block in torch's CPU int4 packing: its AVX512 build, its AVX2 build

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from radixd.core import cpu_kernels
 from radixd.core.kv_quant import KVFormat, dequantize, quantize
 
 
@@ -136,6 +137,11 @@ class KVPool:
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.quantized:
             k, v = quantize(k, self.k_scales[layer], self.dtype), quantize(v, self.v_scales[layer], self.dtype)
+        elif (self.device.type == "cpu" and cpu_kernels.store_takes(k, self.k_buffers[layer])
+              and cpu_kernels.store_takes(v, self.v_buffers[layer])):
+            cpu_kernels.store_rows(self.k_buffers[layer], loc, k)
+            cpu_kernels.store_rows(self.v_buffers[layer], loc, v)
+            return
         self.k_buffers[layer][loc] = k.to(self.dtype)
         self.v_buffers[layer][loc] = v.to(self.dtype)
 

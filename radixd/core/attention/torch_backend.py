@@ -96,7 +96,12 @@ class TorchAttention:
                 masks = {w: (kv_pos <= q_pos) & (kv_pos > q_pos - w if w else True) for w in windows}
             self.extends.append(Extend(starts[i], e, kv_idx, mapped(kv_idx), masks, fresh))
         self.groups = []
-        if len(self.extends) > 1 and plain:
+        self.cpu_extends = None
+        if (self.extends and plain and device.type == "cpu" and not self.pool.quantized
+                and cpu_kernels.extend_takes(self.pool.model_dtype, self.pool.k_buffers[0], self.num_heads)):
+            self.cpu_extends = _kernel_extends(self.extends)
+            self.extends = []
+        elif len(self.extends) > 1 and plain:
             self.extends, self.groups = _group_extends(self.extends, device)
         for f, n, tree_mask in zip(trees.first, trees.sizes, trees.masks, strict=True) if trees is not None else ():
             p = batch.prefix_lens[f]
@@ -154,6 +159,9 @@ class TorchAttention:
             ki, vi = self.pool.read(layer, kv_idx, q.dtype)          # [S, Hkv, D]
             ki, vi = ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]  # [1, Hkv, S, D]
             out[start : start + e] = self._attend(qi, ki, vi, masks[window])[0].transpose(0, 1)
+        if self.cpu_extends is not None:
+            cpu_kernels.extend(q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], *self.cpu_extends, self.scale,
+                               out)
         for q_rows, kv_idx, mask in self.groups:
             qg = q[q_rows].transpose(0, 1)[None]                     # [1, H, sum e, D]
             kg, vg = self.pool.read(layer, kv_idx, q.dtype)          # [S, Hkv, D]: the prefix once
@@ -183,6 +191,17 @@ class TorchAttention:
         scores = torch.tanh(q.float() @ k.float().transpose(-1, -2) * (self.scale / self.softcap)) * self.softcap
         scores = scores.masked_fill(~mask, float("-inf"))
         return (scores.softmax(-1) @ v.float()).to(q.dtype)
+
+
+def _kernel_extends(extends: list[Extend]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cpu_kernels.extend``'s slots and meta for ``extends`` (their tables' slots one after
+    another; per extend its first row, rows, cached prefix and first slot there)."""
+    meta, off = [], 0
+    for x in extends:
+        n = x.slots.numel()
+        meta.append((x.start, x.length, n - x.length, off))
+        off += n
+    return torch.cat([x.slots for x in extends]), torch.tensor(meta, dtype=torch.int64)
 
 
 def _group_extends(extends: list[Extend], device: torch.device) -> tuple[list[Extend], list]:
