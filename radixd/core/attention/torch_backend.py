@@ -16,7 +16,10 @@ layer's KV is read and stored at the window slots of the table's slots.
 On the CPU, decode steps of layers without a window or soft-cap read KV where it lies: all
 requests of a layer in one call of radixd's C kernel (``cpu_kernels``), or, without a C
 compiler, each request's leading run of consecutive slots in place, once for all requests
-sharing it (``run_decode``).
+sharing it (``run_decode``). So do a float32 step's extends on an AVX2 CPU (plain layers, a
+pool of float32, float16 or bfloat16): all of them in one call of ``cpu_kernels.extend``
+per layer, each row attending to its table's slots up to its own position (2x torch's SDPA
+on the default model's heads, and no gather); the groups and masks above are then not made.
 """
 
 from __future__ import annotations
