@@ -131,6 +131,10 @@ async def test_quantized_perplexity(smol_quantized, plain_ppl, tmp_path, scheme)
         # docs: 19.9-20.4; on 64 x 256 tokens of the installed packages' license texts: 19.04;
         # llmcompressor's AWQModifier then asymmetric round-to-nearest, groups of 64, 32 x 256
         # tokens of the docs: 19.35): the 10% budget needs a better-calibrated quantizer on a
-        # model this small
+        # model this small. The "unquantized" model here is the default GGUF's Q4_1 weights
+        # dequantized (the only copy of the model at hand): every block of 32 uses levels 0
+        # and 15, but its minimum is no whole number of steps (m / d's fractional part
+        # averages 0.25), so int4 with integer zero-points cannot land on Q4_1's grid, even in
+        # groups of 32: each weight is rounded a second time by up to half a step
         pytest.xfail(f"round-to-nearest int4 perplexity {ours:.2f} vs {plain:.2f} unquantized")
     assert abs(ours - plain) / plain < SCHEMES[scheme][1], (ours, plain)
