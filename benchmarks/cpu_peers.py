@@ -14,7 +14,7 @@ and ``pip install 'llama-cpp-python[server]==0.3.36'``.
 The servers, as each is meant to be run on this machine (2 cores):
 - radixd: ``python -m radixd --config`` a file with the KV pool at 32,768 tokens (of
   ``--radixd-kv-cache-dtype``, "auto" unless given), the rest as shipped (``[model] path =
-  "default"``), plus ``--radixd-toml`` lines;
+  "default"``), plus ``--radixd-toml`` lines and ``--radixd-env`` variables;
 - vLLM: ``vllm.entrypoints.openai.api_server`` on radixd's converted checkpoint of the default
   model (fp32; a copy of its config without the ``gguf`` quantization_config vLLM refuses),
   ``--dtype float32 --max-model-len 4096``, ``VLLM_CPU_KVCACHE_SPACE=4`` and both cores
@@ -106,12 +106,14 @@ class Server:
         stop_process(self.proc)
 
 
-def start_radixd(workdir: Path, toml_lines: list[str], kv_cache_dtype: str = "auto") -> Server:
+def start_radixd(workdir: Path, toml_lines: list[str], kv_cache_dtype: str = "auto",
+                 env: dict[str, str] | None = None) -> Server:
     cfg = workdir / "radixd.toml"
     port = free_port()
     cfg.write_text(f"[server]\nport = {port}\n[memory]\nkv_cache_tokens = 32768\nkv_cache_dtype = \"{kv_cache_dtype}\"\n"
                    "[logging]\naccess_log = false\n" + "".join(line + "\n" for line in toml_lines))
-    return Server("radixd", [sys.executable, "-m", "radixd", "--config", str(cfg)], {**os.environ}, port, workdir)
+    return Server("radixd", [sys.executable, "-m", "radixd", "--config", str(cfg)], {**os.environ, **(env or {})}, port,
+                  workdir)
 
 
 def vllm_checkpoint(model_dir: Path, workdir: Path) -> Path:
@@ -194,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a line added to radixd's config, e.g. '[model]' then 'dtype = \"bfloat16\"' (repeatable)")
     ap.add_argument("--radixd-kv-cache-dtype", default="auto",
                     help="radixd's [memory] kv_cache_dtype (e.g. float16: a float32 model's K/V in 16 bits)")
+    ap.add_argument("--radixd-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an environment variable of radixd's process only, e.g. RADIXD_CPU_ACT_BITS=8 (repeatable)")
     ap.add_argument("--workloads", default="random,shared,single")
     ap.add_argument("--quick", action="store_true", help="tiny workloads, one round (radixd alone unless --servers)")
     ap.add_argument("--out", default=str(RESULTS / "cpu_peers" / "cpu_peers.json"))
@@ -201,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     servers = (a.servers or ("radixd" if a.quick else "radixd,vllm,llama")).split(",")
     rounds = 1 if a.quick else a.rounds
     table = QUICK if a.quick else WORKLOADS
+    radixd_env = {}
+    for item in a.radixd_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--radixd-env: {item!r} is not KEY=VALUE")
+        radixd_env[key] = value
     for s in servers:
         if s not in ("radixd", "vllm", "vllm-bf16", "llama"):
             ap.error(f"--servers: {s!r} is not one of radixd, vllm, vllm-bf16, llama")
@@ -219,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for rnd in range(rounds):
             for name in servers:
-                server = (start_radixd(workdir, a.radixd_toml, a.radixd_kv_cache_dtype) if name == "radixd"
+                server = (start_radixd(workdir, a.radixd_toml, a.radixd_kv_cache_dtype, radixd_env) if name == "radixd"
                           else start_vllm(a.vllm_python, model_dir, workdir) if name == "vllm"
                           else start_vllm(a.vllm_python, model_dir, workdir, "bfloat16") if name == "vllm-bf16"
                           else start_llama(a.llama_python, gguf, workdir))

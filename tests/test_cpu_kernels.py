@@ -386,6 +386,48 @@ def test_avx2_matmul_matches_the_float_product(bits, n, k, avx2):
         cpu_kernels.qmm(torch.randn(2, k + 32), rec, bits, n, k)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("n", "k"), [(37, 64), (96, 160), (301, 576)])
+def test_avx2_one_plane_matmul_matches_the_q8_reference(bits, n, k, avx2, monkeypatch):
+    """RADIXD_CPU_ACT_BITS=8 on an AVX2 CPU: the activations quantized per row and block of 32
+    as the VNNI kernels quantize them (one plane), the integer dot products exact (vpmaddubsw /
+    vpmaddwd), float32 scaling: within the q8 reference's float rounding at every row count
+    (8 rows a pass), both dtypes, SiLU(gate) * up; about 1/254 of a block's largest value from
+    the float product."""
+    monkeypatch.setenv(cpu_kernels.ACT_ENV, "8")
+    cpu_kernels.reset()
+    assert cpu_kernels.act_planes() == 1
+    g = torch.Generator().manual_seed(bits * n + k + 1)
+    q, d, m, w = random_q(bits, n, k, g)
+    rec = pack_records(q, d, m)
+    for rows_ in (*range(1, 17), 20, 70):
+        x = torch.randn(rows_, k, generator=g)
+        x[0, :32] = 0  # a block of zeros: d = 0
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            got = cpu_kernels.qmm(xd, rec, bits, n, k)
+            assert got.shape == (rows_, n) and got.dtype == dtype
+            want = q8_reference(xd, 1) @ w.t()
+            scale = want.abs().max().item()
+            # float32 scaling; an activation at a .5 tie (to the last bit) may round the other
+            # way than torch's: one activation step times a weight (seen: -91.5 + 1 ulp)
+            step = xd.float().abs().max().item() / 127 * w.abs().max().item()
+            tol = 1e-4 * scale if dtype == torch.float32 else 2**-8 * scale
+            torch.testing.assert_close(got.float(), want, atol=max(tol, 1.01 * step), rtol=0)
+            torch.testing.assert_close(got.float(), xd.float() @ w.t(), atol=2e-2 * scale, rtol=0)
+    gate_up = torch.randn(5, 2 * k, generator=g)
+    h = torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]
+    want = q8_reference(h, 1) @ w.t()
+    torch.testing.assert_close(cpu_kernels.qmm(gate_up, rec, bits, n, k, silu=True), want,
+                               atol=1e-4 * want.abs().max().item(), rtol=0)
+    # exact where the activations are whole numbers up to 127 (d = 1: no rounding at all)
+    xi = torch.randint(-127, 128, (9, k), generator=g).float()
+    xi[:, ::32] = 127
+    want = xi.double() @ w.double().t()
+    torch.testing.assert_close(cpu_kernels.qmm(xi, rec, bits, n, k).double(), want,
+                               atol=1e-6 * want.abs().max().item(), rtol=0)
+
+
 @needs_amx
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(("n", "k"), [(301, 576), (48, 64)])
@@ -518,15 +560,22 @@ def _tiny_int_llama(rows: int, dtype: torch.dtype = torch.bfloat16, kv_dtype: to
     return model, pool, attn, decode_batch(pool, cfg, "shared", rows, ctx, 32, 0)
 
 
+@pytest.mark.parametrize("act_bits", ["16", "8"])
 @pytest.mark.parametrize("kv", [None, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 19])
-def test_fused_decode_layers_equal_the_layer_loop(rows, kv, fused_dtype, monkeypatch):
+def test_fused_decode_layers_equal_the_layer_loop(rows, kv, act_bits, fused_dtype, monkeypatch):
     """(``kv``: the pool's dtype, None the model's; a float32 step's 16-bit pool has its new
-    K/V rounded as torch's ``to`` rounds and is read as the layer loop's kernel reads it)"""
+    K/V rounded as torch's ``to`` rounds and is read as the layer loop's kernel reads it;
+    ``act_bits`` 8: the activations in one int8 plane, RADIXD_CPU_ACT_BITS=8)"""
     from radixd.core import cpu_decode
 
     if kv is not None and fused_dtype != torch.float32:
         pytest.skip("a 16-bit pool under another dtype: float32 steps only")
+    if act_bits == "8" and kv is not None:
+        pytest.skip("(one plane with the model's pool is enough)")
+    monkeypatch.setenv(cpu_kernels.ACT_ENV, act_bits)
+    cpu_kernels.reset()
+    assert cpu_kernels.act_planes() == (1 if act_bits == "8" else 2)
     model, pool, attn, fb = _tiny_int_llama(rows, fused_dtype, kv_dtype=kv)
     assert pool.k_buffers[0].dtype == (kv or fused_dtype)
     calls = []

@@ -4,6 +4,7 @@ client the peers get, and the ratios the issue names come out of the runs' media
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -43,6 +44,22 @@ def test_peers_need_their_environments():
         cpu_peers.main(["--servers", "radixd,vllm"])
     with pytest.raises(SystemExit):
         cpu_peers.main(["--servers", "vllm-bf16"])
+    with pytest.raises(SystemExit):  # (not KEY=VALUE)
+        cpu_peers.main(["--servers", "radixd", "--radixd-env", "RADIXD_CPU_ACT_BITS"])
+
+
+def test_radixd_env_reaches_radixd_alone(tmp_path, monkeypatch):
+    seen = {}
+
+    class Fake:
+        def __init__(self, name, argv, env, port, workdir):
+            seen[name] = env
+
+    monkeypatch.setattr(cpu_peers, "Server", Fake)
+    cpu_peers.start_radixd(tmp_path, [], "auto", {"RADIXD_CPU_ACT_BITS": "8"})
+    assert seen["radixd"]["RADIXD_CPU_ACT_BITS"] == "8"
+    cpu_peers.start_radixd(tmp_path, [], "auto")
+    assert seen["radixd"].get("RADIXD_CPU_ACT_BITS") == os.environ.get("RADIXD_CPU_ACT_BITS")
 
 
 @pytest.mark.slow

@@ -2385,12 +2385,143 @@ FMA_TARGET static void fma_par(int bits, const uint8_t *w, const float *xf, void
     }
 }
 
+/* ---- One int8 activation plane on an AVX2 CPU (RADIXD_CPU_ACT_BITS=8: llama.cpp's Q8
+ * activations): the records times the activations quantized per row and block of 32, as the
+ * VNNI kernels take them with one plane, the dot products on vpmaddubsw / vpmaddwd instead of
+ * vpdpbusd. A q4 weight's nibbles (0..15) times int8 activations: eight byte-pair sums of a
+ * block stay within int16 (8 x 2 x 15 x 127 < 32767) before vpmaddwd adds them into int32; a
+ * q8 weight (bytes q + 128) as llama.cpp takes it: |q| times the activation with q's sign
+ * (vpsignb), each pair sum within int16 (2 x 128 x 127). The int32 sums are the VNNI
+ * kernel's (q8's sum of (q + 128) x plus its -128 sum(x) term is sum(q x)) and are scaled by
+ * the same float operations in the same order, 8 columns a vector (not compared with it on
+ * a CPU that has both: the tests hold it to the q8 reference and exact integer products).
+ * Each weight's bytes are split into nibbles once for all rows of a pass (8), where the float
+ * kernel converts every weight to float32: 2-3x fewer operations per product. */
+
+/* 16 columns (record stream wc) times R <= 8 rows: y rows r0 .. r0 + R - 1. */
+FMA_TARGET static inline __attribute__((always_inline)) void i8_cols(
+        int bits, const uint8_t *wc, int64_t B, const act_t *a, int64_t K, int64_t r0, const int R,
+        void *y, int y_bf16, int64_t ldy, int64_t n0, int64_t N) {
+    __m256 acc[2 * FMA_FEW];
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), top = _mm256_set1_epi8((char)0x80);
+    for (int i = 0; i < 2 * R; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < B; b++) {
+        for (int h = 0; h < 2; h++) {
+            __m256i dot[FMA_FEW];
+            if (bits == 4) {
+                const uint8_t *rec = wc + b * Q4_REC;
+                __m256i s16[FMA_FEW];
+                for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
+                for (int j = 0; j < 4; j++) {
+                    /* lane l: column 8h + l; its bytes' low nibbles inputs 8j .. 8j + 3, high ones 8j + 4 .. 8j + 7 */
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h));
+                    const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                    for (int r = 0; r < R; r++) {
+                        const int8_t *xq = a->q + (r0 + r) * K + b * 32 + 8 * j;
+                        const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xq)));
+                        const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xq + 4)));
+                        s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(pl, ph));
+                    }
+                }
+                for (int r = 0; r < R; r++) dot[r] = _mm256_madd_epi16(s16[r], ones);
+                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 256 + 16 * h)));
+                const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 288 + 16 * h)));
+                for (int r = 0; r < R; r++) {
+                    const int64_t i = (r0 + r) * B + b;
+                    __m256 *t = &acc[2 * r + h];
+                    *t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a->d[i])), *t);
+                    *t = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->s[i]), *t);
+                }
+            } else {
+                const uint8_t *rec = wc + b * Q8_REC;
+                for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j++) {
+                    /* lane l: column 8h + l, its bytes inputs 4j .. 4j + 3, each q + 128 */
+                    const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(rec + 64 * j + 32 * h)), top);
+                    const __m256i aq = _mm256_abs_epi8(q);
+                    for (int r = 0; r < R; r++) {
+                        const __m256i x = _mm256_set1_epi32(load_i32(a->q + (r0 + r) * K + b * 32 + 4 * j));
+                        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(x, q)), ones));
+                    }
+                }
+                const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 512 + 16 * h)));
+                for (int r = 0; r < R; r++) {
+                    __m256 *t = &acc[2 * r + h];
+                    *t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a->d[(r0 + r) * B + b])), *t);
+                }
+            }
+        }
+    }
+    fma_store(acc, R, (char *)y + r0 * ldy * (y_bf16 ? 2 : 4), y_bf16, ldy, n0, N);
+}
+
+#define I8_CASE(R) case R: i8_cols(bits, wc, B, a, K, r0, R, y, y_bf16, ldy, n0, N); break;
+/* Column groups c0 .. c1 - 1 of y [M, N], every row, 8 rows a pass. */
+FMA_TARGET static void i8_range(int bits, const uint8_t *w, const act_t *a, int64_t M, int64_t N, int64_t K, void *y,
+                                int y_bf16, int64_t ldy, int64_t c0, int64_t c1) {
+    const int64_t B = K / 32, rec = bits == 4 ? Q4_REC : Q8_REC;
+    for (int64_t c = c0; c < c1; c++) {
+        const uint8_t *wc = w + c * B * rec;
+        const int64_t n0 = c * 16;
+        for (int64_t r0 = 0; r0 < M; r0 += FMA_FEW) {
+            switch (M - r0 < FMA_FEW ? M - r0 : FMA_FEW) {
+                I8_CASE(1) I8_CASE(2) I8_CASE(3) I8_CASE(4) I8_CASE(5) I8_CASE(6) I8_CASE(7) I8_CASE(8)
+            }
+        }
+    }
+}
+
+FMA_TARGET static void i8_unit(const void *p, int64_t u, int helper) {
+    const qmm_ctx *c = p;
+    int64_t c0, c1;
+    qmm_groups(c, u, &c0, &c1);
+    i8_range((int)c->bits, c->w, &c->a, c->M, c->N, c->K, helper ? c->shadow : c->y, c->y_bf16, c->ldy, c0, c1);
+}
+
+/* y = a @ W.T, a quantized with one plane (in memory a late helper may still read): column
+ * ranges shared with the helper (results through shadow) where shadow is given. */
+FMA_TARGET static void i8_par(int bits, const act_t *a, const uint8_t *w, void *y, int y_bf16, int64_t ldy, int64_t M,
+                              int64_t N, int64_t K, void *shadow) {
+    const int64_t C = (N + 15) / 16;
+    int64_t per = (C + 47) / 48;
+    per = per < 2 ? 2 : per;
+    qmm_ctx c = {w, *a, y, shadow, M, N, K, ldy, per, bits, 0, y_bf16, 0};
+    if (!shadow) {
+        c.per = C;
+        i8_unit(&c, 0, 0);
+        return;
+    }
+    parallel_for(i8_unit, qmm_copy, &c, sizeof c, (C + per - 1) / per);
+}
+
+/* x [M, K] (act 1: [M, 2K] gate | up, as SiLU(gate) * up) quantized with one plane into the
+ * activation buffers at mem (act_bytes(M, K)), then times W: for qmm_fma and the fused step. */
+FMA_TARGET static void i8_mm(int bits, const void *x, int x_bf16, int64_t ldx, int act, const uint8_t *w, void *y,
+                             int y_bf16, int64_t ldy, int64_t M, int64_t N, int64_t K, char *mem, void *shadow) {
+    act_t a;
+    float *tmp = act_init(&a, mem, M, K);
+    a.q2 = NULL;
+    a.amx = 0;
+    quantize_act(x, x_bf16, ldx, act, M, K, &a, tmp);
+    i8_par(bits, &a, w, y, y_bf16, ldy, M, N, K, shadow);
+}
+
 /* qmm_vnni's contract on an AVX2 CPU (the caller checked avx2_supported()): x's rows are
  * converted to float32 (act 1: SiLU(gate) * up) into the parallel step's arena, then the
  * column groups are shared between the threads. Returns 0, -1 (shapes), -2 (no memory). */
 FMA_TARGET int qmm_fma(int bits, const void *x, int x_bf16, int64_t ldx, int act, const uint8_t *w, void *y,
                        int y_bf16, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     if (M < 1 || K % 32 || (bits != 4 && bits != 8)) return -1;
+    if (__atomic_load_n(&act_planes, __ATOMIC_RELAXED) == 1) {  /* RADIXD_CPU_ACT_BITS=8 */
+        const size_t abytes = act_bytes(M, K), ybytes = M * ldy * (y_bf16 ? 2 : 4);
+        const int par = pool_begin(abytes, ybytes, 0);
+        char *mem = par ? P.arena : malloc(abytes);
+        if (!mem) return -2;
+        i8_mm(bits, x, x_bf16, ldx, act, w, y, y_bf16, ldy, M, N, K, mem, par ? P.shadow : NULL);
+        if (par) pool_end();
+        else free(mem);
+        return 0;
+    }
     const int64_t panel = fma_panel_floats(M, K);
     if (!fma_scratch(panel)) return -2;
     const size_t xbytes = M * K * sizeof(float), ybytes = M * ldy * (y_bf16 ? 2 : 4);
@@ -2487,8 +2618,9 @@ FMA_TARGET int decode_layers_f32(const dmodel_t *m, const dlayer_t *ls, const ds
     const size_t fl = sizeof(float);
     const int kvt = (int)m->kvt;
     if (kvt != KV_F32 && (D % 8 || (kvt != KV_F16 && kvt != KV_BF16))) return -1;
+    const int i8 = __atomic_load_n(&act_planes, __ATOMIC_RELAXED) == 1;  /* RADIXD_CPU_ACT_BITS=8: i8_mm */
     const size_t bytes = (M * H + M * Nqkv + 2 * M * Hq * D + M * H + M * 2 * I + M * I + G * W + 2 * slot) * fl
-                         + M * (W + 1) * sizeof(int64_t) + 256;
+                         + M * (W + 1) * sizeof(int64_t) + 256 + (i8 ? act_bytes(M, kmax) + 64 : 0);
     const size_t hbytes = max64(panel * fl, G * W * fl + W * sizeof(int64_t) + 64);
     if (!fma_scratch(panel)) return -2;
     const int par = pool_begin(bytes, M * nmax * fl, hbytes);
@@ -2499,6 +2631,7 @@ FMA_TARGET int decode_layers_f32(const dmodel_t *m, const dlayer_t *ls, const ds
     int64_t *slots = (int64_t *)(((uintptr_t)(kv_row + 2 * slot) + 63) / 64 * 64), *lens = slots + M * W;
     memcpy(slots, st->slots, M * W * sizeof(int64_t));  /* (copies: a late helper reads them) */
     memcpy(lens, st->lens, M * sizeof(int64_t));
+    char *actmem = (char *)(((uintptr_t)(lens + M) + 63) / 64 * 64);
     void *shadow = par ? P.shadow : NULL;
     float *hscratch = par ? (float *)P.hscratch : NULL;
     dec_ctx ac = {q, NULL, NULL, slots, lens, att, shadow, scores, hscratch, Hq, Hkv, D, W, st->pool_slots, 4, m->scale,
@@ -2508,7 +2641,8 @@ FMA_TARGET int decode_layers_f32(const dmodel_t *m, const dlayer_t *ls, const ds
         void *k_buf = L->k_buf, *v_buf = L->v_buf;
         if (l == 0) add_rmsnorm_f32(x, H, NULL, 0, (const float *)L->norm_in, h, H, M, H, L->eps_in);
         else add_rmsnorm_f32(out, H, x, H, (const float *)L->norm_in, h, H, M, H, L->eps_in);
-        fma_par((int)L->qkv_bits, L->qkv, h, qkv, 0, Nqkv, M, Nqkv, H, shadow, hscratch);
+        if (i8) i8_mm((int)L->qkv_bits, h, 0, H, 0, L->qkv, qkv, 0, Nqkv, M, Nqkv, H, actmem, shadow);
+        else fma_par((int)L->qkv_bits, L->qkv, h, qkv, 0, Nqkv, M, Nqkv, H, shadow, hscratch);
         rotary_f32(qkv, Nqkv, M, Hq, D, m->cos, m->sin, st->pos, q);
         for (int64_t t = 0; t < M; t++) {  /* k rotated into its slot, v copied (in the pool's elements) */
             const float *vt = qkv + t * Nqkv + (Hq + Hkv) * D;
@@ -2526,8 +2660,14 @@ FMA_TARGET int decode_layers_f32(const dmodel_t *m, const dlayer_t *ls, const ds
         ac.v = v_buf;
         if (shadow && M * Hkv >= 2 && M * Hkv <= MAX_UNITS) parallel_for(dec_unit, dec_copy, &ac, sizeof ac, M * Hkv);
         else for (int64_t u = 0; u < M * Hkv; u++) dec_unit(&ac, u, 0);
-        fma_par((int)L->o_bits, L->o, att, o, 0, H, M, H, Hq * D, shadow, hscratch);
+        if (i8) i8_mm((int)L->o_bits, att, 0, Hq * D, 0, L->o, o, 0, H, M, H, Hq * D, actmem, shadow);
+        else fma_par((int)L->o_bits, L->o, att, o, 0, H, M, H, Hq * D, shadow, hscratch);
         add_rmsnorm_f32(o, H, x, H, (const float *)L->norm_post, h, H, M, H, L->eps_post);
+        if (i8) {
+            i8_mm((int)L->gate_up_bits, h, 0, H, 0, L->gate_up, gu, 0, 2 * I, M, 2 * I, H, actmem, shadow);
+            i8_mm((int)L->down_bits, gu, 0, 2 * I, 1, L->down, out, 0, H, M, H, I, actmem, shadow);
+            continue;
+        }
         fma_par((int)L->gate_up_bits, L->gate_up, h, gu, 0, 2 * I, M, 2 * I, H, shadow, hscratch);
         fma_rows_in(gu, 0, 2 * I, 1, M, I, act);
         fma_par((int)L->down_bits, L->down, act, out, 0, H, M, H, I, shadow, hscratch);
