@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -438,3 +439,38 @@ def test_a_failed_or_killed_build_leaves_no_entry_and_is_redone(tmp_path):
     assert build_once(target, builds, is_checkpoint) == target
     assert sorted(p.name for p in target.iterdir()) == ["config.json"]
     assert build_once(target, fails, is_checkpoint) == target  # done: not rebuilt
+
+
+
+def test_one_int8_plane_without_int_kernels_says_it_has_no_effect(monkeypatch, caplog):
+    """RADIXD_CPU_ACT_BITS=8 where no int kernel runs (RADIXD_CPU_ISA=baseline: torch's int
+    kernels on bf16 activations) is named in a warning when the weights are packed, not
+    ignored; where the int kernels run, nothing is said."""
+    from radixd.core.quant.linear import pack_cpu_projections
+
+    def packed_model():
+        qw, s, z = quantize_int(torch.randn(48, 64), 4, 32, False)
+        layer = QuantLinear(64, 48, IntLayout(4, 32, False), bias=False, dtype=torch.float32, device=torch.device("cpu"))
+        with torch.no_grad():
+            layer.weight.copy_(qw)
+            layer.weight_scale.copy_(s)
+            layer.weight_zeros.copy_(z)
+        return torch.nn.Sequential(layer)
+
+    monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
+    monkeypatch.setenv(cpu_kernels.ACT_ENV, "8")
+    cpu_kernels.reset()
+    try:
+        int_kernels = cpu_kernels.records()  # (as shipped on this CPU)
+        with caplog.at_level(logging.WARNING, logger="radixd.core.quant.linear"):
+            assert pack_cpu_projections(packed_model()) == 1
+        assert ("has no effect" in caplog.text) == (not int_kernels)
+        caplog.clear()
+        monkeypatch.setenv(cpu_kernels.ISA_ENV, "baseline")
+        cpu_kernels.reset()
+        with caplog.at_level(logging.WARNING, logger="radixd.core.quant.linear"):
+            assert pack_cpu_projections(packed_model()) == 1
+        assert "RADIXD_CPU_ACT_BITS=8 has no effect" in caplog.text
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.reset()

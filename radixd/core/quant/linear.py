@@ -22,11 +22,13 @@ allocated); its parameters are filled once by the loader or ``shard_model`` and 
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch import nn
 
+from radixd.core import cpu_kernels
 from radixd.core.errors import ConfigError
 from radixd.core.quant import fp8_rows, ops
 from radixd.core.quant.cpu_int import (
@@ -39,6 +41,8 @@ from radixd.core.quant.cpu_int import (
 )
 from radixd.core.quant.formats import Fp8Layout, IntLayout, Layout, QuantFormatError
 from radixd.core.quant.gemv import RopeStore, fp8_gemv, int_gemv
+
+log = logging.getLogger(__name__)
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 EXPERTS = ("gate_up_proj", "down_proj")  # a mixture of experts' stacked projections (``moe.Experts``)
@@ -236,8 +240,15 @@ def quantize_projections(model: nn.Module, layout: Layout) -> None:
 
 
 def pack_cpu_projections(model: nn.Module) -> int:
-    """``pack_for_cpu`` on every ``QuantLinear`` of ``model``; returns how many were packed."""
-    return sum(m.pack_for_cpu() for m in model.modules() if isinstance(m, QuantLinear))
+    """``pack_for_cpu`` on every ``QuantLinear`` of ``model``; returns how many were packed.
+    Where ``RADIXD_CPU_ACT_BITS=8`` asks for int8 activations that no kernel here takes (no
+    AVX512-VNNI or AVX2 kernels: torch's int kernels on bf16 activations), says so."""
+    packed = sum(m.pack_for_cpu() for m in model.modules() if isinstance(m, QuantLinear))
+    if packed and cpu_kernels.act_planes() == 1 and not cpu_kernels.records():
+        log.warning("%s=8 has no effect here: this CPU runs neither radixd's AVX512-VNNI nor its AVX2 int "
+                    "kernels (or %s=baseline), so native weights multiply bf16 activations through torch",
+                    cpu_kernels.ACT_ENV, cpu_kernels.ISA_ENV)
+    return packed
 
 
 def keep_cpu_prefill_copies(model: nn.Module, prefill_weights: str) -> int:
