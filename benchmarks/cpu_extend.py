@@ -8,6 +8,7 @@ model's heads (9 query heads, 3 KV heads of 64) over a float32 pool, threads as 
   question_3    three such questions over one shared prefix
   question_8    eight of them
   fresh_2048    one 2048-token prompt
+  fresh_8192    one 8192-token prompt (``--reps`` // 4 calls)
 
 Each case's kernel output is checked against the SDPA path's first; times are medians of
 ``--reps`` calls; GFLOP/s count the causal multiply-adds only (4 x heads x head_dim per
@@ -37,6 +38,7 @@ CASES = {
     "question_3": [(512, 32)] * 3,
     "question_8": [(512, 32)] * 8,
     "fresh_2048": [(0, 2048)],
+    "fresh_8192": [(0, 8192)],
 }
 
 
@@ -102,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     cpu_setup.step_threads(cpu_setup.PREFILL_TOKENS)  # (torch's threads as an engine's prompt steps set them)
     kernel_threads = cpu_kernels.set_threads(cpu_setup.kernel_threads())
     torch.manual_seed(0)
-    k_buf, v_buf = torch.randn(4096, KV_HEADS, DIM), torch.randn(4096, KV_HEADS, DIM)
+    k_buf, v_buf = torch.randn(10_000, KV_HEADS, DIM), torch.randn(10_000, KV_HEADS, DIM)
     results = {}
     for name, extends in CASES.items():
-        results[name] = case(extends, k_buf, v_buf, a.reps)
+        results[name] = case(extends, k_buf, v_buf, a.reps // 4 if name == "fresh_8192" else a.reps)
         print(name, results[name], flush=True)
     doc = {"environment": environment(), "torch_threads": torch.get_num_threads(), "kernel_threads": kernel_threads,
            "cases": results}

@@ -49,9 +49,10 @@ compiler on first use, kept in radixd's cache, called through ``ctypes``.
   block of its rows, whose query vectors (rows x the head's query heads, 24) sit in vector
   lanes: a block of 16 keys' scores is an outer product of broadcast key elements and the
   query lanes (12 sums in registers), the online softmax is lane-wise, and the values' sums
-  likewise. On the 2-core EPYC, the default model's heads: 132-138 GFLOP/s where torch's
-  SDPA over the gathered KV ran at 54-67 (a 544-token prompt 2.6 against 6.3 ms a layer;
-  8 questions of 32 over a 512-token prefix 2.3 against 4.7 ms; ``benchmarks.cpu_extend``).
+  likewise. On the 2-core EPYC, the default model's heads: 115-135 GFLOP/s where torch's
+  SDPA over the gathered KV ran at 50-63 (a 544-token prompt 3.0 against 6.9 ms a layer;
+  8 questions of 32 over a 512-token prefix 2.3 against 5.0 ms; an 8192-token prompt 1.13x;
+  ``benchmarks.cpu_extend``).
   ``store_rows``: a step's new K/V
   into the pool in the calling thread (torch's index_put ran in its OpenMP threads beside
   the kernels' helper and took 46-470 us for 96 rows where its own time was 11).
