@@ -137,7 +137,7 @@ class KVPool:
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.quantized:
             k, v = quantize(k, self.k_scales[layer], self.dtype), quantize(v, self.v_scales[layer], self.dtype)
-        elif (self.device.type == "cpu" and cpu_kernels.store_takes(k, self.k_buffers[layer])
+        elif (self.device.type == "cpu" and loc.dtype == torch.int64 and cpu_kernels.store_takes(k, self.k_buffers[layer])
               and cpu_kernels.store_takes(v, self.v_buffers[layer])):
             cpu_kernels.store_rows(self.k_buffers[layer], loc, k)
             cpu_kernels.store_rows(self.v_buffers[layer], loc, v)

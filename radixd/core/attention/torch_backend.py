@@ -86,6 +86,9 @@ class TorchAttention:
         # mode, which skips the blocks above the diagonal (plain layers only)
         plain = windows == {0} and not self.softcap
         fresh_ok = plain and not self.pool.quantized
+        # a float32 step's extends on an AVX2 CPU: all in radixd's kernel (no masks, no groups)
+        kernel = (fresh_ok and device.type == "cpu"
+                  and cpu_kernels.extend_takes(self.pool.model_dtype, self.pool.k_buffers[0], self.num_heads))
         for i, e in enumerate(batch.extend_lens):
             if e == 1:
                 continue
@@ -93,15 +96,14 @@ class TorchAttention:
             kv_idx = table[batch.rows[i], : p + e]
             fresh = p == 0 and fresh_ok
             masks = {}
-            if not fresh:
+            if not fresh and not kernel:
                 q_pos = torch.arange(p, p + e, device=device)[:, None]
                 kv_pos = torch.arange(p + e, device=device)[None, :]
                 masks = {w: (kv_pos <= q_pos) & (kv_pos > q_pos - w if w else True) for w in windows}
             self.extends.append(Extend(starts[i], e, kv_idx, mapped(kv_idx), masks, fresh))
         self.groups = []
         self.cpu_extends = None
-        if (self.extends and plain and device.type == "cpu" and not self.pool.quantized
-                and cpu_kernels.extend_takes(self.pool.model_dtype, self.pool.k_buffers[0], self.num_heads)):
+        if self.extends and kernel:
             self.cpu_extends = _kernel_extends(self.extends)
             self.extends = []
         elif len(self.extends) > 1 and plain:
