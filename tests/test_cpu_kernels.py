@@ -319,6 +319,22 @@ def random_q(bits: int, n: int, k: int, g: torch.Generator):
     return q, d, None, (q.float() - 128) * d.repeat_interleave(32, 1)
 
 
+def q8_rows(rec: torch.Tensor, w: torch.Tensor, bits: int, g: torch.Generator, rows: tuple[int, ...]):
+    """``qmm`` of random activations (a block of zeros in row 0: d = 0) at each row count, in
+    float32 and bf16, shape and dtype checked: yields (x, the output, the q8 reference's
+    output as the kernels are set now, its largest value)."""
+    n, k = w.shape
+    for rows_ in rows:
+        x = torch.randn(rows_, k, generator=g)
+        x[0, :32] = 0
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            got = cpu_kernels.qmm(xd, rec, bits, n, k)
+            assert got.shape == (rows_, n) and got.dtype == dtype
+            want = q8_reference(xd) @ w.t()
+            yield xd, got, want, want.abs().max().item()
+
+
 @needs_vnni
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(("n", "k"), [(37, 64), (96, 160), (301, 576)])
@@ -327,24 +343,16 @@ def test_vnni_matmul_matches_a_float_reference(bits, n, k, act_planes, int_isa):
     q, d, m, w = random_q(bits, n, k, g)
     rec = pack_records(q, d, m)
     assert rec.shape == ((n + 15) // 16, k // 32, 320 if bits == 4 else 544)
-    for rows_ in (*range(1, 17), 20):  # (the kernel takes rows 8 at a time)
-        x = torch.randn(rows_, k, generator=g)
-        x[0, :32] = 0  # a block of zeros: d = 0
-        for dtype in (torch.float32, torch.bfloat16):
-            xd = x.to(dtype)
-            got = cpu_kernels.qmm(xd, rec, bits, n, k)
-            assert got.shape == (rows_, n) and got.dtype == dtype
-            want = q8_reference(xd) @ w.t()
-            scale = want.abs().max().item()
-            # the same quantized activations: int32 sums exact, float32 scaling; an activation
-            # rounding the other way at a .5 tie moves a sum by one step; bf16 output rounding
-            tol = 1e-4 if dtype == torch.float32 else 2**-8
-            torch.testing.assert_close(got.float(), want, atol=tol * scale, rtol=0)
-            # against the float product: one plane costs about 1/254 of a block's largest value,
-            # two about 1/254 of that
-            exact = xd.float() @ w.t()
-            plane_tol = 2e-2 if act_planes == 1 else 2e-4
-            torch.testing.assert_close(got.float(), exact, atol=max(plane_tol, tol) * scale, rtol=0)
+    for xd, got, want, scale in q8_rows(rec, w, bits, g, (*range(1, 17), 20)):  # (8 rows a pass)
+        # the same quantized activations: int32 sums exact, float32 scaling; an activation
+        # rounding the other way at a .5 tie moves a sum by one step; bf16 output rounding
+        tol = 1e-4 if xd.dtype == torch.float32 else 2**-8
+        torch.testing.assert_close(got.float(), want, atol=tol * scale, rtol=0)
+        # against the float product: one plane costs about 1/254 of a block's largest value,
+        # two about 1/254 of that
+        exact = xd.float() @ w.t()
+        plane_tol = 2e-2 if act_planes == 1 else 2e-4
+        torch.testing.assert_close(got.float(), exact, atol=max(plane_tol, tol) * scale, rtol=0)
     gate_up = torch.randn(5, 2 * k, generator=g).to(torch.bfloat16)  # SiLU(gate) * up in the kernel
     h = torch.nn.functional.silu(gate_up[:, :k].float()) * gate_up[:, k:].float()
     torch.testing.assert_close(cpu_kernels.qmm(gate_up, rec, bits, n, k, silu=True).float(), q8_reference(h) @ w.t(),
@@ -400,21 +408,13 @@ def test_avx2_one_plane_matmul_matches_the_q8_reference(bits, n, k, avx2, monkey
     g = torch.Generator().manual_seed(bits * n + k + 1)
     q, d, m, w = random_q(bits, n, k, g)
     rec = pack_records(q, d, m)
-    for rows_ in (*range(1, 17), 20, 70):
-        x = torch.randn(rows_, k, generator=g)
-        x[0, :32] = 0  # a block of zeros: d = 0
-        for dtype in (torch.float32, torch.bfloat16):
-            xd = x.to(dtype)
-            got = cpu_kernels.qmm(xd, rec, bits, n, k)
-            assert got.shape == (rows_, n) and got.dtype == dtype
-            want = q8_reference(xd, 1) @ w.t()
-            scale = want.abs().max().item()
-            # float32 scaling; an activation at a .5 tie (to the last bit) may round the other
-            # way than torch's: one activation step times a weight (seen: -91.5 + 1 ulp)
-            step = xd.float().abs().max().item() / 127 * w.abs().max().item()
-            tol = 1e-4 * scale if dtype == torch.float32 else 2**-8 * scale
-            torch.testing.assert_close(got.float(), want, atol=max(tol, 1.01 * step), rtol=0)
-            torch.testing.assert_close(got.float(), xd.float() @ w.t(), atol=2e-2 * scale, rtol=0)
+    for xd, got, want, scale in q8_rows(rec, w, bits, g, (*range(1, 17), 20, 70)):
+        # float32 scaling; an activation at a .5 tie (to the last bit) may round the other
+        # way than torch's: one activation step times a weight (seen: -91.5 + 1 ulp)
+        step = xd.float().abs().max().item() / 127 * w.abs().max().item()
+        tol = 1e-4 * scale if xd.dtype == torch.float32 else 2**-8 * scale
+        torch.testing.assert_close(got.float(), want, atol=max(tol, 1.01 * step), rtol=0)
+        torch.testing.assert_close(got.float(), xd.float() @ w.t(), atol=2e-2 * scale, rtol=0)
     gate_up = torch.randn(5, 2 * k, generator=g)
     h = torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]
     want = q8_reference(h, 1) @ w.t()
