@@ -1320,12 +1320,16 @@ static void qmm_copy(const void *p, int64_t u) {
 }
 
 /* qmm_run's matmul (activations already quantized into a) on both threads where allowed. */
+/* Column groups per unit of a matmul of C groups: units of 1-2 % of the work, at least 2
+ * groups each (qmm_par, i8_par). */
+static inline int64_t groups_per_unit(int64_t C) {
+    const int64_t per = (C + 47) / 48;
+    return per < 2 ? 2 : per;
+}
+
 VNNI_TARGET static void qmm_par(int bits, const act_t *a, const uint8_t *w, void *y, int y_bf16, int64_t ldy, int64_t M,
                                 int64_t N, int64_t K, void *shadow) {
-    const int64_t C = (N + 15) / 16;
-    /* units of 1-2 % of the work, at least 2 column groups each */
-    int64_t per = (C + 47) / 48;
-    per = per < 2 ? 2 : per;
+    const int64_t C = (N + 15) / 16, per = groups_per_unit(C);
     static _Atomic uint64_t jobs;
     const int amx = a->amx;
     qmm_ctx c = {w, *a, y, shadow, M, N, K, ldy, per, bits, amx ? atomic_fetch_add(&jobs, 1) + 1 : 0, y_bf16, amx};
@@ -1737,14 +1741,14 @@ int decode_mt(int bf16, const void *q, const void *k, const void *v, const int64
     return 0;
 }
 
+int avx2_supported(void);
+
 /* A step's new K or V rows into the pool: n rows of row float32 elements (ld apart) into
  * dst's slots loc (elements of type kvt: rounded to nearest even, as torch's to() rounds).
  * In the calling thread: torch's index_put here ran in its OpenMP threads beside radixd's
  * helper and took 46-470 us for 96 rows of the default model where 11 us was its own time.
  * Returns 0, -1 (a 16-bit pool without the AVX2 kernels, row not a multiple of 8), -4 (a slot
  * outside the pool). */
-int avx2_supported(void);
-
 int kv_store_rows(const float *src, int64_t ld, const int64_t *loc, int64_t n, void *dst, int64_t row, int64_t S, int kvt) {
     if (kvt != KV_F32 && (!avx2_supported() || row % 8 || (kvt != KV_F16 && kvt != KV_BF16))) return -1;
     for (int64_t t = 0; t < n; t++)
@@ -1797,10 +1801,10 @@ typedef struct {
     int kvt;
 } ext_ctx;
 
-/* One block of keys' scores: st[jj][r] = qt[.][r] . key jj, for the t keys at kr (three keys
- * at a time: 9 sums and the 3 query vectors in registers; with four keys' 12 sums the
- * compiler reloaded the query vectors for each key, and the loads, not the multiply-adds,
- * set the pace). */
+/* One block of keys' scores: st[jj][r] = qt[.][r] . key jj, for the t keys at kr, four keys
+ * at a time: 12 sums and the 3 query vectors in registers. The empty asm keeps the query
+ * vectors there: without it the compiler folded their loads into every multiply-add (12
+ * loads for 12 of them) and the loads set the pace (57 against 139 GFLOP/s). */
 FMA_TARGET static inline __attribute__((always_inline)) void ext_scores(const float *qt, const float *const *kr, int64_t t,
                                                                         int64_t D, float *st) {
     for (int64_t j = 0; j < t; j += 4) {
@@ -1878,7 +1882,7 @@ FMA_TARGET static void ext_task(const ext_ctx *c, int64_t x, int64_t h, int64_t 
     const int64_t q0 = mt[0], e = mt[1], p = mt[2], G = c->Hq / c->Hkv, D = c->D, Hkv = c->Hkv;
     const int64_t m = e - i0 < c->QB ? e - i0 : c->QB, last = p + i0 + m, full = p + i0 + 1;
     float qt[MAX_D * EXT_R] __attribute__((aligned(32))), ot[MAX_D * EXT_R] __attribute__((aligned(32)));
-    float st[(EXT_KB + 3) * EXT_R] __attribute__((aligned(32))), conv[2 * EXT_KB * MAX_D] __attribute__((aligned(32)));
+    float st[EXT_KB * EXT_R] __attribute__((aligned(32))), conv[2 * EXT_KB * MAX_D] __attribute__((aligned(32)));
     memset(qt, 0, D * EXT_R * sizeof(float));
     memset(ot, 0, D * EXT_R * sizeof(float));
     float seen[EXT_R];                           /* lane r: the keys its row sees (padding lanes: all) */
@@ -2482,9 +2486,7 @@ FMA_TARGET static void i8_unit(const void *p, int64_t u, int helper) {
  * ranges shared with the helper (results through shadow) where shadow is given. */
 FMA_TARGET static void i8_par(int bits, const act_t *a, const uint8_t *w, void *y, int y_bf16, int64_t ldy, int64_t M,
                               int64_t N, int64_t K, void *shadow) {
-    const int64_t C = (N + 15) / 16;
-    int64_t per = (C + 47) / 48;
-    per = per < 2 ? 2 : per;
+    const int64_t C = (N + 15) / 16, per = groups_per_unit(C);
     qmm_ctx c = {w, *a, y, shadow, M, N, K, ldy, per, bits, 0, y_bf16, 0};
     if (!shadow) {
         c.per = C;
@@ -2498,10 +2500,8 @@ FMA_TARGET static void i8_par(int bits, const act_t *a, const uint8_t *w, void *
  * activation buffers at mem (act_bytes(M, K)), then times W: for qmm_fma and the fused step. */
 FMA_TARGET static void i8_mm(int bits, const void *x, int x_bf16, int64_t ldx, int act, const uint8_t *w, void *y,
                              int y_bf16, int64_t ldy, int64_t M, int64_t N, int64_t K, char *mem, void *shadow) {
-    act_t a;
+    act_t a;  /* (one plane, no tiles: act_planes is 1 and AMX is off wherever this runs) */
     float *tmp = act_init(&a, mem, M, K);
-    a.q2 = NULL;
-    a.amx = 0;
     quantize_act(x, x_bf16, ldx, act, M, K, &a, tmp);
     i8_par(bits, &a, w, y, y_bf16, ldy, M, N, K, shadow);
 }

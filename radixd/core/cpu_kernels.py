@@ -52,10 +52,9 @@ compiler on first use, kept in radixd's cache, called through ``ctypes``.
   likewise. On the 2-core EPYC, the default model's heads: 115-135 GFLOP/s where torch's
   SDPA over the gathered KV ran at 50-63 (a 544-token prompt 3.0 against 6.9 ms a layer;
   8 questions of 32 over a 512-token prefix 2.3 against 5.0 ms; an 8192-token prompt 1.13x;
-  ``benchmarks.cpu_extend``).
-  ``store_rows``: a step's new K/V
-  into the pool in the calling thread (torch's index_put ran in its OpenMP threads beside
-  the kernels' helper and took 46-470 us for 96 rows where its own time was 11).
+  ``benchmarks.cpu_extend``). ``store_rows``: a step's new K/V into the pool in the calling
+  thread (torch's index_put ran in its OpenMP threads beside the kernels' helper and took
+  46-470 us for 96 rows where its own time was 11).
 - ``int8_matmul``: x @ W.T for a grouped int8 weight (Q8_0's blocks of 32), few rows: each
   weight read once for up to 8 rows, where torch's int8 kernel takes one group per call and
   adds the partial products up in memory (an LM head of 49k rows at 8 rows: 4x). (CPUs
@@ -452,11 +451,9 @@ def store_rows(buf: Tensor, loc: Tensor, x: Tensor) -> None:
 
 def extend_takes(q_dtype: torch.dtype, k_buf: Tensor, num_heads: int) -> bool:
     """Whether ``extend`` serves float32 queries over ``k_buf`` ([slots, Hkv, D]) on this CPU:
-    the AVX2 kernels, a pool of float32, float16 or bfloat16, head_dim a multiple of 8."""
-    kv_heads, dim = k_buf.shape[1], k_buf.shape[2]
-    return (q_dtype == torch.float32 and library() is not None and _extension("avx2_supported")
-            and k_buf.device.type == "cpu" and k_buf.is_contiguous() and kv_type(q_dtype, k_buf.dtype) is not None
-            and num_heads % kv_heads == 0 and num_heads // kv_heads <= MAX_GROUP and dim % 8 == 0 and dim <= MAX_DIM)
+    what ``decode`` takes (``takes``), on the AVX2 kernels, head_dim a multiple of 8."""
+    return (q_dtype == torch.float32 and takes(q_dtype, k_buf, num_heads) and _extension("avx2_supported")
+            and k_buf.shape[2] % 8 == 0)
 
 
 def extend(q: Tensor, k_buf: Tensor, v_buf: Tensor, slots: Tensor, meta: Tensor, scale: float, out: Tensor) -> None:
