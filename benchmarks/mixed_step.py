@@ -8,6 +8,10 @@ shape (32 query heads, 8 KV heads, head dim 128, bf16 pool, slots shuffled).
   decode-only  the decodes alone (a plain decode step's attention), and the chunk alone
 
 Both mixed variants are checked against a float32 reference per request before they are timed.
+Times are device times: each call's launches queue behind a sleep kernel
+(``benchmarks.common.cuda_device_s``), as a mixed step's kernels queue behind its projections
+in serving, so the host's cost of issuing them is not counted. The chunk alone is also timed
+in a few other tiles of the extend kernel.
 
   python -m benchmarks.mixed_step --out OUT.json [--decodes 64,256] [--context 576] [--chunks 512,2048]
 """
@@ -18,11 +22,13 @@ import argparse
 
 import torch
 
-from benchmarks.common import cuda_median_s, environment, write_json
+from benchmarks.common import cuda_device_s, environment, write_json
 from radixd.core.attention import triton_backend as tb
 from radixd.core.attention import triton_kernels as tk
 
 H, HKV, D = 32, 8, 128
+# the chunk alone in these extend tiles too (BLOCK_M, BLOCK_N, warps, stages, K_ROWS, PACK)
+CHUNK_CONFIGS = [(64, 64, 4, 3, True, 4), (128, 64, 8, 3, True, 4), (128, 64, 4, 3, True, 4), (64, 64, 4, 3, True)]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # (on the CPU: the Triton interpreter, --smoke)
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32  # (the interpreter has no bf16)
 
@@ -83,15 +89,15 @@ def decode_only(c: dict, out: torch.Tensor, mid) -> None:
                         num_splits=mid[0].shape[2], out=out[:n], mid_o=mid[0], mid_lse=mid[1])
 
 
-def chunk_only(c: dict, out: torch.Tensor) -> None:
+def chunk_only(c: dict, out: torch.Tensor, config: tuple | None = None) -> None:
     n = c["decodes"]
     tk.extend_attention(c["q"], c["kb"], c["vb"], c["table"], c["rows"][n:], c["prefix_lens"][n:],
-                        c["extend_lens"][n:], c["q_starts"][n:], c["chunk"], D**-0.5, out=out)
+                        c["extend_lens"][n:], c["q_starts"][n:], c["chunk"], D**-0.5, out=out, config=config)
 
 
 def measure(c: dict) -> dict:
     processors = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 8
-    timed = cuda_median_s if DEV == "cuda" else (lambda fn, reps: (fn(), 0.0)[1])
+    timed = cuda_device_s if DEV == "cuda" else (lambda fn, reps: (fn(), 0.0)[1])
     splits = tb.decode_splits(c["decodes"], HKV, processors)
     mid = (torch.empty(c["decodes"], H, splits, D, device=DEV), torch.empty(c["decodes"], H, splits, device=DEV))
     res: dict = {"decodes": c["decodes"], "context": c["context"], "chunk": c["chunk"], "prefix": c["prefix"],
@@ -112,6 +118,13 @@ def measure(c: dict) -> dict:
     out = torch.empty_like(c["q"])
     res["decode_only_us"] = round(timed(lambda: decode_only(c, out, mid), reps=30) * 1e6, 1)
     res["chunk_only_us"] = round(timed(lambda: chunk_only(c, out), reps=30) * 1e6, 1)
+    for conf in CHUNK_CONFIGS if DEV == "cuda" else ():  # the chunk alone in other tiles
+        try:
+            t = timed(lambda conf=conf: chunk_only(c, out, conf), reps=30)
+        except Exception as exc:  # (a tile that does not fit)
+            res[f"chunk_{conf}"] = repr(exc)[:60]
+            continue
+        res[f"chunk_{conf}"] = round(t * 1e6, 1)
     if res.get("split", {}).get("us"):
         res["all_extend_over_split"] = round(res["all_extend"]["us"] / res["split"]["us"], 2)
     return res

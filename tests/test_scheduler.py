@@ -282,6 +282,35 @@ def test_lpm_holds_back_a_shared_prefix_being_computed():
         free_of_requests(s)
 
 
+def test_lpm_ranks_lazily_adding_only_the_requests_read(monkeypatch):
+    """A step reads a few of the waiting requests: lpm puts only those (and the prompts still
+    prefilling) into its de-duplication trie, in the order it would have chosen them all."""
+    from radixd.core.policy import PolicyContext
+    from radixd.plugins import policies
+
+    s = make(LongestPrefixMatch, lpm_dedup_min_tokens=8)
+    shared = prompt(32)
+    waiting = [req(s, shared + [90 + i], rid=f"s{i}") if i % 2 else req(s, [200 + i] + prompt(39), rid=f"u{i}")
+               for i in range(policies.LPM_MAX_QUEUE)]
+    added = []
+    add = policies._Trie.add
+
+    def counted(trie, seq, ns):
+        added.append(seq)
+        add(trie, seq, ns)
+
+    monkeypatch.setattr(policies._Trie, "add", counted)
+    ctx = PolicyContext(cache=s.cache, prefilling=[])
+    it = iter(s.policy.order(list(waiting), ctx))
+    first = [next(it) for _ in range(2)]
+    assert len(added) == 2
+    rest = list(it)
+    # the shared prefix is computed once: every later request repeating it is held back
+    chosen = first + rest
+    assert [r.rid for r in chosen][:2] == ["u0", "s1"] and not any(r.rid.startswith("s") for r in chosen[2:])
+    assert len(chosen) == 1 + policies.LPM_MAX_QUEUE // 2
+
+
 def test_followers_wait_for_the_leaders_prompt():
     s, w = make(), FakeWorker()
     g = Group(size=2, namespace=0, followers_waiting=1)

@@ -4,8 +4,8 @@
 prefix repeats one already chosen (or still prefilling) waits a step so the group prefills
 the shared part once and the rest read it from the cache. Past ``LPM_MAX_QUEUE`` waiting
 requests ``lpm`` keeps arrival order (ranking them all each step costs too much) but still
-holds back such repeats, comparing block hashes of the prompts, and only as far as the
-scheduler reads (it stops when the step is full).
+holds back such repeats, comparing block hashes of the prompts. Both orders are read lazily,
+only as far as the scheduler reads (it stops when the step is full).
 """
 
 from __future__ import annotations
@@ -40,23 +40,25 @@ class LongestPrefixMatch:
     def order(self, waiting: list[Request], ctx: PolicyContext):
         if len(waiting) > LPM_MAX_QUEUE:
             return self._arrival_order(waiting, ctx)
-        scored = []
-        for r in waiting:
-            seq = r.seq
-            hit = ctx.cache.peek_prefix_len(seq, r.namespace)
-            scored.append((-hit, r.arrival, r, hit))
-        scored.sort(key=lambda t: (t[0], t[1]))
-        chosen: list[Request] = []
+        scored = sorted(((-ctx.cache.peek_prefix_len(r.seq, r.namespace), r.arrival, r) for r in waiting),
+                        key=lambda t: (t[0], t[1]))
+        return self._without_repeats(scored, ctx)
+
+    def _without_repeats(self, scored: list[tuple[int, float, Request]], ctx: PolicyContext):
+        """``scored`` in order, lazily, less the requests whose uncached prefix repeats one
+        chosen before (or still prefilling). Only the requests the scheduler reads are
+        added to the trie: a step admits a few of up to ``LPM_MAX_QUEUE``, and adding every
+        waiting prompt's tokens each step cost more than the step's launch (128 prompts of
+        512 tokens: tens of milliseconds of the loop's thread)."""
         pending = _Trie()
         for r in ctx.prefilling:
             pending.add(r.seq, r.namespace)
-        for _, _, r, hit in scored:
+        for neg_hit, _, r in scored:
             seq = r.seq
-            if pending.shared_len(seq, r.namespace) - hit >= self.min_shared:
+            if pending.shared_len(seq, r.namespace) + neg_hit >= self.min_shared:
                 continue  # an earlier request computes this prefix; read it from the cache later
             pending.add(seq, r.namespace)
-            chosen.append(r)
-        return chosen
+            yield r
 
     def _arrival_order(self, waiting: list[Request], ctx: PolicyContext):
         """Arrival order without the repeats of a prefix being computed (lazily)."""
