@@ -514,7 +514,8 @@ EXTEND_CONFIGS = [(64, 64, 4, 3, False), (64, 64, 4, 3, True), (128, 64, 8, 3, F
 _LOG2E = 1.4426950408889634
 
 
-def _extend_config(head_dim: int, max_extend: int, group: int) -> tuple:
+def _extend_config(head_dim: int, max_extend: int, group: int, heads: int = 0, extends: int = 1,
+                   processors: int = 0) -> tuple:
     """The default tile. With head dim 128 and a GQA group of a multiple of 4, 4 query heads
     share each program (each K/V tile read once for them); on an H200 (8B shape):
 
@@ -525,11 +526,30 @@ def _extend_config(head_dim: int, max_extend: int, group: int) -> tuple:
     8192 after 24576    335 TFLOP/s            416 TFLOP/s                    279 (mask)
     64 x 5 after 2048   576 us (16, 32, 4)     176 us (32, 64, 2, 3, 4)       1341 us
     ==================  =====================  =============================  ==========
-    """
+
+    A launch with fewer 256-row tiles than the device has ``processors`` (a mixed step's one
+    prompt chunk of up to 1024 tokens at 32 heads) takes 64-row packed tiles, four times the
+    programs: one 512-token chunk 19.0 us vs 28.4, one of 1024 38.3 vs 47.7 (an H200, 132
+    processors; ``benchmarks.mixed_step``, device time)."""
     packed = head_dim == 128 and group % 4 == 0
     if max_extend <= 32:
         return (32, 64, 2, 3, True, 4) if packed else (16, 64 if head_dim <= 64 else 32, 4, 2, False)
+    if packed and extends * (heads // 4) * triton.cdiv(max_extend, 64) < processors:
+        return (64, 64, 4, 3, True, 4)
     return (256, 64, 16, 3, True, 4) if packed else (64, 64, 4, 3, True)
+
+
+_PROCESSORS: dict[int, int] = {}
+
+
+def _processors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (0 on the CPU)."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PROCESSORS:
+        _PROCESSORS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _PROCESSORS[index]
 
 
 def extend_attention(
@@ -555,7 +575,8 @@ def extend_attention(
     if out is None:
         out = torch.empty_like(q)
     R = rows.numel()
-    block_m, block_n, warps, stages, k_rows, *pack = config or _extend_config(D, max_extend, H // Hkv)
+    block_m, block_n, warps, stages, k_rows, *pack = config or _extend_config(D, max_extend, H // Hkv, H, R,
+                                                                              _processors(q.device))
     pack = pack[0] if pack else 1
     group = H // Hkv
     if group % pack or block_m % pack:
