@@ -4,10 +4,10 @@ A batch of only decode requests runs the split-KV decode kernel; any other batch
 extend kernel for its extends and, in a mixed step of at least ``MIXED_DECODE_ROWS`` one-token
 rows, the decode kernel for those (through the extend kernel a decode row takes a whole tile of
 query rows sized for the step's longest chunk). On an H200, 8B shape, one layer, decodes of 576
-keys beside one chunk (``benchmarks.mixed_step``, two calls): 256 decodes + 512 tokens, 613 us
-through the extend kernel alone vs 377 us split (1.6-2.0x); + 2048 tokens, 2.1-2.3x; but 64
-decodes + 512 tokens, 222 vs 280 us (0.8-0.9x: the decode kernel's 64 rows are a small grid),
-hence the threshold between them.
+keys beside one chunk, device time (``benchmarks.mixed_step``): 32 decodes + 512 tokens, 92.8
+us through the extend kernel alone vs 65.8 split; 64 + 512, 150.4 vs 92.0; 128 + 512, 278.0 vs
+124.2 (1024-token chunks: 1.26x, 1.50x, 2.10x); but 8 decodes + 512 tokens, 32.9 vs 44.4 (the
+decode kernel's few rows are a small grid), hence the threshold between them.
 With ``dense_prefill`` (an engine option, on by default) the step's extends of at least
 ``dense_prefill.MIN_TOKENS`` new tokens attend in cuDNN's fused kernels instead, over a fixed
 set of execution plans built at start (``dense_prefill``'s docstring; ``warm_up``), and the
@@ -50,7 +50,7 @@ from radixd.core.triton_ops import gemv_rope_store, one_row, rope_store
 
 MIN_SPLITS, MAX_SPLITS = 1, 32
 PREFIX_SPLITS = 8  # cascade: the most splits a shared prefix is read in (the grid's)
-MIXED_DECODE_ROWS = 128  # a mixed step's one-token rows take the decode kernel from this many (module docstring)
+MIXED_DECODE_ROWS = 32  # a mixed step's one-token rows take the decode kernel from this many (module docstring)
 
 
 class Extends(NamedTuple):
