@@ -4,7 +4,7 @@ An in-process ``Engine`` on random weights in a real shape serves ``radixd bench
 workload (closed loop: ``--prompts`` prompts of ``--input-len`` tokens, ``--output-len`` new
 tokens each, ``--concurrency`` at once), once per setting. The scheduler's keys default to the
 shipped ``radixd.toml``'s ``[scheduler]`` table; a setting overrides some of them
-(``mixed_prefill_tokens=512``; several keys joined by commas; ``mixed_decode_rows=N`` sets the
+(``mixed_prefill_tokens=512``, 0 for the device's default; several keys joined by commas; ``mixed_decode_rows=N`` sets the
 triton backend's ``MIXED_DECODE_ROWS`` for that run).
 
 Per setting: throughput, TTFT, inter-token latency (p50 / p90 / p99 and p99 over p50, the
@@ -178,6 +178,7 @@ async def run_setting(path: str, engine_kw: dict, specs: list[RequestSpec], conc
     target = EngineTarget(path, **engine_kw)
     await target.start()
     eng = target.engine
+    mixed_budget = eng.replicas[0].scheduler.mixed_budget
     # warm-up: a few prompts of the workload's length, so first-call costs stay out
     warm = [RequestSpec(s.input_ids[::-1], [], 4) for s in specs[: min(8, len(specs))]]
     await asyncio.gather(*(target.request(s) for s in warm))
@@ -205,7 +206,7 @@ async def run_setting(path: str, engine_kw: dict, specs: list[RequestSpec], conc
     p50, p99 = pct(itl, 0.5), pct(itl, 0.99)
     from radixd.core.attention import triton_backend
 
-    res = {"engine": {k: engine_kw[k] for k in SCHEDULER_KEYS},
+    res = {"engine": {k: engine_kw[k] for k in SCHEDULER_KEYS}, "mixed_budget": mixed_budget,
            "mixed_decode_rows": triton_backend.MIXED_DECODE_ROWS, "wall_s": round(wall, 3),
            "completed": figs["completed"] if "completed" in figs else sum(r.ok for r in records),
            "request_throughput": round(len(specs) / wall, 3),
@@ -250,6 +251,7 @@ def main() -> int:
     default_rows = triton_backend.MIXED_DECODE_ROWS
     for i, text in enumerate(a.settings.split(";")):
         kw = base | shipped_scheduler() | parse_setting(text)
+        kw["mixed_prefill_tokens"] = kw["mixed_prefill_tokens"] or None  # (the file's 0: the device's default)
         triton_backend.MIXED_DECODE_ROWS = kw.pop("mixed_decode_rows", default_rows)
         res, prof = asyncio.run(run_setting(path, kw, specs, a.concurrency, cuda,
                                             a.profile_steps if i == a.profile else 0))

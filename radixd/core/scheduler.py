@@ -22,7 +22,7 @@ import numpy as np
 
 from radixd.core import constraints, pooling
 from radixd.core.batch_builder import BatchBuilder
-from radixd.core.config import EngineConfig
+from radixd.core.config import EngineConfig, mixed_prefill_budget
 from radixd.core.forward_batch import StepOutput
 from radixd.core.kv_manager import KVManager
 from radixd.core.kv_pool import RowAllocator, SlotAllocator
@@ -60,8 +60,11 @@ class Scheduler(SchedulerInterface):
         vocab_size: int | None = None,
         cascade_members: int = 0,
         drafter: Drafter | None = None,
+        device_type: str = "cpu",
     ):
         self.config = config
+        # prompt tokens of a step that also decodes (``mixed_prefill_budget``: per device unless set)
+        self.mixed_budget = mixed_prefill_budget(config, device_type)
         self.cache = cache
         self.policy = policy
         self.eos = tuple(eos_token_ids)
@@ -132,9 +135,7 @@ class Scheduler(SchedulerInterface):
         for r, d in drafts.items():  # verify entries: one decode row per position (last token, drafts)
             plan += [(r, 1)] * (1 + len(d))
         decodes = len(plan)
-        budget = self.config.max_prefill_tokens
-        if decodes and self.config.mixed_prefill_tokens:
-            budget = min(budget, self.config.mixed_prefill_tokens)
+        budget = self.mixed_budget if decodes else self.config.max_prefill_tokens
         start = budget
 
         # 2. Continue chunked prefills (a smaller chunk if memory is short).
