@@ -45,9 +45,9 @@ from benchmarks.common import (
     free,
     write_json,
 )
-from radixd.bench.metrics import figures
 from radixd.bench.targets import EngineTarget
 from radixd.bench.workloads import RequestSpec
+from radixd.core.attention import triton_backend
 
 SCHEDULER_KEYS = ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "mixed_prefill_tokens")
 # not an engine option: the triton backend's MIXED_DECODE_ROWS for the run (a benchmark knob)
@@ -82,11 +82,18 @@ def pct(values: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def kind_of(prefill: int, decodes: int) -> str:
+def kind_of(prefill: int, decodes: int) -> tuple[str, int]:
+    """(decode / mixed / prefill, the prompt-token bucket: the least of ``BUCKETS`` it fits,
+    0 for none; past the last, one more than it)."""
     if not prefill:
-        return "decode"
-    bucket = next((b for b in BUCKETS if prefill <= b), None)
-    return f"{'mixed' if decodes else 'prefill'}<={bucket}" if bucket else f"{'mixed' if decodes else 'prefill'}>{BUCKETS[-1]}"
+        return "decode", 0
+    bucket = next((b for b in BUCKETS if prefill <= b), BUCKETS[-1] + 1)
+    return ("mixed" if decodes else "prefill"), bucket
+
+
+def kind_name(kind: tuple[str, int]) -> str:
+    name, bucket = kind
+    return name if not bucket else f"{name}<={bucket}" if bucket <= BUCKETS[-1] else f"{name}>{BUCKETS[-1]}"
 
 
 class StepClock:
@@ -124,17 +131,21 @@ class StepClock:
 
 
 def step_kinds(rows: list[tuple[int, int, float, float]]) -> dict:
-    kinds: dict[str, list[tuple[int, float, float]]] = {}
+    kinds: dict[tuple[str, int], list[tuple[int, float, float]]] = {}
+    most: dict[tuple[str, int], int] = {}
     for p, d, s, h in rows:
         kinds.setdefault(kind_of(p, d), []).append((d, s, h))
+        most[kind_of(p, d)] = max(most.get(kind_of(p, d), 0), p)
     out = {}
-    for k in sorted(kinds, key=lambda k: (k.split("<")[0].split(">")[0], int(k.split("=")[-1].split(">")[-1]) if k != "decode" else 0)):
+    for k in sorted(kinds):
         v = kinds[k]
         ms = [s * 1e3 for _, s, _ in v]
         host = [h * 1e3 for _, _, h in v]
-        out[k] = {"steps": len(v), "device_ms_p50": round(statistics.median(ms), 3), "device_ms_p90": round(pct(ms, 0.9), 3),
-                  "device_ms_total": round(sum(ms), 1), "launch_host_ms_p50": round(statistics.median(host), 3),
-                  "decodes_mean": round(sum(d for d, _, _ in v) / len(v), 1)}
+        out[kind_name(k)] = {"steps": len(v), "device_ms_p50": round(statistics.median(ms), 3),
+                             "device_ms_p90": round(pct(ms, 0.9), 3), "device_ms_total": round(sum(ms), 1),
+                             "launch_host_ms_p50": round(statistics.median(host), 3),
+                             "decodes_mean": round(sum(d for d, _, _ in v) / len(v), 1),
+                             "prompt_tokens_max": most[k]}
     return out
 
 
@@ -200,15 +211,12 @@ async def run_setting(path: str, engine_kw: dict, specs: list[RequestSpec], conc
     eng.stats_hook = None
     prof_out = window.report(rows) if window is not None else None
     await target.close()
-    figs = figures(list(records), wall)
     itl = [x for r in records if r.ok for x in r.itl_ms]
     device_s = sum(r[2] for r in rows)
     p50, p99 = pct(itl, 0.5), pct(itl, 0.99)
-    from radixd.core.attention import triton_backend
-
     res = {"engine": {k: engine_kw[k] for k in SCHEDULER_KEYS}, "mixed_budget": mixed_budget,
            "mixed_decode_rows": triton_backend.MIXED_DECODE_ROWS, "wall_s": round(wall, 3),
-           "completed": figs["completed"] if "completed" in figs else sum(r.ok for r in records),
+           "completed": sum(r.ok for r in records),
            "request_throughput": round(len(specs) / wall, 3),
            "output_token_throughput": round(sum(r.output_tokens for r in records) / wall, 1),
            "ttft_ms_p50": round(pct([r.ttft_ms for r in records if r.ttft_ms is not None], 0.5), 1),
@@ -246,8 +254,6 @@ def main() -> int:
            "environment": environment(), "model": a.model if cuda else "tiny", "prompts": a.prompts,
            "concurrency": a.concurrency, "input_len": a.input_len, "output_len": a.output_len,
            "argv": sys.argv[1:], "runs": []}
-    from radixd.core.attention import triton_backend
-
     default_rows = triton_backend.MIXED_DECODE_ROWS
     for i, text in enumerate(a.settings.split(";")):
         kw = base | shipped_scheduler() | parse_setting(text)

@@ -61,3 +61,22 @@ def test_dp_bound_is_consistent():
     assert abs(res["cache_aware_over_round_robin"] - rr["total_s"] / ca["total_s"]) < 0.001
     one = _run("dp_bound", "--groups", "2", "--per-group", "2")  # a prefix per replica either way
     assert one["cache_aware"]["prefill_s"] < one["round_robin"]["prefill_s"]
+
+
+def test_mixed_load_reports_each_step_kind(tmp_path):
+    """benchmarks/mixed_load.py at a tiny size on the CPU: with a prompt budget beside decodes,
+    steps carry prompt tokens and decodes together, and every request's tokens arrive."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks.mixed_load", "--device", "cpu", "--prompts", "12",
+                        "--concurrency", "6", "--input-len", "70", "--output-len", "5", "--out", str(tmp_path),
+                        "--settings", "mixed_prefill_tokens=0,max_running_requests=4;"
+                                      "mixed_prefill_tokens=64,max_running_requests=4",
+                        "--profile", "1", "--profile-steps", "3"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    off, capped = json.loads((tmp_path / "mixed_load.json").read_text())["runs"]
+    assert off["mixed_budget"] == 4096 and capped["mixed_budget"] == 64  # (the CPU's default: no budget of its own)
+    for run in (off, capped):
+        assert run["completed"] == 12 and run["itl_ms"]["p99"] >= run["itl_ms"]["p50"] > 0
+        assert sum(k["steps"] for k in run["kinds"].values()) == run["steps"]
+    mixed = [k for name, k in capped["kinds"].items() if name.startswith("mixed")]
+    assert mixed and max(k["prompt_tokens_max"] for k in mixed) <= 64 and capped["profile"]["steps"] >= 3
