@@ -4,7 +4,7 @@ An in-process ``Engine`` on random weights in a real shape serves ``radixd bench
 workload (closed loop: ``--prompts`` prompts of ``--input-len`` tokens, ``--output-len`` new
 tokens each, ``--concurrency`` at once), once per setting. The scheduler's keys default to the
 shipped ``radixd.toml``'s ``[scheduler]`` table; a setting overrides some of them
-(``mixed_prefill_tokens=512``, 0 for the device's default; several keys joined by commas; ``mixed_decode_rows=N`` sets the
+(``mixed_prefill_tokens=512``; several keys joined by commas; ``mixed_decode_rows=N`` sets the
 triton backend's ``MIXED_DECODE_ROWS`` for that run).
 
 Per setting: throughput, TTFT, inter-token latency (p50 / p90 / p99 and p99 over p50, the
@@ -257,7 +257,6 @@ def main() -> int:
     default_rows = triton_backend.MIXED_DECODE_ROWS
     for i, text in enumerate(a.settings.split(";")):
         kw = base | shipped_scheduler() | parse_setting(text)
-        kw["mixed_prefill_tokens"] = kw["mixed_prefill_tokens"] or None  # (the file's 0: the device's default)
         triton_backend.MIXED_DECODE_ROWS = kw.pop("mixed_decode_rows", default_rows)
         res, prof = asyncio.run(run_setting(path, kw, specs, a.concurrency, cuda,
                                             a.profile_steps if i == a.profile else 0))

@@ -488,15 +488,3 @@ def test_the_scheduler_keeps_its_interface():
         assert list(inspect.signature(mine).parameters) == list(inspect.signature(contract).parameters), name
     s = make()
     assert SchedulerInterface in Scheduler.__mro__ and s.waiting == [] and s.running == [] and s.stats.steps == 0
-
-
-def test_the_mixed_prefill_budget_is_the_devices_unless_set():
-    from radixd.core.config import GPU_MIXED_PREFILL_TOKENS, mixed_prefill_budget
-
-    unset = EngineConfig(max_prefill_tokens=4096)
-    assert mixed_prefill_budget(unset, "cuda") == GPU_MIXED_PREFILL_TOKENS < 4096
-    assert mixed_prefill_budget(unset, "cpu") == 4096  # (no separate budget)
-    assert mixed_prefill_budget(EngineConfig(max_prefill_tokens=256), "cuda") == 256
-    for device in ("cuda", "cpu"):
-        assert mixed_prefill_budget(EngineConfig(mixed_prefill_tokens=100), device) == 100
-    assert make(mixed_prefill_tokens=6).mixed_budget == 6 and make().mixed_budget == make().config.max_prefill_tokens

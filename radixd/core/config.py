@@ -143,25 +143,6 @@ def file_unset(hint: Any) -> Any:
     return {int: 0, float: 0.0, str: "", list[str]: []}[file_type(hint)]
 
 
-# A GPU step's prompt tokens while others decode, unless set: on an H200 (8B shape, 64 decoding,
-# 512-token prompts arriving) a step with 512 prompt tokens takes about twice a decode step, one
-# with 4096 about fifteen times (``benchmarks.mixed_load``).
-GPU_MIXED_PREFILL_TOKENS = 512
-
-
-def mixed_prefill_budget(config: EngineConfig, device_type: str) -> int:
-    """The prompt-token budget of a step that also decodes: ``mixed_prefill_tokens`` where
-    set; else ``GPU_MIXED_PREFILL_TOKENS`` on a GPU and ``max_prefill_tokens`` on the CPU,
-    whose decode steps are compute-bound like its prefill (a smaller budget there only spreads
-    the same work over more steps: at concurrency 8 on the default model the decode steps'
-    median time rose from 26.7 to 43.3 ms at 512, with the same throughput)."""
-    if config.mixed_prefill_tokens is not None:
-        return min(config.mixed_prefill_tokens, config.max_prefill_tokens)
-    if device_type == "cuda":
-        return min(GPU_MIXED_PREFILL_TOKENS, config.max_prefill_tokens)
-    return config.max_prefill_tokens
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """What the engine needs to serve one model; checked on construction (``ConfigError``).
@@ -251,10 +232,9 @@ class EngineConfig:
     max_running_requests: int = option(64, key="scheduler.max_running_requests", min=1)
     max_prefill_tokens: int = option(4096, key="scheduler.max_prefill_tokens", min=1)
     chunked_prefill_size: int = option(2048, key="scheduler.chunked_prefill_size", min=1)
-    # Prompt tokens of a step that also decodes: a smaller budget keeps the decoding requests'
-    # inter-token latency flat while prompts arrive. None (the file's 0): the device's
-    # default, ``mixed_prefill_budget``.
-    mixed_prefill_tokens: int | None = option(None, key="scheduler.mixed_prefill_tokens", min=1)
+    # Prompt tokens of a step that also decodes (0: max_prefill_tokens): a smaller budget keeps
+    # the decoding requests' inter-token latency flat while prompts arrive.
+    mixed_prefill_tokens: int = option(0, key="scheduler.mixed_prefill_tokens", min=0)
     # Fraction of each running request's remaining max_new_tokens kept free when admitting.
     schedule_conservativeness: float = option(0.3, key="scheduler.schedule_conservativeness", min=0.0, max=1.0)
     # Launch step N+1 before reading step N's picks (the device never waits for the host).

@@ -101,7 +101,7 @@ class Replica:
         self.scheduler = Scheduler(config, allocator=self.allocator, rows=self.rows, cache=self.cache,
                                    policy=policy, eos_token_ids=eos_token_ids, context_len=context_len,
                                    tiers=tiers, vocab_size=vocab_size, cascade_members=worker.cascade_members,
-                                   drafter=made, device_type=worker.device.type)
+                                   drafter=made)
         self.outputs = outputs
         self.overlap = config.overlap_schedule
         device = worker.device

@@ -22,7 +22,7 @@ import numpy as np
 
 from radixd.core import constraints, pooling
 from radixd.core.batch_builder import BatchBuilder
-from radixd.core.config import EngineConfig, mixed_prefill_budget
+from radixd.core.config import EngineConfig
 from radixd.core.forward_batch import StepOutput
 from radixd.core.kv_manager import KVManager
 from radixd.core.kv_pool import RowAllocator, SlotAllocator
@@ -60,11 +60,10 @@ class Scheduler(SchedulerInterface):
         vocab_size: int | None = None,
         cascade_members: int = 0,
         drafter: Drafter | None = None,
-        device_type: str = "cpu",
     ):
         self.config = config
-        # prompt tokens of a step that also decodes (``mixed_prefill_budget``: per device unless set)
-        self.mixed_budget = mixed_prefill_budget(config, device_type)
+        # prompt tokens of a step that also decodes
+        self.mixed_budget = min(config.mixed_prefill_tokens or config.max_prefill_tokens, config.max_prefill_tokens)
         self.cache = cache
         self.policy = policy
         self.eos = tuple(eos_token_ids)
