@@ -189,7 +189,6 @@ async def run_setting(path: str, engine_kw: dict, specs: list[RequestSpec], conc
     target = EngineTarget(path, **engine_kw)
     await target.start()
     eng = target.engine
-    mixed_budget = eng.replicas[0].scheduler.mixed_budget
     # warm-up: a few prompts of the workload's length, so first-call costs stay out
     warm = [RequestSpec(s.input_ids[::-1], [], 4) for s in specs[: min(8, len(specs))]]
     await asyncio.gather(*(target.request(s) for s in warm))
@@ -214,7 +213,9 @@ async def run_setting(path: str, engine_kw: dict, specs: list[RequestSpec], conc
     itl = [x for r in records if r.ok for x in r.itl_ms]
     device_s = sum(r[2] for r in rows)
     p50, p99 = pct(itl, 0.5), pct(itl, 0.99)
-    res = {"engine": {k: engine_kw[k] for k in SCHEDULER_KEYS}, "mixed_budget": mixed_budget,
+    most = engine_kw["max_prefill_tokens"]  # (a step that also decodes takes at most this many prompt tokens)
+    res = {"engine": {k: engine_kw[k] for k in SCHEDULER_KEYS},
+           "mixed_budget": min(engine_kw["mixed_prefill_tokens"] or most, most),
            "mixed_decode_rows": triton_backend.MIXED_DECODE_ROWS, "wall_s": round(wall, 3),
            "completed": sum(r.ok for r in records),
            "request_throughput": round(len(specs) / wall, 3),

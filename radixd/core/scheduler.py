@@ -62,8 +62,6 @@ class Scheduler(SchedulerInterface):
         drafter: Drafter | None = None,
     ):
         self.config = config
-        # prompt tokens of a step that also decodes
-        self.mixed_budget = min(config.mixed_prefill_tokens or config.max_prefill_tokens, config.max_prefill_tokens)
         self.cache = cache
         self.policy = policy
         self.eos = tuple(eos_token_ids)
@@ -134,7 +132,9 @@ class Scheduler(SchedulerInterface):
         for r, d in drafts.items():  # verify entries: one decode row per position (last token, drafts)
             plan += [(r, 1)] * (1 + len(d))
         decodes = len(plan)
-        budget = self.mixed_budget if decodes else self.config.max_prefill_tokens
+        budget = self.config.max_prefill_tokens
+        if decodes and self.config.mixed_prefill_tokens:
+            budget = min(budget, self.config.mixed_prefill_tokens)
         start = budget
 
         # 2. Continue chunked prefills (a smaller chunk if memory is short).

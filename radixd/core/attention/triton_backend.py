@@ -42,6 +42,7 @@ from radixd.core.attention.triton_kernels import (
     decode_attention,
     extend_attention,
     prefix_members,
+    processors,
 )
 from radixd.core.forward_batch import ForwardBatch
 from radixd.core.kv_pool import KVPool
@@ -92,7 +93,7 @@ class TritonAttention:
         self.head_dim = head_dim
         self.scale = scale
         dev = pool.device
-        self.processors = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
+        self.processors = processors(pool.k_buffers[0].get_device()) if dev.type == "cuda" else 8
         self.decode = False
         self.mixed = None
         self.plans = self._dense_plans(prefill_limits) if dense_prefill else None

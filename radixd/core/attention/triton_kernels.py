@@ -20,6 +20,8 @@ They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (tests
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -539,17 +541,10 @@ def _extend_config(head_dim: int, max_extend: int, group: int, heads: int = 0, e
     return (256, 64, 16, 3, True, 4) if packed else (64, 64, 4, 3, True)
 
 
-_PROCESSORS: dict[int, int] = {}
-
-
-def _processors(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (0 on the CPU)."""
-    if device.type != "cuda":
-        return 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _PROCESSORS:
-        _PROCESSORS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _PROCESSORS[index]
+@functools.cache
+def processors(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index``."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def extend_attention(
@@ -576,7 +571,7 @@ def extend_attention(
         out = torch.empty_like(q)
     R = rows.numel()
     block_m, block_n, warps, stages, k_rows, *pack = config or _extend_config(D, max_extend, H // Hkv, H, R,
-                                                                              _processors(q.device))
+                                                                              processors(q.get_device()) if q.is_cuda else 0)
     pack = pack[0] if pack else 1
     group = H // Hkv
     if group % pack or block_m % pack:
