@@ -2,16 +2,17 @@
 
 An in-process ``Engine`` on random weights in a real shape serves ``radixd bench``'s random
 workload (closed loop: ``--prompts`` prompts of ``--input-len`` tokens, ``--output-len`` new
-tokens each, ``--concurrency`` at once), once per setting. The scheduler's keys default to the
-shipped ``radixd.toml``'s ``[scheduler]`` table; a setting overrides some of them
-(``mixed_prefill_tokens=512``; several keys joined by commas; ``mixed_decode_rows=N`` sets the
-triton backend's ``MIXED_DECODE_ROWS`` for that run).
+tokens each, ``--concurrency`` at once), once per setting. The scheduler's keys and
+``[model] mixed_graph_tokens`` default to the shipped ``radixd.toml``'s; a setting overrides
+some of them (``mixed_prefill_tokens=512``; several keys joined by commas:
+``mixed_prefill_tokens=256,mixed_graph_tokens=256``; ``mixed_decode_rows=N`` sets the triton
+backend's ``MIXED_DECODE_ROWS`` for that run).
 
 Per setting: throughput, TTFT, inter-token latency (p50 / p90 / p99 and p99 over p50, the
 figure issue-style goals name), and the steps by kind: decode only, prefill only, and
 mixed, each mixed or prefill kind by its prompt tokens (up to 256, 512, 1024, 2048, 4096,
-more). For each kind: steps, device time per step (median, p90; CUDA events around the
-launch, so overlap stays as it is), decodes per step. The device's idle share is 1 minus the
+more). For each kind: steps, how many replayed a mixed graph, device time per step (median,
+p90; CUDA events around the launch, so overlap stays as it is), decodes per step. The device's idle share is 1 minus the
 summed device time over the run's wall time; each kind's host time of the launch call (the
 worker thread queueing the step's kernels) shows where the host, not the device, sets the pace. ``--profile K``: a torch profiler window of
 ``--profile-steps`` steps in the K-th setting (0-based), after a quarter of its prompts have
@@ -50,6 +51,8 @@ from radixd.bench.workloads import RequestSpec
 from radixd.core.attention import triton_backend
 
 SCHEDULER_KEYS = ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "mixed_prefill_tokens")
+# engine keys a setting may also give (default: the shipped radixd.toml's)
+ENGINE_KEYS = ("mixed_graph_tokens",)
 # not an engine option: the triton backend's MIXED_DECODE_ROWS for the run (a benchmark knob)
 BACKEND_KEYS = ("mixed_decode_rows",)
 BUCKETS = (256, 512, 1024, 2048, 4096)
@@ -59,18 +62,19 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 
 
 def shipped_scheduler() -> dict:
+    """The shipped radixd.toml's values of ``SCHEDULER_KEYS`` and ``ENGINE_KEYS``."""
     with open(ROOT / "radixd.toml", "rb") as f:
-        table = tomllib.load(f)["scheduler"]
-    return {k: table[k] for k in SCHEDULER_KEYS}
+        toml = tomllib.load(f)
+    return {k: toml["scheduler"][k] for k in SCHEDULER_KEYS} | {k: toml["model"][k] for k in ENGINE_KEYS}
 
 
 def parse_setting(text: str) -> dict:
     out = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, _, value = item.partition("=")
-        if not _ or key not in SCHEDULER_KEYS + BACKEND_KEYS:
+        if not _ or key not in SCHEDULER_KEYS + ENGINE_KEYS + BACKEND_KEYS:
             raise SystemExit(f"--settings {text!r}: expected KEY=VALUE with KEY one of "
-                             f"{', '.join(SCHEDULER_KEYS + BACKEND_KEYS)}")
+                             f"{', '.join(SCHEDULER_KEYS + ENGINE_KEYS + BACKEND_KEYS)}")
         out[key] = int(value)
     return out
 
@@ -97,54 +101,58 @@ def kind_name(kind: tuple[str, int]) -> str:
 
 
 class StepClock:
-    """Each launched step's composition and device time (CUDA events around ``launch``; on
-    the CPU its wall time)."""
+    """Each launched step's composition, device time (CUDA events around ``launch``; on the
+    CPU its wall time) and whether it replayed a mixed graph (``MixedGraphs``)."""
 
     def __init__(self, worker, cuda: bool):
         self.worker, self.cuda = worker, cuda
-        self.rows: list[list] = []  # [prompt tokens, decodes, event pair or seconds, host seconds of the launch]
+        # [prompt tokens, decodes, event pair or seconds, host seconds of the launch, replayed]
+        self.rows: list[list] = []
         self.orig = worker.launch
         worker.launch = self.launch
 
     def launch(self, batch, prev=None, **kw):
         prefill = sum(n for n in batch.extend_lens if n > 1)
         decodes = sum(1 for n in batch.extend_lens if n == 1)
+        mixed = self.worker.mixed_graphs
+        replayed = bool(prefill) and mixed is not None and mixed.can_run(batch)
         t = time.perf_counter()
         if not self.cuda:
             res = self.orig(batch, prev, **kw)
             host = time.perf_counter() - t
-            self.rows.append([prefill, decodes, host, host])
+            self.rows.append([prefill, decodes, host, host, replayed])
             return res
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         res = self.orig(batch, prev, **kw)
         b.record()
-        self.rows.append([prefill, decodes, (a, b), time.perf_counter() - t])
+        self.rows.append([prefill, decodes, (a, b), time.perf_counter() - t, replayed])
         return res
 
-    def finish(self) -> list[tuple[int, int, float, float]]:
+    def finish(self) -> list[tuple[int, int, float, float, bool]]:
         self.worker.launch = self.orig
         if self.cuda:
             torch.cuda.synchronize()
-            return [(p, d, a.elapsed_time(b) / 1000, h) for p, d, (a, b), h in self.rows]
+            return [(p, d, a.elapsed_time(b) / 1000, h, g) for p, d, (a, b), h, g in self.rows]
         return [tuple(r) for r in self.rows]
 
 
-def step_kinds(rows: list[tuple[int, int, float, float]]) -> dict:
-    kinds: dict[tuple[str, int], list[tuple[int, float, float]]] = {}
+def step_kinds(rows: list[tuple[int, int, float, float, bool]]) -> dict:
+    kinds: dict[tuple[str, int], list[tuple[int, float, float, bool]]] = {}
     most: dict[tuple[str, int], int] = {}
-    for p, d, s, h in rows:
-        kinds.setdefault(kind_of(p, d), []).append((d, s, h))
+    for p, d, s, h, g in rows:
+        kinds.setdefault(kind_of(p, d), []).append((d, s, h, g))
         most[kind_of(p, d)] = max(most.get(kind_of(p, d), 0), p)
     out = {}
     for k in sorted(kinds):
         v = kinds[k]
-        ms = [s * 1e3 for _, s, _ in v]
-        host = [h * 1e3 for _, _, h in v]
-        out[kind_name(k)] = {"steps": len(v), "device_ms_p50": round(statistics.median(ms), 3),
+        ms = [s * 1e3 for _, s, _, _ in v]
+        host = [h * 1e3 for _, _, h, _ in v]
+        out[kind_name(k)] = {"steps": len(v), "replayed": sum(g for *_, g in v),
+                             "device_ms_p50": round(statistics.median(ms), 3),
                              "device_ms_p90": round(pct(ms, 0.9), 3), "device_ms_total": round(sum(ms), 1),
                              "launch_host_ms_p50": round(statistics.median(host), 3),
-                             "decodes_mean": round(sum(d for d, _, _ in v) / len(v), 1),
+                             "decodes_mean": round(sum(d for d, *_ in v) / len(v), 1),
                              "prompt_tokens_max": most[k]}
     return out
 
@@ -214,7 +222,7 @@ async def run_setting(path: str, engine_kw: dict, specs: list[RequestSpec], conc
     device_s = sum(r[2] for r in rows)
     p50, p99 = pct(itl, 0.5), pct(itl, 0.99)
     most = engine_kw["max_prefill_tokens"]  # (a step that also decodes takes at most this many prompt tokens)
-    res = {"engine": {k: engine_kw[k] for k in SCHEDULER_KEYS},
+    res = {"engine": {k: engine_kw[k] for k in SCHEDULER_KEYS + ENGINE_KEYS},
            "mixed_budget": min(engine_kw["mixed_prefill_tokens"] or most, most),
            "mixed_decode_rows": triton_backend.MIXED_DECODE_ROWS, "wall_s": round(wall, 3),
            "completed": sum(r.ok for r in records),
@@ -234,7 +242,7 @@ def main() -> int:
     ap.add_argument("--model", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--settings", default="mixed_prefill_tokens=0;mixed_prefill_tokens=512",
-                    help="';'-separated settings, each KEY=VALUE[,KEY=VALUE] over the shipped [scheduler] keys")
+                    help="';'-separated settings, each KEY=VALUE[,KEY=VALUE] over the shipped keys (see above)")
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=512)

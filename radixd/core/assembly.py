@@ -96,9 +96,16 @@ def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.dev
               head=setup.pooling is None, kv_format=setup.kv_format,
               window_slots=window_region(config, setup),
               tree_graphs=bool(config.speculative_algorithm) and config.speculative_eagle_topk > 1,
-              prefill_limits=(config.chunked_prefill_size, config.max_prefill_tokens))
+              prefill_limits=(config.chunked_prefill_size, config.max_prefill_tokens),
+              mixed_graph_tokens=config.mixed_graph_tokens)
+    if config.mixed_graph_tokens and (len(devices) > 1 or aux_layers):
+        raise ConfigError("mixed_graph_tokens", config.mixed_graph_tokens,
+                          "0 with tp_size > 1 or an EAGLE-3 drafter (mixed steps are captured on one device, "
+                          "without the drafter's hidden states)")
     if len(devices) > 1:
         from radixd.core.tensor_parallel import TPWorker
+
+        del kw["mixed_graph_tokens"]
 
         if aux_layers:  # (a shard's stream is a partial sum until the next layer's all-reduce)
             raise ConfigError("tp_size", config.tp_size, f"1 with speculative_algorithm "

@@ -163,6 +163,9 @@ class EngineConfig:
     task: str = option("auto", key="model.task", choices=TASKS)
     # Capture decode steps as CUDA graphs (batch-size buckets up to max_running_requests).
     cuda_graphs: bool = option(True, key="model.cuda_graphs")
+    # Also steps that decode and prefill together, by token count up to max_running_requests +
+    # this (cuda_graph.MixedGraphs; one device; 0: such steps run eagerly).
+    mixed_graph_tokens: int = option(0, key="model.mixed_graph_tokens", min=0)
     # Decode requests that share a cached prefix read its KV once for all of them (two-level
     # "cascade" attention; the triton backend).
     cascade_attention: bool = option(True, key="model.cascade_attention")

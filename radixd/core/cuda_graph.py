@@ -1,4 +1,6 @@
-"""CUDA graphs of the decode forward pass, one per batch-size bucket.
+"""CUDA graphs of the forward pass: ``DecodeGraphs``, decode steps, one per batch-size bucket;
+``MixedGraphs``, steps that decode and prefill together, one per token-count bucket (its
+docstring).
 
 Each graph reads static device buffers: one int64 block per bucket, [7, bucket] (token ids,
 positions, output slots, table rows, sequence lengths, and the token-tree mask's base and
@@ -29,6 +31,7 @@ import bisect
 import torch
 
 from radixd.core.attention import GraphAttention
+from radixd.core.attention.extends import Extends
 from radixd.core.forward_batch import ForwardBatch
 
 IDS, POS, LOC, ROW, LEN, TBASE, TBITS = range(7)  # the rows of a bucket's input block
@@ -152,12 +155,7 @@ class DecodeGraphs:
         if shared is not None:
             self._stage_items(staged, shared)
         block.copy_(staged, non_blocking=True)
-        n_ph = len(batch.placeholder_pos)
-        if n_ph and batch.placeholder_pos == batch.placeholder_src == list(range(n_ph)):
-            block[IDS, :n_ph].copy_(prev.tokens[:n_ph])  # each request's own pick, in order
-        elif n_ph:
-            pos, src = stager.to_device(torch.tensor([batch.placeholder_pos, batch.placeholder_src]))
-            block[IDS][pos] = prev.tokens[src]
+        fill_placeholders(block[IDS], batch, prev, stager)
         if batch.write_new_slots:  # (at each row's table position: a tree's differ from its RoPE positions)
             cols = block[POS, :b] if batch.trees is None else block[LEN, :b] - 1
             self.pool.req_to_token[block[ROW, :b], cols] = block[LOC, :b]
@@ -191,3 +189,170 @@ class DecodeGraphs:
         for r, values in zip((SHARE, PARTS, IROW, ILEN), self.attn.item_rows(shared), strict=True):
             staged[r, : len(values)] = torch.tensor(values, dtype=torch.int64)
         shared.fill_members(staged[MEM:])
+
+
+def fill_placeholders(ids: torch.Tensor, batch: ForwardBatch, prev, stager) -> None:
+    """The batch's tokens not known when it was built (the previous step's picks, still on
+    the device) written into a graph's token ids ``ids``."""
+    n_ph = len(batch.placeholder_pos)
+    if n_ph and batch.placeholder_pos == batch.placeholder_src == list(range(n_ph)):
+        ids[:n_ph].copy_(prev.tokens[:n_ph])  # each request's own pick, in order
+    elif n_ph:
+        pos, src = stager.to_device(torch.tensor([batch.placeholder_pos, batch.placeholder_src]))
+        ids[pos] = prev.tokens[src]
+
+
+MIXED_EXTENDS = 8  # prompt chunks (extends of 2+ tokens) one captured mixed step may carry
+XROW, XPRE, XLEN, XSTART = range(4)  # the rows of a mixed bucket's extends block
+
+
+def mixed_buckets(most: int) -> list[int]:
+    """Token counts of the mixed graphs up to ``most``: close together while small, then
+    every 64 (a step pads at most 64 rows of matrix products beyond 128 tokens)."""
+    sizes = [4, 8, 16, 32, 48, 64, 96, 128, *range(192, most, 64)]
+    return [b for b in sizes if b < most] + [most]
+
+
+class MixedGraphs:
+    """CUDA graphs of steps that decode and prefill together, one per token-count bucket
+    (``mixed_buckets``), so that such a step costs the host one replay rather than the
+    launch of every kernel of every layer.
+
+    A replay's rows are the step's tokens in flat order, padded to the bucket. Each
+    one-token request (a decode, or a prompt's last token) is a decode row at its table
+    row and length; every other row is a dummy decode row (row 0, length 1) whose output
+    the extend kernel then overwrites: each of up to ``MIXED_EXTENDS`` extends (prompt
+    chunks) at its table row, prefix, length and first flat row, unused ones of length 0
+    (``GraphAttention.set_decode``'s ``extends``). K/V are stored at every row's slot
+    (padding: the pool's padding slot 0). The logits are computed only at the sampled rows
+    (a block of at most ``max_rows`` indices, padding 0) and copied into one buffer all the
+    mixed graphs share. The step's table writes are the worker's (one scatter before the
+    replay), not the graph's. Not with token trees, prompt logprobs, embeddings or an
+    EAGLE-3 drafter's hidden states (those steps run eagerly), nor over tensor parallel.
+
+    ``capture`` False (a CPU, the tests): nothing is captured, and a replay runs the same
+    forward over the same static buffers eagerly."""
+
+    def __init__(self, model, attn: GraphAttention, pool, *, max_rows: int, max_tokens: int,
+                 capture: bool = True, capture_error_mode: str = "global"):
+        self.model = model
+        self.attn = attn
+        self.pool = pool
+        self.buckets = mixed_buckets(max_tokens)
+        self.logit_rows = {bs: min(bs, max_rows) for bs in self.buckets}
+        dev = pool.device
+        # Per bucket one int64 block, copied in one transfer: [5, bs] (IDS, POS, LOC, ROW, LEN),
+        # [4, MIXED_EXTENDS] (XROW, XPRE, XLEN, XSTART), [logit rows] (the sampled rows).
+        self.inputs = {bs: torch.zeros(5 * bs + 4 * MIXED_EXTENDS + self.logit_rows[bs], dtype=torch.int64, device=dev)
+                       for bs in self.buckets}
+        for bs, flat in self.inputs.items():
+            self._views(flat, bs)[0][LEN].fill_(1)
+        self.scratch = {bs: attn.decode_scratch(bs) for bs in self.buckets}
+        self.logits: torch.Tensor | None = None  # [max_rows, vocab] float32, made by the first forward
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_error_mode = capture_error_mode
+        self.captured = capture
+        if capture:
+            self.stream = torch.cuda.Stream(dev)
+            self.warm_up()
+            self.capture()
+
+    def _views(self, flat: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A bucket's block as (rows [5, bs], extends [4, MIXED_EXTENDS], sampled rows)."""
+        rows = flat[: 5 * bs].view(5, bs)
+        ext = flat[5 * bs : 5 * bs + 4 * MIXED_EXTENDS].view(4, MIXED_EXTENDS)
+        return rows, ext, flat[5 * bs + 4 * MIXED_EXTENDS :]
+
+    def _forward(self, bs: int) -> None:
+        """Bucket ``bs``'s step over its static buffers, its logits into ``self.logits``."""
+        rows, ext, picks = self._views(self.inputs[bs], bs)
+        extends = Extends(ext[XROW], ext[XPRE], ext[XLEN], ext[XSTART], bs)
+        self.attn.set_decode(rows[ROW], rows[LEN], rows[LOC], extends=extends, scratch=self.scratch[bs])
+        out = self.model(rows[IDS], rows[POS], self.attn, picks)
+        if self.logits is None:
+            self.logits = torch.empty((max(self.logit_rows.values()), out.shape[1]), dtype=out.dtype, device=out.device)
+        self.logits[: picks.numel()].copy_(out)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Every bucket's forward twice outside capture, largest first (as ``DecodeGraphs``)."""
+        dev = self.pool.device
+        self.stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(self.stream):
+            for bs in reversed(self.buckets):
+                for _ in range(2):
+                    self._forward(bs)
+        torch.cuda.current_stream(dev).wait_stream(self.stream)
+        torch.cuda.synchronize(dev)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        dev = self.pool.device
+        mempool = torch.cuda.graph_pool_handle()
+        self.stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(self.stream):
+            for bs in reversed(self.buckets):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=mempool, stream=self.stream,
+                                      capture_error_mode=self.capture_error_mode):
+                    self._forward(bs)
+                self.graphs[bs] = graph
+        torch.cuda.current_stream(dev).wait_stream(self.stream)
+        torch.cuda.synchronize(dev)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """A step of at most the largest bucket's tokens with 1 to ``MIXED_EXTENDS`` extends of
+        2+ tokens (any number of one-token rows), sampling no more than its logit rows, and
+        nothing a replay does not compute (trees, prompt logprobs, pooled embeddings)."""
+        if batch.trees is not None or batch.prompt_lp_pos or batch.pool_rows or batch.num_tokens > self.buckets[-1]:
+            return False
+        extends = sum(1 for e in batch.extend_lens if e > 1)
+        if not 0 < extends <= MIXED_EXTENDS:
+            return False
+        bs = self.buckets[bisect.bisect_left(self.buckets, batch.num_tokens)]
+        return len(batch.sample_indices) <= self.logit_rows[bs]
+
+    def run(self, batch: ForwardBatch, prev, stager) -> torch.Tensor:
+        """Replay the bucket's graph for a step ``can_run`` takes whose table writes are
+        done; returns the sampled requests' logits (in ``sample_indices`` order), on the
+        shared buffer. ``prev``, ``stager``: as ``DecodeGraphs.run``'s."""
+        t = batch.num_tokens
+        bs = self.buckets[bisect.bisect_left(self.buckets, t)]
+        flat = self.inputs[bs]
+        staged = stager.host(tuple(flat.shape), torch.int64)
+        if staged is None:
+            staged = torch.empty(flat.shape, dtype=torch.int64)
+        rows, ext, picks = self._views(staged, bs)
+        rows[IDS, :t] = batch.input_ids
+        rows[POS, :t] = batch.positions
+        rows[LOC, :t] = batch.out_cache_loc
+        rows[: LOC + 1, t:] = 0  # (padding: token 0 at position 0 into the padding slot)
+        rows[ROW] = 0  # (every row a dummy decode row but the one-token requests' below)
+        rows[LEN] = 1
+        ext.zero_()
+        start = j = 0
+        ones, one_rows, one_lens = [], [], []
+        for row, p, e in zip(batch.rows, batch.prefix_lens, batch.extend_lens, strict=True):
+            if e == 1:
+                ones.append(start)
+                one_rows.append(row)
+                one_lens.append(p + 1)
+            else:
+                ext[:, j] = torch.tensor((row, p, e, start))
+                j += 1
+            start += e
+        if ones:
+            at = torch.tensor(ones, dtype=torch.int64)
+            rows[ROW, at] = torch.tensor(one_rows, dtype=torch.int64)
+            rows[LEN, at] = torch.tensor(one_lens, dtype=torch.int64)
+        s = len(batch.sample_indices)
+        picks.zero_()
+        picks[:s] = batch.logits_indices()
+        flat.copy_(staged, non_blocking=True)
+        fill_placeholders(self._views(flat, bs)[0][IDS], batch, prev, stager)
+        if self.captured:
+            self.graphs[bs].replay()
+        else:
+            with torch.inference_mode():
+                self._forward(bs)
+        return self.logits[:s]

@@ -8,6 +8,7 @@ thread and gets a ``StepOutput`` back. A worker never touches scheduler state.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +25,8 @@ from radixd.core.models.config import ModelConfig
 from radixd.core.sampler import SampledTokens, sample_on_device
 from radixd.core.staging import Stager
 from radixd.core.triton_ops import ALL_KERNELS, KernelChoice
+
+log = logging.getLogger("radixd.worker")
 
 
 class Worker(Protocol):
@@ -86,6 +89,7 @@ class ModelWorker:
         tree_graphs: bool = False,
         aux_layers: tuple[int, ...] = (),
         prefill_limits: tuple[int, int] = (2048, 4096),
+        mixed_graph_tokens: int = 0,
     ):
         """``model``: already built on ``device`` (a tensor-parallel shard; ``model_cfg`` is
         then the shard's shape); otherwise loaded from ``model_path``. ``kernels``: the
@@ -98,7 +102,10 @@ class ModelWorker:
         target layers an EAGLE-3 drafter reads (``speculative.drafter.ReadsTarget``): every step
         but embedding ones also hands back the residual stream after them at each of its tokens
         (``StepOutput.aux``); (): none. ``prefill_limits``: the most new tokens of one extend
-        and of a step (the scheduler's chunk and budget), for ``dense_prefill``'s plans."""
+        and of a step (the scheduler's chunk and budget), for ``dense_prefill``'s plans.
+        ``mixed_graph_tokens`` > 0 (with CUDA graphs, one device, no ``aux_layers``): steps
+        that decode and prefill together of up to ``max_rows`` + this many tokens replay
+        ``cuda_graph.MixedGraphs``; 0: they run eagerly."""
         self.device = device
         self.aux_layers = aux_layers
         self.model_cfg = model_cfg
@@ -142,6 +149,8 @@ class ModelWorker:
         self.cascade_members = self.attn.cascade_members
         self.stager = Stager(device)
         self.graphs = None
+        self.mixed_graphs = None
+        self.mixed_graph_tokens = mixed_graph_tokens if not aux_layers else 0
         self.tree_graphs = tree_graphs
         self.max_rows = max_rows
         self.graphs_wanted = cuda_graphs and device.type == "cuda" and attention_backend == "triton"
@@ -157,6 +166,16 @@ class ModelWorker:
         self.graphs = DecodeGraphs(self.model, self.attn, self.pool, max_batch=self.max_rows,
                                    capture_error_mode=capture_error_mode, deferred=deferred, trees=self.tree_graphs,
                                    aux_layers=self.aux_layers)
+        if self.mixed_graph_tokens and not deferred:  # (not over tensor parallel: see MixedGraphs)
+            from radixd.core.cuda_graph import MixedGraphs
+
+            try:
+                self.mixed_graphs = MixedGraphs(self.model, self.attn, self.pool, max_rows=self.max_rows,
+                                                max_tokens=self.max_rows + self.mixed_graph_tokens,
+                                                capture_error_mode=capture_error_mode)
+            except Exception:
+                log.exception("capturing the mixed steps' CUDA graphs failed; those steps run eagerly")
+                self.mixed_graphs = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, prev: SampledTokens | None = None) -> torch.Tensor:
@@ -174,8 +193,10 @@ class ModelWorker:
         stage = self.stager.to_device
         self.stager.next_step()
         graphs = self.graphs if self.graphs is not None and self.graphs.can_run(batch) else None
-        # (a graph's replay stages its inputs in one copy and writes the new slots itself)
+        # (a decode graph's replay stages its inputs in one copy and writes the new slots itself)
         self._write_table(batch, stage, new_slots=graphs is None)
+        if graphs is None and self.mixed_graphs is not None and self.mixed_graphs.can_run(batch):
+            graphs = self.mixed_graphs
         if graphs is not None:
             for ev in (e for events in batch.wait_events for e in events):  # pages from lower tiers
                 torch.cuda.current_stream(self.device).wait_event(ev)

@@ -9,7 +9,9 @@ layers, a soft-cap on the attention scores (``cap * tanh(score / cap)``, before 
 
 ``GraphAttention`` is what ``cuda_graph.DecodeGraphs`` needs on top to capture decode steps:
 ``set_decode`` points the backend at device tensors the graph owns (its replays refill them),
-and with cascade attention ``item_rows`` gives the shared-prefix items' kernel inputs.
+and with cascade attention ``item_rows`` gives the shared-prefix items' kernel inputs;
+``cuda_graph.MixedGraphs`` adds ``set_decode``'s extends (prompt chunks among the rows) and
+keeps split-KV scratch of its own (``decode_scratch``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from radixd.core.attention.extends import Extends
 from radixd.core.forward_batch import ForwardBatch
 from radixd.core.kv_pool import KVPool
 
@@ -51,11 +54,20 @@ class AttentionBackend(Protocol):
 class GraphAttention(AttentionBackend, Protocol):
     def set_decode(self, rows: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
                    shared: tuple[torch.Tensor, ...] | None = None,
-                   tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                   tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   extends: Extends | None = None,
+                   scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Decode steps from now on read these device tensors ([B] each; ``shared``: the
         cascade items' (shares [B], prefix parts [B], item rows [N], item lengths [N],
         members [M, N]), or None for plain decode; ``tree``: (base [B], bits [B]), the
-        token-tree mask of a verify step's rows (``decode_attention``'s), or None)."""
+        token-tree mask of a verify step's rows (``decode_attention``'s), or None;
+        ``extends``: prompt chunks among the rows, attended causally over their prefixes,
+        their rows' decode outputs replaced (not with ``shared`` or ``tree``); ``scratch``:
+        ``decode_scratch(B)``'s buffers, or None for the backend's own)."""
+
+    def decode_scratch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Split-KV buffers for a decode step of ``rows`` rows that the caller keeps (its
+        graphs read them), or None where such a step needs none."""
 
     def item_rows(self, shared) -> tuple[list[int], list[int], list[int], list[int]]:
         """The host values of ``shared``'s first four tensors for a ``SharedPrefixes``."""

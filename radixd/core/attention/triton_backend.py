@@ -30,17 +30,17 @@ window layer (inside a CUDA graph's capture, so that replays gather them again).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 
 import radixd.core.attention.dense_prefill as dense_prefill
 from radixd.core.attention.dense_prefill import DensePlans, DenseStep
+from radixd.core.attention.extends import Extends
 from radixd.core.attention.triton_kernels import (
     cascade_decode_attention,
     decode_attention,
     extend_attention,
+    extend_config,
     prefix_members,
     processors,
 )
@@ -52,16 +52,6 @@ from radixd.core.triton_ops import gemv_rope_store, one_row, rope_store
 MIN_SPLITS, MAX_SPLITS = 1, 32
 PREFIX_SPLITS = 8  # cascade: the most splits a shared prefix is read in (the grid's)
 MIXED_DECODE_ROWS = 32  # a mixed step's one-token rows take the decode kernel from this many (module docstring)
-
-
-class Extends(NamedTuple):
-    """The extend kernel's inputs for some of a step's extends (device tensors)."""
-
-    rows: torch.Tensor
-    prefix_lens: torch.Tensor
-    extend_lens: torch.Tensor
-    q_starts: torch.Tensor
-    max_extend: int
 
 
 def decode_splits(batch: int, kv_heads: int, processors: int) -> int:
@@ -102,6 +92,7 @@ class TritonAttention:
         self.window_extends: Extends | None = None  # ... on window layers (every extend)
         self.shared = None
         self.tree: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.graph_extends: tuple[Extends, tuple] | None = None  # (set_decode's)
         # Requests per shared-prefix item when decoding in cascade (ForwardBatch.shared);
         # 0: cascade off (the scheduler then plans no items).
         self.cascade_members = prefix_members(num_heads // pool.k_buffers[0].shape[1]) if cascade else 0
@@ -142,6 +133,16 @@ class TritonAttention:
         mid_o, mid_lse = self._mid[have]
         return mid_o[:batch], mid_lse[:batch]
 
+    def decode_scratch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Split-KV partials of a decode step of ``rows`` rows for its caller to keep (a
+        graph's), or None where that step reads in one split (none needed)."""
+        splits = decode_splits(rows, self.pool.k_buffers[0].shape[1], self.processors)
+        if splits == 1:
+            return None
+        dev = self.pool.device
+        return (torch.empty((rows, self.num_heads, splits, self.head_dim), dtype=torch.float32, device=dev),
+                torch.empty((rows, self.num_heads, splits), dtype=torch.float32, device=dev))
+
     def prefix_splits(self, items: int) -> int:
         """Splits each shared prefix is read in, for a step with ``items`` items: like
         ``decode_splits`` with an item in place of a request (on an H200, 256 x 2308-token
@@ -151,19 +152,31 @@ class TritonAttention:
 
     def set_decode(self, rows: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
                    shared: tuple[torch.Tensor, ...] | None = None,
-                   tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                   tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   extends: Extends | None = None,
+                   scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Decode steps read these device tensors; ``shared``: (shares [B], prefix parts [B],
         item rows [N], item lengths [N], members [M, N]) to decode in cascade
         (``cascade_decode_attention``); ``tree``: (base [B], bits [B]), token trees' rows
-        among them (``decode_attention``'s mask; not with ``shared``)."""
+        among them (``decode_attention``'s mask; not with ``shared``). ``extends`` (a mixed
+        step replayed in a graph, ``cuda_graph.MixedGraphs``): after the decode kernel over
+        every row, the extend kernel overwrites these extends' rows (its grid: ``max_extend``
+        new tokens for each of its requests, an unused one with ``extend_len`` 0; its tile:
+        the one of a single extend that long). ``scratch``: ``decode_scratch``'s buffers
+        instead of the backend's own, whose growth would move what earlier graphs read."""
         self.decode = True
         self.rows, self.seq_lens, self.out_cache_loc = rows, seq_lens, out_cache_loc
         self._window_loc = None
         self.shared = shared
         self.tree = tree
+        self.graph_extends = None
+        if extends is not None:
+            group = self.num_heads // self.pool.k_buffers[0].shape[1]
+            tile = extend_config(self.head_dim, extends.max_extend, group, self.num_heads, 1, self.processors)
+            self.graph_extends = (extends, tile)
         self.splits = decode_splits(rows.numel(), self.pool.k_buffers[0].shape[1], self.processors)
         parts = self.splits + (PREFIX_SPLITS if shared is not None else 0)
-        mid_o, mid_lse = self._scratch(rows.numel())
+        mid_o, mid_lse = scratch or self._scratch(rows.numel())
         self.mid_o, self.mid_lse = mid_o[:, :, :parts], mid_lse[:, :, :parts]
 
     def begin(self, batch: ForwardBatch, stage=None) -> None:
@@ -364,7 +377,14 @@ class TritonAttention:
                 self.seq_lens, self.scale, shares, parts, item_rows, item_lens, members, num_splits=self.splits,
                 prefix_splits=PREFIX_SPLITS, mid_o=self.mid_o, mid_lse=self.mid_lse, softcap=self.softcap,
                 k_scale=k_scale, v_scale=v_scale)
-        return decode_attention(q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token,
-                                self.rows, self.seq_lens, self.scale, num_splits=self.splits, mid_o=self.mid_o,
-                                mid_lse=self.mid_lse, window=self.windows[layer], softcap=self.softcap,
-                                k_scale=k_scale, v_scale=v_scale, slot_map=self._map(layer), tree=self.tree)
+        out = decode_attention(q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token,
+                               self.rows, self.seq_lens, self.scale, num_splits=self.splits, mid_o=self.mid_o,
+                               mid_lse=self.mid_lse, window=self.windows[layer], softcap=self.softcap,
+                               k_scale=k_scale, v_scale=v_scale, slot_map=self._map(layer), tree=self.tree)
+        if self.graph_extends is not None:
+            ext, config = self.graph_extends
+            extend_attention(q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token,
+                             ext.rows, ext.prefix_lens, ext.extend_lens, ext.q_starts, ext.max_extend, self.scale,
+                             out=out, config=config, window=self.windows[layer], softcap=self.softcap,
+                             k_scale=k_scale, v_scale=v_scale, slot_map=self._map(layer))
+        return out

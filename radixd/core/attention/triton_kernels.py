@@ -516,7 +516,7 @@ EXTEND_CONFIGS = [(64, 64, 4, 3, False), (64, 64, 4, 3, True), (128, 64, 8, 3, F
 _LOG2E = 1.4426950408889634
 
 
-def _extend_config(head_dim: int, max_extend: int, group: int, heads: int = 0, extends: int = 1,
+def extend_config(head_dim: int, max_extend: int, group: int, heads: int = 0, extends: int = 1,
                    processors: int = 0) -> tuple:
     """The default tile. With head dim 128 and a GQA group of a multiple of 4, 4 query heads
     share each program (each K/V tile read once for them); on an H200 (8B shape):
@@ -570,7 +570,7 @@ def extend_attention(
     if out is None:
         out = torch.empty_like(q)
     R = rows.numel()
-    block_m, block_n, warps, stages, k_rows, *pack = config or _extend_config(D, max_extend, H // Hkv, H, R,
+    block_m, block_n, warps, stages, k_rows, *pack = config or extend_config(D, max_extend, H // Hkv, H, R,
                                                                               processors(q.get_device()) if q.is_cuda else 0)
     pack = pack[0] if pack else 1
     group = H // Hkv

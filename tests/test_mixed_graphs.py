@@ -1,0 +1,183 @@
+"""Steps that decode and prefill together, replayed through ``cuda_graph.MixedGraphs``.
+
+On a CPU nothing is captured: a replay runs the forward the graph would hold over the same
+static buffers, eagerly (the triton backend through the interpreter). That checks what a
+replay computes — the staged rows, the dummy decode rows the extend kernel overwrites, the
+padding, the sampled rows' logits — against transformers; the capture itself is the GPU
+test's (``-m gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine import arrive_mid_flight, assert_greedy_matches, assert_idle, make_engine, prompts
+
+from radixd.core.cuda_graph import MIXED_EXTENDS, MixedGraphs, mixed_buckets
+from radixd.core.errors import ConfigError
+from radixd.core.forward_batch import ForwardBatch
+
+GPU = torch.cuda.is_available()
+
+
+def replayed(eng, extra_tokens: int, *, capture: bool = False) -> list[tuple[int, int]]:
+    """Give the engine's worker mixed graphs for up to ``max_rows + extra_tokens`` tokens;
+    returns the list each replay appends (tokens, bucket) to."""
+    w = eng.worker
+    w.mixed_graphs = MixedGraphs(w.model, w.attn, w.pool, max_rows=w.max_rows, max_tokens=w.max_rows + extra_tokens,
+                                 capture=capture)
+    seen: list[tuple[int, int]] = []
+    run = w.mixed_graphs.run
+
+    def counting(batch, prev, stager):
+        g = w.mixed_graphs
+        seen.append((batch.num_tokens, min(b for b in g.buckets if b >= batch.num_tokens)))
+        return run(batch, prev, stager)
+
+    w.mixed_graphs.run = counting
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+async def test_mixed_steps_through_the_graphs_forward_match_transformers(tiny_models, arch):
+    """Requests arrive while others decode, prompts prefilled 5 tokens a step: the steps with
+    decodes and chunks (padded to their buckets) give transformers' greedy tokens."""
+    if GPU:
+        pytest.skip("the CPU oracle (fp32 greedy equality); the GPU test captures the graphs")
+    path = tiny_models[arch]
+    eng = make_engine(path, attention_backend="triton", chunked_prefill_size=5, max_prefill_tokens=8,
+                      max_running_requests=8)
+    seen = replayed(eng, 8)
+    max_new = [20, 10, 10, 10]
+    try:
+        ps = prompts(len(max_new), 23, seed=2)
+        outs = await arrive_mid_flight(eng, ps, max_new)
+        for p, got, n in zip(ps, outs, max_new, strict=True):
+            assert_greedy_matches(path, p, got, n)
+        await assert_idle(eng)
+    finally:
+        await eng.stop()
+    assert len(seen) >= 6  # (the later prompts' chunks beside the earlier requests' decodes)
+    assert any(bucket > tokens for tokens, bucket in seen)  # some padded
+    assert any(tokens > 5 for tokens, _ in seen)  # some with decodes beside a chunk
+
+
+async def test_a_step_beyond_the_graphs_runs_eagerly(tiny_models):
+    """Prompts of several chunks at once: steps with more extends than a replay carries, or
+    more tokens than its largest bucket, run eagerly; the tokens stay transformers'."""
+    if GPU:
+        pytest.skip("the CPU oracle (fp32 greedy equality)")
+    path = tiny_models["llama"]
+    eng = make_engine(path, attention_backend="triton", chunked_prefill_size=16, max_prefill_tokens=64,
+                      max_running_requests=12)
+    seen = replayed(eng, 4)  # (buckets up to 16 tokens)
+    mixed = []  # (tokens, extends) of every step with an extend of 2+ tokens
+
+    def hook(step):
+        eng.check_accounting()
+        lens = step.batch.extend_lens
+        if any(e > 1 for e in lens):
+            mixed.append((step.batch.num_tokens, sum(e > 1 for e in lens)))
+
+    eng.step_hook = hook
+    ps = prompts(MIXED_EXTENDS + 2, 6, seed=4)
+    try:
+        import asyncio
+
+        from test_engine import collect
+
+        outs = await asyncio.gather(*(collect(eng, p, 6) for p in ps))
+        for p, got in zip(ps, outs, strict=True):
+            assert_greedy_matches(path, p, got, 6)
+        await assert_idle(eng)
+    finally:
+        await eng.stop()
+    eager = [m for m in mixed if m[0] > 16 or m[1] > MIXED_EXTENDS]
+    assert eager and len(seen) == len(mixed) - len(eager)
+
+
+def test_which_steps_a_replay_takes():
+    """``can_run``: at least one extend of 2+ tokens and at most ``MIXED_EXTENDS``, the
+    tokens within the largest bucket, nothing a replay does not compute."""
+    from radixd.core.forward_batch import TokenTrees
+
+    class Attn:
+        def decode_scratch(self, rows):
+            return None
+
+    class Pool:
+        device = torch.device("cpu")
+
+    g = MixedGraphs(None, Attn(), Pool(), max_rows=8, max_tokens=40, capture=False)
+    assert g.buckets == mixed_buckets(40) == [4, 8, 16, 32, 40]
+
+    def batch(lens: list[int], sampled: int | None = None, **kw) -> ForwardBatch:
+        t = sum(lens)
+        z = torch.zeros(t, dtype=torch.int64)
+        n = len(lens) if sampled is None else sampled
+        return ForwardBatch(input_ids=z, positions=z, out_cache_loc=z, rows=list(range(len(lens))),
+                            prefix_lens=[0] * len(lens), extend_lens=lens, sample_indices=list(range(n)), **kw)
+
+    assert g.can_run(batch([1, 1, 1, 5]))
+    assert g.can_run(batch([1] * 7 + [33]))  # exactly the largest bucket
+    assert not g.can_run(batch([1] * 7 + [34]))  # one token more
+    assert not g.can_run(batch([1] * 8 + [2]))  # more sampled rows than max_rows
+    assert not g.can_run(batch([1, 1, 1]))  # decodes only: the decode graphs'
+    assert g.can_run(batch([2] * MIXED_EXTENDS))
+    assert not g.can_run(batch([2] * (MIXED_EXTENDS + 1)))
+    assert not g.can_run(batch([1, 4], prompt_lp_pos=[2], prompt_lp_target=[3]))
+    assert not g.can_run(batch([1, 4], pool_rows=1, pool_pos=[1], pool_row=[0]))
+    assert not g.can_run(batch([1, 4], trees=TokenTrees(first=[1], sizes=[4], masks=[torch.ones(4, 4, dtype=torch.bool)])))
+
+
+def test_mixed_graph_tokens_refused_over_tensor_parallel(tiny_models):
+    from radixd import Engine
+
+    with pytest.raises(ConfigError, match="mixed_graph_tokens"):
+        Engine(model=str(tiny_models["llama"]), tp_size=2, mixed_graph_tokens=64, kv_cache_tokens=256)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+async def test_captured_mixed_steps_match_eager(tiny_models):
+    """On CUDA with the engine's own capture (``mixed_graph_tokens``): requests arriving
+    mid-flight in small chunks give the eager engine's greedy tokens and logprobs."""
+    import asyncio
+
+    from radixd import SamplingParams
+
+    path = tiny_models["llama"]
+    ps = prompts(4, 23, seed=2)
+    max_new = [24, 12, 12, 12]
+
+    async def run(**kw):
+        eng = make_engine(path, device="cuda", dtype="float16", chunked_prefill_size=5, max_prefill_tokens=8,
+                          max_running_requests=8, **kw)
+        graphs = eng.worker.mixed_graphs
+        replays = []
+        if graphs is not None:
+            plain = graphs.run
+            graphs.run = lambda b, p, s: replays.append(b.num_tokens) or plain(b, p, s)
+
+        async def one(p, n):
+            toks, lps = [], []
+            params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, logprobs=True)
+            async for out in eng.generate(input_ids=p, params=params):
+                toks += out.token_ids
+                lps += [lp.logprob for lp in out.logprobs or []]
+            return toks, lps
+
+        try:
+            tasks = []
+            for p, n in zip(ps, max_new, strict=True):
+                tasks.append(asyncio.ensure_future(one(p, n)))
+                await asyncio.sleep(0.02)
+            return await asyncio.gather(*tasks), graphs is not None, replays
+        finally:
+            await eng.stop()
+
+    graphed, captured, replays = await run(mixed_graph_tokens=16)
+    eager, _, _ = await run()
+    assert captured and replays
+    for (t1, lp1), (t2, lp2) in zip(graphed, eager, strict=True):
+        assert t1 == t2
+        assert max(abs(x - y) for x, y in zip(lp1, lp2, strict=True)) < 2e-2
