@@ -31,6 +31,9 @@
 #             share at batch 64, HTTP+SSE vs in-process; each piece capped so all get their turn
 #   mixed     benchmarks/mixed_step.py: a mixed step's attention (decodes beside a prompt chunk)
 #             through the extend kernel alone against extend + decode kernels
+#   mixedload the GPU tests of the mixed steps' graphs and the Triton kernels, then
+#             benchmarks/mixed_load.py (in process, 8B shape, 512 prompts at 256 streams) per
+#             setting: no budget; 256 eager; 256, 384, 512 replayed (MIXED_SETTINGS: others)
 #   quant fp8kv swa spec pd moe (FP8KV_ARGS=--sweep: the decode kernel's tiles first)
 #             benchmarks/quant.py (bf16, fp8 and int4 engines at the 8B shape), fp8_kv.py (batch
 #             256 x 4k, fp8 vs bf16 KV), swa.py (Gemma-3-12B shape at 8k), spec.py --device cuda,
@@ -113,6 +116,15 @@ for spec in $PARTS; do
   mixed)
     $limit python3 -m benchmarks.mixed_step --out "$W/mixed_step.json" > "$W/mixed.log" 2>&1
     tail -4 "$W/mixed.log" | cut -c1-400 ;;
+  mixedload)
+    # the mixed steps' graphs and GPU tests, then in-process inter-token latency by setting
+    $limit python3 -m pytest -q -p no:cacheprovider -rf --tb=short -m gpu tests/test_mixed_graphs.py \
+        tests/test_triton_kernels.py > "$W/mixedload_tests.txt" 2>&1
+    grep -E "passed|failed|error" "$W/mixedload_tests.txt" | tail -3
+    $limit python3 -m benchmarks.mixed_load --out "$W" --settings "${MIXED_SETTINGS:-mixed_prefill_tokens=0;\
+mixed_prefill_tokens=256;mixed_prefill_tokens=256,mixed_graph_tokens=256;mixed_prefill_tokens=384,mixed_graph_tokens=384;\
+mixed_prefill_tokens=512,mixed_graph_tokens=512}" > "$W/mixed_load.log" 2>&1
+    tail -7 "$W/mixed_load.log" | cut -c1-400 ;;
   quant)
     $limit python3 -m benchmarks.quant --json "$W/quant.json" > "$W/quant.log" 2>&1
     tail -12 "$W/quant.log" | cut -c1-400 ;;
