@@ -181,3 +181,39 @@ async def test_captured_mixed_steps_match_eager(tiny_models):
     for (t1, lp1), (t2, lp2) in zip(graphed, eager, strict=True):
         assert t1 == t2
         assert max(abs(x - y) for x, y in zip(lp1, lp2, strict=True)) < 2e-2
+
+
+@pytest.mark.parametrize("lens", [[1, 1, 5, 3], [1, 5, 1, 3, 1], [4, 2]])
+def test_a_steps_staged_block(lens):
+    """A replay's block: one-token requests at their rows and lengths (leading the step, as
+    the scheduler orders it, or anywhere), every other row a dummy (row 0, length 1), each
+    chunk's (row, prefix, length, first row), the sampled requests' last rows, padding."""
+    from radixd.core.cuda_graph import IDS, LEN, LOC, POS, ROW
+
+    t = sum(lens)
+    bs = t + 3
+    rows_of = [10 + i for i in range(len(lens))]
+    prefix = [7 * (i + 1) for i in range(len(lens))]
+    sampled = [i for i in range(len(lens)) if i != 1]
+    b = ForwardBatch(input_ids=torch.arange(100, 100 + t), positions=torch.arange(200, 200 + t),
+                     out_cache_loc=torch.arange(300, 300 + t), rows=rows_of, prefix_lens=prefix, extend_lens=lens,
+                     sample_indices=sampled)
+    flat = torch.full((5 * bs + 4 * MIXED_EXTENDS + 4,), -9, dtype=torch.int64)
+    rows = flat[: 5 * bs].view(5, bs)
+    ext = flat[5 * bs : 5 * bs + 4 * MIXED_EXTENDS].view(4, MIXED_EXTENDS)
+    picks = flat[5 * bs + 4 * MIXED_EXTENDS :]
+    s = MixedGraphs._stage(rows, ext, picks, b)
+    assert s == len(sampled)
+    assert picks[:s].tolist() == b.logits_indices().tolist() and picks[s:].tolist() == [0] * (4 - s)
+    assert rows[IDS, :t].tolist() == list(range(100, 100 + t)) and rows[IDS, t:].tolist() == [0] * 3
+    assert rows[POS, t:].tolist() == [0] * 3 and rows[LOC, t:].tolist() == [0] * 3
+    want_row, want_len, want_ext, start = [0] * bs, [1] * bs, [], 0
+    for r, p, e in zip(rows_of, prefix, lens, strict=True):
+        if e == 1:
+            want_row[start], want_len[start] = r, p + 1
+        else:
+            want_ext.append([r, p, e, start])
+        start += e
+    assert rows[ROW].tolist() == want_row and rows[LEN].tolist() == want_len
+    n = len(want_ext)
+    assert ext[:, :n].T.tolist() == want_ext and ext[:, n:].eq(0).all()
