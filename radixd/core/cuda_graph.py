@@ -127,52 +127,6 @@ class DecodeGraphs:
                 and not batch.prompt_lp_pos and not batch.pool_rows
                 and (batch.trees is None or self.trees and max(batch.trees.sizes) <= MAX_TREE_ROWS))
 
-    @staticmethod
-    def _stage(rows: torch.Tensor, ext: torch.Tensor, picks: torch.Tensor, batch: ForwardBatch) -> int:
-        """Fill a bucket's host block for ``batch``; returns its sampled rows' count."""
-        t = batch.num_tokens
-        rows[IDS, :t] = batch.input_ids
-        rows[POS, :t] = batch.positions
-        rows[LOC, :t] = batch.out_cache_loc
-        rows[: LOC + 1, t:] = 0  # (padding: token 0 at position 0 into the padding slot)
-        rows[ROW] = 0  # (every row a dummy decode row but the one-token requests' below)
-        rows[LEN] = 1
-        ext.zero_()
-        lens = batch.extend_lens
-        k = lens.count(1)
-        starts = {}  # each extend's first flat row, by request index
-        leading = all(e > 1 for e in lens[k:])  # the one-token requests first (the scheduler's order)
-        if leading:
-            if k:
-                rows[ROW, :k] = torch.tensor(batch.rows[:k], dtype=torch.int64)
-                rows[LEN, :k] = torch.tensor(batch.prefix_lens[:k], dtype=torch.int64) + 1
-            start = k
-            for i in range(k, len(lens)):
-                starts[i] = start
-                start += lens[i]
-        else:
-            ones, start = [], 0
-            for i, e in enumerate(lens):
-                if e == 1:
-                    ones.append((start, batch.rows[i], batch.prefix_lens[i] + 1))
-                else:
-                    starts[i] = start
-                start += e
-            at, one_rows, one_lens = torch.tensor(ones, dtype=torch.int64).T
-            rows[ROW, at] = one_rows
-            rows[LEN, at] = one_lens
-        cols = [(batch.rows[i], batch.prefix_lens[i], lens[i], q0) for i, q0 in starts.items()]
-        ext[:, : len(cols)] = torch.tensor(cols, dtype=torch.int64).T
-        if leading:  # a sampled request's last row: its index for a one-token one, else its chunk's last
-            last = {i: q0 + lens[i] - 1 for i, q0 in starts.items()}
-            flat_rows = torch.tensor([last.get(i, i) for i in batch.sample_indices], dtype=torch.int64)
-        else:
-            flat_rows = batch.logits_indices()
-        s = flat_rows.numel()
-        picks.zero_()
-        picks[:s] = flat_rows
-        return s
-
     def run(self, batch: ForwardBatch, prev, stager) -> torch.Tensor:
         """Replay the bucket's graph for a decode batch (``can_run``) whose new slots go into
         the table (``write_new_slots``, no other ``table_writes``); ``prev``: the previous
@@ -371,8 +325,9 @@ class MixedGraphs:
         ext.zero_()
         lens = batch.extend_lens
         k = lens.count(1)
-        starts = {}  # flat first row of each extend (by request index)
-        if all(e > 1 for e in lens[k:]):  # the one-token requests lead (the scheduler's order)
+        starts = {}  # each extend's first flat row, by request index
+        leading = all(e > 1 for e in lens[k:])  # the one-token requests first (the scheduler's order)
+        if leading:
             if k:
                 rows[ROW, :k] = torch.tensor(batch.rows[:k], dtype=torch.int64)
                 rows[LEN, :k] = torch.tensor(batch.prefix_lens[:k], dtype=torch.int64) + 1
@@ -393,19 +348,14 @@ class MixedGraphs:
             rows[LEN, at] = one_lens
         cols = [(batch.rows[i], batch.prefix_lens[i], lens[i], q0) for i, q0 in starts.items()]
         ext[:, : len(cols)] = torch.tensor(cols, dtype=torch.int64).T
-        if batch.prompt_lp_pos or len(batch.sample_indices) != len(lens) - len(starts) + sum(
-                i in starts for i in batch.sample_indices):
-            pass
-        # each sampled request's last row: its own for a one-token request (in the leading
-        # case its index), its extend's last for a chunk
-        last = {i: q0 + lens[i] - 1 for i, q0 in starts.items()}
-        if len(starts) == len(lens) - k and all(e > 1 for e in lens[k:]):
-            flat_rows = [last.get(i, i) for i in batch.sample_indices]
+        if leading:  # a sampled request's last row: its index for a one-token one, else its chunk's last
+            last = {i: q0 + lens[i] - 1 for i, q0 in starts.items()}
+            flat_rows = torch.tensor([last.get(i, i) for i in batch.sample_indices], dtype=torch.int64)
         else:
-            flat_rows = batch.logits_indices().tolist()
-        s = len(flat_rows)
+            flat_rows = batch.logits_indices()
+        s = flat_rows.numel()
         picks.zero_()
-        picks[:s] = torch.tensor(flat_rows, dtype=torch.int64)
+        picks[:s] = flat_rows
         return s
 
     def run(self, batch: ForwardBatch, prev, stager) -> torch.Tensor:
