@@ -46,6 +46,9 @@ async def test_mixed_steps_through_the_graphs_forward_match_transformers(tiny_mo
     path = tiny_models[arch]
     eng = make_engine(path, attention_backend="triton", chunked_prefill_size=5, max_prefill_tokens=8,
                       max_running_requests=8)
+    # the split-KV partials the decode graphs would have captured (their largest bucket's):
+    # the mixed graphs' larger buckets must not regrow (so move) them
+    captured = eng.worker.attn._scratch(eng.worker.max_rows)
     seen = replayed(eng, 8)
     max_new = [20, 10, 10, 10]
     try:
@@ -56,6 +59,8 @@ async def test_mixed_steps_through_the_graphs_forward_match_transformers(tiny_mo
         await assert_idle(eng)
     finally:
         await eng.stop()
+    mid_o, _ = eng.worker.attn._scratch(eng.worker.max_rows)
+    assert mid_o.data_ptr() == captured[0].data_ptr() and max(eng.worker.attn._mid) == eng.worker.max_rows
     assert len(seen) >= 6  # (the later prompts' chunks beside the earlier requests' decodes)
     assert any(bucket > tokens for tokens, bucket in seen)  # some padded
     assert any(tokens > 5 for tokens, _ in seen)  # some with decodes beside a chunk

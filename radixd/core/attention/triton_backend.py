@@ -162,8 +162,10 @@ class TritonAttention:
         step replayed in a graph, ``cuda_graph.MixedGraphs``): after the decode kernel over
         every row, the extend kernel overwrites these extends' rows (its grid: ``max_extend``
         new tokens for each of its requests, an unused one with ``extend_len`` 0; its tile:
-        the one of a single extend that long). ``scratch``: ``decode_scratch``'s buffers
-        instead of the backend's own, whose growth would move what earlier graphs read."""
+        the one of a single extend that long). With ``extends`` the split-KV partials go to
+        ``scratch`` (``decode_scratch``'s; None: one split, no partials), never to the
+        backend's own buffers, whose growth past the decode graphs' largest bucket would
+        move what those graphs read."""
         self.decode = True
         self.rows, self.seq_lens, self.out_cache_loc = rows, seq_lens, out_cache_loc
         self._window_loc = None
@@ -176,7 +178,10 @@ class TritonAttention:
             self.graph_extends = (extends, tile)
         self.splits = decode_splits(rows.numel(), self.pool.k_buffers[0].shape[1], self.processors)
         parts = self.splits + (PREFIX_SPLITS if shared is not None else 0)
-        mid_o, mid_lse = scratch or self._scratch(rows.numel())
+        if extends is not None:
+            self.mid_o, self.mid_lse = scratch if scratch is not None else (None, None)
+            return
+        mid_o, mid_lse = self._scratch(rows.numel())
         self.mid_o, self.mid_lse = mid_o[:, :, :parts], mid_lse[:, :, :parts]
 
     def begin(self, batch: ForwardBatch, stage=None) -> None:
