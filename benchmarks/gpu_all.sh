@@ -31,6 +31,8 @@
 #             share at batch 64, HTTP+SSE vs in-process; each piece capped so all get their turn
 #   mixed     benchmarks/mixed_step.py: a mixed step's attention (decodes beside a prompt chunk)
 #             through the extend kernel alone against extend + decode kernels
+#   pdl       programmatic dependent launch: tests/test_pdl.py's GPU tests, then decode with
+#             it on and off: gpu_bench --sections ceilings,pdl; moe --sections ceilings,decode --pdl
 #   mixedload the GPU tests of the mixed steps' graphs and the Triton kernels, then
 #             benchmarks/mixed_load.py (in process, 8B shape, 512 prompts at 256 streams) per
 #             setting: no budget; 1024 eager; 512, 768, 1024 replayed (MIXED_SETTINGS: others)
@@ -116,6 +118,15 @@ for spec in $PARTS; do
   mixed)
     $limit python3 -m benchmarks.mixed_step --out "$W/mixed_step.json" > "$W/mixed.log" 2>&1
     tail -4 "$W/mixed.log" | cut -c1-400 ;;
+  pdl)
+    # programmatic dependent launch: its GPU tests, then decode on/off (8B shape at batch 1 and
+    # 64; Qwen3-30B-A3B's shape at batch 1 and 16)
+    $limit python3 -m pytest -q -p no:cacheprovider -rf --tb=short -m gpu tests/test_pdl.py > "$W/pdl_tests.txt" 2>&1
+    grep -E "passed|failed|error" "$W/pdl_tests.txt" | tail -3
+    $limit python3 -m benchmarks.gpu_bench --out "$W/pdl" --sections ceilings,pdl > "$W/pdl.log" 2>&1
+    tail -3 "$W/pdl.log" | cut -c1-600
+    $limit python3 -m benchmarks.moe --out "$W/moe_pdl" --sections ceilings,decode --pdl > "$W/moe_pdl.log" 2>&1
+    grep -v '^ ' "$W/moe_pdl.log" | tail -4 | cut -c1-600 ;;
   mixedload)
     # the mixed steps' graphs and GPU tests, then in-process inter-token latency by setting
     $limit python3 -m pytest -q -p no:cacheprovider -rf --tb=short -m gpu tests/test_mixed_graphs.py \

@@ -14,6 +14,7 @@ and the run goes on):
   fusions    batch-1 decode with the one-row fusions (the GEMV epilogues: SiLU*up, rotary +
              KV store) on and off
   rows       decode at batch 16 and 64 with the few-row GEMM kernel on and off (cuBLAS)
+  pdl        decode at batch 1 and 64 with programmatic dependent launch on and off
   prefill    8 x 2048-token prompts: tokens/s and the fraction of the measured matmul rate
   shared     shared-prefix workload in-process: radix on/off x fcfs/lpm
   kernels    decode attention bandwidth vs copy bandwidth; extend attention vs torch SDPA
@@ -238,6 +239,12 @@ def rows(args, ctx) -> dict:
     return {f"batch_{bs}": _switch_ab(ctx, "rows_kernel", bs) for bs in (16, 64)}
 
 
+def pdl(args, ctx) -> dict:
+    """Decode tokens/s at batch 1 and 64 with programmatic dependent launch (the engine
+    option ``pdl``) on and off, as ``fusions`` compares its switch."""
+    return {f"batch_{bs}": _switch_ab(ctx, "pdl", bs) for bs in (1, 64)}
+
+
 def _switch_ab(ctx, switch: str, batch: int) -> dict:
     """Decode tokens/s (512-token prompts, 128 new tokens) at ``batch`` with the engine option
     ``switch`` on and off, alternating twice; each the best of three runs."""
@@ -426,8 +433,8 @@ def peer(args, ctx) -> dict:
     return out
 
 
-SECTIONS = {"ceilings": ceilings, "correct": correct, "decode": decode, "fusions": fusions, "rows": rows, "prefill": prefill,
-            "shared": shared, "kernels": kernels, "peer": peer}
+SECTIONS = {"ceilings": ceilings, "correct": correct, "decode": decode, "fusions": fusions, "rows": rows, "pdl": pdl,
+            "prefill": prefill, "shared": shared, "kernels": kernels, "peer": peer}
 
 
 def main() -> int:

@@ -422,11 +422,15 @@ def _weight_bytes(eng: Engine) -> tuple[int, int]:
 
 def decode(run: Run) -> dict:
     """The decode figures; with ``--baseline`` first batch 1 on an engine with the one-row
-    fusions off (the kernels before ``experts_gemv`` and the fused q/k norms), same call."""
+    fusions off (the kernels before ``experts_gemv`` and the fused q/k norms), same call;
+    with ``--pdl`` then batch 1 and 16 on an engine with programmatic dependent launch."""
     out = {}
     if run.args.baseline:
         out["baseline_fuse_one_row_off"] = _decode_cases(run, [1], fuse_one_row=False)
-    return {**_decode_cases(run, run.batches), **out}
+    out = {**_decode_cases(run, run.batches), **out}
+    if run.args.pdl:
+        out["pdl_on"] = _decode_cases(run, run.batches[:2], pdl=True)
+    return out
 
 
 def _decode_cases(run: Run, batches: list[int], **kw) -> dict:
@@ -518,11 +522,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=0, help="this many layers instead of the shape's (profile)")
     ap.add_argument("--baseline", action="store_true",
                     help="decode: batch 1 also with the one-row fusions off (fuse_one_row=False), same call")
+    ap.add_argument("--pdl", action="store_true",
+                    help="decode: batch 1 and 16 also with programmatic dependent launch (pdl=True), same call")
     ap.add_argument("--adopt-tiles", action="store_true",
                     help="gemv_tiles: the sections after it run with its best tiles where 3%% faster than the defaults")
     ap.add_argument("--quant", default="", choices=["", *FP8_CONFIGS],
                     help="decode and prefill on fp8 weights, experts included (Qwen3-30B-A3B-FP8's layout)")
     args = ap.parse_args(argv)
+    if args.pdl and args.tiny:
+        ap.error("--pdl needs a GPU of compute capability 9.0+ (not --tiny)")
     run = Run(args)
     summary: dict = {"environment": environment(), "shape": run.shape, "quant": args.quant or None}
     for name in args.sections.split(","):

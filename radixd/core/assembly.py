@@ -92,12 +92,15 @@ def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.dev
               cascade_attention=config.cascade_attention,
               kernels=KernelChoice(fuse_one_row=config.fuse_one_row, rows_kernel=config.rows_kernel,
                                    dense_prefill=config.dense_prefill,
-                                   prefill_weights=config.prefill_weights),
+                                   prefill_weights=config.prefill_weights, pdl=config.pdl),
               head=setup.pooling is None, kv_format=setup.kv_format,
               window_slots=window_region(config, setup),
               tree_graphs=bool(config.speculative_algorithm) and config.speculative_eagle_topk > 1,
               prefill_limits=(config.chunked_prefill_size, config.max_prefill_tokens),
               mixed_graph_tokens=config.mixed_graph_tokens)
+    if config.pdl and not all(d.type == "cuda" and torch.cuda.get_device_capability(d)[0] >= 9 for d in devices):
+        raise ConfigError("pdl", config.pdl, "false unless every device is a CUDA GPU of compute capability 9.0 "
+                          "or more (programmatic dependent launch)")
     if config.mixed_graph_tokens and (len(devices) > 1 or aux_layers):
         raise ConfigError("mixed_graph_tokens", config.mixed_graph_tokens,
                           "0 with tp_size > 1 or an EAGLE-3 drafter (mixed steps are captured on one device, "

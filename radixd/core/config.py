@@ -174,6 +174,10 @@ class EngineConfig:
     # projection kernel where it was measured faster than cuBLAS. Engine options only.
     fuse_one_row: bool = option(True)
     rows_kernel: bool = option(True)
+    # The decode path's Triton kernels (norms, GEMVs, few-row GEMMs, rotary and store, decode
+    # attention) launched with programmatic dependent launch: each starts while the one
+    # before drains and waits on the device (CUDA, compute capability 9.0+). Engine option.
+    pdl: bool = option(False)
     # Prompt chunks of 256+ tokens attend in cuDNN's fused kernels (triton backend, 16-bit KV)
     # over a fixed set of plans built at start (2.4 s on an H200 at the default limits;
     # attention.dense_prefill), in steps with enough device work to hide their host time: on an

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from radixd.core.quant.ops import dequantize_fp8
-from radixd.core.triton_ops import silu_mul
+from radixd.core.triton_ops import pdl_begin, silu_mul
 
 PAIRS_UNSORTED = 16  # up to this many (token, slot) pairs: one block per pair, no sort
 CHUNK_TOKENS = 4096  # tokens per launch pair (a 16k-token prefill at top-8 would hold ~0.7 GB of pair rows)
@@ -322,7 +322,7 @@ def _moe_gemv_up_kernel(X, W, S, Act, Ids, Wts, Logits, N, K, E, stride_xt, stri
                         stride_sn, stride_lt, TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, ROUTE: tl.constexpr,
                         RENORM: tl.constexpr, BLOCK_E: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr,
                         SCALE_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Act[p, n] = SiLU(gate[e] @ x) * (up[e] @ x) for BLOCK_N gate rows n (with their up
     rows n + N) of all TOP_K experts e of token t (pair p = t * TOP_K + slot), the k experts'
     rows read side by side ([BLOCK_J, BLOCK_N, BLOCK_K] tiles). ROUTE: the experts and their
@@ -330,6 +330,7 @@ def _moe_gemv_up_kernel(X, W, S, Act, Ids, Wts, Logits, N, K, E, stride_xt, stri
     Ids/Wts by the token's first program; else read from Ids. PREFETCH (EVEN_K only): the
     loads of step i + 1 (weights and x) are issued before step i's products, so that a
     program keeps two steps' reads in flight instead of waiting out each step's latency."""
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     slot = tl.arange(0, BLOCK_J)
@@ -402,11 +403,12 @@ def _moe_gemv_up_kernel(X, W, S, Act, Ids, Wts, Logits, N, K, E, stride_xt, stri
 def _moe_gemv_down_kernel(Act, W, S, Y, Ids, Wts, N, K, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
                           TOP_K: tl.constexpr, BLOCK_J: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr,
                           SCALE_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Y[t, n] = sum over the token's TOP_K slots j of Wts[p] * down[e] @ Act[p] (p = t *
     TOP_K + j, e = Ids[p]) for BLOCK_N output rows n: the k experts' rows read side by side
     ([BLOCK_J, BLOCK_N, BLOCK_K] tiles) and summed in float32 in the program, so the token's
     output is written once, whole. PREFETCH as in ``_moe_gemv_up_kernel`` (weights and Act)."""
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     slot = tl.arange(0, BLOCK_J)
@@ -458,7 +460,7 @@ def _moe_gemv_down_kernel(Act, W, S, Y, Ids, Wts, N, K, stride_we, stride_wn, st
 def experts_gemv(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, weights: torch.Tensor | None = None,
                  ids: torch.Tensor | None = None, logits: torch.Tensor | None = None, top_k: int = 0,
                  renormalize: bool = False, scales: Scales = None, block: tuple[int, int] | None = None,
-                 up_tiles: tuple | None = None, down_tiles: tuple | None = None) -> torch.Tensor:
+                 up_tiles: tuple | None = None, down_tiles: tuple | None = None, pdl: bool = False) -> torch.Tensor:
     """The MoE MLP of a few tokens (decode at batch 1) as two matrix-vector kernels, each
     reading every chosen expert's weights once in long contiguous rows (no tl.dot, whose
     smallest tile would be 16 rows of which one is real):
@@ -474,18 +476,19 @@ def experts_gemv(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *, 
     with ``top_k`` and ``renormalize``, ``route``'s softmax, top-k and rescaling then done in
     the gate/up kernel (no kernels for them). fp8 experts as ``experts_triton`` takes them.
     Sizes from T alone: CUDA-graph safe. ``up_tiles``/``down_tiles``: ``GemvTiles`` instead of
-    ``GEMV_UP_TILES``/``GEMV_DOWN_TILES`` (benchmarks sweep them)."""
+    ``GEMV_UP_TILES``/``GEMV_DOWN_TILES`` (benchmarks sweep them). ``pdl``: both kernels
+    launched for programmatic dependent launch (``triton_ops.pdl_begin``)."""
     k = top_k if logits is not None else ids.shape[1]
     gs, ds = scales if scales is not None else (None, None)
     act, ids_, wts = gemv_gate_up(x, gate_up, weights=weights, ids=ids, logits=logits, top_k=k,
-                                  renormalize=renormalize, scales=gs, block=block, tiles=up_tiles)
-    return gemv_down(act, down, ids_, wts, k, scales=ds, block=block, tiles=down_tiles)
+                                  renormalize=renormalize, scales=gs, block=block, tiles=up_tiles, pdl=pdl)
+    return gemv_down(act, down, ids_, wts, k, scales=ds, block=block, tiles=down_tiles, pdl=pdl)
 
 
 def gemv_gate_up(x: torch.Tensor, gate_up: torch.Tensor, *, weights: torch.Tensor | None = None,
                  ids: torch.Tensor | None = None, logits: torch.Tensor | None = None, top_k: int = 0,
                  renormalize: bool = False, scales: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-                 tiles: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 tiles: tuple | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``experts_gemv``'s first kernel: (act [T * k, I], ids [T * k], weights [T * k]), the
     pairs' SiLU(gate) * up and their routing (the caller's, or the kernel's from ``logits``)."""
     t, h = x.shape
@@ -514,13 +517,14 @@ def gemv_gate_up(x: torch.Tensor, gate_up: torch.Tensor, *, weights: torch.Tenso
         gate_up.stride(1), gs.stride(0), gs.stride(1), stride_lt, TOP_K=top_k,
         BLOCK_J=triton.next_power_of_2(top_k), ROUTE=route, RENORM=renormalize,
         BLOCK_E=triton.next_power_of_2(num_experts), FP8=scales is not None, SCALE_N=scale_n, SCALE_K=scale_k,
-        EVEN_K=h % bk == 0, PREFETCH=bool(prefetch) and h % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        EVEN_K=h % bk == 0, PREFETCH=bool(prefetch) and h % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        PDL=pdl, launch_pdl=pdl)
     return act, ids_, wts
 
 
 def gemv_down(act: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, top_k: int, *,
               scales: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-              tiles: tuple | None = None) -> torch.Tensor:
+              tiles: tuple | None = None, pdl: bool = False) -> torch.Tensor:
     """``experts_gemv``'s second kernel: each token's output [T, H] from its ``top_k`` pairs'
     rows of ``act`` [T * k, I], ``ids`` and ``weights`` [T * k] (``gemv_gate_up``'s)."""
     pairs, inter = act.shape
@@ -534,17 +538,18 @@ def gemv_down(act: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights:
         act, down, ds, out, ids, weights, h, inter, down.stride(0), down.stride(1), ds.stride(0), ds.stride(1),
         out.stride(0), TOP_K=top_k, BLOCK_J=triton.next_power_of_2(top_k), FP8=scales is not None,
         SCALE_N=scale_n, SCALE_K=scale_k, EVEN_K=inter % bk == 0, PREFETCH=bool(prefetch) and inter % bk == 0,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, PDL=pdl, launch_pdl=pdl)
     return out
 
 
 @triton.jit
 def _add_rmsnorm_router_kernel(X, R, NormW, RouterW, Out, ResOut, Logits, N, E, eps, stride_rw,
-                               BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                               BLOCK: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
     """One token: ResOut = X + R; Out = RMSNorm(ResOut) (``add_rmsnorm``'s arithmetic and
     rounding); Logits[rows] = RouterW[rows] @ Out for ROWS router rows per program. Every
     program normalises the token itself (8 KB from the L2); the first writes Out and ResOut,
     which are not X or R (no program reads what another writes)."""
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -562,8 +567,8 @@ def _add_rmsnorm_router_kernel(X, R, NormW, RouterW, Out, ResOut, Logits, N, E, 
 
 
 def add_rmsnorm_router(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                       router_weight: torch.Tensor, *, rows: int = 1,
-                       warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       router_weight: torch.Tensor, *, rows: int = 1, warps: int = 4,
+                       pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For one token ``x`` [1, H]: (h, x + residual, logits), h = RMSNorm(x + residual) and
     logits [1, E] = h @ ``router_weight``.T in x's dtype: the residual add, the norm before
     the MoE block and its router's GEMV in one kernel. The new residual is a new tensor
@@ -575,5 +580,5 @@ def add_rmsnorm_router(x: torch.Tensor, residual: torch.Tensor, norm_weight: tor
     logits = torch.empty((1, e), dtype=x.dtype, device=x.device)
     _add_rmsnorm_router_kernel[(triton.cdiv(e, rows),)](
         x, residual, norm_weight, router_weight, h, res, logits, n, e, eps, router_weight.stride(0),
-        BLOCK=triton.next_power_of_2(n), ROWS=rows, num_warps=warps)
+        BLOCK=triton.next_power_of_2(n), ROWS=rows, num_warps=warps, PDL=pdl, launch_pdl=pdl)
     return h, res, logits

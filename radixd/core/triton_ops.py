@@ -47,14 +47,29 @@ class KernelChoice:
     rows_kernel: bool = True   # 2..ROWS_MAX_M rows: ``rows_linear`` where measured faster
     dense_prefill: bool = True  # long extends in cuDNN's fused attention (``attention.dense_prefill``)
     prefill_weights: str = "auto"  # CPU int4 weights: a bf16 copy for prefill (``cpu_int.with_prefill_copies``)
+    # Programmatic dependent launch (CUDA, Hopper+): the decode path's Triton kernels launched
+    # so that each may start while the one before it drains (``pdl_begin``)
+    pdl: bool = False
 
 
 ALL_KERNELS = KernelChoice()
 
 
 @triton.jit
+def pdl_begin(PDL: tl.constexpr):
+    """A kernel's first step when launched with ``launch_pdl`` (``KernelChoice.pdl``): it may
+    have started while the kernel before it still ran, so it waits for that kernel's end and
+    writes (griddepcontrol.wait) before touching memory, then lets the next kernel launch.
+    Without PDL, nothing (the interpreter has no griddepcontrol)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _add_rmsnorm_kernel(X, R, W, Out, stride_x, stride_r, stride_o, N, eps,
-                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -69,10 +84,12 @@ def _add_rmsnorm_kernel(X, R, W, Out, stride_x, stride_r, stride_o, N, eps,
 
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                residual: torch.Tensor | None = None, *, use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                residual: torch.Tensor | None = None, *, use_triton: bool | None = None,
+                pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (RMSNorm(x + residual), x + residual); the sum is written into ``residual``
     in place. Without ``residual``: (RMSNorm(x), x). Rows are the last dimension.
-    ``use_triton``: None picks the kernel on CUDA and torch ops elsewhere."""
+    ``use_triton``: None picks the kernel on CUDA and torch ops elsewhere. ``pdl``: the
+    kernel launched for programmatic dependent launch (``pdl_begin``)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if not (x.is_cuda if use_triton is None else use_triton):
@@ -91,6 +108,7 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _add_rmsnorm_kernel[(x2.shape[0],)](
         x2, r2, weight, out, x2.stride(0), r2.stride(0), out.stride(0), n, eps,
         HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8,
+        PDL=pdl, launch_pdl=pdl,
     )
     return out.reshape(shape), (residual if residual is not None else x)
 
@@ -133,7 +151,8 @@ def _rope_store_kernel(Q, QOut, K, V, Pos, Cos, Sin, KBuf, VBuf, Loc, k_scale, v
                        stride_cos, stride_bn, stride_bh, stride_vbn, stride_vbh,
                        H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, FP8_MAX: tl.constexpr,
-                       FP8_MANT: tl.constexpr, QW, KW, eps, QK_NORM: tl.constexpr):
+                       FP8_MANT: tl.constexpr, QW, KW, eps, QK_NORM: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     t = tl.program_id(0)
     pos = tl.load(Pos + t)
     loc = tl.load(Loc + t)
@@ -183,7 +202,7 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
                cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                loc: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
                qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-               q_out: torch.Tensor | None = None) -> None:
+               q_out: torch.Tensor | None = None, pdl: bool = False) -> None:
     """Neox-style rotary on ``q`` [T, H, D] (in place, or into ``q_out`` of its shape) and
     ``k`` [T, Hkv, D]; rotated k and v go to ``k_buf[loc]``/``v_buf[loc]`` (fp8 buffers:
     divided by ``k_scale``/``v_scale``, saturated). ``cos``/``sin``: [max_pos, D/2] float32. ``qk_norm``: (q weight [D], k weight
@@ -200,7 +219,7 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
         cos.stride(0), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         H=H, HKV=hkv, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_H=triton.next_power_of_2(H), BLOCK_HKV=triton.next_power_of_2(hkv), **fp8_format(k_buf), QW=qw, KW=kw, eps=eps,
-        QK_NORM=qk_norm is not None,
+        QK_NORM=qk_norm is not None, PDL=pdl, launch_pdl=pdl,
     )
 
 
@@ -255,7 +274,8 @@ def _dot_rows(X, W, rows, mask_rows, K, stride_w, NROWS: tl.constexpr, MASK_ROWS
 
 @triton.jit
 def _gemv_kernel(X, W, B, Y, N, K, stride_w, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -274,17 +294,19 @@ def gemv_tiles(k: int) -> tuple[int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         tiles: tuple[int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+         tiles: tuple[int, int, int] | None = None, out: torch.Tensor | None = None,
+         pdl: bool = False) -> torch.Tensor:
     """``F.linear`` of one row: ``x`` [1, K] (or [K]), ``weight`` [N, K] row-major.
     ``tiles``: (rows per program, K per iteration, warps) instead of ``gemv_tiles``' choice
-    (benchmarks sweep them)."""
+    (benchmarks sweep them). ``pdl``: as ``add_rmsnorm``'s."""
     n, k = weight.shape
     bn, bk, warps = tiles if tiles is not None else (*gemv_tiles(k), 4)
     if out is None:
         out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        PDL=pdl, launch_pdl=pdl)
     return out
 
 
@@ -311,17 +333,20 @@ def _gemv_pair(X, W, B, pid, HALF, K, stride_w,
 
 
 @triton.jit
-def _gemv_silu_kernel(X, W, Y, INTER, K, stride_w, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_silu_kernel(X, W, Y, INTER, K, stride_w, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     g, u = _gemv_pair(X, W, W, pid, INTER, K, stride_w, False, EVEN_K, BLOCK_K)
     tl.store(Y + pid, (g / (1.0 + tl.exp(-g)) * u).to(Y.dtype.element_ty))
 
 
-def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, *, tiles: tuple[int, int] | None = None) -> torch.Tensor:
+def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, *, tiles: tuple[int, int] | None = None,
+                  pdl: bool = False) -> torch.Tensor:
     """``silu_mul(F.linear(x, weight))`` for one row ``x`` [1, K]; ``weight`` [2I, K] is the
     fused (gate | up) projection. ``tiles``: (K per iteration, warps); by default 8 warps
     for 2048-wide steps (the fastest at the 8B model's shapes, tp 1 and 2:
-    ``python -m benchmarks.decode_profile --sections fused``)."""
+    ``python -m benchmarks.decode_profile --sections fused``). ``pdl``: as ``add_rmsnorm``'s."""
     two_i, k = weight.shape
     if tiles is None:
         bk = gemv_tiles(k)[1]
@@ -329,7 +354,7 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, *, tiles: tuple[int, in
     bk, warps = tiles
     out = torch.empty(x.shape[:-1] + (two_i // 2,), dtype=x.dtype, device=x.device)
     _gemv_silu_kernel[(two_i // 2,)](x, weight, out, two_i // 2, k, weight.stride(0),
-                                     EVEN_K=k % bk == 0, BLOCK_K=bk, num_warps=warps)
+                                     EVEN_K=k % bk == 0, BLOCK_K=bk, num_warps=warps, PDL=pdl, launch_pdl=pdl)
     return out
 
 
@@ -343,10 +368,10 @@ def gate_up_silu(x: torch.Tensor, layer: torch.nn.Linear, kernels: KernelChoice 
         return y
     if isinstance(layer, torch.nn.Linear) and layer.bias is None:
         if kernels.fuse_one_row and one_row(x, layer.weight):
-            return gemv_silu_mul(x, layer.weight)
+            return gemv_silu_mul(x, layer.weight, pdl=kernels.pdl)
         tiles = few_rows(x, layer.weight, silu=True) if kernels.rows_kernel else None
         if tiles:
-            return rows_linear(x, layer.weight, silu=True, tiles=tiles)
+            return rows_linear(x, layer.weight, silu=True, tiles=tiles, pdl=kernels.pdl)
     return silu_mul(linear(x, layer, kernels))
 
 
@@ -383,7 +408,9 @@ def rope_store_pairs(a, b, pair, mask, Q, KBuf, VBuf, Pos, Loc, Cos, Sin, stride
 def _gemv_rope_store_kernel(X, W, B, Q, KBuf, VBuf, Pos, Loc, Cos, Sin, K, stride_w, stride_cos,
                             stride_bn, stride_bh, stride_vbn, stride_vbh, H, HKV, k_scale, v_scale,
                             HALF: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                            BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr):
+                            BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr,
+                            PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     a, b = _gemv_pair(X, W, B, pid, HALF, K, stride_w, HAS_BIAS, EVEN_K, BLOCK_K)
     one = tl.zeros([1], dtype=tl.float32)
@@ -395,7 +422,7 @@ def _gemv_rope_store_kernel(X, W, B, Q, KBuf, VBuf, Pos, Loc, Cos, Sin, K, strid
 def gemv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, position: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                     loc: torch.Tensor, *, num_heads: int, tiles: tuple[int, int] | None = None,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = False) -> torch.Tensor:
     """The fused q/k/v projection of one token ``x`` [1, K] (``weight`` rows: q heads | k
     heads | v heads), ``rope_store``'s work in the epilogue: returns rotated q [1, H, D];
     rotated k and v go to ``k_buf[loc]``/``v_buf[loc]`` (fp8: as ``rope_store`` stores them). ``position``/``loc``: [1] on the
@@ -409,7 +436,7 @@ def gemv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         x, weight, bias if bias is not None else weight, q, k_buf, v_buf, position, loc, cos, sin, k,
         weight.stride(0), cos.stride(0), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         num_heads, hkv, k_scale, v_scale, HALF=d // 2, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_K=bk,
-        **fp8_format(k_buf), num_warps=warps)
+        **fp8_format(k_buf), num_warps=warps, PDL=pdl, launch_pdl=pdl)
     return q
 
 
@@ -468,7 +495,7 @@ def _rows_epilogue(acc, acc_up, B, Y, Part, Count, pid, split, offs_m, offs_n, m
 @triton.jit
 def _rows_kernel(X, W, B, Y, Part, Count, M, N, K, stride_xm, stride_w, stride_ym, HALF,
                  HAS_BIAS: tl.constexpr, SILU: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Y[:M, tile] = X[:M] @ W[tile].T for one tile of BLOCK_N weight rows and all M (<=
     BLOCK_M) rows of X, accumulated as W-tile x X-tile.T (the weights are the wide side of the
     product). With SILU, W is (gate | up) with HALF rows each: the tile's gate rows and the
@@ -478,6 +505,7 @@ def _rows_kernel(X, W, B, Y, Part, Count, M, N, K, stride_xm, stride_w, stride_y
     ``Part``; the tile's last program to finish (``Count``, a per-tile arrival counter it
     sets back to 0) adds the slices in order and writes Y, so one launch does the whole
     product and the result does not depend on which program came last."""
+    pdl_begin(PDL)
     pid, split, offs_n, offs_m, mask_n, mask_m, k_lo, k_hi = _rows_tile(M, N, K, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # (SILU only)
@@ -572,13 +600,14 @@ def _split_scratch(device: torch.device, need: int, tiles: int) -> tuple[torch.T
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, silu: bool = False,
-                tiles: tuple[int, int, int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                tiles: tuple[int, int, int, int, int] | None = None, out: torch.Tensor | None = None,
+                pdl: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a few rows ``x`` [M, K] (``silu``: ``silu_mul`` of
     it, ``weight`` being the fused (gate | up) projection) in one kernel that streams each
     weight tile once past all M rows, K split over several programs per tile where the tiles
     alone are too few for the device. ``tiles``: ``rows_tiles``' tuple (default: its choice,
     or ROWS_DEFAULT_TILES where nothing was measured); a split that finds no scratch raises
-    rather than run unsplit."""
+    rather than run unsplit. ``pdl``: as ``add_rmsnorm``'s."""
     assert not (silu and bias is not None), "the fused gate/up projection has no bias"
     m, k = x.shape
     n = weight.shape[0] // 2 if silu else weight.shape[0]
@@ -596,7 +625,7 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     _rows_kernel[(grid_n, split)](
         x, weight, bias if bias is not None else weight, out, part, count, m, n, k, x.stride(0), weight.stride(0),
         out.stride(0), n, HAS_BIAS=bias is not None, SILU=silu, EVEN_K=k % (bk * split) == 0, SPLIT_K=split,
-        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, PDL=pdl, launch_pdl=pdl)
     return out
 
 
@@ -613,10 +642,10 @@ def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``F.linear(x, weight, bias)``, through ``gemv`` for a single CUDA row of a 16-bit model
     and ``rows_linear`` for a few rows where it beats cuBLAS (``kernels.rows_kernel``)."""
     if one_row(x, weight):
-        return gemv(x, weight, bias)
+        return gemv(x, weight, bias, pdl=kernels.pdl)
     tiles = few_rows(x, weight) if kernels.rows_kernel else None
     if tiles:
-        return rows_linear(x, weight, bias, tiles=tiles)
+        return rows_linear(x, weight, bias, tiles=tiles, pdl=kernels.pdl)
     return torch.nn.functional.linear(x, weight, bias)
 
 

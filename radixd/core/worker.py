@@ -145,6 +145,7 @@ class ModelWorker:
             windows=windows,
             softcap=model_cfg.attn_softcap,
             prefill_limits=prefill_limits,
+            pdl=kernels.pdl,
         )
         self.cascade_members = self.attn.cascade_members
         self.stager = Stager(device)

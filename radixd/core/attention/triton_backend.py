@@ -68,12 +68,15 @@ class TritonAttention:
     """A ``GraphAttention``. ``fuse_one_row``: take ``project_forward``'s one-kernel path;
     ``dense_prefill``: long extends in cuDNN's kernels (module docstring), for extends of up
     to ``prefill_limits[0]`` new tokens, ``prefill_limits[1]`` in a step (the scheduler's
-    chunk and step budget: what ``warm_up`` builds plans for)."""
+    chunk and step budget: what ``warm_up`` builds plans for). ``pdl``: the decode path's
+    kernels (rotary and store, the q/k/v GEMV, decode attention) launched for programmatic
+    dependent launch (``KernelChoice.pdl``)."""
 
     def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float, cascade: bool = False,
                  fuse_one_row: bool = True, dense_prefill: bool = False, windows: tuple[int, ...] = (),
-                 softcap: float = 0.0, prefill_limits: tuple[int, int] = (2048, 4096)):
+                 softcap: float = 0.0, prefill_limits: tuple[int, int] = (2048, 4096), pdl: bool = False):
         self.pool = pool
+        self.pdl = pdl
         self.windows = windows or (0,) * len(pool.k_buffers)
         self.softcap = softcap
         self.mapped = tuple(bool(w) and pool.to_window is not None for w in self.windows)
@@ -302,7 +305,7 @@ class TritonAttention:
         strided = dense is None or (dense.exact and q.stride() == self.plans.q_strides)
         q_out = q if strided else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         rope_store(q, k, v, positions, rotary.cos, rotary.sin, k_buf, v_buf, self._loc(layer), *scales,
-                   qk_norm=qk_norm, q_out=q_out)
+                   qk_norm=qk_norm, q_out=q_out, pdl=self.pdl)
         q = q_out
         if self.decode:
             return self._decode(q, layer)
@@ -370,7 +373,8 @@ class TritonAttention:
         if not (isinstance(proj, torch.nn.Linear) and one_row(x, proj.weight)):
             return None
         q = gemv_rope_store(x, proj.weight, proj.bias, positions, rotary.cos, rotary.sin, k_buf, v_buf,
-                            self._loc(layer), num_heads=self.num_heads, k_scale=k_scale, v_scale=v_scale)
+                            self._loc(layer), num_heads=self.num_heads, k_scale=k_scale, v_scale=v_scale,
+                            pdl=self.pdl)
         return self._decode(q, layer)
 
     def _decode(self, q: torch.Tensor, layer: int) -> torch.Tensor:
@@ -385,7 +389,8 @@ class TritonAttention:
         out = decode_attention(q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token,
                                self.rows, self.seq_lens, self.scale, num_splits=self.splits, mid_o=self.mid_o,
                                mid_lse=self.mid_lse, window=self.windows[layer], softcap=self.softcap,
-                               k_scale=k_scale, v_scale=v_scale, slot_map=self._map(layer), tree=self.tree)
+                               k_scale=k_scale, v_scale=v_scale, slot_map=self._map(layer), tree=self.tree,
+                               pdl=self.pdl)
         if self.graph_extends is not None:
             ext, config = self.graph_extends
             extend_attention(q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token,

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixd.core.triton_ops import pdl_begin
+
 DECODE_CONFIG = (64, 4, 3)  # stage 1: tokens per tile, warps, pipeline stages
 # an fp8 pool's: twice the tokens a tile (the same bytes); on an H200 at 256 x 4096 tokens the
 # kernel took 844-903 us against 1085-1216 with DECODE_CONFIG (three calls; benchmarks.fp8_kv --sweep)
@@ -102,7 +104,7 @@ def _decode_stage1(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
     HAS_START: tl.constexpr, WRITE_LSE: tl.constexpr, MERGE_PREFIX: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MAPPED: tl.constexpr, F16_DOT: tl.constexpr,
-    TREE: tl.constexpr = False, FP8_DOT: tl.constexpr = False,
+    TREE: tl.constexpr = False, FP8_DOT: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """``MERGE_PREFIX`` (cascade with one split): the shared level's ``PrefixParts[b]``
     partials, in split slots ``SPLITS ...`` of ``MidO``/``MidLse``, are already there; they
@@ -110,7 +112,9 @@ def _decode_stage1(
     only the newest ``WINDOW`` keys are read (not with a start). ``F16_DOT``: the query (and
     so the K/V tiles and probabilities) in fp16 for the products (see ``decode_attention``).
     ``TREE``: row b sees a key at position ``p >= TreeBase[b]`` only where bit
-    ``p - TreeBase[b]`` of ``TreeBits[b]`` is set (``decode_attention``'s ``tree``)."""
+    ``p - TreeBase[b]`` of ``TreeBits[b]`` is set (``decode_attention``'s ``tree``). ``PDL``:
+    ``triton_ops.pdl_begin``."""
+    pdl_begin(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -176,8 +180,9 @@ def _decode_stage2(
     MidO, MidLse, Out, PrefixParts,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    PREFIX_SPLITS: tl.constexpr,
+    PREFIX_SPLITS: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -204,6 +209,7 @@ def decode_attention(
     config: tuple[int, int, int] | None = None, window: int = 0, softcap: float = 0.0,
     k_scale: float = 1.0, v_scale: float = 1.0, slot_map: torch.Tensor | None = None,
     fp16_dot: bool | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None, fp8_dot: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``q`` [B, H, D] (one token per request) -> [B, H, D]. ``rows``/``seq_lens`` [B] on the
     device; the launch shape depends only on B, so it can be captured in a CUDA graph.
@@ -224,7 +230,8 @@ def decode_attention(
     scale per KV head's group (relative error 0.033 against bf16 K/V, the pool alone 0.030); off
     by default: on an H200 at 256 x 4096 tokens it took 803 and 867 us in two calls against
     903 and 844 with the fp16 products. Without ``config``, an fp8 pool's stage 1 takes
-    ``FP8_DECODE_CONFIG``."""
+    ``FP8_DECODE_CONFIG``. ``pdl``: both kernels launched for programmatic dependent launch
+    (``triton_ops.pdl_begin``)."""
     B, H, D = q.shape
     Hkv = k_buf.shape[1]
     fp8_dot = fp8_dot and k_buf.dtype == torch.float8_e4m3fn
@@ -249,7 +256,7 @@ def decode_attention(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, HAS_START=False, WRITE_LSE=num_splits > 1,
         MERGE_PREFIX=False, WINDOW=window, SOFTCAP=softcap, MAPPED=slot_map is not None, F16_DOT=fp16_dot,
-        TREE=tree is not None, FP8_DOT=fp8_dot,
+        TREE=tree is not None, FP8_DOT=fp8_dot, PDL=pdl, launch_pdl=pdl,
         num_warps=warps, num_stages=stages,
     )
     if num_splits == 1:
@@ -259,7 +266,7 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-        PREFIX_SPLITS=0,
+        PREFIX_SPLITS=0, PDL=pdl, launch_pdl=pdl,
     )
     return out
 

@@ -20,17 +20,21 @@ from radixd.core.triton_ops import (
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """``pdl``: its CUDA kernel launched for programmatic dependent launch
+    (``KernelChoice.pdl``)."""
+
+    def __init__(self, dim: int, eps: float, *, pdl: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.pdl = pdl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return add_rmsnorm(x, self.weight, self.eps)[0]
+        return add_rmsnorm(x, self.weight, self.eps, pdl=self.pdl)[0]
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual += x`` (in place), then normalise it: one fused kernel on CUDA."""
-        return add_rmsnorm(x, self.weight, self.eps, residual)
+        return add_rmsnorm(x, self.weight, self.eps, residual, pdl=self.pdl)
 
 
 class Rotary(nn.Module):
@@ -129,9 +133,9 @@ class DecoderLayer(nn.Module):
                  kernels: KernelChoice = ALL_KERNELS, mlp: nn.Module | None = None):
         """``mlp``: the block's MLP (a mixture of experts), else a dense ``GatedMLP``."""
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdl=kernels.pdl)
         self.self_attn = Attention(cfg, layer, qkv_bias=qkv_bias, qk_norm=qk_norm, kernels=kernels)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdl=kernels.pdl)
         self.mlp = mlp if mlp is not None else GatedMLP(cfg.hidden_size, cfg.intermediate_size, kernels=kernels)
         # Tensor parallel: sums the shards' partial o_proj / down_proj outputs before the add
         # and norm that follow each (``all_reduce.add_norm``, fused where it can be).

@@ -91,11 +91,12 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, **self._scales())
 
-    def forward_routed(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    def forward_routed(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
+                       pdl: bool = False) -> torch.Tensor:
         """The experts of ``route(logits, top_k, renormalize)``'s choice, the routing done
-        inside the gate/up kernel (``moe_ops.experts_gemv``: a few CUDA tokens)."""
+        inside the gate/up kernel (``moe_ops.experts_gemv``: a few CUDA tokens; ``pdl``: its)."""
         return experts_gemv(x, self.gate_up_proj, self.down_proj, logits=logits, top_k=top_k,
-                            renormalize=renormalize, **self._scales())
+                            renormalize=renormalize, pdl=pdl, **self._scales())
 
 
 def routed_in_kernel(x: torch.Tensor, kernels: KernelChoice) -> bool:
@@ -133,7 +134,8 @@ class SparseMoE(nn.Module):
                 and x.shape[0] == 1 and x.is_contiguous() and residual.is_contiguous()
                 and self.gate.weight.stride(1) == 1 and self.gate.bias is None):
             return None
-        h, residual, logits = add_rmsnorm_router(x, residual, norm.weight, norm.eps, self.gate.weight)
+        h, residual, logits = add_rmsnorm_router(x, residual, norm.weight, norm.eps, self.gate.weight,
+                                                 pdl=self.kernels.pdl)
         return self._experts_of(h, logits), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,7 +143,7 @@ class SparseMoE(nn.Module):
 
     def _experts_of(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if routed_in_kernel(x, self.kernels):  # (router's softmax and top-k in the experts' kernel)
-            y = self.experts.forward_routed(x, logits, self.top_k, self.renormalize)
+            y = self.experts.forward_routed(x, logits, self.top_k, self.renormalize, self.kernels.pdl)
         else:
             y = self.experts(x, *route(logits, self.top_k, self.renormalize))
         if self.shared_expert is not None:

@@ -1,0 +1,101 @@
+"""Programmatic dependent launch (the engine option ``pdl``): the decode path's Triton
+kernels launched so that each may start while the one before drains, waiting on the device
+(``triton_ops.pdl_begin``). Off the GPU the option is refused; on an H200 (``-m gpu``) each
+kernel and the whole engine give what they give without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixd.core.errors import ConfigError
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal off a GPU")
+def test_pdl_refused_off_a_gpu(tiny_models):
+    from radixd import Engine
+
+    with pytest.raises(ConfigError, match="'pdl'.*compute capability 9.0"):
+        Engine(model=str(tiny_models["llama"]), pdl=True, kv_cache_tokens=256)
+
+
+@pytest.mark.parametrize("kernel", ["add_rmsnorm", "gemv", "gemv_silu_mul", "gemv_rope_store", "rows_linear",
+                                    "decode_attention", "add_rmsnorm_router", "experts_gemv"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a CUDA device of compute capability 9.0+")
+def test_each_kernel_the_same_with_pdl(kernel):
+    """Each kernel, launched for PDL right after a kernel that writes its input, reads that
+    input as written: the same bits as without PDL."""
+    from radixd.core import moe_ops, triton_ops
+    from radixd.core.attention.triton_kernels import decode_attention
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    bf = torch.bfloat16
+    hidden, heads, kv_heads, dim = 4096, 32, 8, 128
+
+    def rand(*shape, dtype=bf):
+        return torch.randn(*shape, generator=g, device=dev, dtype=torch.float32).to(dtype)
+
+    def run(pdl: bool):
+        src = rand(4, hidden)
+        x = torch.empty_like(src)
+        x.copy_(src * 0.5)  # (a kernel just before that writes the input)
+        if kernel == "add_rmsnorm":
+            res = rand(4, hidden)
+            y, r = triton_ops.add_rmsnorm(x, rand(hidden), 1e-5, res, pdl=pdl)
+            return torch.cat((y, r))
+        if kernel == "gemv":
+            return triton_ops.gemv(x[:1], rand(6144, hidden), pdl=pdl)
+        if kernel == "gemv_silu_mul":
+            return triton_ops.gemv_silu_mul(x[:1], rand(2 * 14336, hidden), pdl=pdl)
+        if kernel == "rows_linear":
+            return triton_ops.rows_linear(x, rand(6144, hidden), pdl=pdl)
+        if kernel == "add_rmsnorm_router":
+            h, r, logits = moe_ops.add_rmsnorm_router(x[:1], rand(1, hidden), rand(hidden), 1e-5, rand(128, hidden),
+                                                      pdl=pdl)
+            return torch.cat((h.flatten(), r.flatten(), logits.flatten()))
+        if kernel == "experts_gemv":  # (Qwen3-30B-A3B's expert shape, routed in the kernel)
+            logits = rand(1, 128)
+            return moe_ops.experts_gemv(x[:1, :2048], rand(128, 2 * 768, 2048), rand(128, 2048, 768), logits=logits,
+                                        top_k=8, renormalize=True, pdl=pdl)
+        k_buf = rand(64, kv_heads, dim)
+        v_buf = rand(64, kv_heads, dim)
+        if kernel == "gemv_rope_store":
+            cos, sin = rand(128, dim // 2, dtype=torch.float32), rand(128, dim // 2, dtype=torch.float32)
+            pos = torch.tensor([5], device=dev)
+            loc = torch.tensor([9], device=dev)
+            q = triton_ops.gemv_rope_store(x[:1], rand((heads + 2 * kv_heads) * dim, hidden), None, pos, cos, sin,
+                                           k_buf, v_buf, loc, num_heads=heads, pdl=pdl)
+            return torch.cat((q.flatten(), k_buf[9].flatten(), v_buf[9].flatten()))
+        q = x.view(4, heads, dim)
+        table = torch.arange(64, device=dev).view(1, 64).repeat(4, 1)
+        rows = torch.arange(4, device=dev)
+        lens = torch.tensor([64, 33, 7, 1], device=dev)
+        return decode_attention(q, k_buf, v_buf, table, rows, lens, dim**-0.5, num_splits=4, pdl=pdl)
+
+    want = run(False)
+    g.manual_seed(0)
+    got = run(True)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a CUDA device of compute capability 9.0+")
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3-moe"])
+async def test_engine_decodes_the_same_with_pdl(tiny_models, tiny_moe_models, graphs, arch):
+    """Greedy tokens and logprobs of one request and of four at once (the one-row GEMVs, the
+    MoE block's kernels, the few-row kernel), replayed in graphs or eager, equal with and
+    without PDL."""
+    from test_gpu_decode import assert_same_greedy, greedy_runs
+
+    path = (tiny_moe_models if arch == "qwen3-moe" else tiny_models)[arch]
+    prompts = [list(range(5, 45)), list(range(7, 30)), list(range(3, 60)), list(range(11, 20))]
+    for batch in (prompts[:1], prompts):
+        on = await greedy_runs(path, batch, [24] * len(batch), cuda_graphs=graphs, pdl=True)
+        off = await greedy_runs(path, batch, [24] * len(batch), cuda_graphs=graphs, pdl=False)
+        assert_same_greedy(on, off)
