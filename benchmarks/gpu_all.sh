@@ -36,7 +36,7 @@
 #   mixedload the GPU tests of the mixed steps' graphs and the Triton kernels, then
 #             benchmarks/mixed_load.py (in process, 8B shape, 512 prompts at 256 streams) per
 #             setting: no budget; 1024 eager; 512, 768, 1024 replayed (MIXED_SETTINGS: others)
-#   quant fp8kv swa spec pd moe (FP8KV_ARGS=--sweep: the decode kernel's tiles first)
+#   quant fp8kv swa spec pd moe (FP8KV_ARGS=--sweep: the decode kernel's tiles first; QUANT_ARGS=--pdl)
 #             benchmarks/quant.py (bf16, fp8 and int4 engines at the 8B shape), fp8_kv.py (batch
 #             256 x 4k, fp8 vs bf16 KV), swa.py (Gemma-3-12B shape at 8k), spec.py --device cuda,
 #             pd.py --preset h200, moe.py (PEER=path adds the transformers peer; MOE_ARGS e.g.
@@ -137,7 +137,7 @@ mixed_prefill_tokens=1024;mixed_prefill_tokens=512,mixed_graph_tokens=512;mixed_
 mixed_prefill_tokens=1024,mixed_graph_tokens=1024}" > "$W/mixed_load.log" 2>&1
     tail -7 "$W/mixed_load.log" | cut -c1-400 ;;
   quant)
-    $limit python3 -m benchmarks.quant --json "$W/quant.json" > "$W/quant.log" 2>&1
+    $limit python3 -m benchmarks.quant --json "$W/quant.json" ${QUANT_ARGS:-} > "$W/quant.log" 2>&1
     tail -12 "$W/quant.log" | cut -c1-400 ;;
   fp8kv)
     $limit python3 -m benchmarks.fp8_kv --out "$W/fp8_kv.json" ${FP8KV_ARGS:-} > "$W/fp8_kv.log" 2>&1

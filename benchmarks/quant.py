@@ -65,6 +65,7 @@ class Run:
 
     def __init__(self, args):
         self.tiny = args.quick
+        self.pdl = args.pdl
         self.shape = TINY if self.tiny else SHAPES["llama3-8b"]
         self.out = Path(args.json).with_suffix("")
         self.paths = {}
@@ -78,6 +79,8 @@ class Run:
         self.prefill = (2, 64) if self.tiny else (8, 2048)
 
     def engine(self, scheme: str, **kw) -> Engine:
+        if self.pdl:
+            kw["pdl"] = True
         if self.tiny:
             kw = {"kv_cache_tokens": 4096, "max_running_requests": 16, **kw, **CPU_ENGINE}
         else:
@@ -149,9 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", required=True, help="where the results go (a JSON file)")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--quick", action="store_true", help="a tiny shape on the CPU: the script's logic, not a figure")
+    ap.add_argument("--pdl", action="store_true", help="every engine with programmatic dependent launch (pdl=True)")
     args = ap.parse_args(argv)
+    if args.pdl and args.quick:
+        ap.error("--pdl needs a GPU of compute capability 9.0+ (not --quick)")
     run = Run(args)
-    doc: dict = {"environment": environment(), "shape": run.shape, "ceilings": ceilings(run), "schemes": {}}
+    doc: dict = {"environment": environment(), "shape": run.shape, "pdl": args.pdl, "ceilings": ceilings(run),
+                 "schemes": {}}
     for name in args.schemes.split(","):
         doc["schemes"][name] = timed_section(lambda name=name: scheme_figures(run, name))
         write_json(args.json, doc)  # what is done so far survives a run stopped early

@@ -22,7 +22,8 @@ def test_pdl_refused_off_a_gpu(tiny_models):
 
 
 @pytest.mark.parametrize("kernel", ["add_rmsnorm", "gemv", "gemv_silu_mul", "gemv_rope_store", "rows_linear",
-                                    "decode_attention", "add_rmsnorm_router", "experts_gemv"])
+                                    "decode_attention", "add_rmsnorm_router", "experts_gemv", "fp8_gemv",
+                                    "int4_gemv"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a CUDA device of compute capability 9.0+")
 def test_each_kernel_the_same_with_pdl(kernel):
@@ -30,6 +31,7 @@ def test_each_kernel_the_same_with_pdl(kernel):
     input as written: the same bits as without PDL."""
     from radixd.core import moe_ops, triton_ops
     from radixd.core.attention.triton_kernels import decode_attention
+    from radixd.core.quant import gemv
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -53,6 +55,12 @@ def test_each_kernel_the_same_with_pdl(kernel):
             return triton_ops.gemv_silu_mul(x[:1], rand(2 * 14336, hidden), pdl=pdl)
         if kernel == "rows_linear":
             return triton_ops.rows_linear(x, rand(6144, hidden), pdl=pdl)
+        if kernel == "fp8_gemv":
+            w = rand(6144, hidden).to(torch.float8_e4m3fn)
+            return gemv.fp8_gemv(x[:1], w, rand(6144, dtype=torch.float32).abs(), None, None, pdl=pdl)
+        if kernel == "int4_gemv":  # (groups of 128, symmetric: the packed-pair asm path)
+            w = torch.randint(-2**31, 2**31 - 1, (6144, hidden // 8), generator=g, device=dev, dtype=torch.int32)
+            return gemv.int_gemv(x[:1], w, rand(6144, hidden // 128), None, 4, 128, None, None, pdl=pdl)
         if kernel == "add_rmsnorm_router":
             h, r, logits = moe_ops.add_rmsnorm_router(x[:1], rand(1, hidden), rand(hidden), 1e-5, rand(128, hidden),
                                                       pdl=pdl)

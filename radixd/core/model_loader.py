@@ -29,7 +29,7 @@ from radixd.core.models import model_class
 from radixd.core.models.config import ModelConfig
 from radixd.core.models.weights import target_module
 from radixd.core.quant.formats import read_scheme
-from radixd.core.quant.linear import quantize_projections, swap_projections
+from radixd.core.quant.linear import QuantLinear, quantize_projections, swap_projections
 from radixd.core.triton_ops import ALL_KERNELS, KernelChoice
 
 log = logging.getLogger(__name__)
@@ -210,6 +210,10 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     else:
         model.load_weights(iter_safetensors(path), head=head)
     model = model.eval()
+    if kernels.pdl:  # (the quantized projections' GEMVs, like the 16-bit ones)
+        for m in model.modules():
+            if isinstance(m, QuantLinear):
+                m.pdl = True
     # Rotary tables stay float32 whatever the weights' dtype.
     model.rotary = model.make_rotary(cfg).to(device)
     return model

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixd.core.triton_ops import fp8_format, rope_store_pairs
+from radixd.core.triton_ops import fp8_format, pdl_begin, rope_store_pairs
 
 GEMV_TUNED = Path(__file__).parents[1] / "tuned" / "quant_gemv.json"
 
@@ -148,12 +148,13 @@ def _int4_asm_kernel(X, W, S, Z, Bias, Y, N, K, stride_w, stride_s, G, KBuf, VBu
                      stride_bn, stride_bh, stride_vbn, stride_vbh, H, HKV, k_scale, v_scale,
                      ASM: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
                      EPI: tl.constexpr, HALF: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Y[0, tile] for one x row and BLOCK_N int4 weight rows (``_tile_rows``) through
     ``int4_dot8_asm``'s text ``ASM``: per step a sum over each group's words, scaled into a
     per-group accumulator, summed once at the end. (On an H200 this beat a per-word
     accumulator, with scales read per word or broadcast from each group's, by 8-21% summed
     over the 8B projections at each one's fastest tiles.)"""
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     offs_n, mask_n = _tile_rows(pid, N, G, BLOCK_N, EPI != 0)
     WORDS: tl.constexpr = BLOCK_K // 8
@@ -213,12 +214,14 @@ def _gemv_kernel(X, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_w, stride_s, st
                  FP8: tl.constexpr, BITS: tl.constexpr, SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr,
                  GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
                  EVEN_K: tl.constexpr, EPI: tl.constexpr, HALF: tl.constexpr, FP8_MAX: tl.constexpr,
-                 FP8_MANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 FP8_MANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """Y[:M, tile] for one tile of BLOCK_N weight rows (``_tile_rows``; ``_epilogue``'s EPI > 0:
     paired rows, one row of x).
     FP8: W fp8 [N, K], S per SCALE (tensor []; channel [N]; block [ceil(N / SCALE_ROWS),
     ceil(K / GROUP)]). Else int: W int32 [N, K // 8] (BITS 4) or uint8 [N, K] (BITS 8), S and
     Z [N, K // GROUP]."""
+    pdl_begin(PDL)
     pid = tl.program_id(0)
     offs_n, mask_n = _tile_rows(pid, N, G, BLOCK_N, EPI != 0)  # (masked rows read row 0: no masks on the loads)
     offs_m = tl.arange(0, BLOCK_M)
@@ -355,7 +358,7 @@ def _epilogue_args(x: torch.Tensor, n: int, silu: bool, rope: RopeStore | None) 
     return y, args, dict(EPI=2, HALF=dim // 2, **fp8_format(kb))
 
 
-def _launch(x, w, s, z, bias, n, k, *, fp8, bits, scale, scale_rows, group, tiles, silu=False, rope=None):
+def _launch(x, w, s, z, bias, n, k, *, fp8, bits, scale, scale_rows, group, tiles, silu=False, rope=None, pdl=False):
     m = x.shape[0]
     if m > 4 or ((silu or rope is not None) and (m != 1 or n % 2)) or (silu and bias is not None):
         raise ValueError(f"GEMV: {m} rows of x, at most 4 (more go to the GEMM kernels); with silu or rope one, "
@@ -372,14 +375,15 @@ def _launch(x, w, s, z, bias, n, k, *, fp8, bits, scale, scale_rows, group, tile
         _int4_asm_kernel[grid](
             x, w, s, z if z is not None else s, bias if bias is not None else s, y, n, k, w.stride(0), s.stride(0),
             *epi, ASM=asm, GROUP=group, HAS_ZERO=z is not None, HAS_BIAS=bias is not None, BLOCK_N=bn,
-            BLOCK_K=bk, num_warps=warps, **consts)
+            BLOCK_K=bk, num_warps=warps, PDL=pdl, launch_pdl=pdl, **consts)
         return y
     _gemv_kernel[grid](
         x, w, s, z if z is not None else s, bias if bias is not None else s, y,
         m, n, k, x.stride(0), w.stride(0), s.stride(0) if s.dim() == 2 else 0, y.stride(0), *epi,
         FP8=fp8, BITS=bits, SCALE=scale, SCALE_ROWS=scale_rows, GROUP=group, HAS_ZERO=z is not None,
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **consts)
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, PDL=pdl, launch_pdl=pdl,
+        **consts)
     return y
 
 
@@ -393,10 +397,11 @@ def _asm_for(x: torch.Tensor, fp8: bool, bits: int, symmetric: bool, group: int)
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None,
              bias: torch.Tensor | None, *, tiles: tuple[int, int, int] | None = None,
-             silu: bool = False, rope: RopeStore | None = None) -> torch.Tensor:
+             silu: bool = False, rope: RopeStore | None = None, pdl: bool = False) -> torch.Tensor:
     """``x @ W.T + bias`` for an fp8 weight (``ops``' layout), x [M <= 4, K] unquantized; with
     ``silu`` (W = gate | up, one row of x, no bias) SiLU(gate) * up of it, [1, N // 2]; with
-    ``rope`` (W = q | k | v heads, one row of x) ``rope``'s epilogue: returns q [1, H, D]."""
+    ``rope`` (W = q | k | v heads, one row of x) ``rope``'s epilogue: returns q [1, H, D].
+    ``pdl``: launched for programmatic dependent launch (``triton_ops.pdl_begin``)."""
     n, k = weight.shape
     if block is not None:
         scale, rows, group = SCALE_BLOCK, block[0], block[1]
@@ -406,15 +411,15 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         tiles = _tiles(x, fp8_kind(weight_scale, block), n, k,
                        gemv_tiles("fp8", x.shape[0], k, group if block is not None else None))
     return _launch(x, weight, weight_scale, None, bias, n, k, fp8=True, bits=8, scale=scale, scale_rows=rows,
-                   group=group, tiles=tiles, silu=silu, rope=rope)
+                   group=group, tiles=tiles, silu=silu, rope=rope, pdl=pdl)
 
 
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
              group_size: int, perm: torch.Tensor | None, bias: torch.Tensor | None, *,
              tiles: tuple[int, int, int] | None = None, silu: bool = False,
-             rope: RopeStore | None = None) -> torch.Tensor:
+             rope: RopeStore | None = None, pdl: bool = False) -> torch.Tensor:
     """``x[:, perm] @ W.T + bias`` for an int4/int8 weight (``ops``' layout), x [M <= 4, K];
-    ``silu`` and ``rope`` as ``fp8_gemv``'s."""
+    ``silu``, ``rope`` and ``pdl`` as ``fp8_gemv``'s."""
     n, k = qweight.shape[0], x.shape[1]
     tiles = tiles or _tiles(x, int_kind(bits, group_size, zeros is None), n, k,
                             gemv_tiles(f"int{bits}", x.shape[0], k, group_size))
@@ -423,4 +428,4 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     if perm is not None:  # (one gather of x's columns up front: per program, they would be scattered reads)
         x = x.index_select(1, perm)
     return _launch(x, qweight, scales, zeros, bias, n, k, fp8=False, bits=bits, scale=SCALE_BLOCK, scale_rows=1,
-                   group=group_size, tiles=tiles, silu=silu, rope=rope)
+                   group=group_size, tiles=tiles, silu=silu, rope=rope, pdl=pdl)

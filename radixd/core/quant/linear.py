@@ -50,7 +50,11 @@ COLUMN_PARALLEL = ("qkv_proj", "gate_up_proj")  # output rows split over the sha
 
 
 class QuantLinear(nn.Module):
-    """``x @ W.T + bias`` with ``W`` quantized in ``layout`` (``[N, K]`` = out, in features)."""
+    """``x @ W.T + bias`` with ``W`` quantized in ``layout`` (``[N, K]`` = out, in features).
+    ``pdl`` (set by the loader from ``KernelChoice.pdl``): its one-row GEMVs launched for
+    programmatic dependent launch."""
+
+    pdl = False
 
     def __init__(self, in_features: int, out_features: int, layout: Layout, *, bias: bool, dtype: torch.dtype,
                  device: torch.device, name: str = "a projection"):
@@ -146,9 +150,9 @@ class QuantLinear(nn.Module):
     def _gemv(self, x: torch.Tensor, **epilogue) -> torch.Tensor:
         lay = self.layout
         if isinstance(lay, Fp8Layout):
-            return fp8_gemv(x, self.weight, self.weight_scale, lay.block, self.bias, **epilogue)
+            return fp8_gemv(x, self.weight, self.weight_scale, lay.block, self.bias, pdl=self.pdl, **epilogue)
         return int_gemv(x, self.weight, self.weight_scale, self.weight_zeros, lay.bits, lay.group_of(self.in_features),
-                        self.weight_perm, self.bias, **epilogue)
+                        self.weight_perm, self.bias, pdl=self.pdl, **epilogue)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, layout={self.layout}"
