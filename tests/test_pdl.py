@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from radixd.core.errors import ConfigError
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@triton.jit
+def _no_wait(PDL: tl.constexpr):
+    """``pdl_begin`` without griddepcontrol (which the interpreter lacks)."""
+    pass
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal off a GPU")
@@ -19,6 +27,44 @@ def test_pdl_refused_off_a_gpu(tiny_models):
 
     with pytest.raises(ConfigError, match="'pdl'.*compute capability 9.0"):
         Engine(model=str(tiny_models["llama"]), pdl=True, kv_cache_tokens=256)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run of the PDL paths")
+def test_pdl_paths_compute_the_same_under_the_interpreter(monkeypatch):
+    """With the wait and launch stubbed out (the interpreter has no griddepcontrol), each
+    kernel's PDL path computes what its plain path does: the one-row GEMVs, which read their
+    first weight step before the wait, over one and over several K steps; the norm."""
+    from radixd.core import triton_ops
+    from radixd.core.models.layers import Rotary
+
+    monkeypatch.setattr(triton_ops, "pdl_begin", _no_wait)
+    g = torch.Generator().manual_seed(3)
+
+    def both(fn):
+        return fn(False), fn(True)
+
+    for n, k in ((37, 96), (5, 4096), (33, 3072)):
+        x, w, b = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        plain, pdl = (triton_ops.gemv(x, w, b, pdl=on) for on in (False, True))
+        assert torch.equal(plain, pdl)
+    x, w = torch.randn(1, 4096, generator=g), torch.randn(2 * 24, 4096, generator=g) / 64
+    plain, pdl = both(lambda on: triton_ops.gemv_silu_mul(x, w, pdl=on))
+    assert torch.equal(plain, pdl)
+    heads, kv_heads, dim = 4, 2, 16
+    x, w = torch.randn(1, 2048, generator=g), torch.randn((heads + 2 * kv_heads) * dim, 2048, generator=g)
+    rot = Rotary(dim, 64, 10000.0, None)
+    pos, loc = torch.tensor([9]), torch.tensor([3])
+
+    def rope(on: bool):
+        kb, vb = torch.zeros(5, kv_heads, dim), torch.zeros(5, kv_heads, dim)
+        q = triton_ops.gemv_rope_store(x, w, None, pos, rot.cos, rot.sin, kb, vb, loc, num_heads=heads, pdl=on)
+        return torch.cat((q.flatten(), kb.flatten(), vb.flatten()))
+
+    plain, pdl = both(rope)
+    assert torch.equal(plain, pdl) and plain.abs().sum() > 0
+    x, res, nw = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g), torch.randn(64, generator=g)
+    plain, pdl = both(lambda on: torch.cat(triton_ops.add_rmsnorm(x, nw, 1e-5, res.clone(), use_triton=True, pdl=on)))
+    assert torch.equal(plain, pdl)
 
 
 @pytest.mark.parametrize("kernel", ["add_rmsnorm", "gemv", "gemv_silu_mul", "gemv_rope_store", "rows_linear",

@@ -248,38 +248,59 @@ def silu_mul(x: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor
 
 @triton.jit
 def _dot_rows(X, W, rows, mask_rows, K, stride_w, NROWS: tl.constexpr, MASK_ROWS: tl.constexpr,
-              EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+              EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """fp32 dot products of ``X`` [K] with rows ``rows`` [NROWS] of ``W`` (with ``MASK_ROWS``,
-    rows outside ``mask_rows`` give 0), reading ``BLOCK_K`` columns per step."""
+    rows outside ``mask_rows`` give 0), reading ``BLOCK_K`` columns per step. With ``PDL`` the
+    first step's weights are read before ``pdl_begin`` (no kernel of a step writes weights:
+    they stream while the kernel before drains), ``X`` only after it; the caller's kernel
+    reads and writes nothing else before this."""
     acc = tl.zeros([NROWS], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        ptrs = W + rows[:, None] * stride_w + offs_k[None, :]
-        if EVEN_K:
-            x = tl.load(X + offs_k)
-            if MASK_ROWS:
-                w = tl.load(ptrs, mask=mask_rows[:, None], other=0.0)
-            else:
-                w = tl.load(ptrs)
-        else:
-            mask_k = offs_k < K
-            x = tl.load(X + offs_k, mask=mask_k, other=0.0)
-            if MASK_ROWS:
-                w = tl.load(ptrs, mask=mask_rows[:, None] & mask_k[None, :], other=0.0)
-            else:
-                w = tl.load(ptrs, mask=mask_k[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
+    start = 0
+    if PDL:
+        w = _weight_step(W, rows, mask_rows, 0, K, stride_w, MASK_ROWS, EVEN_K, BLOCK_K)
+        pdl_begin(PDL)
+        acc += _step_dot(w, X, 0, K, EVEN_K, BLOCK_K)
+        start = BLOCK_K
+    for k0 in range(start, K, BLOCK_K):
+        w = _weight_step(W, rows, mask_rows, k0, K, stride_w, MASK_ROWS, EVEN_K, BLOCK_K)
+        acc += _step_dot(w, X, k0, K, EVEN_K, BLOCK_K)
     return acc
+
+
+@triton.jit
+def _weight_step(W, rows, mask_rows, k0, K, stride_w, MASK_ROWS: tl.constexpr, EVEN_K: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """``W``'s rows ``rows``, columns ``k0 ...`` (``BLOCK_K`` of them; masked rows and columns: 0)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    ptrs = W + rows[:, None] * stride_w + offs_k[None, :]
+    if EVEN_K:
+        if MASK_ROWS:
+            return tl.load(ptrs, mask=mask_rows[:, None], other=0.0)
+        return tl.load(ptrs)
+    mask_k = offs_k < K
+    if MASK_ROWS:
+        return tl.load(ptrs, mask=mask_rows[:, None] & mask_k[None, :], other=0.0)
+    return tl.load(ptrs, mask=mask_k[None, :], other=0.0)
+
+
+@triton.jit
+def _step_dot(w, X, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 row sums of the weight step ``w`` times ``X``'s columns ``k0 ...``."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        x = tl.load(X + offs_k)
+    else:
+        x = tl.load(X + offs_k, mask=offs_k < K, other=0.0)
+    return tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], 1)
 
 
 @triton.jit
 def _gemv_kernel(X, W, B, Y, N, K, stride_w, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_begin(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    acc = _dot_rows(X, W, offs_n, mask_n, K, stride_w, BLOCK_N, True, EVEN_K, BLOCK_K)
+    acc = _dot_rows(X, W, offs_n, mask_n, K, stride_w, BLOCK_N, True, EVEN_K, BLOCK_K, PDL)  # (its pdl_begin)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(Y + offs_n, acc.to(Y.dtype.element_ty), mask=mask_n)
@@ -318,14 +339,14 @@ def one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 @triton.jit
 def _gemv_pair(X, W, B, pid, HALF, K, stride_w,
-               HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+               HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """The dot products of ``X`` with rows r and r + HALF of ``W``, where r is the pid-th row
     of the first halves of consecutive 2 x HALF row blocks; fp32, rounded to X's dtype (as
     the unfused projection's output would be)."""
     r0 = (pid // HALF) * (2 * HALF) + pid % HALF
     pair = tl.arange(0, 2)
     rows = r0 + pair * HALF
-    acc = _dot_rows(X, W, rows, rows, K, stride_w, 2, False, EVEN_K, BLOCK_K)
+    acc = _dot_rows(X, W, rows, rows, K, stride_w, 2, False, EVEN_K, BLOCK_K, PDL)  # (its pdl_begin)
     if HAS_BIAS:
         acc += tl.load(B + rows).to(tl.float32)
     acc = acc.to(X.dtype.element_ty).to(tl.float32)
@@ -335,9 +356,8 @@ def _gemv_pair(X, W, B, pid, HALF, K, stride_w,
 @triton.jit
 def _gemv_silu_kernel(X, W, Y, INTER, K, stride_w, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
                       PDL: tl.constexpr = False):
-    pdl_begin(PDL)
     pid = tl.program_id(0)
-    g, u = _gemv_pair(X, W, W, pid, INTER, K, stride_w, False, EVEN_K, BLOCK_K)
+    g, u = _gemv_pair(X, W, W, pid, INTER, K, stride_w, False, EVEN_K, BLOCK_K, PDL)
     tl.store(Y + pid, (g / (1.0 + tl.exp(-g)) * u).to(Y.dtype.element_ty))
 
 
@@ -410,9 +430,8 @@ def _gemv_rope_store_kernel(X, W, B, Q, KBuf, VBuf, Pos, Loc, Cos, Sin, K, strid
                             HALF: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                             BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT: tl.constexpr,
                             PDL: tl.constexpr = False):
-    pdl_begin(PDL)
     pid = tl.program_id(0)
-    a, b = _gemv_pair(X, W, B, pid, HALF, K, stride_w, HAS_BIAS, EVEN_K, BLOCK_K)
+    a, b = _gemv_pair(X, W, B, pid, HALF, K, stride_w, HAS_BIAS, EVEN_K, BLOCK_K, PDL)
     one = tl.zeros([1], dtype=tl.float32)
     pair = pid + tl.arange(0, 1)
     rope_store_pairs(a + one, b + one, pair, pair >= 0, Q, KBuf, VBuf, Pos, Loc, Cos, Sin, stride_cos, stride_bn,
