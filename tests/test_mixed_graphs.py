@@ -50,7 +50,7 @@ async def test_mixed_steps_through_the_graphs_forward_match_transformers(tiny_mo
     # the mixed graphs' larger buckets must not regrow (so move) them
     captured = eng.worker.attn._scratch(eng.worker.max_rows)
     seen = replayed(eng, 8)
-    max_new = [20, 10, 10, 10]
+    max_new = [12, 6, 6, 6]
     try:
         ps = prompts(len(max_new), 23, seed=2)
         outs = await arrive_mid_flight(eng, ps, max_new)
