@@ -134,11 +134,14 @@ def test_which_steps_a_replay_takes():
     assert not g.can_run(batch([1, 4], trees=TokenTrees(first=[1], sizes=[4], masks=[torch.ones(4, 4, dtype=torch.bool)])))
 
 
-def test_mixed_graph_tokens_refused_over_tensor_parallel(tiny_models):
+@pytest.mark.parametrize("kw", [dict(tp_size=2), dict(cuda_graphs=False)])
+async def test_mixed_graph_tokens_refused_where_no_mixed_graph_is_captured(tiny_models, kw):
     from radixd import Engine
 
     with pytest.raises(ConfigError, match="mixed_graph_tokens"):
-        Engine(model=str(tiny_models["llama"]), tp_size=2, mixed_graph_tokens=64, kv_cache_tokens=256)
+        Engine(model=str(tiny_models["llama"]), mixed_graph_tokens=64, kv_cache_tokens=256, **kw)
+    eng = Engine(model=str(tiny_models["llama"]), mixed_graph_tokens=0, kv_cache_tokens=256, **kw)  # (asks for nothing)
+    await eng.stop()
 
 
 @pytest.mark.gpu

@@ -101,10 +101,10 @@ def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.dev
     if config.pdl and not all(d.type == "cuda" and torch.cuda.get_device_capability(d)[0] >= 9 for d in devices):
         raise ConfigError("pdl", config.pdl, "false unless every device is a CUDA GPU of compute capability 9.0 "
                           "or more (programmatic dependent launch)")
-    if config.mixed_graph_tokens and (len(devices) > 1 or aux_layers):
+    if config.mixed_graph_tokens and (len(devices) > 1 or aux_layers or not config.cuda_graphs):
         raise ConfigError("mixed_graph_tokens", config.mixed_graph_tokens,
-                          "0 with tp_size > 1 or an EAGLE-3 drafter (mixed steps are captured on one device, "
-                          "without the drafter's hidden states)")
+                          "0 with tp_size > 1, an EAGLE-3 drafter or cuda_graphs off (mixed steps are captured "
+                          "as CUDA graphs on one device, without the drafter's hidden states)")
     if len(devices) > 1:
         from radixd.core.tensor_parallel import TPWorker
 
