@@ -8,9 +8,18 @@ test's (``-m gpu``)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
-from test_engine import arrive_mid_flight, assert_greedy_matches, assert_idle, make_engine, prompts
+from test_engine import (
+    arrive_mid_flight,
+    assert_greedy_matches,
+    assert_idle,
+    collect,
+    make_engine,
+    prompts,
+)
 
 from radixd.core.cuda_graph import MIXED_EXTENDS, MixedGraphs, mixed_buckets
 from radixd.core.errors import ConfigError
@@ -86,10 +95,6 @@ async def test_a_step_beyond_the_graphs_runs_eagerly(tiny_models):
     eng.step_hook = hook
     ps = prompts(MIXED_EXTENDS + 2, 6, seed=4)
     try:
-        import asyncio
-
-        from test_engine import collect
-
         outs = await asyncio.gather(*(collect(eng, p, 6) for p in ps))
         for p, got in zip(ps, outs, strict=True):
             assert_greedy_matches(path, p, got, 6)
@@ -149,8 +154,6 @@ async def test_mixed_graph_tokens_refused_where_no_mixed_graph_is_captured(tiny_
 async def test_captured_mixed_steps_match_eager(tiny_models):
     """On CUDA with the engine's own capture (``mixed_graph_tokens``): requests arriving
     mid-flight in small chunks give the eager engine's greedy tokens and logprobs."""
-    import asyncio
-
     from radixd import SamplingParams
 
     path = tiny_models["llama"]

@@ -275,12 +275,16 @@ def _weight_step(W, rows, mask_rows, k0, K, stride_w, MASK_ROWS: tl.constexpr, E
     ptrs = W + rows[:, None] * stride_w + offs_k[None, :]
     if EVEN_K:
         if MASK_ROWS:
-            return tl.load(ptrs, mask=mask_rows[:, None], other=0.0)
-        return tl.load(ptrs)
-    mask_k = offs_k < K
-    if MASK_ROWS:
-        return tl.load(ptrs, mask=mask_rows[:, None] & mask_k[None, :], other=0.0)
-    return tl.load(ptrs, mask=mask_k[None, :], other=0.0)
+            w = tl.load(ptrs, mask=mask_rows[:, None], other=0.0)
+        else:
+            w = tl.load(ptrs)
+    else:
+        mask_k = offs_k < K
+        if MASK_ROWS:
+            w = tl.load(ptrs, mask=mask_rows[:, None] & mask_k[None, :], other=0.0)
+        else:
+            w = tl.load(ptrs, mask=mask_k[None, :], other=0.0)
+    return w
 
 
 @triton.jit

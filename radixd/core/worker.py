@@ -151,7 +151,7 @@ class ModelWorker:
         self.stager = Stager(device)
         self.graphs = None
         self.mixed_graphs = None
-        self.mixed_graph_tokens = mixed_graph_tokens if not aux_layers else 0
+        self.mixed_graph_tokens = mixed_graph_tokens
         self.tree_graphs = tree_graphs
         self.max_rows = max_rows
         self.graphs_wanted = cuda_graphs and device.type == "cuda" and attention_backend == "triton"

@@ -174,16 +174,16 @@ class TritonAttention:
         self._window_loc = None
         self.shared = shared
         self.tree = tree
+        kv_heads = self.pool.k_buffers[0].shape[1]
+        self.splits = decode_splits(rows.numel(), kv_heads, self.processors)
         self.graph_extends = None
         if extends is not None:
-            group = self.num_heads // self.pool.k_buffers[0].shape[1]
-            tile = extend_config(self.head_dim, extends.max_extend, group, self.num_heads, 1, self.processors)
+            tile = extend_config(self.head_dim, extends.max_extend, self.num_heads // kv_heads, self.num_heads, 1,
+                                 self.processors)
             self.graph_extends = (extends, tile)
-        self.splits = decode_splits(rows.numel(), self.pool.k_buffers[0].shape[1], self.processors)
-        parts = self.splits + (PREFIX_SPLITS if shared is not None else 0)
-        if extends is not None:
             self.mid_o, self.mid_lse = scratch if scratch is not None else (None, None)
             return
+        parts = self.splits + (PREFIX_SPLITS if shared is not None else 0)
         mid_o, mid_lse = self._scratch(rows.numel())
         self.mid_o, self.mid_lse = mid_o[:, :, :parts], mid_lse[:, :, :parts]
 
