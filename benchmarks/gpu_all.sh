@@ -42,8 +42,9 @@
 #             pd.py --preset h200, moe.py (PEER=path adds the transformers peer; MOE_ARGS e.g.
 #             "--sections ceilings,decode --quant fp8-block": Qwen3-30B-A3B-FP8's layout)
 #
-# PART:SECONDS stops that part after SECONDS (its log so far is kept), so one call's parts all
-# get their turn inside the machine's time limit.
+# PART:SECONDS stops that part after SECONDS in all (its logs so far are kept; a command that
+# has no time left is skipped), so one call's parts all get their turn inside the machine's
+# time limit.
 set -u
 OUT=$1
 shift
@@ -58,10 +59,18 @@ if [ -n "${WHEELS:-}" ]; then  # packages the machine lacks, for every part
   python3 -m pip install -q --no-deps --target /tmp/radixd-deps "$WHEELS"/*.whl
   export PYTHONPATH=/tmp/radixd-deps${PYTHONPATH:+:$PYTHONPATH}
 fi
+# lim CMD...: CMD under what is left of its part's SECONDS (nothing once they are spent), so a
+# part of several commands ends within its limit; without a limit, CMD as it is
+lim() {
+  [ -z "$deadline" ] && { "$@"; return; }
+  left=$(( deadline - $(date +%s) ))
+  if [ "$left" -le 0 ]; then echo "($part: no time left for $*)"; return 124; fi
+  timeout -k 10 "$left" "$@"
+}
 for spec in $PARTS; do
   part=${spec%%:*}
-  limit=; [ "$part" != "$spec" ] && limit="timeout -k 10 ${spec#*:}"
   start=$(date +%s)
+  deadline=; [ "$part" != "$spec" ] && deadline=$(( start + ${spec#*:} ))
   case $part in
   tests)
     python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_triton_kernels.py \
@@ -92,10 +101,10 @@ for spec in $PARTS; do
     grep '^replicas' "$W/replicas.log" | tail -3 | cut -c1-400 ;;
   tests2)
     # (a test stuck past 150 s fails with its stack, so the summary still comes)
-    $limit python3 -m pytest -q -p no:cacheprovider -rf --tb=short --timeout 150 -m gpu \
+    lim python3 -m pytest -q -p no:cacheprovider -rf --tb=short --timeout 150 -m gpu \
         tests/test_quant_gpu.py tests/test_fp8_kv.py tests/test_swa.py tests/test_speculative.py \
         tests/test_eagle3.py tests/test_pd_units.py tests/test_quant_kernels.py tests/test_moe.py > "$W/tests2.txt" 2>&1
-    $limit python3 -m pytest -q -p no:cacheprovider -rf -m "gpu or not gpu" tests/test_window_attention.py \
+    lim python3 -m pytest -q -p no:cacheprovider -rf -m "gpu or not gpu" tests/test_window_attention.py \
         "tests/test_fp8_kv.py::test_fp8_pool_read_by_a_bf16_query_takes_fp16_products" >> "$W/tests2.txt" 2>&1
     grep -E "passed|failed|error" "$W/tests2.txt" | tail -4 ;;
   wave2)
@@ -116,43 +125,43 @@ for spec in $PARTS; do
         --out "$W/wave2/http" > "$W/wave2_http.json" 2> "$W/wave2_http.err"
     cut -c1-900 "$W/wave2_http.json" ;;
   mixed)
-    $limit python3 -m benchmarks.mixed_step --out "$W/mixed_step.json" > "$W/mixed.log" 2>&1
+    lim python3 -m benchmarks.mixed_step --out "$W/mixed_step.json" > "$W/mixed.log" 2>&1
     tail -4 "$W/mixed.log" | cut -c1-400 ;;
   pdl)
     # programmatic dependent launch: its GPU tests, then decode on/off (8B shape at batch 1 and
     # 64; Qwen3-30B-A3B's shape at batch 1 and 16)
-    $limit python3 -m pytest -q -p no:cacheprovider -rf --tb=short -m gpu tests/test_pdl.py > "$W/pdl_tests.txt" 2>&1
+    lim python3 -m pytest -q -p no:cacheprovider -rf --tb=short -m gpu tests/test_pdl.py > "$W/pdl_tests.txt" 2>&1
     grep -E "passed|failed|error" "$W/pdl_tests.txt" | tail -3
-    $limit python3 -m benchmarks.gpu_bench --out "$W/pdl" --sections ceilings,pdl > "$W/pdl.log" 2>&1
+    lim python3 -m benchmarks.gpu_bench --out "$W/pdl" --sections ceilings,pdl > "$W/pdl.log" 2>&1
     tail -3 "$W/pdl.log" | cut -c1-600
-    $limit python3 -m benchmarks.moe --out "$W/moe_pdl" --sections ceilings,decode --pdl > "$W/moe_pdl.log" 2>&1
+    lim python3 -m benchmarks.moe --out "$W/moe_pdl" --sections ceilings,decode --pdl > "$W/moe_pdl.log" 2>&1
     grep -v '^ ' "$W/moe_pdl.log" | tail -4 | cut -c1-600 ;;
   mixedload)
     # the mixed steps' graphs and GPU tests, then in-process inter-token latency by setting
-    $limit python3 -m pytest -q -p no:cacheprovider -rf --tb=short -m gpu tests/test_mixed_graphs.py \
+    lim python3 -m pytest -q -p no:cacheprovider -rf --tb=short -m gpu tests/test_mixed_graphs.py \
         tests/test_triton_kernels.py > "$W/mixedload_tests.txt" 2>&1
     grep -E "passed|failed|error" "$W/mixedload_tests.txt" | tail -3
-    $limit python3 -m benchmarks.mixed_load --out "$W" --settings "${MIXED_SETTINGS:-mixed_prefill_tokens=0;\
+    lim python3 -m benchmarks.mixed_load --out "$W" --settings "${MIXED_SETTINGS:-mixed_prefill_tokens=0;\
 mixed_prefill_tokens=1024;mixed_prefill_tokens=512,mixed_graph_tokens=512;mixed_prefill_tokens=768,mixed_graph_tokens=768;\
 mixed_prefill_tokens=1024,mixed_graph_tokens=1024}" > "$W/mixed_load.log" 2>&1
     tail -7 "$W/mixed_load.log" | cut -c1-400 ;;
   quant)
-    $limit python3 -m benchmarks.quant --json "$W/quant.json" ${QUANT_ARGS:-} > "$W/quant.log" 2>&1
+    lim python3 -m benchmarks.quant --json "$W/quant.json" ${QUANT_ARGS:-} > "$W/quant.log" 2>&1
     tail -12 "$W/quant.log" | cut -c1-400 ;;
   fp8kv)
-    $limit python3 -m benchmarks.fp8_kv --out "$W/fp8_kv.json" ${FP8KV_ARGS:-} > "$W/fp8_kv.log" 2>&1
+    lim python3 -m benchmarks.fp8_kv --out "$W/fp8_kv.json" ${FP8KV_ARGS:-} > "$W/fp8_kv.log" 2>&1
     grep -E "best|fp8_kv batch" "$W/fp8_kv.log" | cut -c1-700 ;;
   swa)
-    $limit python3 -m benchmarks.swa --out "$W/swa" > "$W/swa.log" 2>&1
+    lim python3 -m benchmarks.swa --out "$W/swa" > "$W/swa.log" 2>&1
     tail -6 "$W/swa.log" | cut -c1-400 ;;
   spec)
-    $limit python3 -m benchmarks.spec --device cuda --out "$W/spec" > "$W/spec.log" 2>&1
+    lim python3 -m benchmarks.spec --device cuda --out "$W/spec" > "$W/spec.log" 2>&1
     tail -14 "$W/spec.log" | cut -c1-400 ;;
   pd)
-    $limit python3 -m benchmarks.pd --preset h200 --out "$W/pd" > "$W/pd.log" 2>&1
+    lim python3 -m benchmarks.pd --preset h200 --out "$W/pd" > "$W/pd.log" 2>&1
     tail -8 "$W/pd.log" | cut -c1-400 ;;
   moe)
-    $limit python3 -m benchmarks.moe --out "$W/moe" ${PEER:+--peer "$PEER"} ${MOE_ARGS:-} > "$W/moe.log" 2>&1
+    lim python3 -m benchmarks.moe --out "$W/moe" ${PEER:+--peer "$PEER"} ${MOE_ARGS:-} > "$W/moe.log" 2>&1
     grep -v '^ ' "$W/moe.log" | tail -10 | cut -c1-400 ;;
   *) echo "unknown part: $part" ;;
   esac
