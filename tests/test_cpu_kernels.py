@@ -214,6 +214,10 @@ def test_int8_matmul_matches_its_definition(group):
 
 def test_library_is_built_once_and_optional(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("RADIXD_CACHE", str(tmp_path))
+    # unoptimised (2 s to compile here, not 40): what is checked is the build, the cache and the
+    # load, with the flags and the link of the real one; its -O3 build is every other test's
+    assert cpu_kernels.FLAGS[0] == "-O3"
+    monkeypatch.setattr(cpu_kernels, "FLAGS", ("-O0", *cpu_kernels.FLAGS[1:]))
     cpu_kernels.library.cache_clear()
     try:
         lib = cpu_kernels.library()

@@ -59,9 +59,9 @@ async def test_mixed_steps_through_the_graphs_forward_match_transformers(tiny_mo
     # the mixed graphs' larger buckets must not regrow (so move) them
     captured = eng.worker.attn._scratch(eng.worker.max_rows)
     seen = replayed(eng, 8)
-    max_new = [12, 6, 6, 6]
+    max_new = [8, 4, 4, 4]
     try:
-        ps = prompts(len(max_new), 23, seed=2)
+        ps = prompts(len(max_new), 14, seed=2)
         outs = await arrive_mid_flight(eng, ps, max_new)
         for p, got, n in zip(ps, outs, max_new, strict=True):
             assert_greedy_matches(path, p, got, n)
