@@ -7,7 +7,6 @@ disconnects, error codes) and no pip or progress-bar output among the JSON log l
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
@@ -268,8 +267,9 @@ class FlagDaemon(Daemon):
     def __init__(self, tmp: Path, args: list[str]):
         self.log_path = tmp / "radixd.log"
         self._log = open(self.log_path, "w")
+        # (the cache is the other daemons' own: a fresh one would compile the CPU kernels again, 40 s)
         self.proc = subprocess.Popen([sys.executable, "-m", "radixd", *args], stdout=self._log,
-                                     stderr=subprocess.STDOUT, env={**os.environ, "RADIXD_CACHE": str(tmp / "cache")})
+                                     stderr=subprocess.STDOUT)
         self.port = self._wait_port()
         self.url = f"http://127.0.0.1:{self.port}"
 
