@@ -46,13 +46,15 @@ def replayed(eng, extra_tokens: int, *, capture: bool = False) -> list[tuple[int
     return seen
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-async def test_mixed_steps_through_the_graphs_forward_match_transformers(tiny_models, arch):
+@pytest.mark.parametrize("models,arch", [("tiny_models", "llama"), ("tiny_models", "qwen3"),
+                                         ("tiny_dense_models", "gemma2")])
+async def test_mixed_steps_through_the_graphs_forward_match_transformers(request, models, arch):
     """Requests arrive while others decode, prompts prefilled 5 tokens a step: the steps with
-    decodes and chunks (padded to their buckets) give transformers' greedy tokens."""
+    decodes and chunks (padded to their buckets) give transformers' greedy tokens. (Gemma 2:
+    sliding-window layers of 8 keys beside global ones, and soft-capped scores.)"""
     if GPU:
         pytest.skip("the CPU oracle (fp32 greedy equality); the GPU test captures the graphs")
-    path = tiny_models[arch]
+    path = request.getfixturevalue(models)[arch]
     eng = make_engine(path, attention_backend="triton", chunked_prefill_size=5, max_prefill_tokens=8,
                       max_running_requests=8)
     # the split-KV partials the decode graphs would have captured (their largest bucket's):
