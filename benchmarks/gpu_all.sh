@@ -5,7 +5,8 @@
 #   [WHEELS=DIR] sh benchmarks/gpu_all.sh OUT [PART...]
 #
 # WHEELS=DIR first installs the wheels in DIR (packages the machine lacks: pytest-asyncio,
-# starlette, lark, ...) into a private directory on PYTHONPATH, for every part.
+# starlette, lark, ...; `sh benchmarks/wheels.sh DIR` downloads them) into a private
+# directory on PYTHONPATH, for every part.
 #
 # PART (default: all but peer, which is slow):
 #   tests     the GPU-marked tests (Triton kernels at real shapes, fused decode vs unfused and
