@@ -21,7 +21,10 @@ One run (random bf16 weights in Llama-3-8B's shape, no downloads) prints and wri
   ``triton_ops.rows_linear`` swept over tiles, 32 distinct weights per CUDA graph;
 - ``extend``: the extend-attention kernel's tile configurations swept on 8 x 2048 against SDPA;
 - ``cascade``: decode attention of requests in groups sharing a 2048-token prefix, plain
-  against cascade decoding swept over the shared level's splits and tiles.
+  against cascade decoding swept over the shared level's splits and tiles;
+- ``merge``: decode attention as the engine splits it at batch 1, 8 and 64, 32 calls per
+  CUDA graph: stage 2 as its own kernel against the split merge in stage 1's last program
+  (``merge_in_kernel``), with programmatic dependent launch off and on.
 
     python -m benchmarks.decode_profile --out results/dir
 """
@@ -193,6 +196,57 @@ def section_attn(eng, ctx) -> dict:
         del kb, vb
         torch.cuda.empty_cache()
     return res
+
+
+MERGE_CASES = [(1, 576), (1, 4096), (8, 576), (64, 576)]  # (requests, context tokens)
+
+
+def section_merge(eng, ctx) -> dict:
+    """Decode attention as the engine splits it, 32 calls (a step's layers, each on its own
+    K/V, together past the L2) per CUDA graph: stage 2 as a kernel of its own against the
+    partials merged by stage 1's last program (``merge_in_kernel``), each with programmatic
+    dependent launch off and on (on: Hopper or later only). µs per call and the saving."""
+    res = {}
+    for B, L in MERGE_CASES:
+        case = _merge_case(eng.worker.model.cfg, B, L)
+        res[f"B{B}_L{L}"] = case
+        print(f"merge B{B}_L{L}", json.dumps(case), flush=True)
+        torch.cuda.empty_cache()
+    return res
+
+
+def _merge_case(cfg, B: int, L: int) -> dict:
+    from radixd.core.attention import triton_kernels as tk
+    from radixd.core.attention.triton_backend import decode_splits
+
+    H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    slots = B * L + 1
+    n = max(2, min(32, -(-200 * 2**20 // (2 * slots * Hkv * D * 2))))  # distinct K/V buffers, cycled
+    kvs = [(torch.randn(slots, Hkv, D, device="cuda", dtype=torch.bfloat16),
+            torch.randn(slots, Hkv, D, device="cuda", dtype=torch.bfloat16)) for _ in range(n)]
+    table = (torch.randperm(slots - 1, device="cuda") + 1).view(B, L)
+    q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+    rows, lens = torch.arange(B, device="cuda"), torch.full((B,), L, device="cuda")
+    splits = decode_splits(B, Hkv, torch.cuda.get_device_properties(0).multi_processor_count)
+    mid_o = torch.empty((B, H, splits, D), dtype=torch.float32, device="cuda")
+    mid_lse = torch.empty((B, H, splits), dtype=torch.float32, device="cuda")
+    counters = torch.zeros((B, Hkv), dtype=torch.int32, device="cuda")
+    outs = [torch.empty_like(q) for _ in range(32)]
+
+    def step(pdl: bool, merged: bool) -> None:
+        for i, out in enumerate(outs):
+            kb, vb = kvs[i % n]
+            tk.decode_attention(q, kb, vb, table, rows, lens, D**-0.5, num_splits=splits, out=out, mid_o=mid_o,
+                                mid_lse=mid_lse, pdl=pdl, merge_in_kernel=merged, counters=counters)
+
+    case = {"splits": splits, "kv_buffers": n}
+    for pdl in (False, True) if torch.cuda.get_device_capability()[0] >= 9 else (False,):
+        tag = "_pdl" if pdl else ""
+        for merged in (False, True):
+            us = time_graph(lambda pdl=pdl, merged=merged: step(pdl, merged)) / 32 * 1e6
+            case[f"{'merged' if merged else 'two_stage'}{tag}_us"] = round(us, 2)
+        case[f"saved{tag}_us"] = round(case[f"two_stage{tag}_us"] - case[f"merged{tag}_us"], 2)
+    return case
 
 
 CASCADE_CASES = [(256, 32, 2048, 260), (256, 64, 2048, 260), (64, 8, 2048, 260)]  # (requests, groups, prefix, own)
@@ -561,7 +615,7 @@ def main() -> int:
                "quant": args.quant or None}
     fns = {"step": section_step, "kernels": section_kernels, "attn": section_attn, "gemv": section_gemv,
            "shapes": section_shapes, "rows": section_rows, "cascade": section_cascade,
-           "fused": section_fused, "extend": section_extend}
+           "fused": section_fused, "extend": section_extend, "merge": section_merge}
     for name in args.sections.split(","):
         summary[name] = timed_section(lambda name=name: fns[name](eng, ctx))
         print(f"== {name}: {json.dumps(summary[name])}", flush=True)

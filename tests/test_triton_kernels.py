@@ -86,6 +86,30 @@ def test_decode_reads_an_fp8_pool(splits, kv):
     check_decode(*(REAL if GPU else SMALL)[0], splits, kv)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim,seq_lens", (REAL if GPU else SMALL)[:1])
+@pytest.mark.parametrize("splits", [4, 32])
+@pytest.mark.parametrize("pdl", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_decode_merged_in_stage_one_equals_two_stages(heads, kv_heads, dim, seq_lens, splits, pdl):
+    """``merge_in_kernel``: the last split program of each (request, KV head) merges them (no
+    stage 2): the two-stage output (float sums in another order: within a rounding of the
+    output's dtype), splits with no key among them (1- and 7-token sequences); the counters
+    left at 0, so a second call on the same counters (a graph's replay) gives the same."""
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    dtype = torch.bfloat16 if GPU else torch.float32
+    kb, vb, table, rows = make_pool(sum(seq_lens) + 11, kv_heads, dim, dtype, seq_lens, seed=splits)
+    q = torch.randn(len(seq_lens), heads, dim, device=DEV).to(dtype)
+    lens = torch.tensor(seq_lens, device=DEV)
+    want = decode_attention(q, kb, vb, table, rows, lens, dim**-0.5, num_splits=splits, pdl=pdl)
+    counters = torch.zeros(len(seq_lens), kv_heads, dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, kb, vb, table, rows, lens, dim**-0.5, num_splits=splits, out=out, pdl=pdl,
+                         merge_in_kernel=True, counters=counters)
+        assert int(counters.abs().sum()) == 0
+        torch.testing.assert_close(out, want, rtol=1e-6 if not GPU else 8e-3, atol=1e-6 if not GPU else 1e-3)
+
+
 def check_decode(heads, kv_heads, dim, seq_lens, splits, kv=None, fp8_dot=False, tol=None):
     dtype = torch.bfloat16 if GPU else torch.float32
     kb, vb, table, rows = make_pool(sum(seq_lens) + 11, kv_heads, dim, dtype, seq_lens, seed=heads + splits)

@@ -3,7 +3,8 @@ the request-to-token table (no copy of a request's KV).
 
 * ``decode_attention``: one new token per request. Split-KV flash decoding: stage 1 gives
   each (request, KV head, split) program a slice of the sequence and all query heads of the
-  KV head's group (GQA) as one tile; stage 2 merges the splits with their log-sum-exp.
+  KV head's group (GQA) as one tile; stage 2 merges the splits with their log-sum-exp (or,
+  with ``merge_in_kernel``, the last of the splits' programs to finish does, in stage 1).
 * ``cascade_decode_attention``: the same with each shared prefix read once for the requests
   of its item; with one split per request, the shared level runs first and stage 1 merges
   its partials itself (no stage 2).
@@ -105,8 +106,11 @@ def _decode_stage1(
     HAS_START: tl.constexpr, WRITE_LSE: tl.constexpr, MERGE_PREFIX: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MAPPED: tl.constexpr, F16_DOT: tl.constexpr,
     TREE: tl.constexpr = False, FP8_DOT: tl.constexpr = False, PDL: tl.constexpr = False,
+    Counters=None, MERGE_LAST: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
 ):
-    """``MERGE_PREFIX`` (cascade with one split): the shared level's ``PrefixParts[b]``
+    """``MERGE_LAST`` (``decode_attention``'s ``merge_in_kernel``): the last of a (request,
+    KV head)'s ``SPLITS`` programs to finish merges their partials into ``Out`` (stage 2's
+    work, ``_merge_if_last``), counted in ``Counters`` [B, Hkv]. ``MERGE_PREFIX`` (cascade with one split): the shared level's ``PrefixParts[b]``
     partials, in split slots ``SPLITS ...`` of ``MidO``/``MidLse``, are already there; they
     are merged with this program's own span and the result goes to ``Out``. ``WINDOW`` > 0:
     only the newest ``WINDOW`` keys are read (not with a start). ``F16_DOT``: the query (and
@@ -173,6 +177,46 @@ def _decode_stage1(
                  out.to(MidO.dtype.element_ty), mask=mask_gd)
         if WRITE_LSE:  # (one split: MidO is the output itself, nothing to merge)
             tl.store(MidLse + b * stride_lb + heads * stride_lh + sp, lse, mask=mask_g)
+        if MERGE_LAST:
+            _merge_if_last(MidO, MidLse, Out, Counters + b * tl.num_programs(1) + kvh, b, heads, mask_g, offs_d,
+                           mask_d, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
+                           SPLITS, BLOCK_S, BLOCK_H, BLOCK_D)
+
+
+@triton.jit
+def _merge_if_last(MidO, MidLse, Out, Counter, b, heads, mask_g, offs_d, mask_d,
+                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_b, stride_h,
+                   SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Stage 2 inside stage 1: once this program's partials are stored, it counts itself in
+    ``Counter`` (its request and KV head's); the last of the ``SPLITS`` to arrive merges
+    all their partials for the group's heads (``_decode_stage2``'s arithmetic) into ``Out``
+    and sets the counter back to 0 for the next launch (a CUDA graph replays the same
+    counters). The barrier orders every thread's stores before the count, whose acquire-
+    release semantics order them before the last program's loads; those bypass L1 (".cg"),
+    which may still hold an earlier step's partials."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(Counter, 1, sem="acq_rel")
+    if arrived == SPLITS - 1:
+        tl.store(Counter, 0)
+        offs_s = tl.arange(0, BLOCK_S)
+        mask_s = offs_s < SPLITS
+        mask_gs = mask_g[:, None] & mask_s[None, :]
+        lse = tl.load(MidLse + b * stride_lb + heads[:, None] * stride_lh + offs_s[None, :], mask=mask_gs,
+                      other=float("-inf"), cache_modifier=".cg")
+        mx = tl.max(lse, 1)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)  # (the tile's padding heads: no partials)
+        w = tl.where(mask_gs & (lse > float("-inf")), tl.exp(lse - mx[:, None]), 0.0)
+        tot = tl.sum(w, 1)
+        w = w / tl.where(tot > 0, tot, 1.0)[:, None]
+        out = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        mask_gd = mask_g[:, None] & mask_d[None, :]
+        for s in tl.static_range(SPLITS):
+            part = tl.load(MidO + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + offs_d[None, :],
+                           mask=mask_gd, other=0.0, cache_modifier=".cg")
+            w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), 1)
+            out += part * w_s[:, None]
+        tl.store(Out + b * stride_b + heads[:, None] * stride_h + offs_d[None, :], out.to(Out.dtype.element_ty),
+                 mask=mask_gd)
 
 
 @triton.jit
@@ -209,7 +253,7 @@ def decode_attention(
     config: tuple[int, int, int] | None = None, window: int = 0, softcap: float = 0.0,
     k_scale: float = 1.0, v_scale: float = 1.0, slot_map: torch.Tensor | None = None,
     fp16_dot: bool | None = None, tree: tuple[torch.Tensor, torch.Tensor] | None = None, fp8_dot: bool = False,
-    pdl: bool = False,
+    pdl: bool = False, merge_in_kernel: bool = False, counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q`` [B, H, D] (one token per request) -> [B, H, D]. ``rows``/``seq_lens`` [B] on the
     device; the launch shape depends only on B, so it can be captured in a CUDA graph.
@@ -231,7 +275,10 @@ def decode_attention(
     by default: on an H200 at 256 x 4096 tokens it took 803 and 867 us in two calls against
     903 and 844 with the fp16 products. Without ``config``, an fp8 pool's stage 1 takes
     ``FP8_DECODE_CONFIG``. ``pdl``: both kernels launched for programmatic dependent launch
-    (``triton_ops.pdl_begin``)."""
+    (``triton_ops.pdl_begin``). ``merge_in_kernel``: no stage 2; the last of a (request, KV
+    head)'s split programs merges the partials (``_merge_if_last``), counting in
+    ``counters`` (int32 [>= B, Hkv], all 0, left at 0; None: made here) — one launch a
+    layer instead of two."""
     B, H, D = q.shape
     Hkv = k_buf.shape[1]
     fp8_dot = fp8_dot and k_buf.dtype == torch.float8_e4m3fn
@@ -247,6 +294,9 @@ def decode_attention(
         mid_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(D)
     block_n, warps, stages = config or (FP8_DECODE_CONFIG if k_buf.element_size() == 1 else DECODE_CONFIG)
+    merge_in_kernel = merge_in_kernel and num_splits > 1
+    if merge_in_kernel and counters is None:
+        counters = torch.zeros((B, Hkv), dtype=torch.int32, device=q.device)
     _decode_stage1[(B, Hkv, num_splits)](
         q, k_buf, v_buf, table, table if slot_map is None else slot_map, rows, seq_lens, seq_lens, mid_o, mid_lse,
         out, seq_lens, *(tree if tree is not None else (seq_lens, seq_lens)), scale * k_scale, v_scale,
@@ -257,9 +307,10 @@ def decode_attention(
         HEAD_DIM=D, BLOCK_D=block_d, SPLITS=num_splits, HAS_START=False, WRITE_LSE=num_splits > 1,
         MERGE_PREFIX=False, WINDOW=window, SOFTCAP=softcap, MAPPED=slot_map is not None, F16_DOT=fp16_dot,
         TREE=tree is not None, FP8_DOT=fp8_dot, PDL=pdl, launch_pdl=pdl,
+        Counters=counters, MERGE_LAST=merge_in_kernel, BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=warps, num_stages=stages,
     )
-    if num_splits == 1:
+    if num_splits == 1 or merge_in_kernel:
         return out
     _decode_stage2[(B, H)](
         mid_o, mid_lse, out, seq_lens,  # (PrefixParts: unread without prefix splits)
