@@ -33,9 +33,10 @@
 #   mixed     benchmarks/mixed_step.py: a mixed step's attention (decodes beside a prompt chunk)
 #             through the extend kernel alone against extend + decode kernels
 #   pdl       programmatic dependent launch: tests/test_pdl.py's GPU tests, then decode with
-#             it on and off: gpu_bench --sections ceilings,pdl; decode attention's split merge in
-#             stage 1 against stage 2 (decode_profile --sections merge); moe --sections
-#             ceilings,decode --pdl
+#             it on and off: gpu_bench --sections ceilings,pdl; moe --sections ceilings,decode --pdl
+#   merge     decode attention's split merge in its first kernel against a second kernel: the
+#             kernels alone (decode_profile --sections merge), then decode at batch 1 with the
+#             engine option decode_merge_in_kernel on and off (gpu_bench --sections ceilings,merge)
 #   mixedload the GPU tests of the mixed steps' graphs and the Triton kernels, then
 #             benchmarks/mixed_load.py (in process, 8B shape, 512 prompts at 256 streams) per
 #             setting: no budget; 1024 eager; 384, 512, 768 replayed (MIXED_SETTINGS: others)
@@ -137,10 +138,16 @@ for spec in $PARTS; do
     grep -E "passed|failed|error" "$W/pdl_tests.txt" | tail -3
     lim python3 -m benchmarks.gpu_bench --out "$W/pdl" --sections ceilings,pdl > "$W/pdl.log" 2>&1
     tail -3 "$W/pdl.log" | cut -c1-600
-    lim python3 -m benchmarks.decode_profile --out "$W/merge" --sections merge > "$W/merge.log" 2>&1
-    grep '^merge' "$W/merge.log" | cut -c1-400
     lim python3 -m benchmarks.moe --out "$W/moe_pdl" --sections ceilings,decode --pdl > "$W/moe_pdl.log" 2>&1
     grep -v '^ ' "$W/moe_pdl.log" | tail -4 | cut -c1-600 ;;
+  merge)
+    lim python3 -m pytest -q -p no:cacheprovider -rf --tb=short -m "gpu or not gpu" tests/test_triton_kernels.py \
+        -k merged_in_stage_one > "$W/merge_tests.txt" 2>&1
+    grep -E "passed|failed|error" "$W/merge_tests.txt" | tail -3
+    lim python3 -m benchmarks.decode_profile --out "$W/merge" --sections merge > "$W/merge.log" 2>&1
+    grep '^merge' "$W/merge.log" | cut -c1-400
+    lim python3 -m benchmarks.gpu_bench --out "$W/merge_engine" --sections ceilings,merge > "$W/merge_engine.log" 2>&1
+    tail -3 "$W/merge_engine.log" | cut -c1-600 ;;
   mixedload)
     # the mixed steps' graphs and GPU tests, then in-process inter-token latency by setting
     lim python3 -m pytest -q -p no:cacheprovider -rf --tb=short -m gpu tests/test_mixed_graphs.py \

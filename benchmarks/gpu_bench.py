@@ -15,6 +15,8 @@ and the run goes on):
              KV store) on and off
   rows       decode at batch 16 and 64 with the few-row GEMM kernel on and off (cuBLAS)
   pdl        decode at batch 1 and 64 with programmatic dependent launch on and off
+  merge      decode at batch 1 with decode attention's split merge in its first kernel on and
+             off (PDL off, then on)
   prefill    8 x 2048-token prompts: tokens/s and the fraction of the measured matmul rate
   shared     shared-prefix workload in-process: radix on/off x fcfs/lpm
   kernels    decode attention bandwidth vs copy bandwidth; extend attention vs torch SDPA
@@ -245,9 +247,20 @@ def pdl(args, ctx) -> dict:
     return {f"batch_{bs}": _switch_ab(ctx, "pdl", bs) for bs in (1, 64)}
 
 
-def _switch_ab(ctx, switch: str, batch: int) -> dict:
+def merge(args, ctx) -> dict:
+    """Batch-1 decode tokens/s with decode attention's splits merged in its first kernel (the
+    engine option ``decode_merge_in_kernel``) on and off, as ``fusions`` compares its switch;
+    with programmatic dependent launch off, then on (Hopper or later)."""
+    out = {"pdl_off": _switch_ab(ctx, "decode_merge_in_kernel", 1)}
+    if torch.cuda.get_device_capability()[0] >= 9:
+        out["pdl_on"] = _switch_ab(ctx, "decode_merge_in_kernel", 1, pdl=True)
+    return out
+
+
+def _switch_ab(ctx, switch: str, batch: int, **base) -> dict:
     """Decode tokens/s (512-token prompts, 128 new tokens) at ``batch`` with the engine option
-    ``switch`` on and off, alternating twice; each the best of three runs."""
+    ``switch`` on and off, alternating twice; each the best of three runs. ``base``: engine
+    options both ways."""
     rng = random.Random(2)
     prompts = [[rng.randrange(100, VOCAB_HI) for _ in range(512)] for _ in range(batch)]
     out: dict = {"on": [], "off": []}
@@ -255,7 +268,7 @@ def _switch_ab(ctx, switch: str, batch: int) -> dict:
     try:
         for on in (True, False, True, False):
             eng = engine(ctx["path"], max_running_requests=max(4, batch), kv_cache_tokens=max(16384, batch * 704),
-                         **{switch: on})
+                         **base, **{switch: on})
             try:
                 ctx.setdefault("read_bytes", read_bytes(eng))
                 ctx.setdefault("kv_per_tok", pool_kv_bytes_per_token(eng))
@@ -434,6 +447,7 @@ def peer(args, ctx) -> dict:
 
 
 SECTIONS = {"ceilings": ceilings, "correct": correct, "decode": decode, "fusions": fusions, "rows": rows, "pdl": pdl,
+            "merge": merge,
             "prefill": prefill, "shared": shared, "kernels": kernels, "peer": peer}
 
 

@@ -94,8 +94,8 @@ def test_decode_merged_in_stage_one_equals_two_stages(heads, kv_heads, dim, seq_
     stage 2): the two-stage output (float sums in another order: within a rounding of the
     output's dtype), splits with no key among them (1- and 7-token sequences); the counters
     left at 0, so a second call on the same counters (a graph's replay) gives the same."""
-    if pdl and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    if pdl and not (GPU and torch.cuda.get_device_capability()[0] >= 9):
+        pytest.skip("programmatic dependent launch needs a GPU of compute capability 9.0")
     dtype = torch.bfloat16 if GPU else torch.float32
     kb, vb, table, rows = make_pool(sum(seq_lens) + 11, kv_heads, dim, dtype, seq_lens, seed=splits)
     q = torch.randn(len(seq_lens), heads, dim, device=DEV).to(dtype)
@@ -276,17 +276,26 @@ def test_build_kv_indices():
     assert torch.equal(idx, want)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-async def test_engine_with_triton_backend_matches_transformers(tiny_models, arch):
-    """The whole engine on the triton backend: greedy tokens equal transformers' (fp32)."""
+@pytest.mark.parametrize("arch,merge", [("llama", False), ("qwen3", False), ("llama", True)])
+async def test_engine_with_triton_backend_matches_transformers(tiny_models, arch, merge):
+    """The whole engine on the triton backend: greedy tokens equal transformers' (fp32);
+    also with decode attention's splits merged in its first kernel (``decode_merge_in_kernel``,
+    its counters back at 0 after every step)."""
     from test_engine import assert_greedy_matches, collect, prompts
 
     from radixd import Engine
 
     path = tiny_models[arch]
     eng = Engine(model=str(path), kv_cache_tokens=1024, attention_backend="triton", dtype="float32",
-                 chunked_prefill_size=16)
-    eng.step_hook = lambda step: eng.check_accounting()
+                 chunked_prefill_size=16, decode_merge_in_kernel=merge)
+    counters = eng.worker.attn.counters
+    assert (counters is not None) == merge
+
+    def hook(step):
+        eng.check_accounting()
+        assert counters is None or int(counters.abs().sum()) == 0
+
+    eng.step_hook = hook
     try:
         import asyncio
 
@@ -296,6 +305,18 @@ async def test_engine_with_triton_backend_matches_transformers(tiny_models, arch
             assert_greedy_matches(path, p, got, 6)
     finally:
         await eng.stop()
+
+
+async def test_decode_merge_in_kernel_refused_off_the_triton_backend(tiny_models):
+    from radixd import Engine
+    from radixd.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="decode_merge_in_kernel"):
+        Engine(model=str(tiny_models["llama"]), kv_cache_tokens=256, attention_backend="torch",
+               decode_merge_in_kernel=True)
+    eng = Engine(model=str(tiny_models["llama"]), kv_cache_tokens=256, attention_backend="torch",
+                 decode_merge_in_kernel=False)  # (asks for nothing)
+    await eng.stop()
 
 
 async def test_engine_mixed_steps_on_triton_backend_match_transformers(tiny_models, monkeypatch):

@@ -92,7 +92,8 @@ def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.dev
               cascade_attention=config.cascade_attention,
               kernels=KernelChoice(fuse_one_row=config.fuse_one_row, rows_kernel=config.rows_kernel,
                                    dense_prefill=config.dense_prefill,
-                                   prefill_weights=config.prefill_weights, pdl=config.pdl),
+                                   prefill_weights=config.prefill_weights, pdl=config.pdl,
+                                   merge_in_kernel=config.decode_merge_in_kernel),
               head=setup.pooling is None, kv_format=setup.kv_format,
               window_slots=window_region(config, setup),
               tree_graphs=bool(config.speculative_algorithm) and config.speculative_eagle_topk > 1,
@@ -101,6 +102,10 @@ def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.dev
     if config.pdl and not all(d.type == "cuda" and torch.cuda.get_device_capability(d)[0] >= 9 for d in devices):
         raise ConfigError("pdl", config.pdl, "false unless every device is a CUDA GPU of compute capability 9.0 "
                           "or more (programmatic dependent launch)")
+    if config.decode_merge_in_kernel and setup.attention_backend != "triton":
+        raise ConfigError("decode_merge_in_kernel", config.decode_merge_in_kernel,
+                          f"false with attention_backend {setup.attention_backend!r} (it is the triton "
+                          "backend's decode kernel)")
     if config.mixed_graph_tokens and (len(devices) > 1 or aux_layers or not config.cuda_graphs):
         raise ConfigError("mixed_graph_tokens", config.mixed_graph_tokens,
                           "0 with tp_size > 1, an EAGLE-3 drafter or cuda_graphs off (mixed steps are captured "

@@ -178,6 +178,10 @@ class EngineConfig:
     # attention) launched with programmatic dependent launch: each starts while the one
     # before drains and waits on the device (CUDA, compute capability 9.0+). Engine option.
     pdl: bool = option(False)
+    # Decode attention's split partials merged by the last of each request's split programs
+    # (an atomic count) instead of a second kernel: one launch a layer fewer (triton backend;
+    # triton_kernels.decode_attention's merge_in_kernel). Engine option.
+    decode_merge_in_kernel: bool = option(False)
     # Prompt chunks of 256+ tokens attend in cuDNN's fused kernels (triton backend, 16-bit KV)
     # over a fixed set of plans built at start (2.4 s on an H200 at the default limits;
     # attention.dense_prefill), in steps with enough device work to hide their host time: on an

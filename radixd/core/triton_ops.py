@@ -50,6 +50,9 @@ class KernelChoice:
     # Programmatic dependent launch (CUDA, Hopper+): the decode path's Triton kernels launched
     # so that each may start while the one before it drains (``pdl_begin``)
     pdl: bool = False
+    # decode attention's split partials merged in its first kernel (``decode_attention``'s
+    # ``merge_in_kernel``), not by a second
+    merge_in_kernel: bool = False
 
 
 ALL_KERNELS = KernelChoice()

@@ -146,6 +146,7 @@ class ModelWorker:
             softcap=model_cfg.attn_softcap,
             prefill_limits=prefill_limits,
             pdl=kernels.pdl,
+            merge_in_kernel=kernels.merge_in_kernel,
         )
         self.cascade_members = self.attn.cascade_members
         self.stager = Stager(device)

@@ -76,14 +76,16 @@ class GraphAttention(AttentionBackend, Protocol):
 def make_backend(name: str, pool: KVPool, *, num_heads: int, head_dim: int, scale: float,
                  cascade: bool = False, fuse_one_row: bool = True, dense_prefill: bool = False,
                  windows: tuple[int, ...] = (), softcap: float = 0.0,
-                 prefill_limits: tuple[int, int] = (2048, 4096), pdl: bool = False) -> AttentionBackend:
+                 prefill_limits: tuple[int, int] = (2048, 4096), pdl: bool = False,
+                 merge_in_kernel: bool = False) -> AttentionBackend:
     """``cascade``: decode batches whose requests share a cached prefix read it once per
     item (``ForwardBatch.shared``; the ``triton`` backend; ``torch`` attends per request;
     not with windows). ``fuse_one_row``: one-request decode steps project, rotate and store
     K/V in one kernel (``triton``). ``dense_prefill``: long extends attend in cuDNN's fused
     kernels (``triton``; ``triton_backend``'s docstring says when), of up to
     ``prefill_limits`` (new tokens of one extend, of a step) tokens; ``pdl``: its decode
-    kernels launched for programmatic dependent launch (``triton``). ``windows``: each layer's
+    kernels launched for programmatic dependent launch (``triton``); ``merge_in_kernel``: its
+    decode attention merges the splits in its first kernel (``triton``). ``windows``: each layer's
     sliding window (0: none; empty: no layer has one); ``softcap``: the score soft-cap (0:
     none)."""
     if name == "torch":
@@ -97,5 +99,6 @@ def make_backend(name: str, pool: KVPool, *, num_heads: int, head_dim: int, scal
         return TritonAttention(pool, num_heads=num_heads, head_dim=head_dim, scale=scale,
                                cascade=cascade and not any(windows), fuse_one_row=fuse_one_row,
                                dense_prefill=dense_prefill, windows=windows,
-                               softcap=softcap, prefill_limits=prefill_limits, pdl=pdl)
+                               softcap=softcap, prefill_limits=prefill_limits, pdl=pdl,
+                               merge_in_kernel=merge_in_kernel)
     raise ValueError(f"attention backend {name!r} is not available (available: 'torch', 'triton')")

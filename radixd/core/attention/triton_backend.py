@@ -51,6 +51,7 @@ from radixd.core.triton_ops import gemv_rope_store, one_row, rope_store
 
 MIN_SPLITS, MAX_SPLITS = 1, 32
 PREFIX_SPLITS = 8  # cascade: the most splits a shared prefix is read in (the grid's)
+MERGE_ROWS = 4096  # merge_in_kernel: decode rows its counters hold (more: a second kernel merges)
 MIXED_DECODE_ROWS = 32  # a mixed step's one-token rows take the decode kernel from this many (module docstring)
 
 
@@ -70,13 +71,19 @@ class TritonAttention:
     to ``prefill_limits[0]`` new tokens, ``prefill_limits[1]`` in a step (the scheduler's
     chunk and step budget: what ``warm_up`` builds plans for). ``pdl``: the decode path's
     kernels (rotary and store, the q/k/v GEMV, decode attention) launched for programmatic
-    dependent launch (``KernelChoice.pdl``)."""
+    dependent launch (``KernelChoice.pdl``). ``merge_in_kernel``: plain (not cascade) decode
+    attention of up to ``MERGE_ROWS`` rows merges its splits in its first kernel, counting in
+    one buffer of ``MERGE_ROWS`` x KV heads made here (fixed: graphs captured on it never see
+    it move; every kernel leaves it at 0)."""
 
     def __init__(self, pool: KVPool, *, num_heads: int, head_dim: int, scale: float, cascade: bool = False,
                  fuse_one_row: bool = True, dense_prefill: bool = False, windows: tuple[int, ...] = (),
-                 softcap: float = 0.0, prefill_limits: tuple[int, int] = (2048, 4096), pdl: bool = False):
+                 softcap: float = 0.0, prefill_limits: tuple[int, int] = (2048, 4096), pdl: bool = False,
+                 merge_in_kernel: bool = False):
         self.pool = pool
         self.pdl = pdl
+        self.counters = (torch.zeros((MERGE_ROWS, pool.k_buffers[0].shape[1]), dtype=torch.int32, device=pool.device)
+                         if merge_in_kernel else None)
         self.windows = windows or (0,) * len(pool.k_buffers)
         self.softcap = softcap
         self.mapped = tuple(bool(w) and pool.to_window is not None for w in self.windows)
@@ -390,7 +397,8 @@ class TritonAttention:
                                self.rows, self.seq_lens, self.scale, num_splits=self.splits, mid_o=self.mid_o,
                                mid_lse=self.mid_lse, window=self.windows[layer], softcap=self.softcap,
                                k_scale=k_scale, v_scale=v_scale, slot_map=self._map(layer), tree=self.tree,
-                               pdl=self.pdl)
+                               pdl=self.pdl, counters=self.counters,
+                               merge_in_kernel=self.counters is not None and q.shape[0] <= MERGE_ROWS)
         if self.graph_extends is not None:
             ext, config = self.graph_extends
             extend_attention(q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token,
