@@ -205,15 +205,16 @@ def _merge_if_last(MidO, MidLse, Out, Counter, b, heads, mask_g, offs_d, mask_d,
                       other=float("-inf"), cache_modifier=".cg")
         mx = tl.max(lse, 1)
         mx = tl.where(mx == float("-inf"), 0.0, mx)  # (the tile's padding heads: no partials)
-        w = tl.where(mask_gs & (lse > float("-inf")), tl.exp(lse - mx[:, None]), 0.0)
-        tot = tl.sum(w, 1)
-        w = w / tl.where(tot > 0, tot, 1.0)[:, None]
+        tot = tl.sum(tl.where(mask_gs & (lse > float("-inf")), tl.exp(lse - mx[:, None]), 0.0), 1)
+        tot = tl.where(tot > 0, tot, 1.0)
         out = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
         mask_gd = mask_g[:, None] & mask_d[None, :]
-        for s in tl.static_range(SPLITS):
+        for s in tl.static_range(SPLITS):  # each split's partial, weighted by its share of the sum
+            lse_s = tl.load(MidLse + b * stride_lb + heads * stride_lh + s, mask=mask_g, other=float("-inf"),
+                            cache_modifier=".cg")
+            w_s = tl.where(lse_s > float("-inf"), tl.exp(lse_s - mx), 0.0) / tot
             part = tl.load(MidO + b * stride_ob + heads[:, None] * stride_oh + s * stride_os + offs_d[None, :],
                            mask=mask_gd, other=0.0, cache_modifier=".cg")
-            w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), 1)
             out += part * w_s[:, None]
         tl.store(Out + b * stride_b + heads[:, None] * stride_h + offs_d[None, :], out.to(Out.dtype.element_ty),
                  mask=mask_gd)
