@@ -110,9 +110,10 @@ def _decode_stage1(
 ):
     """``MERGE_LAST`` (``decode_attention``'s ``merge_in_kernel``): the last of a (request,
     KV head)'s ``SPLITS`` programs to finish merges their partials into ``Out`` (stage 2's
-    work, ``_merge_if_last``), counted in ``Counters`` [B, Hkv]. ``MERGE_PREFIX`` (cascade with one split): the shared level's ``PrefixParts[b]``
-    partials, in split slots ``SPLITS ...`` of ``MidO``/``MidLse``, are already there; they
-    are merged with this program's own span and the result goes to ``Out``. ``WINDOW`` > 0:
+    work, ``_merge_if_last``), counted in ``Counters`` [B, Hkv]. ``MERGE_PREFIX`` (cascade
+    with one split): the shared level's ``PrefixParts[b]`` partials, in split slots
+    ``SPLITS ...`` of ``MidO``/``MidLse``, are already there; they are merged with this
+    program's own span and the result goes to ``Out``. ``WINDOW`` > 0:
     only the newest ``WINDOW`` keys are read (not with a start). ``F16_DOT``: the query (and
     so the K/V tiles and probabilities) in fp16 for the products (see ``decode_attention``).
     ``TREE``: row b sees a key at position ``p >= TreeBase[b]`` only where bit
