@@ -39,7 +39,8 @@
 #             engine option decode_merge_in_kernel on and off (gpu_bench --sections ceilings,merge)
 #   mixedload the GPU tests of the mixed steps' graphs and the Triton kernels, then
 #             benchmarks/mixed_load.py (in process, 8B shape, 512 prompts at 256 streams) per
-#             setting: no budget; 1024 eager; 384, 512, 768 replayed (MIXED_SETTINGS: others)
+#             setting: no budget, eager; 1024 eager; 384, the default (512), 768 replayed
+#             (MIXED_SETTINGS: others)
 #   quant fp8kv swa spec pd moe (FP8KV_ARGS=--sweep: the decode kernel's tiles first; QUANT_ARGS=--pdl)
 #             benchmarks/quant.py (bf16, fp8 and int4 engines at the 8B shape), fp8_kv.py (batch
 #             256 x 4k, fp8 vs bf16 KV), swa.py (Gemma-3-12B shape at 8k), spec.py --device cuda,
@@ -153,9 +154,8 @@ for spec in $PARTS; do
     lim python3 -m pytest -q -p no:cacheprovider -rf --tb=short -m gpu tests/test_mixed_graphs.py \
         tests/test_triton_kernels.py > "$W/mixedload_tests.txt" 2>&1
     grep -E "passed|failed|error" "$W/mixedload_tests.txt" | tail -3
-    lim python3 -m benchmarks.mixed_load --out "$W" --settings "${MIXED_SETTINGS:-mixed_prefill_tokens=0;\
-mixed_prefill_tokens=1024;mixed_prefill_tokens=384,mixed_graph_tokens=384;mixed_prefill_tokens=512,mixed_graph_tokens=512;\
-mixed_prefill_tokens=768,mixed_graph_tokens=768}" > "$W/mixed_load.log" 2>&1
+    lim python3 -m benchmarks.mixed_load --out "$W" --settings "${MIXED_SETTINGS:-mixed_prefill_tokens=4096,mixed_cuda_graphs=0;\
+mixed_prefill_tokens=1024,mixed_cuda_graphs=0;mixed_prefill_tokens=384;mixed_prefill_tokens=0;mixed_prefill_tokens=768}" > "$W/mixed_load.log" 2>&1
     tail -7 "$W/mixed_load.log" | cut -c1-400 ;;
   quant)
     lim python3 -m benchmarks.quant --json "$W/quant.json" ${QUANT_ARGS:-} > "$W/quant.log" 2>&1

@@ -3,10 +3,11 @@
 An in-process ``Engine`` on random weights in a real shape serves ``radixd bench``'s random
 workload (closed loop: ``--prompts`` prompts of ``--input-len`` tokens, ``--output-len`` new
 tokens each, ``--concurrency`` at once), once per setting. The scheduler's keys and
-``[model] mixed_graph_tokens`` default to the shipped ``radixd.toml``'s; a setting overrides
-some of them (``mixed_prefill_tokens=512``; several keys joined by commas:
-``mixed_prefill_tokens=256,mixed_graph_tokens=256``; ``mixed_decode_rows=N`` sets the triton
-backend's ``MIXED_DECODE_ROWS`` for that run).
+``[model] mixed_cuda_graphs`` / ``mixed_graph_tokens`` default to the shipped
+``radixd.toml``'s; a setting overrides some of them (``mixed_prefill_tokens=4096``: no budget
+of its own; several keys joined by commas: ``mixed_prefill_tokens=256,mixed_cuda_graphs=0``;
+``mixed_decode_rows=N`` sets the triton backend's ``MIXED_DECODE_ROWS`` for that run). The
+report gives the budget and graph tokens as the engine settled them (0 asks for its default).
 
 Per setting: throughput, TTFT, inter-token latency (p50 / p90 / p99 and p99 over p50, the
 figure issue-style goals name), and the steps by kind: decode only, prefill only, and
@@ -19,7 +20,7 @@ worker thread queueing the step's kernels) shows where the host, not the device,
 been admitted; the kernels by device time go to the JSON and the log.
 
     python -m benchmarks.mixed_load --out OUT [--model llama3-8b]
-        [--settings "mixed_prefill_tokens=0;mixed_prefill_tokens=512"] [--profile 1]
+        [--settings "mixed_prefill_tokens=4096,mixed_cuda_graphs=0;mixed_prefill_tokens=0"] [--profile 1]
     python -m benchmarks.mixed_load --out OUT --device cpu   # the script's logic, tiny shape
 """
 
@@ -52,7 +53,7 @@ from radixd.core.attention import triton_backend
 
 SCHEDULER_KEYS = ("max_running_requests", "max_prefill_tokens", "chunked_prefill_size", "mixed_prefill_tokens")
 # engine keys a setting may also give (default: the shipped radixd.toml's)
-ENGINE_KEYS = ("mixed_graph_tokens",)
+ENGINE_KEYS = ("mixed_cuda_graphs", "mixed_graph_tokens")
 # not an engine option: the triton backend's MIXED_DECODE_ROWS for the run (a benchmark knob)
 BACKEND_KEYS = ("mixed_decode_rows",)
 BUCKETS = (256, 512, 1024, 2048, 4096)
@@ -75,7 +76,7 @@ def parse_setting(text: str) -> dict:
         if not _ or key not in SCHEDULER_KEYS + ENGINE_KEYS + BACKEND_KEYS:
             raise SystemExit(f"--settings {text!r}: expected KEY=VALUE with KEY one of "
                              f"{', '.join(SCHEDULER_KEYS + ENGINE_KEYS + BACKEND_KEYS)}")
-        out[key] = int(value)
+        out[key] = value.strip().lower() in ("1", "true") if key == "mixed_cuda_graphs" else int(value)
     return out
 
 
@@ -221,9 +222,9 @@ async def run_setting(path: str, engine_kw: dict, specs: list[RequestSpec], conc
     itl = [x for r in records if r.ok for x in r.itl_ms]
     device_s = sum(r[2] for r in rows)
     p50, p99 = pct(itl, 0.5), pct(itl, 0.99)
-    most = engine_kw["max_prefill_tokens"]  # (a step that also decodes takes at most this many prompt tokens)
     res = {"engine": {k: engine_kw[k] for k in SCHEDULER_KEYS + ENGINE_KEYS},
-           "mixed_budget": min(engine_kw["mixed_prefill_tokens"] or most, most),
+           # as the engine settled them (assembly.mixed_steps: 0 is "auto")
+           "mixed_budget": eng.config.mixed_prefill_tokens, "mixed_graph_tokens": eng.config.mixed_graph_tokens,
            "mixed_decode_rows": triton_backend.MIXED_DECODE_ROWS, "wall_s": round(wall, 3),
            "completed": sum(r.ok for r in records),
            "request_throughput": round(len(specs) / wall, 3),
@@ -241,7 +242,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--settings", default="mixed_prefill_tokens=0;mixed_prefill_tokens=512",
+    ap.add_argument("--settings", default="mixed_prefill_tokens=4096,mixed_cuda_graphs=0;mixed_prefill_tokens=0",
                     help="';'-separated settings, each KEY=VALUE[,KEY=VALUE] over the shipped keys (see above)")
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--concurrency", type=int, default=256)

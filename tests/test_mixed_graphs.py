@@ -21,6 +21,7 @@ from test_engine import (
     prompts,
 )
 
+from radixd.core.assembly import MIXED_GRAPH_TOKENS_MAX
 from radixd.core.cuda_graph import MIXED_EXTENDS, MixedGraphs, mixed_buckets
 from radixd.core.errors import ConfigError
 from radixd.core.forward_batch import ForwardBatch
@@ -141,7 +142,7 @@ def test_which_steps_a_replay_takes():
     assert not g.can_run(batch([1, 4], trees=TokenTrees(first=[1], sizes=[4], masks=[torch.ones(4, 4, dtype=torch.bool)])))
 
 
-@pytest.mark.parametrize("kw", [dict(tp_size=2), dict(cuda_graphs=False)])
+@pytest.mark.parametrize("kw", [dict(tp_size=2), dict(cuda_graphs=False), dict(mixed_cuda_graphs=False)])
 async def test_mixed_graph_tokens_refused_where_no_mixed_graph_is_captured(tiny_models, kw):
     from radixd import Engine
 
@@ -149,6 +150,37 @@ async def test_mixed_graph_tokens_refused_where_no_mixed_graph_is_captured(tiny_
         Engine(model=str(tiny_models["llama"]), mixed_graph_tokens=64, kv_cache_tokens=256, **kw)
     eng = Engine(model=str(tiny_models["llama"]), mixed_graph_tokens=0, kv_cache_tokens=256, **kw)  # (asks for nothing)
     await eng.stop()
+
+
+@pytest.mark.parametrize(("where", "kw", "settled"), [
+    (("cuda", "triton"), {}, (512, 512)),  # the GPU's default: a budget its graphs cover
+    (("cuda", "triton"), dict(mixed_prefill_tokens=3000), (3000, MIXED_GRAPH_TOKENS_MAX)),
+    (("cuda", "triton"), dict(mixed_prefill_tokens=9000), (4096, MIXED_GRAPH_TOKENS_MAX)),
+    (("cuda", "triton"), dict(mixed_graph_tokens=64), (512, 64)),
+    (("cuda", "triton"), dict(max_prefill_tokens=300), (300, 300)),
+    (("cuda", "triton"), dict(mixed_cuda_graphs=False), (4096, 0)),  # eager steps: no budget of their own
+    (("cuda", "triton"), dict(cuda_graphs=False), (4096, 0)),
+    (("cuda", "triton"), dict(tp_size=2), (4096, 0)),
+    (("cuda", "torch"), {}, (4096, 0)),
+    (("cpu", "triton"), {}, (4096, 0)),
+    (("cpu", "triton"), dict(mixed_prefill_tokens=64), (64, 0)),
+])
+def test_mixed_steps_settle_budget_and_graphs(where, kw, settled):
+    """``assembly.mixed_steps``: 0 asks for the default of where the engine runs; explicit
+    values stay (the budget at most ``max_prefill_tokens``)."""
+    from types import SimpleNamespace
+
+    from radixd.core.assembly import mixed_steps
+    from radixd.core.config import EngineConfig
+
+    setup = SimpleNamespace(device=torch.device(where[0]), attention_backend=where[1], pooling=None)
+    c = mixed_steps(EngineConfig(**kw), setup)
+    assert (c.mixed_prefill_tokens, c.mixed_graph_tokens) == settled
+    if "mixed_graph_tokens" in kw:  # (asked for: refused with an EAGLE-3 drafter)
+        with pytest.raises(ConfigError, match="mixed_graph_tokens"):
+            mixed_steps(EngineConfig(**kw), setup, aux_layers=(1, 2))
+    else:
+        assert mixed_steps(EngineConfig(**kw), setup, aux_layers=(1, 2)).mixed_graph_tokens == 0
 
 
 @pytest.mark.gpu
@@ -189,7 +221,8 @@ async def test_captured_mixed_steps_match_eager(tiny_models):
             await eng.stop()
 
     graphed, captured, replays = await run(mixed_graph_tokens=16)
-    eager, _, _ = await run()
+    eager, captured_off, _ = await run(mixed_cuda_graphs=False)
+    assert not captured_off
     assert captured and replays
     for (t1, lp1), (t2, lp2) in zip(graphed, eager, strict=True):
         assert t1 == t2

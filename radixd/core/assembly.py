@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -35,6 +35,11 @@ from radixd.core.triton_ops import KernelChoice
 from radixd.core.worker import ModelWorker, Worker, on_device
 
 DEFAULT_KV_BYTES_CPU = 512 * 1024**2
+# The prompt budget of a step that also decodes where such steps replay CUDA graphs (8B shape,
+# 512 prompts at 256 streams on an H200: inter-token p99 / p50 3.0x in process, 2.1x over HTTP,
+# 1.06x the requests a second of no budget; docs/benchmarks/gpu_wave2.md, "G4").
+MIXED_PREFILL_CAPTURED = 512
+MIXED_GRAPH_TOKENS_MAX = 1024  # the most prompt tokens of a captured mixed step by default
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,26 @@ class ModelSetup:
                    pooling=engine_pooling(config.task, path), kv_format=fmt)
 
 
+def mixed_steps(config: EngineConfig, setup: ModelSetup, aux_layers: tuple[int, ...] = ()) -> EngineConfig:
+    """``config`` with the steps that decode and prefill together settled: their prompt
+    budget (``mixed_prefill_tokens``; 0: ``MIXED_PREFILL_CAPTURED`` where they replay CUDA
+    graphs, else ``max_prefill_tokens``) and their graphs' extra tokens (``mixed_graph_tokens``;
+    0: the budget up to ``MIXED_GRAPH_TOKENS_MAX`` where they are captured, else none). An
+    explicit ``mixed_graph_tokens`` where nothing would be captured is refused."""
+    c = config
+    possible = c.cuda_graphs and c.mixed_cuda_graphs and c.tp_size == 1 and not aux_layers
+    if c.mixed_graph_tokens and not possible:
+        raise ConfigError("mixed_graph_tokens", c.mixed_graph_tokens,
+                          "0 with tp_size > 1, an EAGLE-3 drafter, cuda_graphs or mixed_cuda_graphs off (mixed "
+                          "steps are captured as CUDA graphs on one device, without the drafter's hidden states)")
+    captured = (possible and setup.device.type == "cuda" and setup.attention_backend == "triton"
+                and setup.pooling is None)
+    budget = min(c.mixed_prefill_tokens or (MIXED_PREFILL_CAPTURED if captured else c.max_prefill_tokens),
+                 c.max_prefill_tokens)
+    graph = c.mixed_graph_tokens or (min(budget, MIXED_GRAPH_TOKENS_MAX) if captured else 0)
+    return replace(c, mixed_prefill_tokens=budget, mixed_graph_tokens=graph)
+
+
 def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.device],
                 aux_layers: tuple[int, ...] = ()) -> Worker:
     """One replica's worker: the model on ``devices[0]``, or split over all of them.
@@ -106,10 +131,6 @@ def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.dev
         raise ConfigError("decode_merge_in_kernel", config.decode_merge_in_kernel,
                           f"false with attention_backend {setup.attention_backend!r} (it is the triton "
                           "backend's decode kernel)")
-    if config.mixed_graph_tokens and (len(devices) > 1 or aux_layers or not config.cuda_graphs):
-        raise ConfigError("mixed_graph_tokens", config.mixed_graph_tokens,
-                          "0 with tp_size > 1, an EAGLE-3 drafter or cuda_graphs off (mixed steps are captured "
-                          "as CUDA graphs on one device, without the drafter's hidden states)")
     if len(devices) > 1:
         from radixd.core.tensor_parallel import TPWorker
 

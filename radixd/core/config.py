@@ -163,8 +163,11 @@ class EngineConfig:
     task: str = option("auto", key="model.task", choices=TASKS)
     # Capture decode steps as CUDA graphs (batch-size buckets up to max_running_requests).
     cuda_graphs: bool = option(True, key="model.cuda_graphs")
-    # Also steps that decode and prefill together, by token count up to max_running_requests +
-    # this (cuda_graph.MixedGraphs; one device; 0: such steps run eagerly).
+    # Also steps that decode and prefill together (cuda_graph.MixedGraphs), where decode steps
+    # are captured, on one device, without an EAGLE-3 drafter; false: they run eagerly.
+    mixed_cuda_graphs: bool = option(True, key="model.mixed_cuda_graphs")
+    # Those graphs' token buckets reach max_running_requests + this; 0: the step's prompt
+    # budget (mixed_prefill_tokens), at most assembly.MIXED_GRAPH_TOKENS_MAX.
     mixed_graph_tokens: int = option(0, key="model.mixed_graph_tokens", min=0)
     # Decode requests that share a cached prefix read its KV once for all of them (two-level
     # "cascade" attention; the triton backend).
@@ -243,8 +246,9 @@ class EngineConfig:
     max_running_requests: int = option(64, key="scheduler.max_running_requests", min=1)
     max_prefill_tokens: int = option(4096, key="scheduler.max_prefill_tokens", min=1)
     chunked_prefill_size: int = option(2048, key="scheduler.chunked_prefill_size", min=1)
-    # Prompt tokens of a step that also decodes (0: max_prefill_tokens): a smaller budget keeps
-    # the decoding requests' inter-token latency flat while prompts arrive.
+    # Prompt tokens of a step that also decodes (0: assembly.MIXED_PREFILL_CAPTURED where such
+    # steps replay CUDA graphs, else max_prefill_tokens): a smaller budget keeps the decoding
+    # requests' inter-token latency flat while prompts arrive.
     mixed_prefill_tokens: int = option(0, key="scheduler.mixed_prefill_tokens", min=0)
     # Fraction of each running request's remaining max_new_tokens kept free when admitting.
     schedule_conservativeness: float = option(0.3, key="scheduler.schedule_conservativeness", min=0.0, max=1.0)

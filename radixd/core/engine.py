@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from radixd.core import gc_control
-from radixd.core.assembly import ModelSetup, make_worker, replica_devices
+from radixd.core.assembly import ModelSetup, make_worker, mixed_steps, replica_devices
 from radixd.core.calls import Calls
 from radixd.core.config import EngineConfig
 from radixd.core.errors import EngineStopped, InvalidRequest
@@ -70,7 +70,6 @@ class Engine:
     def __init__(self, config: EngineConfig, *, policy: Callable[[EngineConfig], SchedulePolicy],
                  tiers: Sequence[CacheTier] = (), grammars: GrammarCompiler | None = None,
                  setup: ModelSetup | None = None, drafter: Callable[..., Drafter] | None = None):
-        self.config = config
         setup = setup or ModelSetup.load(config)
         self.dtype, self.model_path, self.model_cfg = setup.dtype, setup.path, setup.cfg
         self.kv_dtype = setup.kv_format.dtype  # what the KV pool holds (kv_cache_dtype)
@@ -86,6 +85,7 @@ class Engine:
         self.replicas: list[Replica] = []
         # (a drafter that reads the model's hidden states: which layers', before any weights load)
         aux = drafter.target_layers(config, self.model_cfg) if reads_target(drafter) else ()
+        self.config = config = mixed_steps(config, setup, aux)  # (the mixed steps' budget settled)
         for d in range(config.dp_size):
             worker = make_worker(config, setup, replica_devices(setup.device, d, config.dp_size, config.tp_size),
                                  aux_layers=aux)
