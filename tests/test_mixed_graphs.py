@@ -183,6 +183,25 @@ def test_mixed_steps_settle_budget_and_graphs(where, kw, settled):
         assert mixed_steps(EngineConfig(**kw), setup, aux_layers=(1, 2)).mixed_graph_tokens == 0
 
 
+def test_a_failed_mixed_capture_takes_back_the_default_budget():
+    """``assembly.mixed_uncaptured``: a replica whose mixed graphs were wanted but not captured
+    gets no prompt budget of its own where ``mixed_steps`` chose it; one asked for stays."""
+    from types import SimpleNamespace
+
+    from radixd.core.assembly import mixed_steps, mixed_uncaptured
+    from radixd.core.config import EngineConfig
+
+    setup = SimpleNamespace(device=torch.device("cuda"), attention_backend="triton", pooling=None)
+    failed = SimpleNamespace(graphs_wanted=True, mixed_graphs=None)
+    captured = SimpleNamespace(graphs_wanted=True, mixed_graphs=object())
+    asked = EngineConfig()
+    settled = mixed_steps(asked, setup)
+    assert mixed_uncaptured(asked, settled, captured).mixed_prefill_tokens == 512
+    assert mixed_uncaptured(asked, settled, failed).mixed_prefill_tokens == 4096
+    asked = EngineConfig(mixed_prefill_tokens=256)
+    assert mixed_uncaptured(asked, mixed_steps(asked, setup), failed).mixed_prefill_tokens == 256
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
 async def test_captured_mixed_steps_match_eager(tiny_models):

@@ -12,6 +12,7 @@ Everything here runs once, at start-up, on the caller's thread.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,6 +34,8 @@ from radixd.core.swa_pool import window_slots
 from radixd.core.tiers import TierContext
 from radixd.core.triton_ops import KernelChoice
 from radixd.core.worker import ModelWorker, Worker, on_device
+
+log = logging.getLogger("radixd.assembly")
 
 DEFAULT_KV_BYTES_CPU = 512 * 1024**2
 # The prompt budget of a step that also decodes where such steps replay CUDA graphs (8B shape,
@@ -103,6 +106,20 @@ def mixed_steps(config: EngineConfig, setup: ModelSetup, aux_layers: tuple[int, 
                  c.max_prefill_tokens)
     graph = c.mixed_graph_tokens or (min(budget, MIXED_GRAPH_TOKENS_MAX) if captured else 0)
     return replace(c, mixed_prefill_tokens=budget, mixed_graph_tokens=graph)
+
+
+def mixed_uncaptured(asked: EngineConfig, config: EngineConfig, worker: Worker) -> EngineConfig:
+    """A replica's ``config`` once its ``worker`` is made (``asked``: before ``mixed_steps``):
+    where its mixed graphs were to be captured and the capture failed (the worker logged why),
+    a budget ``mixed_steps`` chose for them goes back to ``max_prefill_tokens``: eager mixed
+    steps are host-bound, and many small ones cost more than a few large ones."""
+    failed = config.mixed_graph_tokens and getattr(worker, "graphs_wanted", False) \
+        and getattr(worker, "mixed_graphs", None) is None
+    if not failed or asked.mixed_prefill_tokens:
+        return config
+    log.warning("mixed steps run eagerly: no prompt budget of their own (max_prefill_tokens %d)",
+                config.max_prefill_tokens)
+    return replace(config, mixed_prefill_tokens=config.max_prefill_tokens)
 
 
 def make_worker(config: EngineConfig, setup: ModelSetup, devices: list[torch.device],

@@ -21,7 +21,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from radixd.core import gc_control
-from radixd.core.assembly import ModelSetup, make_worker, mixed_steps, replica_devices
+from radixd.core.assembly import (
+    ModelSetup,
+    make_worker,
+    mixed_steps,
+    mixed_uncaptured,
+    replica_devices,
+)
 from radixd.core.calls import Calls
 from radixd.core.config import EngineConfig
 from radixd.core.errors import EngineStopped, InvalidRequest
@@ -85,11 +91,13 @@ class Engine:
         self.replicas: list[Replica] = []
         # (a drafter that reads the model's hidden states: which layers', before any weights load)
         aux = drafter.target_layers(config, self.model_cfg) if reads_target(drafter) else ()
-        self.config = config = mixed_steps(config, setup, aux)  # (the mixed steps' budget settled)
+        asked, self.config = config, mixed_steps(config, setup, aux)  # (the mixed steps' budget settled)
+        config = self.config
         for d in range(config.dp_size):
             worker = make_worker(config, setup, replica_devices(setup.device, d, config.dp_size, config.tp_size),
                                  aux_layers=aux)
-            self.replicas.append(Replica(d, worker, config, policy(config), outputs=self.outputs, reader=self._reader,
+            rc = mixed_uncaptured(asked, config, worker)
+            self.replicas.append(Replica(d, worker, rc, policy(rc), outputs=self.outputs, reader=self._reader,
                                          on_step=self._stepped, eos_token_ids=self.eos_token_ids,
                                          context_len=self.context_len, tiers=self._hierarchy(worker),
                                          vocab_size=self.model_cfg.vocab_size, drafter=drafter))
