@@ -42,10 +42,14 @@ SHAPES: dict[str, dict[str, Any]] = {
 LLAMA = dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, eos_token_id=0)
 # Engine settings the scripts share. CPU: float32 on the reference torch attention backend, no
 # CUDA graphs (the loop benchmarks, and smoke runs of the GPU scripts' logic). CUDA: bf16 with
-# the serving batch limits the GPU figures were measured at.
+# the serving batch limits the GPU figures were measured at, and no prompt budget beside decodes
+# (nor mixed graphs): a batch's prompts are all prefilled before its decode window opens, which
+# the one-GPU default (512 prompt tokens a step beside decodes) would stretch over many steps
+# while the first requests already decode, so a batch would never decode whole.
 CPU_ENGINE: dict[str, Any] = dict(device="cpu", dtype="float32", attention_backend="torch", cuda_graphs=False)
 CUDA_ENGINE: dict[str, Any] = dict(device="cuda", dtype="bfloat16", max_running_requests=256,
-                                   max_prefill_tokens=16384, chunked_prefill_size=8192)
+                                   max_prefill_tokens=16384, chunked_prefill_size=8192,
+                                   mixed_prefill_tokens=16384, mixed_cuda_graphs=False)
 
 
 def checkpoint_dir(shape: dict[str, Any], *, prefix: str = "radixd-", where: Path | None = None) -> str:
