@@ -78,6 +78,55 @@ async def test_mixed_steps_through_the_graphs_forward_match_transformers(request
     assert any(tokens > 5 for tokens, _ in seen)  # some with decodes beside a chunk
 
 
+async def test_a_one_token_request_past_the_decode_rows_takes_the_extend_kernel(tiny_models):
+    """A replayed mixed step runs the decode kernel over its first ``max_rows`` rows only: a
+    prompt whose whole prefix is cached (one new token) admitted behind another prompt's
+    chunk lands past them and is attended as an extend of one token; the tokens stay
+    transformers'."""
+    from radixd.core.cuda_graph import ones_beyond
+
+    if GPU:
+        pytest.skip("the CPU oracle (fp32 greedy equality)")
+    path = tiny_models["llama"]
+    eng = make_engine(path, attention_backend="triton", chunked_prefill_size=6, max_prefill_tokens=8,
+                      max_running_requests=3)
+    replayed(eng, 8)
+    g = eng.worker.mixed_graphs
+    run, past, steps = g.run, [], [0]
+
+    def counting(batch, prev, stager):
+        bs = min(b for b in g.buckets if b >= batch.num_tokens)
+        past.append(ones_beyond(batch.extend_lens, g.decode_rows[bs]))
+        return run(batch, prev, stager)
+
+    def hook(step):
+        steps[0] += 1
+        eng.check_accounting()
+
+    async def until(n):
+        while steps[0] < n:
+            await asyncio.sleep(0.001)
+
+    g.run = counting
+    try:
+        long, again = prompts(2, 40, seed=5)
+        first = await collect(eng, again, 3)  # (now cached: a later copy extends one token)
+        eng.step_hook = hook
+        decoding = asyncio.ensure_future(collect(eng, long[:5], 16))
+        await until(2)
+        chunked = asyncio.ensure_future(collect(eng, long, 4))  # (prefilled 6 tokens a step)
+        await until(3)
+        hits = [asyncio.ensure_future(collect(eng, again, 3)) for _ in range(2)]
+        outs = await asyncio.gather(decoding, chunked, *hits)
+        assert_greedy_matches(path, long[:5], outs[0], 16)
+        assert_greedy_matches(path, long, outs[1], 4)
+        assert outs[2] == outs[3] == first
+        await assert_idle(eng)
+    finally:
+        await eng.stop()
+    assert max(past) > 0  # (a replayed step carried a one-token request past its decode rows)
+
+
 async def test_a_step_beyond_the_graphs_runs_eagerly(tiny_models):
     """Prompts of several chunks at once: steps with more extends than a replay carries, or
     more tokens than its largest bucket, run eagerly; the tokens stay transformers'."""
@@ -248,12 +297,14 @@ async def test_captured_mixed_steps_match_eager(tiny_models):
         assert max(abs(x - y) for x, y in zip(lp1, lp2, strict=True)) < 2e-2
 
 
-@pytest.mark.parametrize("lens", [[1, 1, 5, 3], [1, 5, 1, 3, 1], [4, 2]])
-def test_a_steps_staged_block(lens):
+@pytest.mark.parametrize(("lens", "decode_rows"), [([1, 1, 5, 3], 13), ([1, 5, 1, 3, 1], 13), ([4, 2], 9),
+                                                   ([1, 1, 1, 5, 3], 2), ([1, 5, 1, 3, 1], 6), ([2, 1, 1], 3)])
+def test_a_steps_staged_block(lens, decode_rows):
     """A replay's block: one-token requests at their rows and lengths (leading the step, as
-    the scheduler orders it, or anywhere), every other row a dummy (row 0, length 1), each
-    chunk's (row, prefix, length, first row), the sampled requests' last rows, padding."""
-    from radixd.core.cuda_graph import IDS, LEN, LOC, POS, ROW
+    the scheduler orders it, or anywhere) within the first ``decode_rows`` rows, every other
+    row a dummy (row 0, length 1); each chunk's (row, prefix, length, first row), and a
+    one-token request's at a later row; the sampled requests' last rows, padding."""
+    from radixd.core.cuda_graph import IDS, LEN, LOC, POS, ROW, ones_beyond
 
     t = sum(lens)
     bs = t + 3
@@ -267,14 +318,14 @@ def test_a_steps_staged_block(lens):
     rows = flat[: 5 * bs].view(5, bs)
     ext = flat[5 * bs : 5 * bs + 4 * MIXED_EXTENDS].view(4, MIXED_EXTENDS)
     picks = flat[5 * bs + 4 * MIXED_EXTENDS :]
-    s = MixedGraphs._stage(rows, ext, picks, b)
+    s = MixedGraphs._stage(rows, ext, picks, b, decode_rows)
     assert s == len(sampled)
     assert picks[:s].tolist() == b.logits_indices().tolist() and picks[s:].tolist() == [0] * (4 - s)
     assert rows[IDS, :t].tolist() == list(range(100, 100 + t)) and rows[IDS, t:].tolist() == [0] * 3
     assert rows[POS, t:].tolist() == [0] * 3 and rows[LOC, t:].tolist() == [0] * 3
     want_row, want_len, want_ext, start = [0] * bs, [1] * bs, [], 0
     for r, p, e in zip(rows_of, prefix, lens, strict=True):
-        if e == 1:
+        if e == 1 and start < decode_rows:
             want_row[start], want_len[start] = r, p + 1
         else:
             want_ext.append([r, p, e, start])
@@ -282,3 +333,4 @@ def test_a_steps_staged_block(lens):
     assert rows[ROW].tolist() == want_row and rows[LEN].tolist() == want_len
     n = len(want_ext)
     assert ext[:, :n].T.tolist() == want_ext and ext[:, n:].eq(0).all()
+    assert ones_beyond(lens, decode_rows) == sum(1 for x in want_ext if x[2] == 1)

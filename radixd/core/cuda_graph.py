@@ -206,6 +206,16 @@ MIXED_EXTENDS = 8  # prompt chunks (extends of 2+ tokens) one captured mixed ste
 XROW, XPRE, XLEN, XSTART = range(4)  # the rows of a mixed bucket's extends block
 
 
+def ones_beyond(extend_lens: list[int], decode_rows: int) -> int:
+    """One-token requests whose flat row is ``decode_rows`` or later (a mixed replay's extend
+    kernel takes them)."""
+    n, start = 0, 0
+    for e in extend_lens:
+        n += e == 1 and start >= decode_rows
+        start += e
+    return n
+
+
 def mixed_buckets(most: int) -> list[int]:
     """Token counts of the mixed graphs up to ``most``: close together while small, then
     every 64 (a step pads at most 64 rows of matrix products beyond 128 tokens)."""
@@ -218,12 +228,14 @@ class MixedGraphs:
     (``mixed_buckets``), so that such a step costs the host one replay rather than the
     launch of every kernel of every layer.
 
-    A replay's rows are the step's tokens in flat order, padded to the bucket. Each
-    one-token request (a decode, or a prompt's last token) is a decode row at its table
-    row and length; every other row is a dummy decode row (row 0, length 1) whose output
-    the extend kernel then overwrites: each of up to ``MIXED_EXTENDS`` extends (prompt
-    chunks) at its table row, prefix, length and first flat row, unused ones of length 0
-    (``GraphAttention.set_decode``'s ``extends``). K/V are stored at every row's slot
+    A replay's rows are the step's tokens in flat order, padded to the bucket. The decode
+    kernel reads only the first ``decode_rows[bs]`` (``max_rows`` at most) of them: each
+    one-token request there (a decode, or a prompt's one-token chunk; the scheduler puts
+    decodes first) is a decode row at its table row and length, every other row a dummy
+    decode row (row 0, length 1) whose output the extend kernel then overwrites. The extend
+    kernel takes up to ``MIXED_EXTENDS`` extends (``GraphAttention.set_decode``'s
+    ``extends``), each at its table row, prefix, length and first flat row, unused ones of
+    length 0: the prompt chunks, and any one-token request beyond the decode rows. K/V are stored at every row's slot
     (padding: the pool's padding slot 0). The logits are computed only at the sampled rows
     (a block of at most ``max_rows`` indices, padding 0) and copied into one buffer all the
     mixed graphs share. The step's table writes are the worker's (one scatter before the
@@ -240,6 +252,7 @@ class MixedGraphs:
         self.pool = pool
         self.buckets = mixed_buckets(max_tokens)
         self.logit_rows = {bs: min(bs, max_rows) for bs in self.buckets}
+        self.decode_rows = self.logit_rows  # (the rows the decode kernel reads: as many)
         dev = pool.device
         # Per bucket one int64 block, copied in one transfer: [5, bs] (IDS, POS, LOC, ROW, LEN),
         # [4, MIXED_EXTENDS] (XROW, XPRE, XLEN, XSTART), [logit rows] (the sampled rows).
@@ -247,7 +260,7 @@ class MixedGraphs:
                        for bs in self.buckets}
         for bs, flat in self.inputs.items():
             self._views(flat, bs)[0][LEN].fill_(1)
-        self.scratch = {bs: attn.decode_scratch(bs) for bs in self.buckets}
+        self.scratch = {bs: attn.decode_scratch(self.decode_rows[bs]) for bs in self.buckets}
         self.logits: torch.Tensor | None = None  # [max_rows, vocab] float32, made by the first forward
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_error_mode = capture_error_mode
@@ -267,7 +280,8 @@ class MixedGraphs:
         """Bucket ``bs``'s step over its static buffers, its logits into ``self.logits``."""
         rows, ext, picks = self._views(self.inputs[bs], bs)
         extends = Extends(ext[XROW], ext[XPRE], ext[XLEN], ext[XSTART], bs)
-        self.attn.set_decode(rows[ROW], rows[LEN], rows[LOC], extends=extends, scratch=self.scratch[bs])
+        r = self.decode_rows[bs]
+        self.attn.set_decode(rows[ROW, :r], rows[LEN, :r], rows[LOC], extends=extends, scratch=self.scratch[bs])
         out = self.model(rows[IDS], rows[POS], self.attn, picks)
         if self.logits is None:
             self.logits = torch.empty((max(self.logit_rows.values()), out.shape[1]), dtype=out.dtype, device=out.device)
@@ -306,15 +320,17 @@ class MixedGraphs:
         nothing a replay does not compute (trees, prompt logprobs, pooled embeddings)."""
         if batch.trees is not None or batch.prompt_lp_pos or batch.pool_rows or batch.num_tokens > self.buckets[-1]:
             return False
-        extends = sum(1 for e in batch.extend_lens if e > 1)
-        if not 0 < extends <= MIXED_EXTENDS:
-            return False
         bs = self.buckets[bisect.bisect_left(self.buckets, batch.num_tokens)]
+        chunks = sum(1 for e in batch.extend_lens if e > 1)
+        if not 0 < chunks or chunks + ones_beyond(batch.extend_lens, self.decode_rows[bs]) > MIXED_EXTENDS:
+            return False
         return len(batch.sample_indices) <= self.logit_rows[bs]
 
     @staticmethod
-    def _stage(rows: torch.Tensor, ext: torch.Tensor, picks: torch.Tensor, batch: ForwardBatch) -> int:
-        """Fill a bucket's host block for ``batch``; returns its sampled rows' count."""
+    def _stage(rows: torch.Tensor, ext: torch.Tensor, picks: torch.Tensor, batch: ForwardBatch,
+               decode_rows: int) -> int:
+        """Fill a bucket's host block for ``batch`` (the decode kernel reading its first
+        ``decode_rows`` rows); returns its sampled rows' count."""
         t = batch.num_tokens
         rows[IDS, :t] = batch.input_ids
         rows[POS, :t] = batch.positions
@@ -328,24 +344,26 @@ class MixedGraphs:
         starts = {}  # each extend's first flat row, by request index
         leading = all(e > 1 for e in lens[k:])  # the one-token requests first (the scheduler's order)
         if leading:
-            if k:
-                rows[ROW, :k] = torch.tensor(batch.rows[:k], dtype=torch.int64)
-                rows[LEN, :k] = torch.tensor(batch.prefix_lens[:k], dtype=torch.int64) + 1
-            start = k
-            for i in range(k, len(lens)):
+            d = min(k, decode_rows)
+            if d:
+                rows[ROW, :d] = torch.tensor(batch.rows[:d], dtype=torch.int64)
+                rows[LEN, :d] = torch.tensor(batch.prefix_lens[:d], dtype=torch.int64) + 1
+            start = d
+            for i in range(d, len(lens)):
                 starts[i] = start
                 start += lens[i]
         else:
             ones, start = [], 0
             for i, e in enumerate(lens):
-                if e == 1:
+                if e == 1 and start < decode_rows:
                     ones.append((start, batch.rows[i], batch.prefix_lens[i] + 1))
                 else:
                     starts[i] = start
                 start += e
-            at, one_rows, one_lens = torch.tensor(ones, dtype=torch.int64).T
-            rows[ROW, at] = one_rows
-            rows[LEN, at] = one_lens
+            if ones:
+                at, one_rows, one_lens = torch.tensor(ones, dtype=torch.int64).T
+                rows[ROW, at] = one_rows
+                rows[LEN, at] = one_lens
         cols = [(batch.rows[i], batch.prefix_lens[i], lens[i], q0) for i, q0 in starts.items()]
         ext[:, : len(cols)] = torch.tensor(cols, dtype=torch.int64).T
         if leading:  # a sampled request's last row: its index for a one-token one, else its chunk's last
@@ -368,7 +386,7 @@ class MixedGraphs:
         staged = stager.host(tuple(flat.shape), torch.int64)
         if staged is None:
             staged = torch.empty(flat.shape, dtype=torch.int64)
-        s = self._stage(*self._views(staged, bs), batch)
+        s = self._stage(*self._views(staged, bs), batch, self.decode_rows[bs])
         flat.copy_(staged, non_blocking=True)
         fill_placeholders(self._views(flat, bs)[0][IDS], batch, prev, stager)
         if self.captured:

@@ -62,8 +62,9 @@ class GraphAttention(AttentionBackend, Protocol):
         members [M, N]), or None for plain decode; ``tree``: (base [B], bits [B]), the
         token-tree mask of a verify step's rows (``decode_attention``'s), or None;
         ``extends``: prompt chunks among the rows, attended causally over their prefixes,
-        their rows' decode outputs replaced (not with ``shared`` or ``tree``), and then
-        ``scratch``: ``decode_scratch(B)``'s buffers)."""
+        their rows' decode outputs replaced (not with ``shared`` or ``tree``; ``rows`` and
+        ``seq_lens`` may then cover only the first rows of ``out_cache_loc``'s, every later
+        one an extend's), and then ``scratch``: ``decode_scratch(len(rows))``'s buffers)."""
 
     def decode_scratch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Split-KV buffers for a decode step of ``rows`` rows that the caller keeps (its

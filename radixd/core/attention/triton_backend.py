@@ -170,8 +170,10 @@ class TritonAttention:
         (``cascade_decode_attention``); ``tree``: (base [B], bits [B]), token trees' rows
         among them (``decode_attention``'s mask; not with ``shared``). ``extends`` (a mixed
         step replayed in a graph, ``cuda_graph.MixedGraphs``): after the decode kernel over
-        every row, the extend kernel overwrites these extends' rows (its grid: ``max_extend``
-        new tokens for each of its requests, an unused one with ``extend_len`` 0; its tile:
+        the step's first ``rows.numel()`` rows (``out_cache_loc`` has every row; the later
+        ones are all the extends'), the extend kernel overwrites these extends' rows (its
+        grid: ``max_extend`` new tokens for each of its requests, an unused one with
+        ``extend_len`` 0; its tile:
         the one of a single extend that long). With ``extends`` the split-KV partials go to
         ``scratch`` (``decode_scratch``'s; None: one split, no partials), never to the
         backend's own buffers, whose growth past the decode graphs' largest bucket would
@@ -393,12 +395,15 @@ class TritonAttention:
                 self.seq_lens, self.scale, shares, parts, item_rows, item_lens, members, num_splits=self.splits,
                 prefix_splits=PREFIX_SPLITS, mid_o=self.mid_o, mid_lse=self.mid_lse, softcap=self.softcap,
                 k_scale=k_scale, v_scale=v_scale)
-        out = decode_attention(q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token,
-                               self.rows, self.seq_lens, self.scale, num_splits=self.splits, mid_o=self.mid_o,
-                               mid_lse=self.mid_lse, window=self.windows[layer], softcap=self.softcap,
-                               k_scale=k_scale, v_scale=v_scale, slot_map=self._map(layer), tree=self.tree,
-                               pdl=self.pdl, counters=self.counters,
-                               merge_in_kernel=self.counters is not None and q.shape[0] <= MERGE_ROWS)
+        r = self.rows.numel()  # (a mixed graph's step: its first rows only, the rest the extend kernel's)
+        out = torch.empty_like(q) if r < q.shape[0] else None
+        od = decode_attention(q[:r], self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token,
+                              self.rows, self.seq_lens, self.scale, num_splits=self.splits, mid_o=self.mid_o,
+                              mid_lse=self.mid_lse, window=self.windows[layer], softcap=self.softcap,
+                              k_scale=k_scale, v_scale=v_scale, slot_map=self._map(layer), tree=self.tree,
+                              pdl=self.pdl, counters=self.counters, out=None if out is None else out[:r],
+                              merge_in_kernel=self.counters is not None and r <= MERGE_ROWS)
+        out = od if out is None else out
         if self.graph_extends is not None:
             ext, config = self.graph_extends
             extend_attention(q, self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token,
