@@ -396,7 +396,10 @@ class TritonAttention:
                 prefix_splits=PREFIX_SPLITS, mid_o=self.mid_o, mid_lse=self.mid_lse, softcap=self.softcap,
                 k_scale=k_scale, v_scale=v_scale)
         r = self.rows.numel()  # (a mixed graph's step: its first rows only, the rest the extend kernel's)
-        out = torch.empty_like(q) if r < q.shape[0] else None
+        out = None
+        if r < q.shape[0]:
+            out = torch.empty_like(q)
+            out[r:].zero_()  # (the bucket's padding rows: finite, as their K/V go to the padding slot)
         od = decode_attention(q[:r], self.pool.k_buffers[layer], self.pool.v_buffers[layer], self.pool.req_to_token,
                               self.rows, self.seq_lens, self.scale, num_splits=self.splits, mid_o=self.mid_o,
                               mid_lse=self.mid_lse, window=self.windows[layer], softcap=self.softcap,
