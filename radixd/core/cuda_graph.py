@@ -202,7 +202,7 @@ def fill_placeholders(ids: torch.Tensor, batch: ForwardBatch, prev, stager) -> N
         ids[pos] = prev.tokens[src]
 
 
-MIXED_EXTENDS = 8  # prompt chunks (extends of 2+ tokens) one captured mixed step may carry
+MIXED_EXTENDS = 8  # extends one captured mixed step may carry (its chunks, ones_beyond's requests)
 XROW, XPRE, XLEN, XSTART = range(4)  # the rows of a mixed bucket's extends block
 
 
@@ -235,8 +235,8 @@ class MixedGraphs:
     decode row (row 0, length 1) whose output the extend kernel then overwrites. The extend
     kernel takes up to ``MIXED_EXTENDS`` extends (``GraphAttention.set_decode``'s
     ``extends``), each at its table row, prefix, length and first flat row, unused ones of
-    length 0: the prompt chunks, and any one-token request beyond the decode rows. K/V are stored at every row's slot
-    (padding: the pool's padding slot 0). The logits are computed only at the sampled rows
+    length 0: the prompt chunks, and any one-token request beyond the decode rows. K/V are
+    stored at every row's slot (padding: the pool's padding slot 0). The logits are computed only at the sampled rows
     (a block of at most ``max_rows`` indices, padding 0) and copied into one buffer all the
     mixed graphs share. The step's table writes are the worker's (one scatter before the
     replay), not the graph's. Not with token trees, prompt logprobs, embeddings or an

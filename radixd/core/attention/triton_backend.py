@@ -173,11 +173,10 @@ class TritonAttention:
         the step's first ``rows.numel()`` rows (``out_cache_loc`` has every row; the later
         ones are all the extends'), the extend kernel overwrites these extends' rows (its
         grid: ``max_extend`` new tokens for each of its requests, an unused one with
-        ``extend_len`` 0; its tile:
-        the one of a single extend that long). With ``extends`` the split-KV partials go to
-        ``scratch`` (``decode_scratch``'s; None: one split, no partials), never to the
-        backend's own buffers, whose growth past the decode graphs' largest bucket would
-        move what those graphs read."""
+        ``extend_len`` 0; its tile: the one of a single extend that long). With ``extends``
+        the split-KV partials go to ``scratch`` (``decode_scratch``'s; None: one split, no
+        partials), never to the backend's own buffers, whose growth past the decode graphs'
+        largest bucket would move what those graphs read."""
         self.decode = True
         self.rows, self.seq_lens, self.out_cache_loc = rows, seq_lens, out_cache_loc
         self._window_loc = None
