@@ -91,12 +91,11 @@ class Engine:
         self.replicas: list[Replica] = []
         # (a drafter that reads the model's hidden states: which layers', before any weights load)
         aux = drafter.target_layers(config, self.model_cfg) if reads_target(drafter) else ()
-        asked, self.config = config, mixed_steps(config, setup, aux)  # (the mixed steps' budget settled)
-        config = self.config
+        self.config = mixed_steps(config, setup, aux)  # (the mixed steps' budget settled)
         for d in range(config.dp_size):
-            worker = make_worker(config, setup, replica_devices(setup.device, d, config.dp_size, config.tp_size),
+            worker = make_worker(self.config, setup, replica_devices(setup.device, d, config.dp_size, config.tp_size),
                                  aux_layers=aux)
-            rc = mixed_uncaptured(asked, config, worker)
+            rc = mixed_uncaptured(config, self.config, worker)
             self.replicas.append(Replica(d, worker, rc, policy(rc), outputs=self.outputs, reader=self._reader,
                                          on_step=self._stepped, eos_token_ids=self.eos_token_ids,
                                          context_len=self.context_len, tiers=self._hierarchy(worker),
