@@ -83,6 +83,8 @@ def check_consistent(doc: dict, *, exact_output: bool = True) -> None:
             assert s["min"] <= s["median"] <= s["p90"] <= s["p95"] <= s["p99"] <= s["max"], (key, s)
             assert s["min"] <= s["mean"] <= s["max"], (key, s)
         assert f["ttft_ms"]["count"] == len(ok) and f["itl_ms"]["count"] == sum(len(r["itl_ms"]) for r in ok)
+        g = f["client_gc"]  # the client's own collections while the run was timed
+        assert g["collections"] >= g["full_collections"] >= 0 and 0 <= g["max_pause_seconds"] <= g["pause_seconds"]
         if f["cache_hit_rate"] is not None:
             assert 0.0 <= f["cache_hit_rate"] <= 1.0
             assert f["cache"]["cached_tokens"] <= f["cache"]["prompt_tokens"]
@@ -285,6 +287,25 @@ def test_workloads_reproducible_from_seed(tiny_models):
     t = [x.user.ids for x in s.turns]
     assert spec2.input_ids == t[0] + [1, 2, 3, 4] + t[1] + [5, 6, 7, 8] + t[2]
     assert [m["role"] for m in spec2.messages] == ["user", "assistant", "user", "assistant", "user"]
+
+
+def test_quiet_collector_freezes_the_heap_and_counts_the_runs_collections():
+    import gc
+
+    from radixd.bench.runner import quiet_collector
+
+    frozen = gc.get_freeze_count()
+    with quiet_collector() as pauses:
+        assert gc.get_freeze_count() > frozen  # what existed before the run is never walked
+        cycle: list = []
+        cycle.append(cycle)
+        del cycle
+        assert gc.collect() >= 1
+        gc.collect(0)
+    assert pauses.count == 2 and pauses.full == 1 and pauses.max_seconds <= pauses.seconds
+    assert pauses.callback not in gc.callbacks
+    gc.collect()
+    assert pauses.count == 2  # no longer counting
 
 
 def test_poisson_arrivals_seeded_and_kept(tiny_models):

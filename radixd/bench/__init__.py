@@ -251,7 +251,7 @@ def _target(args: argparse.Namespace):
 async def _main(args: argparse.Namespace, argv: list[str]) -> int:
     from radixd.bench import report
     from radixd.bench.metrics import figures
-    from radixd.bench.runner import check_greedy, run_once, warmup
+    from radixd.bench.runner import check_greedy, quiet_collector, run_once, warmup
     from radixd.bench.workloads import UnsupportedWorkload, UsageError, warmup_spec
 
     if args.workload == "json":  # before loading anything
@@ -306,11 +306,13 @@ async def _main(args: argparse.Namespace, argv: list[str]) -> int:
             before = await target.cache_counters()
             desc = name if len(levels) == 1 else f"{name} c={level}"
             load0, cpu0 = os.getloadavg()[0], time.process_time()
-            records, duration = await run_once(target, workload, request_rate=args.request_rate,
-                                               max_concurrency=level, seed=args.seed, ignore_eos=ignore_eos,
-                                               progress=progress, desc=desc)
+            with quiet_collector() as pauses:
+                records, duration = await run_once(target, workload, request_rate=args.request_rate,
+                                                   max_concurrency=level, seed=args.seed, ignore_eos=ignore_eos,
+                                                   progress=progress, desc=desc)
             after = await target.cache_counters() if before is not None else None
             figs = figures(records, duration, before, after)
+            figs["client_gc"] = pauses.as_dict()  # this process's collections during the run
             runs.append({"max_concurrency": level, "request_rate": None if math.isinf(args.request_rate)
                          else args.request_rate, "cache_flushed": flushed,
                          # the machine may be shared: a load above its cores means waiting for CPU

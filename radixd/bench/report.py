@@ -48,6 +48,9 @@ def table(name: str, figs: dict, target: dict) -> str:
         ("E2E latency (ms): mean / median / p99", _stats(figs["e2e_ms"], ("mean", "median", "p99"))),
         ("Errors", str(figs["errors"]["count"])),
     ]
+    if gcp := figs.get("client_gc"):
+        rows.append(("Client GC: collections / longest (ms)",
+                     f"{gcp['collections']} / {gcp['max_pause_seconds'] * 1e3:.1f}"))
     for msg in figs["errors"]["first"]:
         rows.append(("  error", msg))
     width = max(len(k) for k, _ in rows)

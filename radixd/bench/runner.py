@@ -5,13 +5,17 @@ concurrency bound, turns of a conversation in order, a progress bar; and the gre
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import math
 import random
 import sys
 import time
+from collections.abc import Iterator
 
 from radixd.bench.targets import Record, Target
 from radixd.bench.workloads import Workload
+from radixd.core.gc_control import GcPauses
 
 
 def arrival_times(n: int, request_rate: float, seed: int) -> list[float]:
@@ -25,6 +29,27 @@ def arrival_times(n: int, request_rate: float, seed: int) -> list[float]:
         out.append(t)
         t += rng.expovariate(request_rate)
     return out
+
+
+@contextlib.contextmanager
+def quiet_collector() -> Iterator[GcPauses]:
+    """The client's own garbage collector while a run is timed: what exists before it (the
+    tokenizer, the workload, the libraries: a few hundred thousand objects) is frozen, so a
+    full collection walks only what the run made, and the collections the run sees are counted.
+
+    A full collection of the unfrozen heap stops the client's event loop for 100 ms or more,
+    and every stream in flight records that stop as one long inter-token gap; the in-process
+    engine target freezes the same heap when its engine starts (``gc_control``). The heap is
+    left frozen afterwards (a bench process exits when it is done), so an engine target's own
+    freeze is never undone under it."""
+    gc.collect()
+    gc.freeze()
+    pauses = GcPauses()
+    gc.callbacks.append(pauses.callback)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(pauses.callback)
 
 
 async def run_once(target: Target, workload: Workload, *, request_rate: float = math.inf,
