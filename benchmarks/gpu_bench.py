@@ -173,16 +173,20 @@ async def _run_batch(eng: Engine, prompts: list[list[int]], new: int) -> dict:
     t0 = time.perf_counter()
     firsts, ends = [], []
 
+    cpu_at_first = []  # (when, the loop thread's CPU seconds then) at each request's first token
+
     async def one(p):
         first = None
         async for out in eng.generate(input_ids=p, params=SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True)):
             if first is None and out.token_ids:
                 first = time.perf_counter()
+                cpu_at_first.append((first, time.thread_time()))
         firsts.append(first)
         ends.append(time.perf_counter())
 
     await asyncio.gather(*(one(p) for p in prompts))
-    return {"t0": t0, "all_first": max(firsts), "end": max(ends), "ttft": [f - t0 for f in firsts]}
+    return {"t0": t0, "all_first": max(firsts), "end": max(ends), "ttft": [f - t0 for f in firsts],
+            "loop_cpu_decode_s": time.thread_time() - max(cpu_at_first)[1]}
 
 
 def decode(args, ctx) -> dict:
@@ -218,6 +222,13 @@ def decode(args, ctx) -> dict:
                 case["decode_wall_s"] = round(dec_t, 4)
                 decode_steps = gpu_times[-(args.decode_new - 1):]
                 case["gpu_idle_fraction_decode"] = round(1 - sum(decode_steps) / dec_t, 3)
+                # the host's side of those steps: the worker thread's time inside each launch
+                # (staging, replay; the GIL held) and the event loop thread's CPU per step
+                host = sorted(eng.worker._host_launch_s[-(args.decode_new - 1):])
+                case["launch_host_ms_p50"] = round(host[len(host) // 2] * 1e3, 3)
+                case["launch_host_ms_p90"] = round(host[int(len(host) * 0.9)] * 1e3, 3)
+                case["device_step_ms_p50"] = round(sorted(decode_steps)[len(decode_steps) // 2] * 1e3, 3)
+                case["loop_cpu_ms_per_step"] = round(r["loop_cpu_decode_s"] / (args.decode_new - 1) * 1e3, 3)
             out["cases"].append(case)
             print(json.dumps(case), flush=True)
     finally:
@@ -302,17 +313,21 @@ def _instrument(eng: Engine, sink: list) -> None:
     the wall time of the decode phase it gives the device's idle share."""
     w = eng.worker
     orig = w.launch
+    host = w._host_launch_s = []  # each launch's host seconds
 
     def timed(batch, prev=None):
         if DEVICE["name"] == "cpu":
             t = time.perf_counter()
             res = orig(batch, prev)
             sink.append(time.perf_counter() - t)
+            host.append(sink[-1])
             return res
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
         a.record()
         res = orig(batch, prev)
         b.record()
+        host.append(time.perf_counter() - t)
         sink.append((a, b))
         return res
 
