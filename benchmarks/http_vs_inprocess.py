@@ -26,6 +26,7 @@ import httpx
 
 from benchmarks.common import RESULTS, environment, write_json
 from radixd import Engine, SamplingParams
+from radixd.bench.runner import quiet_collector
 
 KV_TOKENS = 16384
 
@@ -72,9 +73,11 @@ async def run_http(url, prompts, new, streams) -> dict:
 
         await one(prompts[0][:8])
         tokens = 0
-        t = time.perf_counter()
-        await asyncio.gather(*(one(p) for p in prompts))
-        return {"seconds": time.perf_counter() - t, "events": tokens}
+        with quiet_collector() as pauses:  # (as the engine half's engine freezes this heap)
+            t = time.perf_counter()
+            await asyncio.gather(*(one(p) for p in prompts))
+            seconds = time.perf_counter() - t
+        return {"seconds": seconds, "events": tokens, "client_gc": pauses.as_dict()}
 
 
 def start_daemon(streams: int, server_keys: str = "") -> tuple[subprocess.Popen, str, Path]:
@@ -115,7 +118,8 @@ def main() -> int:
             e = asyncio.run(run_engine(prompts, a.new, a.streams))
             h = asyncio.run(run_http(url, prompts, a.new, a.streams))
             rounds.append({"engine_tok_s": e["tokens"] / e["seconds"], "http_tok_s": a.requests * a.new / h["seconds"],
-                           "engine_s": e["seconds"], "http_s": h["seconds"], "engine_tokens": e["tokens"]})
+                           "engine_s": e["seconds"], "http_s": h["seconds"], "engine_tokens": e["tokens"],
+                           "http_client_gc": h["client_gc"]})
             print(json.dumps(rounds[-1]), flush=True)
     finally:
         proc.terminate()

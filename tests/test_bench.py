@@ -304,6 +304,8 @@ def test_quiet_collector_freezes_the_heap_and_counts_the_runs_collections():
         gc.collect(0)
     assert pauses.count == 2 and pauses.full == 1 and pauses.max_seconds <= pauses.seconds
     assert pauses.callback not in gc.callbacks
+    if frozen == 0:  # (no engine of this process holds a freeze)
+        assert gc.get_freeze_count() == 0  # given back, as an engine gives its freeze back
     gc.collect()
     assert pauses.count == 2  # no longer counting
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 from radixd.bench.targets import Record, Target
 from radixd.bench.workloads import Workload
+from radixd.core import gc_control
 from radixd.core.gc_control import GcPauses
 
 
@@ -39,17 +40,17 @@ def quiet_collector() -> Iterator[GcPauses]:
 
     A full collection of the unfrozen heap stops the client's event loop for 100 ms or more,
     and every stream in flight records that stop as one long inter-token gap; the in-process
-    engine target freezes the same heap when its engine starts (``gc_control``). The heap is
-    left frozen afterwards (a bench process exits when it is done), so an engine target's own
-    freeze is never undone under it."""
+    engine target's engine freezes the same heap while it runs. The freeze is taken and given
+    back as an engine's is (``gc_control``), so an engine still running keeps its own."""
     gc.collect()
-    gc.freeze()
+    gc_control.acquire(freeze=True, threshold=0)
     pauses = GcPauses()
     gc.callbacks.append(pauses.callback)
     try:
         yield pauses
     finally:
         gc.callbacks.remove(pauses.callback)
+        gc_control.release()
 
 
 async def run_once(target: Target, workload: Workload, *, request_rate: float = math.inf,
