@@ -16,7 +16,7 @@ fetch() {
       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
       --platform any -d "$DIR" "$@"
 }
-fetch starlette hypercorn sse-starlette structlog lark pluggy prometheus-client httpx filelock \
+fetch starlette hypercorn sse-starlette structlog lark pluggy prometheus-client httpx aiohttp filelock \
     pytest pytest-asyncio pytest-timeout
 fetch --no-deps gguf
 ls "$DIR"
