@@ -289,6 +289,26 @@ def test_workloads_reproducible_from_seed(tiny_models):
     assert [m["role"] for m in spec2.messages] == ["user", "assistant", "user", "assistant", "user"]
 
 
+async def test_http_lines_split_across_chunks_of_any_size():
+    from radixd.bench.targets import _lines
+
+    long = "data: " + "x" * 200_000  # (an event with a long output's ids: no line limit)
+
+    class Body:
+        def __init__(self, chunks: list[bytes]):
+            self.chunks = chunks
+
+        async def iter_any(self):
+            for c in self.chunks:
+                yield c
+
+    raw = f"data: {{\"a\": \"é\"}}\r\n\r\n: ping\n{long}\n\ndata: [DONE]".encode()
+    want = ['data: {"a": "é"}', "", ": ping", long, "", "data: [DONE]"]
+    for size in (1, 2, 7, 4096, len(raw)):
+        got = [line async for line in _lines(Body([raw[i:i + size] for i in range(0, len(raw), size)]))]
+        assert got == want, size
+
+
 def test_quiet_collector_freezes_the_heap_and_counts_the_runs_collections():
     import gc
 
