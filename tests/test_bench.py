@@ -4,6 +4,7 @@ are consistent with its per-request records and with what the server reported.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -193,6 +194,53 @@ def test_refusing_server_counts_errors(tmp_path):
     assert f["errors"]["by_status"].get("503") == f["failed"]
     assert any("overloaded" in m for m in f["errors"]["first"])
     check_consistent(doc)
+
+
+async def test_a_stream_cut_mid_way_is_a_failed_record_not_a_crash():
+    """A server that sends one event and drops the connection, one that closes before its
+    headers, and one that ends the stream without ``[DONE]``: each request is a failed record
+    saying so, and the target stays usable."""
+    from radixd.bench.targets import HttpTarget
+    from radixd.bench.workloads import RequestSpec
+
+    event = b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n'
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+    def chunk(b: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(b), b)
+
+    async def serve(reader, writer):
+        line = await reader.readline()
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass  # (the bodies are small: the server need not read them to answer)
+        if line.startswith(b"GET /v1/models"):
+            body = b'{"data": [{"id": "m"}]}'
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        elif b"cut" in line:
+            writer.write(head + chunk(event))  # then the connection goes, no last chunk
+        elif b"ended" in line:
+            writer.write(head + chunk(event) + b"0\r\n\r\n")  # a clean end, but no [DONE]
+        await writer.drain()
+        writer.close()  # (also for /before: no response at all)
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    target = HttpTarget(f"http://127.0.0.1:{port}", "completions")
+    try:
+        assert (await target.start())["model"] == "m"
+        spec = RequestSpec(input_ids=[1, 2, 3], messages=[], output_len=4)
+        got = {}
+        for path in ("/cut", "/before", "/ended"):
+            target._body = lambda spec, ignore_eos, path=path: (path, {"prompt": [1]})
+            got[path] = await target.request(spec)
+    finally:
+        await target.close()
+        server.close()
+        await server.wait_closed()
+    assert not any(r.ok for r in got.values())
+    assert got["/cut"].chunks == 1 and got["/cut"].error.startswith("ClientPayloadError"), got["/cut"].error
+    assert got["/before"].chunks == 0 and got["/before"].error.startswith("ServerDisconnectedError"), got["/before"].error
+    assert got["/ended"].chunks == 1 and got["/ended"].error == "the stream ended without [DONE]"
 
 
 @pytest.mark.slow
