@@ -338,7 +338,7 @@ def test_workloads_reproducible_from_seed(tiny_models):
 
 
 async def test_http_lines_split_across_chunks_of_any_size():
-    from radixd.bench.targets import _lines
+    from radixd.bench.targets import body_lines
 
     long = "data: " + "x" * 200_000  # (an event with a long output's ids: no line limit)
 
@@ -353,7 +353,7 @@ async def test_http_lines_split_across_chunks_of_any_size():
     raw = f"data: {{\"a\": \"é\"}}\r\n\r\n: ping\n{long}\n\ndata: [DONE]".encode()
     want = ['data: {"a": "é"}', "", ": ping", long, "", "data: [DONE]"]
     for size in (1, 2, 7, 4096, len(raw)):
-        got = [line async for line in _lines(Body([raw[i:i + size] for i in range(0, len(raw), size)]))]
+        got = [line async for line in body_lines(Body([raw[i:i + size] for i in range(0, len(raw), size)]))]
         assert got == want, size
 
 

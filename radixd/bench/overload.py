@@ -1,5 +1,5 @@
-"""Overload and soak: many streaming clients at once against one server, over raw asyncio
-streams (an HTTP/1.1 client small enough that a thousand of them fit in one process).
+"""Overload and soak: many streaming clients at once against one server, through one aiohttp
+session (its connector unbounded, so a thousand clients hold a thousand connections).
 
 Every client has a deadline. Each one ends as exactly one of:
 
@@ -19,6 +19,10 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
+import aiohttp
+
+from radixd.bench.targets import body_lines
+
 
 @dataclass
 class Outcome:
@@ -30,105 +34,55 @@ class Outcome:
     text: str = ""
 
 
-def _request(host: str, port: int, path: str, body: dict, headers: dict[str, str]) -> bytes:
-    raw = json.dumps(body).encode()
-    head = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", "Content-Type: application/json",
-            f"Content-Length: {len(raw)}", "Connection: close"]
-    head += [f"{k}: {v}" for k, v in headers.items()]
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + raw
+def _session(url: str, headers: dict[str, str] | None) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(url, headers=headers or {}, connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=None))
 
 
-async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
-    status_line = await reader.readline()
-    parts = status_line.split()
-    if len(parts) < 2 or not parts[1].isdigit():
-        raise ValueError(f"bad status line {status_line[:80]!r}")
-    headers = {}
-    while True:
-        line = await reader.readline()
-        if line in (b"\r\n", b"\n", b""):
-            break
-        k, _, v = line.decode("latin-1").partition(":")
-        headers[k.strip().lower()] = v.strip()
-    return int(parts[1]), headers
-
-
-async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
-    if "content-length" in headers:
-        return await reader.readexactly(int(headers["content-length"]))
-    if headers.get("transfer-encoding", "").lower() == "chunked":
-        out = b""
-        while True:
-            size = int((await reader.readline()).split(b";")[0], 16)
-            if size == 0:
-                await reader.readline()
-                return out
-            out += await reader.readexactly(size)
-            await reader.readline()
-    return await reader.read()
-
-
-async def one_client(host: str, port: int, path: str, body: dict, headers: dict[str, str], *,
-                     deadline_s: float, expect: str | None = None) -> Outcome:
+async def one_client(session: aiohttp.ClientSession, path: str, body: dict, *, deadline_s: float,
+                     expect: str | None = None) -> Outcome:
     """One streaming request (``body`` must ask for ``"stream": true``)."""
     t0 = time.perf_counter()
-    writer = None
     try:
-        async with asyncio.timeout(deadline_s):
-            reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
-            writer.write(_request(host, port, path, body, headers))
-            await writer.drain()
-            status, head = await _read_head(reader)
-            if status != 200:
-                raw = await _read_body(reader, head)
+        async with asyncio.timeout(deadline_s), session.post(path, json=body) as resp:
+            if resp.status != 200:
+                raw = await resp.read()
                 ms = (time.perf_counter() - t0) * 1000
                 try:
                     err = json.loads(raw)["error"]
                     code = err["code"]
                     assert err["message"] and err["type"]
                 except (ValueError, KeyError, TypeError, AssertionError):
-                    return Outcome("failed", status, f"status {status} without error JSON: {raw[:200]!r}",
+                    return Outcome("failed", resp.status, f"status {resp.status} without error JSON: {raw[:200]!r}",
                                    total_ms=ms)
-                return Outcome("refused" if status in (429, 503) else "failed", status, code, total_ms=ms)
-            return await _stream(reader, head, t0, expect)
+                return Outcome("refused" if resp.status in (429, 503) else "failed", resp.status, code, total_ms=ms)
+            return await _stream(resp, t0, expect)
     except TimeoutError:
         return Outcome("failed", None, f"deadline of {deadline_s} s", total_ms=(time.perf_counter() - t0) * 1000)
-    except (OSError, ValueError, asyncio.IncompleteReadError) as exc:
+    except (aiohttp.ClientError, OSError, ValueError) as exc:
         return Outcome("failed", None, f"{type(exc).__name__}: {exc}", total_ms=(time.perf_counter() - t0) * 1000)
-    finally:
-        if writer is not None:
-            writer.close()
 
 
-async def _stream(reader: asyncio.StreamReader, head: dict[str, str], t0: float, expect: str | None) -> Outcome:
-    data = _read_body_streaming(reader, head)
+async def _stream(resp: aiohttp.ClientResponse, t0: float, expect: str | None) -> Outcome:
     ttft = None
     texts: dict[int, str] = {}
     reasons: dict[int, str | None] = {}
     done = False
-    buf = b""
-    async for chunk, at in data:
-        buf += chunk
-        if buf.endswith(b"\r"):  # a CRLF split across chunks: wait for its LF
+    async for line in body_lines(resp.content):
+        if not line.startswith("data: "):
             continue
-        buf = buf.replace(b"\r\n", b"\n")
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data: "):
-                    continue
-                payload = line[6:]
-                if payload == b"[DONE]":
-                    done = True
-                    continue
-                msg = json.loads(payload)
-                for c in msg.get("choices", []):
-                    piece = c.get("text") or (c.get("delta") or {}).get("content") or ""
-                    if piece and ttft is None:
-                        ttft = (at - t0) * 1000
-                    texts[c["index"]] = texts.get(c["index"], "") + piece
-                    if c.get("finish_reason"):
-                        reasons[c["index"]] = c["finish_reason"]
+        payload = line[6:]
+        if payload == "[DONE]":
+            done = True
+            continue
+        msg = json.loads(payload)
+        for c in msg.get("choices", []):
+            piece = c.get("text") or (c.get("delta") or {}).get("content") or ""
+            if piece and ttft is None:
+                ttft = (time.perf_counter() - t0) * 1000
+            texts[c["index"]] = texts.get(c["index"], "") + piece
+            if c.get("finish_reason"):
+                reasons[c["index"]] = c["finish_reason"]
     total = (time.perf_counter() - t0) * 1000
     if not done:
         return Outcome("failed", 200, "the stream ended without [DONE]", total_ms=total)
@@ -140,28 +94,13 @@ async def _stream(reader: asyncio.StreamReader, head: dict[str, str], t0: float,
     return Outcome("completed", 200, ttft_ms=ttft, total_ms=total, text=text)
 
 
-async def _read_body_streaming(reader: asyncio.StreamReader, head: dict[str, str]):
-    """Yield (bytes, arrival time) of a chunked or close-delimited body."""
-    if head.get("transfer-encoding", "").lower() == "chunked":
-        while True:
-            size = int((await reader.readline()).split(b";")[0], 16)
-            if size == 0:
-                await reader.readline()
-                return
-            chunk = await reader.readexactly(size)
-            yield chunk, time.perf_counter()
-            await reader.readline()
-    while chunk := await reader.read(65536):
-        yield chunk, time.perf_counter()
-
-
 async def storm(url: str, clients: int, body: dict, *, path: str = "/v1/completions",
                 headers: dict[str, str] | None = None, deadline_s: float = 120.0,
                 expect: str | None = None) -> list[Outcome]:
     """``clients`` requests started at once; their outcomes in order."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    return list(await asyncio.gather(*(one_client(host, int(port), path, body, headers or {}, deadline_s=deadline_s,
-                                                  expect=expect) for _ in range(clients))))
+    async with _session(url, headers) as session:
+        return list(await asyncio.gather(*(one_client(session, path, body, deadline_s=deadline_s, expect=expect)
+                                           for _ in range(clients))))
 
 
 async def closed_loop(url: str, total: int, concurrency: int, body: dict, *, path: str = "/v1/completions",
@@ -169,19 +108,18 @@ async def closed_loop(url: str, total: int, concurrency: int, body: dict, *, pat
                       every: int = 0, probe=None) -> tuple[list[Outcome], list]:
     """``total`` requests through ``concurrency`` workers (a soak). ``probe()`` (sync) is
     called after every ``every`` finished requests; its results are returned too."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
     outcomes: list[Outcome] = []
     probes = []
     it = iter(range(total))
 
-    async def worker():
-        for _ in it:
-            outcomes.append(await one_client(host, int(port), path, body, headers or {}, deadline_s=deadline_s,
-                                             expect=expect))
-            if every and probe is not None and len(outcomes) % every == 0:
-                probes.append(await asyncio.to_thread(probe))
+    async with _session(url, headers) as session:
+        async def worker():
+            for _ in it:
+                outcomes.append(await one_client(session, path, body, deadline_s=deadline_s, expect=expect))
+                if every and probe is not None and len(outcomes) % every == 0:
+                    probes.append(await asyncio.to_thread(probe))
 
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
     return outcomes, probes
 
 

@@ -241,7 +241,7 @@ class HttpTarget(Target):
                     rec.error = f"HTTP {resp.status}: {_error_message(text)}"
                     clock.end()
                     return rec
-                async for line in _lines(resp.content):
+                async for line in body_lines(resp.content):
                     if not line.startswith("data:"):
                         continue  # blank separators, ": ping" comments, event names
                     data = line[5:].strip()
@@ -321,7 +321,7 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
-async def _lines(content) -> AsyncIterator[str]:
+async def body_lines(content) -> AsyncIterator[str]:
     """A response body's lines as they arrive (no limit on a line's length, as an event
     carrying a long output's ids or text can be long)."""
     buf = b""
