@@ -173,20 +173,21 @@ async def _run_batch(eng: Engine, prompts: list[list[int]], new: int) -> dict:
     t0 = time.perf_counter()
     firsts, ends = [], []
 
-    cpu_at_first = []  # (when, the loop thread's CPU seconds then) at each request's first token
+    cpu_last_first = 0.0  # the loop thread's CPU seconds when the last request got its first token
 
     async def one(p):
+        nonlocal cpu_last_first
         first = None
         async for out in eng.generate(input_ids=p, params=SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True)):
             if first is None and out.token_ids:
                 first = time.perf_counter()
-                cpu_at_first.append((first, time.thread_time()))
+                cpu_last_first = time.thread_time()
         firsts.append(first)
         ends.append(time.perf_counter())
 
     await asyncio.gather(*(one(p) for p in prompts))
     return {"t0": t0, "all_first": max(firsts), "end": max(ends), "ttft": [f - t0 for f in firsts],
-            "loop_cpu_decode_s": time.thread_time() - max(cpu_at_first)[1]}
+            "loop_cpu_decode_s": time.thread_time() - cpu_last_first}
 
 
 def decode(args, ctx) -> dict:
@@ -203,8 +204,9 @@ def decode(args, ctx) -> dict:
         for bs in args.batches:
             prompts = [[rng.randrange(100, VOCAB_HI) for _ in range(512)] for _ in range(bs)]
             gpu_times: list[float] = []
+            host_times: list[float] = []  # each launch's host seconds
             if bs == 64:
-                _instrument(eng, gpu_times)
+                _instrument(eng, gpu_times, host_times)
             r = loop.run_until_complete(_run_batch(eng, prompts, args.decode_new))
             if bs == 64:
                 _uninstrument(eng, gpu_times)
@@ -224,7 +226,7 @@ def decode(args, ctx) -> dict:
                 case["gpu_idle_fraction_decode"] = round(1 - sum(decode_steps) / dec_t, 3)
                 # the host's side of those steps: the worker thread's time inside each launch
                 # (staging, replay; the GIL held) and the event loop thread's CPU per step
-                host = sorted(eng.worker._host_launch_s[-(args.decode_new - 1):])
+                host = sorted(host_times[-(args.decode_new - 1):])
                 case["launch_host_ms_p50"] = round(host[len(host) // 2] * 1e3, 3)
                 case["launch_host_ms_p90"] = round(host[int(len(host) * 0.9)] * 1e3, 3)
                 case["device_step_ms_p50"] = round(sorted(decode_steps)[len(decode_steps) // 2] * 1e3, 3)
@@ -307,13 +309,12 @@ def pool_kv_bytes_per_token(eng: Engine) -> int:
     return kv_bytes_per_token(len(pool.k_buffers), k.shape[1], k.shape[2], k.dtype)
 
 
-def _instrument(eng: Engine, sink: list) -> None:
+def _instrument(eng: Engine, sink: list, host: list[float]) -> None:
     """Bracket each launched step with CUDA events (no synchronisation, so overlap stays):
     the time between the pair is the device's time on that step; summed and compared with
     the wall time of the decode phase it gives the device's idle share."""
     w = eng.worker
     orig = w.launch
-    host = w._host_launch_s = []  # each launch's host seconds
 
     def timed(batch, prev=None):
         if DEVICE["name"] == "cpu":
