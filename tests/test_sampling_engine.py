@@ -2,12 +2,14 @@
 
 Covers seeded determinism (alone and inside mixed batches), stop strings (never emitted, not
 even in part, while streaming), stop token ids, max/min_new_tokens, ignore_eos, n > 1,
-logprobs, and request validation; plus ``IncrementalDetokenizer`` on the tiny tokenizer.
+logprobs, and request validation; plus both detokenizers (the window of decodes and the byte
+table) on the tiny tokenizer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -17,7 +19,7 @@ import torch
 from conftest import hf_greedy, make_tiny_checkpoint
 
 from radixd import Engine, SamplingParams
-from radixd.core.detokenizer import IncrementalDetokenizer
+from radixd.core.detokenizer import Detokenizers, IncrementalDetokenizer
 from radixd.core.errors import ContextLengthExceeded, InvalidRequest
 
 PROMPT = "hello world"
@@ -524,8 +526,22 @@ def tokenizer(model_path):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def stream(tok, text: str, stop: list[str], prompt: str = "say:") -> tuple[list[str], str, bool]:
-    d = IncrementalDetokenizer(tok, tok(prompt).input_ids, skip_special_tokens=True, stop=stop)
+KINDS = ["window", "byte_level"]
+
+
+def detokenizer(tok, kind: str, prompt: str = "hi", *, skip: bool = True, stop: list[str] | None = None,
+                keep_stop: bool = False):
+    """The generic two-decode detokenizer ("window") or the byte table's ("byte_level")."""
+    if kind == "window":
+        return IncrementalDetokenizer(tok, tok(prompt).input_ids, skip_special_tokens=skip, stop=stop or [],
+                                      keep_stop=keep_stop)
+    made = Detokenizers(tok)
+    assert made.byte_level
+    return made.new(tok(prompt).input_ids, skip_special_tokens=skip, stop=stop or [], keep_stop=keep_stop)
+
+
+def stream(tok, text: str, stop: list[str], kind: str = "window") -> tuple[list[str], str, bool]:
+    d = detokenizer(tok, kind, "say:", stop=stop)
     pieces = []
     for t in tok(text).input_ids:
         pieces.append(d.add(t))
@@ -535,6 +551,7 @@ def stream(tok, text: str, stop: list[str], prompt: str = "say:") -> tuple[list[
     return pieces, "".join(pieces), False
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(
     ("text", "stop", "want", "stopped"),
     [
@@ -550,8 +567,8 @@ def stream(tok, text: str, stop: list[str], prompt: str = "say:") -> tuple[list[
         ("héllo wörld", ["öx"], "héllo wörld", False),
     ],
 )
-def test_detokenizer_stop_strings(tokenizer, text, stop, want, stopped):
-    pieces, got, was_stopped = stream(tokenizer, text, stop)
+def test_detokenizer_stop_strings(tokenizer, text, stop, want, stopped, kind):
+    pieces, got, was_stopped = stream(tokenizer, text, stop, kind)
     assert got == want and was_stopped == stopped
     acc = ""
     for p in pieces:
@@ -560,20 +577,110 @@ def test_detokenizer_stop_strings(tokenizer, text, stop, want, stopped):
         assert not any(s in acc for s in stop)
 
 
-def test_detokenizer_flushes_an_incomplete_character_at_finish(tokenizer):
+@pytest.mark.parametrize("kind", KINDS)
+def test_detokenizer_stop_strings_on_long_text_against_a_plain_search(tokenizer, kind):
+    """Random stop strings (pieces of a long text, or not in it) against the plain answer:
+    the text up to the first stop string (the longest one starting there), held back as it
+    streams; the text the detokenizer keeps stays short however long the output grows."""
+    words = ["hello", "world,", "radix", "attention", "The", "capital", "of", "France", "is", "Paris.", "é"]
+    g = torch.Generator().manual_seed(2)
+    for _ in range(30):
+        text = " ".join(words[i] for i in torch.randint(0, len(words), (120,), generator=g).tolist())
+        stops = []
+        for _ in range(int(torch.randint(1, 4, (1,), generator=g))):
+            a = int(torch.randint(200, len(text) - 8, (1,), generator=g))
+            stops.append(text[a : a + int(torch.randint(1, 8, (1,), generator=g))])
+        stops.append("zzz")
+        ids = tokenizer(text).input_ids
+        full = decode(tokenizer, ids)
+        hits = [(i, -len(s)) for s in stops if (i := full.find(s)) >= 0]
+        cut, _ = min(hits)
+        d = detokenizer(tokenizer, kind, "say:", stop=stops)
+        got, longest = "", 0
+        for t in ids:
+            got += d.add(t)
+            longest = max(longest, len(d.text))
+            assert not any(s in got for s in stops)
+            if d.stopped:
+                break
+        assert d.stopped and got == full[:cut], (stops, got, full[:cut])
+        assert longest < 40  # a few tokens' text plus max(len(stop)) - 1, not the whole output
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_detokenizer_flushes_an_incomplete_character_at_finish(tokenizer, kind):
     ids = tokenizer("é").input_ids
     assert len(ids) == 2  # two byte tokens: the first alone is half a character
-    d = IncrementalDetokenizer(tokenizer, tokenizer("hi").input_ids, skip_special_tokens=True, stop=[])
+    d = detokenizer(tokenizer, kind)
     assert d.add(ids[0]) == ""
     assert d.finish() == decode(tokenizer, ids[:1])  # "\ufffd", not dropped
-    d = IncrementalDetokenizer(tokenizer, tokenizer("hi").input_ids, skip_special_tokens=True, stop=[])
+    d = detokenizer(tokenizer, kind)
     assert d.add(ids[0]) + d.add(ids[1]) + d.finish() == "é"
 
 
-def test_detokenizer_matches_decode_of_random_tokens(tokenizer):
+@pytest.mark.parametrize("kind", KINDS)
+def test_detokenizer_matches_decode_of_random_tokens(tokenizer, kind):
     g = torch.Generator().manual_seed(0)
     for _ in range(50):
         ids = torch.randint(2, 256, (12,), generator=g).tolist()
-        d = IncrementalDetokenizer(tokenizer, tokenizer("hi").input_ids, skip_special_tokens=True, stop=[])
+        d = detokenizer(tokenizer, kind)
         out = "".join(d.add(t) for t in ids) + d.finish()
         assert out == decode(tokenizer, ids)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_table_text_is_the_tokenizers_decode(tokenizer, skip):
+    """Every id (special ones, lone bytes of multi-byte characters, ids past the vocabulary)
+    in random order: the byte table's text is exactly ``decode`` of the ids, whole and as
+    each prefix grows."""
+    from tokenizers import AddedToken
+
+    tok = copy.deepcopy(tokenizer)
+    # added tokens decode through the byte alphabet too: "é" is its byte 0xe9 (invalid alone),
+    # while one with a space is its own UTF-8
+    tok.add_tokens([AddedToken("héllo wörld", special=False), AddedToken("<spé>", special=True)])
+    size = len(tok)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(40):
+        ids = torch.randint(0, size + 3, (24,), generator=g).tolist()
+        d = detokenizer(tok, "byte_level", skip=skip)
+        acc = ""
+        for n, t in enumerate(ids, 1):
+            acc += d.add(t)
+            assert tok.decode(ids[:n], skip_special_tokens=skip).startswith(acc)
+        acc += d.finish()
+        assert acc == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_other_decoders_keep_the_window_detokenizer():
+    """A SentencePiece-style tokenizer (Metaspace: "▁" for a space, dropped at the start of a
+    text) gets no byte table; its output text is what ``decode`` adds to the prompt's, the
+    output's word-initial space kept."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Metaspace()
+    raw.train_from_iterator(["hello world, the capital of France is Paris"] * 5,
+                            trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "<eos>"], show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", unk_token="<unk>")
+    made = Detokenizers(tok)
+    assert not made.byte_level
+    prompt, ids = tok("hello").input_ids, tok("the capital of France").input_ids
+    d = made.new(prompt, skip_special_tokens=True, stop=[])
+    assert isinstance(d, IncrementalDetokenizer)
+    text = "".join(d.add(t) for t in ids) + d.finish()
+    assert text == " the capital of France" == decode(tok, prompt + ids)[len(decode(tok, prompt)):]
+
+
+def test_a_byte_table_that_disagrees_with_decode_is_not_used(tokenizer, monkeypatch):
+    """The build-time check: an alphabet read wrongly (two bytes swapped) turns the table off."""
+    from radixd.core import detokenizer as mod
+
+    right = mod._byte_alphabet()
+    assert mod.byte_tables(tokenizer) is not None
+    wrong = {c: {0x61: 0x62, 0x62: 0x61}.get(b, b) for c, b in right.items()}
+    monkeypatch.setattr(mod, "_byte_alphabet", lambda: wrong)
+    assert mod.byte_tables(tokenizer) is None
+    assert not Detokenizers(tokenizer).byte_level

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from radixd.core.detokenizer import IncrementalDetokenizer
+from radixd.core.detokenizer import Detokenizers, TextStream
 from radixd.core.forward_batch import StepOutput
 from radixd.core.request import Request
 from radixd.core.sampling_params import SamplingParams
@@ -173,7 +173,7 @@ class Submission:
 @dataclass
 class _Stream:
     queue: OutputQueue
-    detok: IncrementalDetokenizer | None
+    detok: TextStream | None
     prompt_lp_sent: bool = False
     rid: str = ""
     limit: int = 0  # outputs left unread before the call is aborted; 0: unbounded
@@ -192,7 +192,7 @@ class Outputs:
 
     def __init__(self, *, tokenizer, eos_token_ids: tuple[int, ...], stream_interval: int,
                  abort: Callable[[str], bool]):
-        self.tokenizer = tokenizer  # None: token ids only, no text
+        self.detokenizers = None if tokenizer is None else Detokenizers(tokenizer)  # None: ids only, no text
         self.eos = eos_token_ids
         self.interval = stream_interval
         self._abort = abort
@@ -208,9 +208,9 @@ class Outputs:
         queue = OutputQueue()
         for r in reqs:
             detok = None
-            if self.tokenizer is not None and r.pool is None:
-                detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
-                                               stop=params.stop, keep_stop=params.include_stop_str_in_output)
+            if self.detokenizers is not None and r.pool is None:
+                detok = self.detokenizers.new(prompt_ids, skip_special_tokens=params.skip_special_tokens,
+                                              stop=params.stop, keep_stop=params.include_stop_str_in_output)
             self.streams[r] = _Stream(queue, detok, rid=rid, limit=max_unread * len(reqs))
         self.by_rid[rid] = reqs
         return Submission(self, rid, reqs, queue, len(reqs), len(prompt_ids))

@@ -133,7 +133,8 @@ NATIVE_PARAM_SCHEMAS = {  # SamplingParams's own field names (SGLang's too); nul
 }
 # SGLang's sampling parameters and /generate fields that radixd accepts only at the value that
 # asks for nothing (null, this default, or an empty list/object); any other value is a 400
-# naming it. radixd's detokenizer puts spaces between special tokens, as SGLang's default does.
+# naming it. SGLang hands spaces_between_special_tokens to transformers' decode, which a fast
+# tokenizer ignores: at its default it changes nothing there, nor here.
 NATIVE_PARAM_NOOPS: dict[str, Any] = {"spaces_between_special_tokens": True, "no_stop_trim": False,
                                       "custom_params": None, "stream_interval": None, "logit_bias": None}
 NATIVE_NOOPS: dict[str, Any] = {
