@@ -678,9 +678,9 @@ def test_a_byte_table_that_disagrees_with_decode_is_not_used(tokenizer, monkeypa
     """The build-time check: an alphabet read wrongly (two bytes swapped) turns the table off."""
     from radixd.core import detokenizer as mod
 
-    right = mod._byte_alphabet()
+    right = mod.byte_alphabet()
     assert mod.byte_tables(tokenizer) is not None
     wrong = {c: {0x61: 0x62, 0x62: 0x61}.get(b, b) for c, b in right.items()}
-    monkeypatch.setattr(mod, "_byte_alphabet", lambda: wrong)
+    monkeypatch.setattr(mod, "byte_alphabet", lambda: wrong)
     assert mod.byte_tables(tokenizer) is None
     assert not Detokenizers(tokenizer).byte_level

@@ -14,6 +14,7 @@ Two ways to turn a request's tokens into text, chosen once per tokenizer by ``De
 from __future__ import annotations
 
 import codecs
+import functools
 import logging
 
 from radixd.core.hf_names import hf_names
@@ -195,7 +196,8 @@ def _backend_decoder(tokenizer):
     return None if backend is None else backend.decode
 
 
-def _byte_alphabet() -> dict[str, int]:
+@functools.cache
+def byte_alphabet() -> dict[str, int]:
     """GPT-2's byte-level alphabet read backwards: the character each byte is written as in
     the vocabulary -> the byte. Printable bytes stand for themselves; the other 68 (control
     characters, space, 0x7f-0xa0, 0xad) take the characters from U+0100 on, in byte order."""
@@ -219,7 +221,7 @@ def byte_tables(tokenizer) -> dict[bool, tuple[bytes, ...]] | None:
 
     if type(backend.decoder) is not decoders.ByteLevel:
         return None
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     added = backend.get_added_tokens_decoder()
     size = max(backend.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)
     full: list[bytes] = []

@@ -3,24 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
 
-
-@lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: printable stand-in character -> byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+from radixd.core.detokenizer import byte_alphabet
 
 
 class TokenizerInfo:
@@ -64,7 +51,7 @@ class TokenizerInfo:
         for tid, tok in getattr(tokenizer, "added_tokens_decoder", {}).items():
             if getattr(tok, "special", False):
                 special.add(tid)
-        dec = _byte_decoder()
+        dec = byte_alphabet()
         byte_level = all(p is None or all(ch in dec for ch in p) for p in pieces[: min(n, 5000)]
                          if p is not None and p not in ("",))
         out: list[bytes | None] = []
