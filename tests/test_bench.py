@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -241,6 +242,62 @@ async def test_a_stream_cut_mid_way_is_a_failed_record_not_a_crash():
     assert got["/cut"].chunks == 1 and got["/cut"].error.startswith("ClientPayloadError"), got["/cut"].error
     assert got["/before"].chunks == 0 and got["/before"].error.startswith("ServerDisconnectedError"), got["/before"].error
     assert got["/ended"].chunks == 1 and got["/ended"].error == "the stream ended without [DONE]"
+
+
+@pytest.mark.parametrize("keepalive_s", [60.0, 0.2])
+async def test_a_connection_the_server_closed_while_the_client_was_busy_is_not_reused(keepalive_s):
+    """A keep-alive server that closes connections idle for 0.4 s (hypercorn and uvicorn: 5 s),
+    and a client busy in synchronous code past that (loading a tokenizer, building prompts)
+    before its next request: the server's close is not read yet, so a pooled connection looks
+    alive. The target drops pooled connections idle longer than ``keepalive_s`` (default 4 s,
+    under those servers' 5) instead of writing its request into one; with no such limit below
+    the server's (60 s here) the request fails, as ``radixd bench``'s warm-up did."""
+    from radixd.bench.targets import HttpTarget
+    from radixd.bench.workloads import RequestSpec
+
+    done = b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": "length"}]}\n\ndata: [DONE]\n\n'
+
+    async def serve(reader, writer):
+        try:
+            while True:
+                try:
+                    line = await asyncio.wait_for(reader.readline(), 0.4)
+                except TimeoutError:
+                    return  # idle: the server closes the connection
+                if not line:
+                    return
+                length = 0
+                while (h := await reader.readline()) not in (b"\r\n", b""):
+                    if h.lower().startswith(b"content-length:"):
+                        length = int(h.split(b":")[1])
+                await reader.readexactly(length)
+                if line.startswith(b"GET"):
+                    body, kind = b'{"data": [{"id": "m"}]}', b"application/json"
+                else:
+                    body, kind = done, b"text/event-stream"
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
+                             % (kind, len(body), body))
+                await writer.drain()
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    assert HttpTarget("http://x", "completions").keepalive_s == 4.0
+    target = HttpTarget(f"http://127.0.0.1:{port}", "completions", keepalive_s=keepalive_s)
+    try:
+        await target.start()  # GET /v1/models and /server_info: a connection left in the pool
+        time.sleep(0.8)  # busy, the loop blocked: the server's close waits unread
+        rec = await target.request(RequestSpec(input_ids=[1, 2, 3], messages=[], output_len=1))
+    finally:
+        await target.close()
+        server.close()
+        await server.wait_closed()
+    if keepalive_s > 0.4:
+        assert not rec.ok and rec.error.startswith("ServerDisconnectedError"), rec.error
+    else:
+        assert rec.ok, rec.error
+        assert rec.output_tokens == 1
 
 
 @pytest.mark.slow

@@ -119,7 +119,8 @@ class HttpTarget(Target):
     kind = "http"
 
     def __init__(self, url: str, api: str, *, model: str | None = None, api_key: str | None = None,
-                 timeout: float = 600.0, max_connections: int | None = None, min_tokens: bool = False):
+                 timeout: float = 600.0, max_connections: int | None = None, min_tokens: bool = False,
+                 keepalive_s: float = 4.0):
         if api not in APIS:
             raise ValueError(f"api must be one of {APIS}")
         self.url = url.rstrip("/")
@@ -129,6 +130,11 @@ class HttpTarget(Target):
         self.timeout = timeout
         self.max_connections = max_connections
         self.min_tokens = min_tokens  # OpenAI routes: also ask for min_tokens = the output length
+        # A pooled connection idle longer than this is dropped, not reused: servers close idle
+        # keep-alive connections (hypercorn's and uvicorn's default: after 5 s), and a close
+        # that came while this process was busy in synchronous code (a tokenizer, the prompts)
+        # is not read yet, so the connection looks alive and the request written into it fails
+        self.keepalive_s = keepalive_s
         self.session = None
 
     async def _get(self, path: str) -> tuple[int, str]:
@@ -144,7 +150,7 @@ class HttpTarget(Target):
             self.url, headers=self.headers,
             # (a read timeout between events, as a stream may run for long; 0: no connection limit)
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=self.timeout),
-            connector=aiohttp.TCPConnector(limit=self.max_connections or 0))
+            connector=aiohttp.TCPConnector(limit=self.max_connections or 0, keepalive_timeout=self.keepalive_s))
         try:
             status, text = await self._get("/v1/models")
         except (aiohttp.ClientError, TimeoutError) as exc:
