@@ -68,6 +68,7 @@ def serve(a: argparse.Namespace) -> int:
     import radixd.server.daemon as daemon
     from benchmarks.sim_device import SimDevice
     from radixd import SamplingParams
+    from radixd.bench.metrics import summary
     from radixd.logs import configure_logging
     from radixd.plugins import hookimpl
     from radixd.plugins.wiring import Engine
@@ -110,18 +111,28 @@ def serve(a: argparse.Namespace) -> int:
         params = SamplingParams(max_new_tokens=w["new"], temperature=0.0, ignore_eos=True)
         sem = asyncio.Semaphore(w["streams"])
         tokens = 0
+        gaps: list[float] | None = [] if w.get("itl") else None  # seconds between a stream's outputs
 
         async def one(ids):
             nonlocal tokens
             async with sem:
+                last = None
                 async for out in engine.generate(input_ids=ids, params=params):
                     tokens += len(out.token_ids)
+                    if gaps is not None and out.token_ids:
+                        now = time.perf_counter()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
 
         prompts = workload(w["requests"], w["prompt"], w["seed"])
         c0, p0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
         await asyncio.gather(*(one(p) for p in prompts))
-        return {"loop_thread_s": time.thread_time() - c0, "process_s": time.process_time() - p0,
-                "wall_s": time.perf_counter() - t0, "tokens": tokens}
+        res = {"loop_thread_s": time.thread_time() - c0, "process_s": time.process_time() - p0,
+               "wall_s": time.perf_counter() - t0, "tokens": tokens}
+        if gaps:  # as ``radixd bench`` summarizes its inter-token latencies
+            res["itl_ms"] = summary([g * 1000 for g in gaps])
+        return res
 
     make_pm = daemon.make_plugin_manager
     daemon.make_plugin_manager = lambda **kw: make_pm(extra=[Bench()], **kw)
