@@ -51,7 +51,7 @@ def http_round(url: str, ckpt: str, a: argparse.Namespace, seed: int) -> dict:
 
 def tail(itl: dict) -> dict:
     return {"p50_ms": round(itl["median"], 3), "p99_ms": round(itl["p99"], 3), "max_ms": round(itl["max"], 3),
-            "p99_over_p50": round(itl["p99"] / itl["median"], 3)}
+            "p99_over_p50": round(itl["p99"] / itl["median"], 3), "gaps": itl["count"]}
 
 
 def main() -> int:

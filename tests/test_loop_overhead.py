@@ -1,5 +1,5 @@
-"""benchmarks/loop_overhead.py (the batching loop's CPU per decode step, forward pass stubbed)
-runs end to end at a small size and reports consistent figures."""
+"""benchmarks/loop_overhead.py (the batching loop's CPU per decode step, forward pass stubbed),
+sim_device.py and http_itl.py run end to end at a small size and report consistent figures."""
 
 from __future__ import annotations
 
@@ -81,3 +81,21 @@ def test_mixed_load_reports_each_step_kind(tmp_path):
         assert sum(k["steps"] for k in run["kinds"].values()) == run["steps"]
     mixed = [k for name, k in capped["kinds"].items() if name.startswith("mixed")]
     assert mixed and max(k["prompt_tokens_max"] for k in mixed) <= 64 and capped["profile"]["steps"] >= 3
+
+
+def test_http_itl_bench_runs(tmp_path):
+    """Both halves (HTTP through ``radixd bench``, the daemon's in-process engine) streamed
+    every token: one gap per token after each request's first, in both."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks.http_itl", "--streams", "4", "--requests", "8", "--prompt",
+                        "16", "--new", "6", "--step-ms", "2", "--rounds", "2", "--out", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((tmp_path / "http_itl.json").read_text())
+    assert len(doc["rounds"]) == 2
+    for row in doc["rounds"]:
+        for half in ("http", "engine"):
+            assert row[half]["gaps"] == 8 * (6 - 1), row
+            assert 0 < row[half]["p50_ms"] <= row[half]["p99_ms"] <= row[half]["max_ms"]
+            assert row[half]["output_tok_s"] > 0
+        assert row["client_gc"]["collections"] >= 0  # the client's collections are reported
+    assert set(doc["medians"]) == {"http", "engine"}
