@@ -95,7 +95,10 @@ class IncrementalDetokenizer(TextStream):
         super().__init__(stop, keep_stop)
         self.tok = tokenizer
         self.skip = skip_special_tokens
-        self._backend = _backend_decoder(tokenizer)
+        # the backend's decode skips transformers' per-call argument handling, which costs more
+        # than the decoding itself (two decodes run per generated token)
+        backend = _fast_backend(tokenizer)
+        self._backend = None if backend is None else backend.decode
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -187,13 +190,6 @@ def _fast_backend(tokenizer):
     if type(tokenizer).decode is not PreTrainedTokenizerFast.decode:
         return None
     return backend
-
-
-def _backend_decoder(tokenizer):
-    """The backend's ``decode``: it skips transformers' per-call argument handling, which
-    costs more than the decoding itself; two decodes run per generated token."""
-    backend = _fast_backend(tokenizer)
-    return None if backend is None else backend.decode
 
 
 @functools.cache
